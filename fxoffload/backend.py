@@ -1,0 +1,138 @@
+"""The torch.compile backend: AOTAutograd, the min-cut partitioner, our passes, an inner compiler.
+
+``offload_backend(**options)`` returns an :class:`OffloadBackend`. For every
+graph dynamo hands it, AOTAutograd traces the joint forward/backward graph,
+PyTorch's min-cut partitioner splits it, and our partition hook runs
+``passes.offload_pair`` on the pair as one timeline before the inner compiler
+sees either graph:
+
+* ``inner="inductor"``: ``compile_fx`` with our hook as Inductor's
+  ``custom_partitioner_fn`` (so Inductor's joint-graph passes and
+  decompositions run as usual), and ``control_deps`` ordering pins
+  (``fxoffload.ordering``) so Inductor keeps every copy where it was planned.
+* ``inner="eager"``: ``aot_autograd`` with Inductor's decomposition table (the
+  same graphs as the Inductor path) and the rewritten FX graphs run as they are.
+
+Each compiled graph leaves a :class:`GraphRecord` in ``backend.records``.
+The backend is also registered with dynamo as ``"fxoffload"`` (entry point
+``torch_dynamo_backends``): ``torch.compile(m, backend="fxoffload", options={...})``.
+
+Limits: graphs compiled for inference (no grad) go through unchanged and
+leave no record; caching of compiled artifacts is disabled for our graphs so
+that every compile runs the passes and leaves its record.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+import fxoffload.runtime  # noqa: F401  (op kernels)
+from fxoffload.config import OffloadConfig, config_from_options
+from fxoffload.explain import explain
+from fxoffload.ordering import pin_offload_order
+from passes import PassResult, Plan, Schedule, offload_pair
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend"]
+
+
+@dataclass
+class GraphRecord:
+    """What fxoffload did to one compiled graph."""
+
+    index: int
+    forward: fx.GraphModule  # rewritten forward, as handed to the inner compiler
+    backward: fx.GraphModule  # rewritten backward, as handed to the inner compiler
+    plan: Plan
+    schedule: Schedule
+    pass_seconds: tuple[tuple[str, float], ...]
+    inner: str
+
+
+class _Partitioner(CustomPartitionerFn):
+    """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
+
+    def __init__(self, on_pair: Callable[[fx.GraphModule, fx.GraphModule, int], None]) -> None:
+        self._on_pair = on_pair
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self._on_pair(fw, bw, kwargs["num_fwd_outputs"])
+        return fw, bw
+
+    def uuid(self) -> None:
+        return None  # no caching: a cache hit would skip the passes and the record
+
+
+def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+    def run(args: list) -> Any:
+        return gm(*args)  # looks gm up at call time, so a recompiled graph takes effect
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+class OffloadBackend:
+    """A ``torch.compile`` backend that offloads saved activations; see the module docstring."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self.records: list[GraphRecord] = []
+
+    def _on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> None:
+        result: PassResult = offload_pair(
+            fw, bw, num_user_outputs, min_bytes=self.config.min_bytes, horizon=self.config.horizon
+        )
+        record = GraphRecord(
+            len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner
+        )
+        self.records.append(record)
+        log.debug("fxoffload graph %d\n%s", record.index, explain(record))
+        if self.config.inner == "inductor":
+            for module in (fw, bw):
+                pin_offload_order(module)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        partitioner = _Partitioner(self._on_pair)
+        if self.config.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        compiler = aot_autograd(
+            fw_compiler=_eager_compile,
+            bw_compiler=_eager_compile,
+            partition_fn=partitioner,
+            decompositions=select_decomp_table(),
+        )
+        return compiler(gm, example_inputs)
+
+
+def offload_backend(**options: Any) -> OffloadBackend:
+    """A new backend with the given options (fields of :class:`OffloadConfig`)."""
+    return OffloadBackend(config_from_options(options))
+
+
+_named: dict[OffloadConfig, OffloadBackend] = {}
+
+
+def named_backend(**options: Any) -> OffloadBackend:
+    """The backend ``torch.compile(backend="fxoffload", options=options)`` uses (to read its records)."""
+    config = config_from_options(options)
+    return _named.setdefault(config, OffloadBackend(config))
+
+
+def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Callable:
+    """Entry point for ``torch.compile(backend="fxoffload", options=...)``."""
+    return named_backend(**(options or {}))(gm, example_inputs)
+

@@ -1,0 +1,52 @@
+"""Pin the planned order of fxoffload ops through Inductor.
+
+Inductor reorders nodes (peak-memory and locality passes, scheduler fusion);
+a custom op whose only inputs are early values can be hoisted to the top of
+the generated code. For every fxoffload op we add two ordering edges with
+PyTorch's ``control_deps`` higher-order op
+(``torch/_inductor/fx_passes/control_dependencies.py``):
+
+* the op depends on the nearest compute op before it (it cannot rise), and
+* the nearest compute op after it depends on the op (it cannot sink).
+
+Applied only when the inner compiler is Inductor; the eager path runs the
+graph in its own order. fxoffload nodes are recognised by their op, never by
+name.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+from torch.utils._ordered_set import OrderedSet
+
+from passes.analysis import is_compute
+from passes.ops import FXOFFLOAD_OPS
+
+__all__ = ["pin_offload_order"]
+
+
+def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
+    edges: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    previous_compute: fx.Node | None = None
+    waiting: list[fx.Node] = []  # fxoffload ops since the last compute op
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in FXOFFLOAD_OPS:
+            if previous_compute is not None and previous_compute not in node.all_input_nodes:
+                edges.setdefault(node, OrderedSet()).add(previous_compute)
+            waiting.append(node)
+        elif is_compute(node):
+            for op in waiting:
+                if op not in node.all_input_nodes:
+                    edges.setdefault(node, OrderedSet()).add(op)
+            waiting = []
+            previous_compute = node
+    return edges
+
+
+def pin_offload_order(module: fx.GraphModule) -> int:
+    """Add control dependencies around every fxoffload op; return how many nodes were wrapped."""
+    edges = _ordering_edges(module.graph)
+    preserve_node_ordering(module.graph, edges)
+    module.recompile()
+    return len(edges)

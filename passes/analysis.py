@@ -1,0 +1,194 @@
+"""Analysis of a partitioned forward/backward pair: what the forward saves, and aliasing.
+
+Algorithm. AOTAutograd's calling convention says the forward returns its user
+outputs, then the saved tensors, then saved symbolic ints (and opaque objects),
+and the backward takes saved symints, then the saved tensors in the same
+order, then tangents. :func:`saved_interface` reads that contract off the
+two graphs. Aliasing comes from the fake tensors the graphs were traced with:
+two nodes alias when their ``meta["val"]`` share a storage, so views,
+``_unsafe_view``, ``alias`` and multi-output views (``split`` + ``getitem``)
+are all covered without a list of view ops. Each saved tensor is traced back
+to its *base*, the forward node that created its storage, through a chain of
+aliasing nodes; that chain can be replayed on a prefetched copy of the base.
+
+Limits. Saved opaque objects and symints are passed through untouched. A view
+chain whose ops take other graph values as arguments (e.g. symbolic sizes) is
+reported as not replayable. Sizes are ``numel * itemsize`` of the traced
+shapes; symbolic sizes are kept as sympy expressions by ``tensor_nbytes``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from passes.ops import FXOFFLOAD_OPS
+
+__all__ = [
+    "SavedActivation",
+    "SavedInterface",
+    "saved_interface",
+    "saved_activations",
+    "storage_key",
+    "is_compute",
+    "tensor_nbytes",
+]
+
+
+def _fake(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def storage_key(node: fx.Node) -> int | None:
+    """Identity of the storage behind ``node``'s traced value (None if not a tensor)."""
+    val = _fake(node)
+    if isinstance(val, torch.Tensor):
+        return StorageWeakRef(val.untyped_storage()).cdata
+    return None
+
+
+def tensor_nbytes(val: torch.Tensor) -> Any:
+    """Bytes of a dense tensor: an int, or a sympy expression when sizes are symbolic."""
+    numel = val.numel()
+    if isinstance(numel, torch.SymInt):
+        return numel.node.expr * val.element_size()
+    return int(numel) * val.element_size()
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node`` reuses (a view's base), or None for a new storage."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        key = storage_key(node)
+        return source if key is not None and _aliased_input(source) is not None else None
+    outputs = _output_storages(node)
+    for arg in node.all_input_nodes:
+        if storage_key(arg) in outputs:
+            return arg
+    return None
+
+
+def _output_storages(node: fx.Node) -> set[int]:
+    val = _fake(node)
+    values = val if isinstance(val, (list, tuple)) else [val]
+    return {StorageWeakRef(v.untyped_storage()).cdata for v in values if isinstance(v, torch.Tensor)}
+
+
+def is_compute(node: fx.Node) -> bool:
+    """A node that runs a kernel: not a view, a getitem, or an fxoffload op."""
+    if node.op != "call_function" or node.target in FXOFFLOAD_OPS:
+        return False
+    if node.target is operator.getitem:
+        return False
+    return _aliased_input(node) is None
+
+
+@dataclass(frozen=True)
+class SavedInterface:
+    """The contract between forward and backward: which values cross, and where."""
+
+    num_user_outputs: int
+    fw_saved: tuple[fx.Node, ...]  # forward nodes saved for backward, tensors only
+    bw_saved: tuple[fx.Node, ...]  # the matching backward placeholders
+    user_outputs: tuple[Any, ...]
+
+
+def saved_interface(fw: fx.Graph, bw: fx.Graph, num_user_outputs: int) -> SavedInterface:
+    """Read the saved-tensor contract off a partitioned pair (see module docstring)."""
+    outputs = tuple(fw.output_node().args[0])
+    saved = outputs[num_user_outputs:]
+    tensors = [n for n in saved if isinstance(_fake(n), torch.Tensor)]
+    if tuple(saved[: len(tensors)]) != tuple(tensors):
+        raise AssertionError("fxoffload: saved tensors are not a prefix of the saved values")
+    num_syms = sum(isinstance(_fake(n), (torch.SymInt, torch.SymFloat, torch.SymBool, int)) for n in saved)
+    placeholders = list(bw.find_nodes(op="placeholder"))
+    bw_saved = placeholders[num_syms : num_syms + len(tensors)]
+    for f, b in zip(tensors, bw_saved):
+        if f.name != b.name:  # the partitioner names both sides alike; anything else is a new contract
+            raise AssertionError(
+                f"fxoffload: saved tensor {f.name!r} does not match backward input {b.name!r}"
+            )
+    return SavedInterface(num_user_outputs, tuple(tensors), tuple(bw_saved), outputs[:num_user_outputs])
+
+
+@dataclass(frozen=True)
+class SavedActivation:
+    """One tensor the forward saves for the backward."""
+
+    index: int  # position among the saved tensors
+    fw_node: fx.Node
+    bw_node: fx.Node
+    base: fx.Node  # forward node that created the storage (a placeholder for inputs)
+    view_chain: tuple[fx.Node, ...]  # nodes from base (exclusive) to fw_node (inclusive)
+    nbytes: Any  # bytes of this tensor (int or sympy expression)
+    base_nbytes: Any  # bytes of the base's storage, what a transfer moves
+
+    @property
+    def name(self) -> str:
+        return self.fw_node.name
+
+    @property
+    def val(self) -> torch.Tensor:
+        return self.fw_node.meta["val"]
+
+
+def _trace_to_base(node: fx.Node) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+    chain = []
+    current = node
+    while (parent := _aliased_input(current)) is not None:
+        chain.append(current)
+        current = parent
+    return current, tuple(reversed(chain))
+
+
+def saved_activations(interface: SavedInterface) -> tuple[SavedActivation, ...]:
+    result = []
+    for index, (f, b) in enumerate(zip(interface.fw_saved, interface.bw_saved)):
+        base, chain = _trace_to_base(f)
+        result.append(
+            SavedActivation(
+                index=index,
+                fw_node=f,
+                bw_node=b,
+                base=base,
+                view_chain=chain,
+                nbytes=tensor_nbytes(f.meta["val"]),
+                base_nbytes=tensor_nbytes(base.meta["val"]) if isinstance(_fake(base), torch.Tensor) else 0,
+            )
+        )
+    return tuple(result)
+
+
+def last_storage_use(fw: fx.Graph) -> dict[int, int]:
+    """For each storage, the position (in ``fw.nodes`` order) of its last use by a non-output node."""
+    position = {n: i for i, n in enumerate(fw.nodes)}
+    last: dict[int, int] = {}
+    for node in fw.nodes:
+        if node.op == "output":
+            continue
+        for arg in node.all_input_nodes:
+            key = storage_key(arg)
+            if key is not None:
+                last[key] = max(last.get(key, -1), position[node])
+            elif isinstance(_fake(arg), (list, tuple)):
+                for v in _fake(arg):
+                    if isinstance(v, torch.Tensor):
+                        k = StorageWeakRef(v.untyped_storage()).cdata
+                        last[k] = max(last.get(k, -1), position[node])
+    return last
+
+
+def output_storages(values: tuple[Any, ...]) -> frozenset[int]:
+    """Storages of the given output values (user outputs keep these alive)."""
+    keys = set()
+    for v in values:
+        if isinstance(v, fx.Node) and (k := storage_key(v)) is not None:
+            keys.add(k)
+    return frozenset(keys)

@@ -1,0 +1,153 @@
+"""Rewrite: insert the fxoffload ops into the forward and backward graphs.
+
+Reads a :class:`~passes.planning.Plan` and a :class:`~passes.scheduling.Schedule`
+and edits the pair in place; it decides nothing. Nodes are found through the
+plan and schedule (which hold the nodes themselves), never by name or position.
+
+Forward, per transfer: ``host = offload(base)`` after ``offload_after``,
+``host = wait(host, base)`` after ``free_after``; the saved outputs of the
+transfer's members are replaced by the one waited host buffer.
+Backward, per transfer: a new input takes the host buffer;
+``dev = prefetch(host, device, size, stride)`` before ``prefetch_before``,
+``dev = wait(dev, host)`` before ``wait_before``, then each member's view
+chain is replayed on ``dev`` and replaces the member's old input.
+Both graphs keep AOTAutograd's calling convention (user outputs, saved
+tensors, saved symints; backward inputs in the matching order), then are
+linted and recompiled. Every new node gets a fake ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from passes.analysis import SavedActivation, SavedInterface
+from passes.ops import OFFLOAD, PREFETCH, WAIT
+from passes.planning import Plan
+from passes.scheduling import Schedule
+
+__all__ = ["rewrite_pair"]
+
+
+def _fake_of(arg: Any) -> Any:
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+
+def _trace(target: Callable, args: tuple, kwargs: dict | None = None) -> Any:
+    fake_args = torch.utils._pytree.tree_map(_fake_of, (args, kwargs or {}))
+    mode = detect_fake_mode(torch.utils._pytree.tree_leaves(fake_args))
+    with mode:
+        return target(*fake_args[0], **fake_args[1])
+
+
+class _Inserter:
+    """Inserts nodes after an anchor in call order (several inserts after one anchor stay ordered)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self._last: dict[fx.Node, fx.Node] = {}
+
+    def after(self, anchor: fx.Node, target: Callable, args: tuple) -> fx.Node:
+        with self.graph.inserting_after(self._last.get(anchor, anchor)):
+            node = self.graph.call_function(target, args)
+        node.meta["val"] = _trace(target, args)
+        self._last[anchor] = node
+        return node
+
+
+def _before(graph: fx.Graph, anchor: fx.Node, target: Callable, args: tuple, kwargs=None, val=None) -> fx.Node:
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = _trace(target, args, kwargs) if val is None else val
+    return node
+
+
+def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: SavedInterface) -> None:
+    inserter = _Inserter(fw)
+    hosts = []
+    for transfer, place in zip(plan.transfers, schedule.placements):
+        host = inserter.after(place.offload_after, OFFLOAD, (transfer.base,))
+        hosts.append(inserter.after(place.free_after, WAIT, (host, transfer.base)))
+    saved: list[fx.Node] = []
+    for decision, node in zip(plan.decisions, interface.fw_saved):
+        if decision.transfer is None:
+            saved.append(node)
+        elif hosts[decision.transfer] not in saved:
+            saved.append(hosts[decision.transfer])
+    out = fw.output_node()
+    old = tuple(out.args[0])
+    rest = old[interface.num_user_outputs + len(interface.fw_saved) :]
+    out.args = (old[: interface.num_user_outputs] + tuple(saved) + rest,)
+
+
+def _replay(bw: fx.Graph, anchor: fx.Node, base: fx.Node, act: SavedActivation) -> fx.Node:
+    mapping = {act.base: base}
+    current = base
+    for node in act.view_chain:
+        args = fx.map_arg(node.args, lambda a: mapping[a])
+        kwargs = fx.map_arg(node.kwargs, lambda a: mapping[a])
+        current = _before(bw, anchor, node.target, args, kwargs, val=node.meta["val"])
+        mapping[node] = current
+    return current
+
+
+def _rewrite_backward(
+    bw: fx.Graph,
+    plan: Plan,
+    schedule: Schedule,
+    interface: SavedInterface,
+    activations: Sequence[SavedActivation],
+) -> None:
+    placeholders = list(bw.find_nodes(op="placeholder"))
+    host_inputs = []
+    for transfer, place in zip(plan.transfers, schedule.placements):
+        with bw.inserting_before(placeholders[0]):
+            host = bw.placeholder(f"{transfer.base.name}_host")
+        host.meta["val"] = _trace(OFFLOAD, (transfer.base,))
+        host_inputs.append(host)
+        val = transfer.base.meta["val"]
+        dev = _before(bw, place.prefetch_before, PREFETCH, (host, val.device, list(val.shape), list(val.stride())))
+        ready = _before(bw, place.wait_before, WAIT, (dev, host))
+        for index in transfer.members:
+            act = activations[index]
+            act.bw_node.replace_all_uses_with(_replay(bw, place.wait_before, ready, act))
+            bw.erase_node(act.bw_node)
+    _order_inputs(bw, placeholders, interface, plan, host_inputs)
+
+
+def _order_inputs(bw, old_placeholders, interface, plan, host_inputs) -> None:
+    """Put backward inputs back in calling-convention order: symints, saved tensors, the rest."""
+    first_saved = old_placeholders.index(interface.bw_saved[0])
+    saved: list[fx.Node] = []
+    for decision, node in zip(plan.decisions, interface.bw_saved):
+        if decision.transfer is None:
+            saved.append(node)
+        elif host_inputs[decision.transfer] not in saved:
+            saved.append(host_inputs[decision.transfer])
+    rest = old_placeholders[first_saved + len(interface.bw_saved) :]
+    desired = old_placeholders[:first_saved] + saved + rest
+    first_other = next(n for n in bw.nodes if n.op != "placeholder")
+    for node in desired:
+        first_other.prepend(node)
+
+
+def rewrite_pair(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    interface: SavedInterface,
+    activations: Sequence[SavedActivation],
+    plan: Plan,
+    schedule: Schedule,
+) -> None:
+    """Apply ``plan`` and ``schedule`` to the partitioned pair, in place."""
+    if not plan.transfers:
+        return
+    _rewrite_forward(fw_module.graph, plan, schedule, interface)
+    _rewrite_backward(bw_module.graph, plan, schedule, interface, activations)
+    for module in (fw_module, bw_module):
+        module.graph.eliminate_dead_code()
+        module.graph.lint()
+        module.recompile()
