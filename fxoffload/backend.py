@@ -71,6 +71,11 @@ class _Partitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None  # no caching: a cache hit would skip the passes and the record
 
+    def __deepcopy__(self, memo: dict) -> "_Partitioner":
+        # Inductor deep-copies its config (which holds us) for repro strings;
+        # our records hold fake tensors, which cannot be copied.
+        return self
+
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     def run(args: list) -> Any:

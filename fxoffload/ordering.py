@@ -7,6 +7,8 @@ PyTorch's ``control_deps`` higher-order op
 (``torch/_inductor/fx_passes/control_dependencies.py``):
 
 * the op depends on the nearest compute op before it (it cannot rise), and
+  a ``wait`` also on every earlier reader of the storage it releases (a fused
+  reader moved later, or a view's reader, must not outlive the release);
 * the nearest compute op after it depends on the op (it cannot sink).
 
 Applied only when the inner compiler is Inductor; the eager path runs the
@@ -20,8 +22,8 @@ import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from passes.analysis import is_compute
-from passes.ops import FXOFFLOAD_OPS
+from passes.analysis import is_compute, storage_key
+from passes.ops import FXOFFLOAD_OPS, WAIT
 
 __all__ = ["pin_offload_order"]
 
@@ -30,10 +32,17 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     edges: dict[fx.Node, OrderedSet[fx.Node]] = {}
     previous_compute: fx.Node | None = None
     waiting: list[fx.Node] = []  # fxoffload ops since the last compute op
+    readers: dict[int, list[fx.Node]] = {}  # storage -> compute nodes that read it so far
     for node in graph.nodes:
         if node.op == "call_function" and node.target in FXOFFLOAD_OPS:
-            if previous_compute is not None and previous_compute not in node.all_input_nodes:
-                edges.setdefault(node, OrderedSet()).add(previous_compute)
+            deps = OrderedSet([previous_compute] if previous_compute is not None else [])
+            if node.target is WAIT:
+                # A wait releases its keepalive: it must follow every reader of
+                # that storage, even one Inductor fuses or moves earlier.
+                deps.update(readers.get(storage_key(node.args[1]), []))
+            deps = OrderedSet(d for d in deps if d not in node.all_input_nodes)
+            if deps:
+                edges[node] = deps
             waiting.append(node)
         elif is_compute(node):
             for op in waiting:
@@ -41,6 +50,8 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
                     edges.setdefault(node, OrderedSet()).add(op)
             waiting = []
             previous_compute = node
+            for arg in node.all_input_nodes:
+                readers.setdefault(storage_key(arg), []).append(node)
     return edges
 
 
