@@ -18,8 +18,9 @@ The backend is also registered with dynamo as ``"fxoffload"`` (entry point
 ``torch_dynamo_backends``): ``torch.compile(m, backend="fxoffload", options={...})``.
 
 Limits: graphs compiled for inference (no grad) go through unchanged and
-leave no record; caching of compiled artifacts is disabled for our graphs so
-that every compile runs the passes and leaves its record.
+leave no record. AOTAutograd's cache is off for our graphs, so that every
+compile runs the passes and leaves its record; Inductor's FX-graph cache (keyed
+by the rewritten graphs) stays on.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class GraphRecord:
 
     index: int
     forward: fx.GraphModule  # rewritten forward, as handed to the inner compiler
-    backward: fx.GraphModule  # rewritten backward, as handed to the inner compiler
+    backward: fx.GraphModule  # rewritten backward, as handed to the inner compiler (once compiled)
     plan: Plan
     schedule: Schedule
     pass_seconds: tuple[tuple[str, float], ...]
@@ -71,6 +72,12 @@ class _Partitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None  # no caching: a cache hit would skip the passes and the record
 
+    def __reduce__(self) -> tuple:
+        # Only Inductor's FX-graph cache pickles us, to key its cache. That key
+        # also covers the graph handed to Inductor, which already carries our
+        # rewrite, so a constant stands in for this object.
+        return (str, ("fxoffload partitioner",))
+
     def __deepcopy__(self, memo: dict) -> "_Partitioner":
         # Inductor deep-copies its config (which holds us) for repro strings;
         # our records hold fake tensors, which cannot be copied.
@@ -85,6 +92,40 @@ def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     return run
 
 
+class _Compilation:
+    """One dynamo graph on its way through AOTAutograd.
+
+    The partition hook creates the record; the inner compilers then store the
+    graphs they are actually handed (AOTAutograd may copy the backward module
+    between the two), so ``record.forward`` / ``record.backward`` are what runs.
+    """
+
+    def __init__(self, backend: "OffloadBackend") -> None:
+        self.backend = backend
+        self.record: GraphRecord | None = None
+
+    def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> None:
+        self.record = self.backend._plan_pair(fw, bw, num_user_outputs)
+
+    def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
+        if self.record is not None:
+            setattr(self.record, "backward" if is_backward else "forward", gm)
+
+    def eager(self, is_backward: bool) -> Callable:
+        def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+            self.capture(gm, is_backward)
+            return _eager_compile(gm, example_inputs)
+
+        return compile_graph
+
+    def inductor_inner(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        if not kwargs.get("is_inference", False):
+            self.capture(gm, kwargs.get("is_backward", False))
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
 class OffloadBackend:
     """A ``torch.compile`` backend that offloads saved activations; see the module docstring."""
 
@@ -92,7 +133,7 @@ class OffloadBackend:
         self.config = config
         self.records: list[GraphRecord] = []
 
-    def _on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> None:
+    def _plan_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> GraphRecord:
         result: PassResult = offload_pair(
             fw, bw, num_user_outputs, min_bytes=self.config.min_bytes, horizon=self.config.horizon
         )
@@ -104,19 +145,33 @@ class OffloadBackend:
         if self.config.inner == "inductor":
             for module in (fw, bw):
                 pin_offload_order(module)
+        return record
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        partitioner = _Partitioner(self._on_pair)
+        # AOTAutograd's cache would return compiled graphs without running the
+        # partitioner, so without our passes' record: keep it off for our graphs.
+        # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs.)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        compilation = _Compilation(self)
+        partitioner = _Partitioner(compilation.on_pair)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+            return compile_fx(
+                gm,
+                example_inputs,
+                inner_compile=compilation.inductor_inner,
+                config_patches={"custom_partitioner_fn": partitioner},
+            )
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
         compiler = aot_autograd(
-            fw_compiler=_eager_compile,
-            bw_compiler=_eager_compile,
+            fw_compiler=compilation.eager(is_backward=False),
+            bw_compiler=compilation.eager(is_backward=True),
             partition_fn=partitioner,
             decompositions=select_decomp_table(),
         )

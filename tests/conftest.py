@@ -1,0 +1,82 @@
+"""Shared test helpers: small models from configs (random weights, nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+class MLP(torch.nn.Module):
+    """Linear -> relu -> Linear -> tanh -> Linear -> sum: three activations, one saved as a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        g = torch.tanh(self.b(h))
+        return self.c(g).sum()
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+def lm_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step: loss and a copy of every gradient (then grads are cleared)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {
+        n.removeprefix("_orig_mod."): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same_step(expected, actual, rtol=1e-4, atol=1e-5) -> None:
+    (loss_e, grads_e), (loss_a, grads_a) = expected, actual
+    torch.testing.assert_close(loss_a, loss_e, rtol=rtol, atol=atol)
+    assert grads_e.keys() == grads_a.keys()
+    for name in grads_e:
+        torch.testing.assert_close(grads_a[name], grads_e[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import fxoffload
+
+    torch._dynamo.reset()
+    yield
+    fxoffload.runtime.reset()
+    torch._dynamo.reset()

@@ -1,0 +1,107 @@
+"""Golden graphs: the exact forward and backward op sequence after the rewrite of a small MLP.
+
+The expected sequences were derived by hand from the placement rules, with the
+reason next to each fxoffload op, and checked against the printed graphs.
+"""
+
+import operator
+
+import torch
+
+import fxoffload
+from tests.conftest import MLP
+
+
+def op_sequence(gm: torch.fx.GraphModule) -> list[str]:
+    names = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            target = node.target
+            names.append("getitem" if target is operator.getitem else target.overloadpacket.__name__)
+    return names
+
+
+def fxoffload_args(gm):
+    return [
+        (n.target.overloadpacket.__name__, [a.name for a in n.all_input_nodes])
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target.__module__ == "torch._ops.fxoffload"
+    ]
+
+
+def compile_mlp(**options):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(3, 5, 8)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
+    loss = torch.compile(model, backend=backend)(x)
+    loss.backward()
+    return backend.records[0]
+
+
+def test_mlp_forward_golden():
+    fw = compile_mlp(horizon=2).forward
+    assert op_sequence(fw) == [
+        "view", "permute", "addmm", "view", "relu",
+        "offload",  # relu: issued as soon as it exists (the graph is functional)
+        "alias", "view", "permute", "addmm", "view", "tanh",
+        "offload",  # tanh, at birth
+        "view", "permute", "addmm",
+        "wait",  # tanh released after addmm, its last reader (through a view)
+        "view", "sum", "alias", "le",
+        "wait",  # relu released after le, which reads it through alias -> alias
+        "offload", "wait",  # le: no forward reader, so released at once
+    ]
+    assert fxoffload_args(fw) == [
+        ("offload", ["relu"]),
+        ("offload", ["tanh"]),
+        ("wait", ["offload_default_1", "tanh"]),
+        ("wait", ["offload_default", "relu"]),
+        ("offload", ["le"]),
+        ("wait", ["offload_default_2", "le"]),
+    ]
+    # Saved for backward: two parameters, a view of the input, then three host buffers.
+    saved = [a.name for a in fw.graph.output_node().args[0][1:]]
+    assert saved == ["primals_4", "primals_6", "view", "wait_default", "wait_default_1", "wait_default_2"]
+
+
+def test_mlp_backward_golden():
+    bw = compile_mlp(horizon=2).backward
+    assert [n.name for n in bw.graph.find_nodes(op="placeholder")] == [
+        "primals_4", "primals_6", "view", "relu_host", "tanh_host", "le_host", "tangents_1",
+    ]
+    assert op_sequence(bw) == [
+        # tanh: first consumer is a view of it after one mm; only one compute op
+        # (mm) exists before it, so the prefetch is clamped to the graph's start.
+        "prefetch",
+        "expand", "view", "permute", "permute", "mm", "permute",
+        "wait", "view", "mm", "permute", "sum", "view", "permute", "view",
+        "alias", "alias", "mul", "sub",
+        # relu (saved as view_2 = relu.view(15, 16)): consumer mm; two compute
+        # ops back (mm, mul) puts the prefetch before mul.
+        "prefetch",
+        "mul", "view", "permute", "permute", "mm", "permute",
+        "wait", "view",  # the view rebuilt on the prefetched base
+        "mm", "permute",
+        # le: consumer where; two compute ops back (scalar_tensor, sum).
+        "prefetch",
+        "sum", "view", "permute", "view", "scalar_tensor",
+        "wait", "where",
+        "view", "permute", "mm", "permute", "sum", "view", "permute",
+    ]
+
+
+def test_mlp_horizon_zero_puts_prefetch_next_to_its_wait():
+    bw = compile_mlp(horizon=0).backward
+    seq = op_sequence(bw)
+    for i, name in enumerate(seq):
+        if name == "prefetch":
+            assert seq[i + 1] == "wait"
+
+
+def test_explain_lists_every_saved_activation_with_reason():
+    record = compile_mlp(horizon=2)
+    text = fxoffload.explain(record)
+    for decision in record.plan.decisions:
+        assert decision.name in text and decision.reason in text
+    assert "view of relu; offloaded through its base" in text
+    assert "graph input" in text
