@@ -1,0 +1,132 @@
+"""Stage tests on tiny inputs with plain expected values (analysis, planning, scheduling)."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+
+from passes.analysis import is_compute, saved_activations, saved_interface
+from passes.planning import plan_offloads
+from passes.scheduling import free_index, prefetch_index
+
+
+def partitioned_pair(fn, *inputs):
+    """The (forward, backward, num_user_outputs) that the min-cut partitioner makes for ``fn``."""
+    captured = {}
+
+    def partition(gm, joint_inputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        captured["pair"] = (copy.deepcopy(fw), copy.deepcopy(bw), kwargs["num_fwd_outputs"])
+        return fw, bw
+
+    nop = lambda gm, _: gm
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition, decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*inputs)
+    return captured["pair"]
+
+
+def viewed_relu(x, w1, w2):
+    h = torch.relu(x @ w1)  # 3-D: the next matmul views it as 2-D
+    return (h @ w2).sum()  # the partitioner saves relu.view(15, 6).t() for w2's gradient
+
+
+def viewed_relu_inputs():
+    return [torch.randn(3, 5, 8, requires_grad=True), torch.randn(8, 6, requires_grad=True),
+            torch.randn(6, 4, requires_grad=True)]
+
+
+def analyse(fn, *inputs):
+    fw, bw, n = partitioned_pair(fn, *inputs)
+    interface = saved_interface(fw.graph, bw.graph, n)
+    return interface, saved_activations(interface)
+
+
+def test_views_are_traced_to_their_base():
+    _, acts = analyse(viewed_relu, *viewed_relu_inputs())
+    by_name = {a.name: a for a in acts}
+    # Saved: permute (= relu.view(15, 6).t()), le (relu's mask), and views of inputs.
+    saved_view = by_name["permute"]
+    assert saved_view.base.target is torch.ops.aten.relu.default
+    assert [n.target for n in saved_view.view_chain] == [torch.ops.aten.view.default, torch.ops.aten.permute.default]
+    assert saved_view.base_nbytes == 3 * 5 * 6 * 4
+    assert by_name["le"].base is by_name["le"].fw_node and by_name["le"].view_chain == ()
+    assert by_name["le"].nbytes == 3 * 5 * 6  # bool
+    assert {a.base.name for a in acts if a.base.op == "placeholder"} == {"primals_1", "primals_2", "primals_3"}
+
+
+def test_plan_offloads_the_base_of_a_saved_view_and_keeps_inputs():
+    interface, acts = analyse(viewed_relu, *viewed_relu_inputs())
+    plan = plan_offloads(interface, acts, min_bytes=0)
+    assert sorted(t.base.name for t in plan.transfers) == ["le", "relu"]
+    actions = {d.name: d.action for d in plan.decisions}
+    assert actions == {"permute": "offload", "le": "offload", "permute_1": "keep", "permute_2": "keep", "permute_3": "keep"}
+    reason = {d.name: d.reason for d in plan.decisions}["permute"]
+    assert reason == "view of relu; offloaded through its base, rebuilt after prefetch"
+
+
+def test_min_bytes_threshold_is_on_the_base_storage():
+    interface, acts = analyse(viewed_relu, *viewed_relu_inputs())
+    # relu holds 90 floats = 360 B; le holds 90 bools = 90 B.
+    assert [t.base.name for t in plan_offloads(interface, acts, min_bytes=360).transfers] == ["relu"]
+    kept = plan_offloads(interface, acts, min_bytes=361)
+    assert not kept.transfers
+    assert {d.name: d.reason for d in kept.decisions}["permute"] == "360 B < min_bytes=361"
+
+
+def test_model_outputs_and_their_views_are_never_offloaded():
+    def returns_activation(x, w):
+        h = torch.tanh(x @ w)  # saved for h * h, and its view is a model output
+        return h.t(), (h * h).sum()
+
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    interface, acts = analyse(returns_activation, x, w)
+    plan = plan_offloads(interface, acts, min_bytes=0)
+    assert not plan.transfers
+    assert any(d.reason == "shares storage with a model output" for d in plan.decisions)
+
+
+def test_is_compute_skips_views():
+    fw, _, _ = partitioned_pair(viewed_relu, *viewed_relu_inputs())
+    kinds = {n.name: is_compute(n) for n in fw.graph.nodes if n.op == "call_function"}
+    assert kinds["relu"] and kinds["mm"] and kinds["le"]
+    assert not any(kinds[v] for v in ("view", "view_2", "permute", "alias", "alias_1"))
+
+
+# ----------------------------------------------------------------- pure placement functions
+
+def test_prefetch_index_counts_only_compute_ops():
+    #          0 ph   1 mm  2 view 3 mul  4 view 5 consumer
+    compute = [False, True, False, True, False, True]
+    assert prefetch_index(compute, consumer=5, horizon=0, first=1) == 5
+    assert prefetch_index(compute, consumer=5, horizon=1, first=1) == 3
+    assert prefetch_index(compute, consumer=5, horizon=2, first=1) == 1
+    assert prefetch_index(compute, consumer=5, horizon=9, first=1) == 1  # clamped to the start
+
+
+def test_prefetch_index_rejects_bad_queries():
+    with pytest.raises(ValueError):
+        prefetch_index([True], consumer=0, horizon=-1, first=0)
+
+
+@given(st.lists(st.booleans(), min_size=2, max_size=40), st.integers(0, 50), st.data())
+def test_prefetch_index_properties(compute, horizon, data):
+    first = data.draw(st.integers(0, len(compute) - 1))
+    consumer = data.draw(st.integers(first, len(compute) - 1))
+    start = prefetch_index(compute, consumer, horizon, first)
+    ahead = sum(compute[start:consumer])
+    assert first <= start <= consumer
+    assert ahead <= horizon
+    # exactly ``horizon`` ops ahead unless clamped at the start
+    assert ahead == horizon or start == first
+    # and the prefetch sits on a compute op (or at the consumer/start), never on a skipped node
+    assert start in (consumer, first) or compute[start]
+
+
+def test_free_index_is_never_before_birth():
+    assert free_index(birth=3, last_use=7) == 7
+    assert free_index(birth=3, last_use=-1) == 3
