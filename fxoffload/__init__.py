@@ -1,7 +1,7 @@
 """fxoffload: a torch.compile backend that offloads saved activations to host memory.
 
     import fxoffload
-    backend = fxoffload.offload_backend(min_bytes=1 << 20, horizon=2)
+    backend = fxoffload.offload_backend(memory_budget=0.5)
     model = torch.compile(model, backend=backend)
     ...
     print(fxoffload.explain(backend.records[0]))
@@ -11,5 +11,10 @@ from fxoffload import runtime
 from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend
 from fxoffload.config import OffloadConfig
 from fxoffload.explain import explain
+from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from passes.planning import BudgetInfeasibleError
 
-__all__ = ["GraphRecord", "OffloadBackend", "OffloadConfig", "explain", "named_backend", "offload_backend", "runtime"]
+__all__ = [
+    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "DeviceProfile", "GraphRecord", "OffloadBackend",
+    "OffloadConfig", "explain", "named_backend", "offload_backend", "runtime",
+]

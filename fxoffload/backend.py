@@ -32,13 +32,14 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx.graph import _BoxedCodeGen
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 import fxoffload.runtime  # noqa: F401  (op kernels)
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
-from passes import PassResult, Plan, Schedule, offload_pair
+from passes import PassResult, Plan, Schedule, Timeline, offload_pair
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class GraphRecord:
     schedule: Schedule
     pass_seconds: tuple[tuple[str, float], ...]
     inner: str
+    timeline: Timeline  # the memory model's lifetimes (before the rewrite)
+    profile: str  # device profile the predictions are for
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -85,8 +88,13 @@ class _Partitioner(CustomPartitionerFn):
 
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+    # Boxed code takes the argument list and clears it, so every input (a saved
+    # activation, a host buffer) is freed at its last use, as under Inductor.
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
     def run(args: list) -> Any:
-        return gm(*args)  # looks gm up at call time, so a recompiled graph takes effect
+        return gm(args)  # looks gm up at call time, so a recompiled graph takes effect
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -135,10 +143,12 @@ class OffloadBackend:
 
     def _plan_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> GraphRecord:
         result: PassResult = offload_pair(
-            fw, bw, num_user_outputs, min_bytes=self.config.min_bytes, horizon=self.config.horizon
+            fw, bw, num_user_outputs,
+            options=self.config.plan_options, horizon=self.config.horizon, profile=self.config.profile,
         )
         record = GraphRecord(
-            len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner
+            len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
+            result.timeline, self.config.profile.name,
         )
         self.records.append(record)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))

@@ -3,16 +3,61 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["OffloadConfig", "config_from_options"]
+from passes.cost_model import DeviceProfile
+from passes.planning import Budget, PlanOptions
+
+__all__ = ["OffloadConfig", "config_from_options", "parse_budget"]
 
 INNER_COMPILERS = ("inductor", "eager")
+SOLVERS = ("auto", "milp", "greedy")
+ON_INFEASIBLE = ("error", "warn")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)\s*$", re.IGNORECASE)
+BUDGET_FORMS = (
+    "None, a fraction in (0, 1] of the activation peak without offloading, "
+    "an int number of bytes > 0, or a string such as '6GiB', '512MB' (KB/MB/GB are powers of 10, KiB/MiB/GiB of 2)"
+)
+
+
+def parse_budget(value: Any) -> Budget | None:
+    """The budget a ``memory_budget`` value stands for; ValueError naming the accepted forms."""
+    bad = ValueError(f"memory_budget: got {value!r}; accepted: {BUDGET_FORMS}")
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        if value <= 0:
+            raise bad
+        return Budget(nbytes=value)
+    if isinstance(value, float):
+        if not (0.0 < value <= 1.0) or math.isnan(value):
+            raise bad
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match and _UNITS.get(match.group(2).lower())
+        if not match or not unit:
+            raise bad
+        nbytes = int(float(match.group(1)) * unit)
+        if nbytes <= 0:
+            raise bad
+        return Budget(nbytes=nbytes)
+    raise bad
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    memory_budget: Any = None
+    """Bound on the peak of activation memory (saved tensors on the device, per compiled graph).
+    None offloads every eligible saved tensor; see ``BUDGET_FORMS`` for the accepted values."""
+
     min_bytes: int = 64 * 1024
     """Smallest storage (bytes) worth a transfer; smaller saved tensors stay on the device.
     Copies below ~64 KiB are dominated by launch and link latency."""
@@ -24,16 +69,55 @@ class OffloadConfig:
     inner: str = "inductor"
     """Compiler for the rewritten graphs: ``"inductor"`` or ``"eager"`` (run the FX graphs as they are)."""
 
+    solver: str = "auto"
+    """``"auto"`` (exact MILP within the time limit, never worse than greedy), ``"milp"`` or ``"greedy"``."""
+
+    solver_time_limit: float = 10.0
+    """Seconds the exact solver may take per graph."""
+
+    on_infeasible: str = "error"
+    """When no plan meets the budget: ``"error"`` raises, ``"warn"`` offloads everything eligible and warns."""
+
+    device_profile: Any = "auto"
+    """The GPU the cost model predicts for: a name from ``fxoffload.PROFILES``, ``"auto"`` (the current
+    CUDA device, else the default profile), or a ``DeviceProfile``."""
+
     def __post_init__(self) -> None:
+        parse_budget(self.memory_budget)
         _check_int("min_bytes", self.min_bytes)
         _check_int("horizon", self.horizon)
-        if self.inner not in INNER_COMPILERS:
-            raise ValueError(f"inner: got {self.inner!r}; accepted: {', '.join(map(repr, INNER_COMPILERS))}")
+        _check_choice("inner", self.inner, INNER_COMPILERS)
+        _check_choice("solver", self.solver, SOLVERS)
+        _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
+        limit = self.solver_time_limit
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise ValueError(f"solver_time_limit: got {limit!r}; accepted: a number of seconds > 0")
+        from fxoffload.profiles import resolve_profile
+
+        resolve_profile(self.device_profile)
+
+    @property
+    def plan_options(self) -> PlanOptions:
+        return PlanOptions(
+            min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
+            on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit),
+        )
+
+    @property
+    def profile(self) -> DeviceProfile:
+        from fxoffload.profiles import resolve_profile
+
+        return resolve_profile(self.device_profile)
 
 
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: got {value!r}; accepted: an int >= 0")
+
+
+def _check_choice(name: str, value: Any, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}: got {value!r}; accepted: {', '.join(map(repr, accepted))}")
 
 
 def config_from_options(options: Mapping[str, Any] | None) -> OffloadConfig:

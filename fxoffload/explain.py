@@ -1,7 +1,12 @@
-"""``explain(record)``: the plan of one compiled graph as a readable table."""
+"""``explain(record)``: the plan of one compiled graph as a readable table.
+
+Every figure here is a prediction of the memory model and cost model (on the
+record's device profile), not a measurement.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 __all__ = ["explain", "format_bytes"]
@@ -9,9 +14,9 @@ __all__ = ["explain", "format_bytes"]
 
 def format_bytes(n: Any) -> str:
     if not isinstance(n, int):
-        return str(n)
+        return str(n)  # symbolic: the sympy expression
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
+        if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
 
@@ -22,27 +27,47 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _summary(record: Any) -> str:
+    plan, schedule = record.plan, record.schedule
+    gap = "n/a" if math.isnan(plan.gap) else f"{plan.gap:.2%}"
+    budget = "none" if plan.budget_bytes is None else f"{format_bytes(plan.budget_bytes)} ({plan.budget})"
+    lines = [
+        f"graph {record.index}: {len(plan.decisions)} saved activations, {len(plan.transfers)} transfers, "
+        f"{format_bytes(plan.offloaded_bytes)} offloaded",
+        f"options: budget {budget}, min_bytes={plan.min_bytes}, horizon={schedule.horizon}, inner={record.inner}",
+        f"solver: {plan.solver}" + ("" if plan.solver == "none" else f", optimal={plan.optimal}, gap {gap}"),
+        f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
+        f"{format_bytes(plan.activation_peak_after)}",
+        f"predicted total peak:      {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}",
+        f"predicted stall on {record.profile}: {plan.predicted_stall * 1e6:.1f} us",
+    ]
+    if plan.note:
+        lines.append(f"note: {plan.note}")
+    return "\n".join(lines)
+
+
 def explain(record: Any) -> str:
-    """Every saved activation with its decision and reason, then where each transfer's ops go."""
+    """Per graph: budget, predicted peaks, solver; per saved activation: decision, bytes, reason; per transfer: placement."""
     plan, schedule = record.plan, record.schedule
     rows = [
-        [d.name, "x".join(map(str, d.shape)) or "()", str(d.dtype).replace("torch.", ""), format_bytes(d.nbytes), d.action, d.reason]
+        [d.name, "x".join(map(str, d.shape)) or "()", str(d.dtype).replace("torch.", ""), format_bytes(d.nbytes),
+         d.action, d.reason]
         for d in plan.decisions
     ]
-    text = [
-        f"graph {record.index}: {len(plan.decisions)} saved activations, "
-        f"{len(plan.transfers)} transfers, {format_bytes(plan.offloaded_bytes)} offloaded "
-        f"(min_bytes={plan.min_bytes}, horizon={schedule.horizon}, inner={record.inner})",
-        _table(["activation", "shape", "dtype", "bytes", "decision", "reason"], rows),
-    ]
+    text = [_summary(record), _table(["activation", "shape", "dtype", "bytes", "decision", "reason"], rows)]
     if schedule.placements:
-        place_rows = [
-            [plan.transfers[p.transfer].base_name, format_bytes(plan.transfers[p.transfer].nbytes),
-             p.offload_after.name, p.free_after.name, p.prefetch_before.name, p.wait_before.name, str(p.ops_ahead)]
-            for p in schedule.placements
-        ]
+        place_rows = []
+        for p in schedule.placements:
+            t = plan.transfers[p.transfer]
+            cost = t.cost
+            place_rows.append([
+                t.base_name, format_bytes(t.nbytes), p.offload_after.name, p.free_after.name,
+                p.prefetch_before.name, p.wait_before.name, str(p.ops_ahead),
+                f"{cost.h2d * 1e6:.1f}" if cost else "-", f"{cost.stall * 1e6:.1f}" if cost else "-",
+            ])
         text.append(_table(
-            ["transfer", "bytes", "offload after", "release after", "prefetch before", "wait before", "ops ahead"],
+            ["transfer", "bytes", "offload after", "release after", "prefetch before", "wait before", "ops ahead",
+             "h2d us", "stall us"],
             place_rows,
         ))
     return "\n\n".join(text)

@@ -1,41 +1,91 @@
 """Graph passes of fxoffload over a partitioned forward/backward pair.
 
-Stages, one module each: ``analysis`` (saved tensors, aliasing), ``planning``
-(keep or offload -> Plan), ``scheduling`` (where each op goes -> Schedule),
-``rewrite`` (insert the ops). :func:`offload_pair` runs them in order.
-This package knows FX and PyTorch graphs, nothing of torch.compile or of the
-copy engines.
+Stages, one module each: ``analysis`` (saved tensors, aliasing), ``memory``
+(device bytes over the joint timeline), ``cost_model`` (predicted op and copy
+times), ``scheduling`` (where each op goes), ``planning`` with ``solvers``
+(keep or offload under a budget -> Plan), ``rewrite`` (insert the ops).
+:func:`offload_pair` runs them in order. This package knows FX and PyTorch
+graphs, nothing of torch.compile or of the copy engines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, saved_activations, saved_interface
-from passes.planning import Decision, Plan, Transfer, plan_offloads
+from passes.analysis import SavedActivation, SavedInterface, saved_activations, saved_interface
+from passes.cost_model import DeviceProfile, node_times
+from passes.memory import Timeline, build_timeline
+from passes.planning import (
+    Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
+)
 from passes.rewrite import rewrite_pair
-from passes.scheduling import Placement, Schedule, schedule_transfers
+from passes.scheduling import (
+    Placement, Schedule, place_candidates, schedule_transfers, timeline_moves, transfer_costs,
+)
 
 __all__ = [
-    "Decision",
-    "Placement",
-    "Plan",
-    "PassResult",
-    "SavedActivation",
-    "Schedule",
-    "Transfer",
-    "offload_pair",
+    "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
+    "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "offload_pair", "plan_pair",
 ]
 
 
 @dataclass(frozen=True)
 class PassResult:
+    interface: SavedInterface
+    activations: tuple[SavedActivation, ...]
+    timeline: Timeline
     plan: Plan
     schedule: Schedule
     seconds: tuple[tuple[str, float], ...]  # (stage name, wall time) in run order
+
+
+class _Stopwatch:
+    def __init__(self) -> None:
+        self.times: list[tuple[str, float]] = []
+        self._start = time.perf_counter()
+
+    def stamp(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times.append((name, now - self._start))
+        self._start = now
+
+
+def plan_pair(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_user_outputs: int,
+    *,
+    options: PlanOptions,
+    horizon: int,
+    profile: DeviceProfile,
+    _watch: _Stopwatch | None = None,
+) -> PassResult:
+    """Analyse, estimate, plan and schedule the pair; the graphs are not changed."""
+    watch = _watch or _Stopwatch()
+    fw, bw = fw_module.graph, bw_module.graph
+    interface = saved_interface(fw, bw, num_user_outputs)
+    activations = saved_activations(interface)
+    timeline = build_timeline(fw, bw, interface)
+    watch.stamp("analyse")
+    times = node_times(timeline.fw_nodes + timeline.bw_nodes, profile)
+    watch.stamp("estimate")
+    candidates = {
+        b: g for b, g in group_by_base(activations).items()
+        if b.op != "placeholder" and isinstance(g[0].base_nbytes, int) and any(a.bw_node.users for a in g)
+    }
+    placements = place_candidates(fw, bw, candidates, horizon=horizon)
+    nbytes = {b: g[0].base_nbytes for b, g in candidates.items()}
+    moves = timeline_moves(timeline, placements)
+    costs = transfer_costs(timeline, placements, times, nbytes, profile)
+    plan = plan_offloads(interface, activations, timeline, moves, costs, options)
+    watch.stamp("plan")
+    schedule = schedule_transfers(plan, placements, horizon)
+    watch.stamp("schedule")
+    return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times))
 
 
 def offload_pair(
@@ -43,26 +93,14 @@ def offload_pair(
     bw_module: fx.GraphModule,
     num_user_outputs: int,
     *,
-    min_bytes: int,
+    options: PlanOptions,
     horizon: int,
+    profile: DeviceProfile,
 ) -> PassResult:
-    """Analyse, plan, schedule and rewrite the pair in place; return what was decided."""
-    times = []
-    start = time.perf_counter()
-
-    def stamp(name: str) -> None:
-        nonlocal start
-        now = time.perf_counter()
-        times.append((name, now - start))
-        start = now
-
-    interface = saved_interface(fw_module.graph, bw_module.graph, num_user_outputs)
-    activations = saved_activations(interface)
-    stamp("analyse")
-    plan = plan_offloads(interface, activations, min_bytes=min_bytes)
-    stamp("plan")
-    schedule = schedule_transfers(fw_module.graph, bw_module.graph, plan, activations, horizon=horizon)
-    stamp("schedule")
-    rewrite_pair(fw_module, bw_module, interface, activations, plan, schedule)
-    stamp("rewrite")
-    return PassResult(plan, schedule, tuple(times))
+    """Plan the pair, then rewrite it in place; return what was decided."""
+    watch = _Stopwatch()
+    result = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon, profile=profile,
+                       _watch=watch)
+    rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
+    watch.stamp("rewrite")
+    return dataclasses.replace(result, seconds=tuple(watch.times))

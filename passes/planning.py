@@ -1,30 +1,93 @@
 """Planning: decide, for every saved activation, whether to keep it or offload it.
 
-Algorithm (fixed policy). Saved tensors are grouped by the storage they live
-in (their *base*, see ``passes.analysis``): a view is never copied on its own;
-its base is offloaded once and the view is rebuilt on the device after the
-prefetch. A group is offloaded when :func:`why_kept` finds no reason to keep
-it, one rule per early return, and its base holds at least ``min_bytes``.
+Algorithm. Saved tensors are grouped by the storage they live in (their
+*base*, see ``passes.analysis``): a view is never copied on its own; its base
+is offloaded once and the view is rebuilt on the device after the prefetch.
+:func:`why_kept` says why a group must stay (one rule per early return); the
+rest are candidates.
 
-Limits. No memory budget and no cost model yet: every eligible group at or
-above ``min_bytes`` is offloaded. Symbolic (dynamic) sizes are kept on the
-device. The result is an immutable :class:`Plan`; nothing here edits a graph.
+* Without a budget, every candidate is offloaded.
+* With a budget (bytes, or a fraction of the activation peak without
+  offloading), the activation curve of ``passes.memory`` is handed to
+  ``passes.solvers`` as plain intervals: each candidate's device interval if
+  kept, and its two intervals if offloaded (device copy until release,
+  prefetched copy from prefetch to last use, at the positions the scheduler
+  would give it). The solver picks the candidates to offload at the least
+  predicted cost: copy time that compute cannot hide (from
+  ``passes.cost_model``), plus a small weight on all copy time so that no copy
+  is made for nothing.
+* If even offloading every candidate misses the budget, ``on_infeasible``
+  decides: ``"error"`` raises :class:`BudgetInfeasibleError` with the smallest
+  achievable peak; ``"warn"`` offloads every candidate and says so.
+
+The result is an immutable :class:`Plan`; nothing here edits a graph.
+Limits: the cost of a copy assumes it has its link to itself (no queueing
+behind other copies); symbolic sizes are evaluated at their hints.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, output_storages, storage_key, SavedInterface
+from passes.analysis import SavedActivation, SavedInterface, output_storages, storage_key
+from passes.memory import Timeline, curve, intervals, peak
+from passes.solvers import Candidate, choose_offloads, min_peak
 
-__all__ = ["Decision", "Transfer", "Plan", "plan_offloads", "why_kept"]
+__all__ = [
+    "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Transfer", "TransferCost",
+    "group_by_base", "plan_offloads", "why_kept",
+]
 
 OFFLOAD = "offload"
 KEEP = "keep"
+COPY_WEIGHT = 1e-3  # weight of hidden copy time next to stall time in the objective
+
+
+class BudgetInfeasibleError(ValueError):
+    """The memory budget cannot be met even by offloading every eligible activation."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A bound on the activation peak: a fraction of the unoffloaded peak, or bytes."""
+
+    fraction: float | None = None
+    nbytes: int | None = None
+
+    def resolve(self, unoffloaded_peak: int) -> int:
+        return self.nbytes if self.nbytes is not None else int(self.fraction * unoffloaded_peak)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g} of the activation peak" if self.nbytes is None else f"{self.nbytes} B"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    min_bytes: int = 0
+    budget: Budget | None = None
+    solver: str = "auto"
+    on_infeasible: str = "error"
+    time_limit: float = 10.0
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """Predicted seconds for one candidate's copies and the compute that can hide them."""
+
+    d2h: float
+    h2d: float
+    forward_window: float  # compute between the offload and its release
+    backward_window: float  # compute between the prefetch and its wait
+
+    @property
+    def stall(self) -> float:
+        return max(0.0, self.d2h - self.forward_window) + max(0.0, self.h2d - self.backward_window)
 
 
 @dataclass(frozen=True)
@@ -35,7 +98,7 @@ class Decision:
     name: str
     shape: tuple[Any, ...]
     dtype: torch.dtype
-    nbytes: Any
+    nbytes: Any  # int, or a sympy expression when sizes are symbolic
     action: str  # "offload" or "keep"
     reason: str
     transfer: int | None  # index into Plan.transfers when offloaded
@@ -46,8 +109,9 @@ class Transfer:
     """One storage copied to the host and back; its members are rebuilt from it."""
 
     base: fx.Node
-    nbytes: Any
+    nbytes: int
     members: tuple[int, ...]  # indices of the saved activations that live in this storage
+    cost: TransferCost | None = None
 
     @property
     def base_name(self) -> str:
@@ -59,17 +123,28 @@ class Plan:
     decisions: tuple[Decision, ...]
     transfers: tuple[Transfer, ...]
     min_bytes: int
+    budget: str = "none"  # as the user gave it
+    budget_bytes: int | None = None
+    activation_peak_before: int = 0  # predicted, bytes
+    activation_peak_after: int = 0
+    total_peak_before: int = 0
+    total_peak_after: int = 0
+    solver: str = "none"
+    optimal: bool = True
+    gap: float = 0.0
+    feasible: bool = True
+    note: str = ""
 
     @property
     def offloaded_bytes(self) -> int:
         return sum(int(t.nbytes) for t in self.transfers)
 
     @property
-    def saved_bytes(self) -> int:
-        return sum(int(d.nbytes) for d in self.decisions if not isinstance(d.nbytes, torch.SymInt))
+    def predicted_stall(self) -> float:
+        return sum(t.cost.stall for t in self.transfers if t.cost is not None)
 
 
-def _group_by_base(activations: Sequence[SavedActivation]) -> dict[fx.Node, list[SavedActivation]]:
+def group_by_base(activations: Sequence[SavedActivation]) -> dict[fx.Node, list[SavedActivation]]:
     groups: dict[fx.Node, list[SavedActivation]] = {}
     for act in activations:
         groups.setdefault(act.base, []).append(act)
@@ -112,34 +187,121 @@ def why_kept(group: Sequence[SavedActivation], user_storages: frozenset[int], mi
     return None
 
 
-def _offload_reason(act: SavedActivation) -> str:
+def _offload_reason(act: SavedActivation, budgeted: bool) -> str:
     if not act.view_chain:
-        return f"offloaded (>= min_bytes)"
-    return f"view of {act.base.name}; offloaded through its base, rebuilt after prefetch"
+        return "chosen to meet the budget" if budgeted else "offloaded (>= min_bytes)"
+    how = "base chosen to meet the budget" if budgeted else "offloaded through its base"
+    return f"view of {act.base.name}; {how}, rebuilt after prefetch"
+
+
+@dataclass(frozen=True)
+class _Choice:
+    chosen: tuple[fx.Node, ...]
+    solver: str = "none"
+    optimal: bool = True
+    gap: float = 0.0
+    feasible: bool = True
+    note: str = ""
+
+
+def _choose(
+    timeline: Timeline,
+    candidates: Sequence[fx.Node],
+    moves: Mapping[fx.Node, tuple[int, int]],
+    costs: Mapping[fx.Node, TransferCost],
+    budget: int,
+    options: PlanOptions,
+) -> _Choice:
+    by_key = timeline.by_key()
+    keys = {base: storage_key(base) for base in candidates}
+    candidate_keys = set(keys.values())
+    fixed = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.key not in candidate_keys]
+    items = []
+    for base in candidates:
+        lt = by_key[keys[base]]
+        release, prefetch = moves[base]
+        cost = costs[base]
+        items.append(Candidate(lt.nbytes, (lt.birth, lt.death), ((lt.birth, release), (prefetch, lt.death)),
+                               cost.stall + COPY_WEIGHT * (cost.d2h + cost.h2d)))
+    result = choose_offloads(timeline.length, fixed, items, budget, solver=options.solver, time_limit=options.time_limit)
+    if result.feasible:
+        return _Choice(tuple(candidates[i] for i in result.chosen), result.solver, result.optimal, result.gap)
+    smallest = min_peak(timeline.length, fixed, items)
+    message = (
+        f"memory_budget: the smallest achievable activation peak is {smallest} B (offloading every eligible "
+        f"activation), above the budget of {budget} B ({options.budget})"
+    )
+    if options.on_infeasible == "error":
+        raise BudgetInfeasibleError(message + "; raise the budget, lower min_bytes, or pass on_infeasible='warn'")
+    warnings.warn(message + "; offloading every eligible activation", stacklevel=2)
+    return _Choice(tuple(candidates), result.solver, False, math.nan, False, message)
 
 
 def plan_offloads(
-    interface: SavedInterface, activations: Sequence[SavedActivation], *, min_bytes: int
+    interface: SavedInterface,
+    activations: Sequence[SavedActivation],
+    timeline: Timeline,
+    moves: Mapping[fx.Node, tuple[int, int]],
+    costs: Mapping[fx.Node, TransferCost],
+    options: PlanOptions,
 ) -> Plan:
-    """Offload every eligible storage group of at least ``min_bytes`` bytes."""
+    """Keep or offload every saved activation (see the module docstring).
+
+    ``moves`` maps each candidate base to the (release, prefetch) timeline
+    positions the scheduler gives it; ``costs`` to its predicted copy costs.
+    """
     user_storages = output_storages(interface.user_outputs)
-    decisions: dict[int, Decision] = {}
+    groups = group_by_base(activations)
+    reasons = {base: why_kept(group, user_storages, options.min_bytes) for base, group in groups.items()}
+    candidates = [base for base, reason in reasons.items() if reason is None]
+    missing = [b.name for b in candidates if b not in moves or b not in costs]
+    if missing:
+        raise AssertionError(f"fxoffload: candidates without a placement: {missing}")
+
+    def evaluate(chosen: Sequence[fx.Node], residual_only: bool) -> int:
+        moved = {storage_key(b): moves[b] for b in chosen}
+        return peak(curve(timeline.length, intervals(timeline, moved, residual_only)))
+
+    act_before = evaluate((), True)
+    budget_bytes = options.budget.resolve(act_before) if options.budget is not None else None
+    if budget_bytes is None:
+        choice = _Choice(tuple(candidates))
+    elif act_before <= budget_bytes:
+        choice = _Choice(())
+    else:
+        choice = _choose(timeline, candidates, moves, costs, budget_bytes, options)
+
+    chosen = set(choice.chosen)
     transfers: list[Transfer] = []
-    for base, group in _group_by_base(activations).items():
-        reason = why_kept(group, user_storages, min_bytes)
-        transfer = None if reason is not None else len(transfers)
-        if transfer is not None:
-            transfers.append(Transfer(base, group[0].base_nbytes, tuple(a.index for a in group)))
+    decisions: dict[int, Decision] = {}
+    for base, group in groups.items():
+        reason = reasons[base]
+        transfer = None
+        if base in chosen:
+            transfer = len(transfers)
+            transfers.append(Transfer(base, group[0].base_nbytes, tuple(a.index for a in group), costs.get(base)))
+        elif reason is None:
+            reason = "kept: the budget holds without offloading it"
         for act in group:
             decisions[act.index] = Decision(
-                index=act.index,
-                name=act.name,
-                shape=tuple(act.val.shape),
-                dtype=act.val.dtype,
-                nbytes=act.nbytes,
-                action=KEEP if reason else OFFLOAD,
-                reason=reason or _offload_reason(act),
+                index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
+                action=OFFLOAD if transfer is not None else KEEP,
+                reason=reason if transfer is None else _offload_reason(act, budget_bytes is not None),
                 transfer=transfer,
             )
-    ordered = tuple(decisions[i] for i in sorted(decisions))
-    return Plan(ordered, tuple(transfers), min_bytes)
+    return Plan(
+        decisions=tuple(decisions[i] for i in sorted(decisions)),
+        transfers=tuple(transfers),
+        min_bytes=options.min_bytes,
+        budget=str(options.budget) if options.budget is not None else "none",
+        budget_bytes=budget_bytes,
+        activation_peak_before=act_before,
+        activation_peak_after=evaluate(choice.chosen, True),
+        total_peak_before=evaluate((), False),
+        total_peak_after=evaluate(choice.chosen, False),
+        solver=choice.solver,
+        optimal=choice.optimal,
+        gap=choice.gap,
+        feasible=choice.feasible,
+        note=choice.note,
+    )

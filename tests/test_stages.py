@@ -9,8 +9,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
+from fxoffload.profiles import PROFILES
+from passes import PlanOptions, plan_pair
 from passes.analysis import is_compute, saved_activations, saved_interface
-from passes.planning import plan_offloads
 from passes.scheduling import free_index, prefetch_index
 
 
@@ -40,6 +41,11 @@ def viewed_relu_inputs():
             torch.randn(6, 4, requires_grad=True)]
 
 
+def plan_for(fn, inputs, **options):
+    fw, bw, n = partitioned_pair(fn, *inputs)
+    return plan_pair(fw, bw, n, options=PlanOptions(**options), horizon=2, profile=PROFILES["h100-pcie5"]).plan
+
+
 def analyse(fn, *inputs):
     fw, bw, n = partitioned_pair(fn, *inputs)
     interface = saved_interface(fw.graph, bw.graph, n)
@@ -60,8 +66,7 @@ def test_views_are_traced_to_their_base():
 
 
 def test_plan_offloads_the_base_of_a_saved_view_and_keeps_inputs():
-    interface, acts = analyse(viewed_relu, *viewed_relu_inputs())
-    plan = plan_offloads(interface, acts, min_bytes=0)
+    plan = plan_for(viewed_relu, viewed_relu_inputs(), min_bytes=0)
     assert sorted(t.base.name for t in plan.transfers) == ["le", "relu"]
     actions = {d.name: d.action for d in plan.decisions}
     assert actions == {"permute": "offload", "le": "offload", "permute_1": "keep", "permute_2": "keep", "permute_3": "keep"}
@@ -70,10 +75,9 @@ def test_plan_offloads_the_base_of_a_saved_view_and_keeps_inputs():
 
 
 def test_min_bytes_threshold_is_on_the_base_storage():
-    interface, acts = analyse(viewed_relu, *viewed_relu_inputs())
     # relu holds 90 floats = 360 B; le holds 90 bools = 90 B.
-    assert [t.base.name for t in plan_offloads(interface, acts, min_bytes=360).transfers] == ["relu"]
-    kept = plan_offloads(interface, acts, min_bytes=361)
+    assert [t.base.name for t in plan_for(viewed_relu, viewed_relu_inputs(), min_bytes=360).transfers] == ["relu"]
+    kept = plan_for(viewed_relu, viewed_relu_inputs(), min_bytes=361)
     assert not kept.transfers
     assert {d.name: d.reason for d in kept.decisions}["permute"] == "360 B < min_bytes=361"
 
@@ -84,8 +88,7 @@ def test_model_outputs_and_their_views_are_never_offloaded():
         return h.t(), (h * h).sum()
 
     x, w = torch.randn(6, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
-    interface, acts = analyse(returns_activation, x, w)
-    plan = plan_offloads(interface, acts, min_bytes=0)
+    plan = plan_for(returns_activation, [x, w], min_bytes=0)
     assert not plan.transfers
     assert any(d.reason == "shares storage with a model output" for d in plan.decisions)
 

@@ -1,0 +1,104 @@
+"""Device profiles: what the cost model knows of a GPU kind and its host link.
+
+Link figures are *measured* pinned-copy bandwidths from public benchmark runs
+(CUDA ``bandwidthTest`` / NVIDIA ``nvbandwidth``), not marketing peaks; compute
+throughput is the datasheet's dense (non-sparse) figure; memory bandwidth is a
+sustained measurement where one was found, else the datasheet figure. Each
+profile cites its sources. The host platform matters as much as the GPU (one
+cloud A100 measured 6 GB/s device-to-host): calibrate where you can
+(:func:`fxoffload.calibrate` on a CUDA machine).
+
+Copy latency: NVIDIA states a ``cudaMemcpy`` costs about 6-7 us of overhead
+(NVIDIA/gdrcopy README); A100 ``bandwidthTest`` at 1 MB reaching 16-18 GB/s
+against 26 GB/s for large copies implies 15-25 us. We use 10 us everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from passes.cost_model import DeviceProfile
+
+__all__ = ["PROFILES", "DEFAULT_PROFILE", "resolve_profile", "DeviceProfile"]
+
+GB = 1e9
+T = 1e12
+LATENCY = 10e-6
+
+
+def _flops(bf16: float, fp16: float, fp32: float) -> tuple:
+    return ((torch.bfloat16, bf16 * T), (torch.float16, fp16 * T), (torch.float32, fp32 * T))
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    # H100 SXM 80GB, host link PCIe Gen5 x16. Link: nvbandwidth on Azure ND H100 v5,
+    # H2D 51 / D2H 52 GB/s (Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md).
+    # Duplex: not measured on H100; Gen5 hosts keep ~90% per direction with both running
+    # (tinygrad/open-gpu-kernel-modules#29, RTX 5090), so modelled as full duplex.
+    # Compute: H100 datasheet, dense BF16/FP16 989 TFLOP/s, FP32 67. Memory: STREAM-style
+    # 2.90-3.18 TB/s measured (Azure results above) against 3.35 spec: 3.0 TB/s.
+    "h100-pcie5": DeviceProfile(
+        "h100-pcie5", _flops(989, 989, 67), 3.0e12, 51 * GB, 52 * GB, True, LATENCY,
+        "nvbandwidth ND H100 v5 (Azure/AI-benchmarking-guide); H100 datasheet",
+    ),
+    # A100 on PCIe Gen4 x16. Link: bandwidthTest pinned, A100-PCIE-40GB ~26.2 GB/s both ways
+    # (jdh4/della-gpu-A100 README); nvbandwidth 25-26 one-way (NVIDIA/nvbandwidth#11), and with
+    # both directions running H2D falls to 11-13 while D2H holds 24-25 (#11, #53): not duplex.
+    # Compute: A100 datasheet dense BF16/FP16 312, FP32 19.5. Memory: 1.555 TB/s (40GB PCIe spec).
+    "a100-pcie4": DeviceProfile(
+        "a100-pcie4", _flops(312, 312, 19.5), 1.555e12, 26 * GB, 26 * GB, False, LATENCY,
+        "bandwidthTest jdh4/della-gpu-A100; NVIDIA/nvbandwidth#11,#53; A100 datasheet",
+    ),
+    # GH200, NVLink-C2C. Link: bandwidthTest pinned 32 MB, H2D 335 / D2H 292 GB/s
+    # (slitvinov/grace README); nvbandwidth H2D 346 (NVIDIA/nvbandwidth#23). Both at once each
+    # direction gets about half (160 H2D while D2H runs, microsoft/superbenchmark nvbandwidth
+    # test data; NVIDIA/nvbandwidth#41): not duplex. Compute: Hopper figures as H100.
+    # Memory: 3.6 TB/s read measured (mredenti/PowerCapping) for the 96 GB HBM3 part.
+    "gh200": DeviceProfile(
+        "gh200", _flops(990, 990, 67), 3.6e12, 335 * GB, 292 * GB, False, LATENCY,
+        "bandwidthTest slitvinov/grace; NVIDIA/nvbandwidth#23,#41",
+    ),
+    # L4 on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards,
+    # ~25 GB/s each way, not duplex. Compute: L4 datasheet dense BF16/FP16 121, FP32 30.3.
+    # Memory: 300 GB/s spec.
+    "l4": DeviceProfile(
+        "l4", _flops(121, 121, 30.3), 300 * GB, 25 * GB, 25 * GB, False, LATENCY,
+        "estimate (Gen4 class; no L4 measurement found); L4 datasheet",
+    ),
+    # RTX 4090 on PCIe Gen4 x16. Link: nvbandwidth 8x4090, H2D 24-26.4 / D2H 26.3-27.1 GB/s,
+    # bidirectional H2D 11-16 (NVIDIA/nvbandwidth#15): not duplex. Compute: Ada whitepaper,
+    # 165 TFLOP/s BF16/FP16 with FP32 accumulate, FP32 82.6. Memory: 921 GB/s measured
+    # (krrishnarraj/clpeak#106) against 1008 spec.
+    "rtx4090": DeviceProfile(
+        "rtx4090", _flops(165, 165, 82.6), 921 * GB, 25 * GB, 26.5 * GB, False, LATENCY,
+        "nvbandwidth NVIDIA/nvbandwidth#15; Ada whitepaper",
+    ),
+}
+
+DEFAULT_PROFILE = "h100-pcie5"
+"""Used by ``device_profile="auto"`` when no CUDA device is present."""
+
+
+def _from_cuda_name(name: str) -> str:
+    lowered = name.lower()
+    for key, pattern in (("gh200", "gh200"), ("h100-pcie5", "h100"), ("a100-pcie4", "a100"),
+                         ("l4", " l4"), ("rtx4090", "4090")):
+        if pattern in lowered:
+            return key
+    return DEFAULT_PROFILE
+
+
+def resolve_profile(spec: "str | DeviceProfile") -> DeviceProfile:
+    """A profile from a name, ``"auto"``, or a :class:`DeviceProfile` (returned as is)."""
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return PROFILES[_from_cuda_name(torch.cuda.get_device_name())]
+        return PROFILES[DEFAULT_PROFILE]
+    if spec not in PROFILES:
+        raise ValueError(
+            f"device_profile: unknown profile {spec!r}; known: {', '.join(sorted(PROFILES))}, "
+            "'auto', or a fxoffload.DeviceProfile"
+        )
+    return PROFILES[spec]

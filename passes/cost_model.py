@@ -1,0 +1,87 @@
+"""Cost model: predicted time of every op node and every copy on a device profile.
+
+Algorithm. An op's time is a roofline: the larger of its FLOPs over the
+profile's dense throughput for its dtype (FLOPs from PyTorch's flop-counter
+registry, which covers matmuls, convolutions and attention) and the bytes it
+reads and writes over the memory bandwidth. Views, getitems and fxoffload ops
+cost nothing. A copy costs the link latency plus bytes over the link
+bandwidth of its direction.
+
+Limits. No kernel launch overhead, no fusion (Inductor fuses pointwise chains,
+so their memory traffic is overestimated), no cache effects, no overlap of
+compute with itself. Symbolic sizes are evaluated at their hints. All times
+are predictions, in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from passes.analysis import is_compute, tensor_nbytes
+from passes.memory import concrete
+
+__all__ = ["DeviceProfile", "node_time", "node_times", "transfer_time"]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the cost model needs to know of a GPU and its host link (rates in units per second)."""
+
+    name: str
+    flops: tuple[tuple[torch.dtype, float], ...]  # dense throughput by dtype, FLOP/s
+    memory_bandwidth: float  # device memory, B/s
+    h2d_bandwidth: float  # pinned host-to-device copies, B/s
+    d2h_bandwidth: float  # pinned device-to-host copies, B/s
+    duplex: bool  # both directions at full rate at once
+    copy_latency: float  # per copy, s
+    source: str = ""  # where the figures come from
+
+    def throughput(self, dtype: torch.dtype) -> float:
+        table = dict(self.flops)
+        return table.get(dtype, table.get(torch.float32, min(table.values())))
+
+
+def _fake(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _nbytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return concrete(tensor_nbytes(val), val)
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _flops(node: fx.Node) -> int:
+    counter = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if counter is None:
+        return 0
+    args, kwargs = fx.map_arg((node.args, node.kwargs), _fake)
+    try:
+        return int(counter(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # an unusual overload the counter does not handle: bandwidth-only estimate
+        return 0
+
+
+def node_time(node: fx.Node, profile: DeviceProfile) -> float:
+    """Predicted seconds for one node (0 for views, getitems, placeholders and fxoffload ops)."""
+    if not is_compute(node):
+        return 0.0
+    out = node.meta.get("val")
+    dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
+    moved = _nbytes(out) + sum(_nbytes(_fake(a)) for a in node.all_input_nodes)
+    return max(_flops(node) / profile.throughput(dtype), moved / profile.memory_bandwidth)
+
+
+def node_times(nodes: tuple[fx.Node, ...], profile: DeviceProfile) -> list[float]:
+    return [node_time(n, profile) for n in nodes]
+
+
+def transfer_time(nbytes: int, bandwidth: float, latency: float) -> float:
+    return latency + nbytes / bandwidth
