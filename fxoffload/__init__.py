@@ -11,10 +11,11 @@ from fxoffload import runtime
 from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend
 from fxoffload.config import OffloadConfig
 from fxoffload.explain import explain
+from fxoffload.measure import MemoryMeasurement, measure_peak
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile
 from passes.planning import BudgetInfeasibleError
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "DeviceProfile", "GraphRecord", "OffloadBackend",
-    "OffloadConfig", "explain", "named_backend", "offload_backend", "runtime",
+    "MemoryMeasurement", "OffloadConfig", "explain", "measure_peak", "named_backend", "offload_backend", "runtime",
 ]

@@ -6,8 +6,11 @@ the backward). Every storage the graphs create (not graph inputs: parameters,
 user inputs, tangents) gets a :class:`Lifetime`: born at the node that
 creates it (views and getitems create none, they share their base's storage,
 found through fake-tensor storage identity), dead after its last use by any
-alias. User outputs and gradients live to the end of the step; a saved tensor
-(*residual*) lives from its forward birth to its last backward use. A plan
+alias. User outputs live to the end of the forward, gradients to the end of
+the step, tangents (made by autograd, including the zeros AOTAutograd
+materialises for unused outputs) from the start of the backward to their last
+use; a saved tensor (*residual*) lives from its forward birth to its last
+backward use. A plan
 replaces an offloaded storage's interval with two: the device copy until its
 release, and the prefetched copy from its prefetch to its last use; host
 buffers are not device memory. Curves are prefix sums of a difference array,
@@ -24,6 +27,7 @@ FX graphs is what this predicts.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -31,14 +35,15 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.analysis import SavedInterface, tensor_nbytes
+from passes.analysis import SavedInterface, _aliased_input, tensor_nbytes
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete"]
 
 
 @dataclass(frozen=True)
 class Lifetime:
-    key: int  # storage identity
+    index: int  # position in Timeline.lifetimes
+    key: int  # fake storage identity (unique within one graph, not across the pair)
     name: str  # node that created it
     nbytes: int  # bytes (symbolic sizes evaluated at their hints)
     expr: Any  # bytes as traced: int, or sympy expression
@@ -70,8 +75,11 @@ class Timeline:
             object.__setattr__(self, "_pos", cache)
         return cache
 
-    def by_key(self) -> dict[int, Lifetime]:
-        return {lt.key: lt for lt in self.lifetimes}
+    def forward_lifetime(self, node: fx.Node) -> Lifetime:
+        """The lifetime of the storage a forward node's value lives in."""
+        key = StorageWeakRef(node.meta["val"].untyped_storage()).cdata
+        forward_end = len(self.fw_nodes)
+        return next(lt for lt in self.lifetimes if lt.key == key and lt.birth < forward_end)
 
 
 def concrete(expr: Any, val: Any = None) -> int:
@@ -90,13 +98,20 @@ def _vals(node: fx.Node) -> list[torch.Tensor]:
 
 
 class _Walker:
-    """Collects births and last uses of storages over the joint timeline."""
+    """Collects births and last uses of storages over the joint timeline.
+
+    Storages are told apart by fake-storage identity *within a graph*: the
+    partitioner's recomputed copy of a forward node in the backward carries the
+    same fake value as the original, but is a new storage. So each graph maps
+    fake storages to lifetimes afresh, and only saved tensors carry their
+    forward lifetime into the backward.
+    """
 
     def __init__(self) -> None:
         self.keys: dict[fx.Node, list[int]] = {}
-        self.birth: dict[int, tuple[int, fx.Node, torch.Tensor]] = {}
-        self.death: dict[int, int] = {}
-        self.external: set[int] = set()  # storages of graph inputs
+        self.birth: list[tuple[int, fx.Node, torch.Tensor, int]] = []  # (position, node, value, storage key)
+        self.death: list[int] = []
+        self.current: dict[int, int] = {}  # fake storage -> lifetime, in the graph being walked
 
     def node_keys(self, node: fx.Node) -> list[int]:
         keys = self.keys.get(node)
@@ -105,45 +120,55 @@ class _Walker:
             self.keys[node] = keys
         return keys
 
-    def walk(self, nodes: Iterable[fx.Node], offset: int, inputs_are_external: Sequence[fx.Node]) -> None:
-        external_inputs = set(inputs_are_external)
+    def lifetimes_of(self, node: fx.Node) -> list[int]:
+        return [self.current[k] for k in self.node_keys(node) if k in self.current]
+
+    def walk(self, nodes: Iterable[fx.Node], offset: int, carried: dict[int, int]) -> None:
+        """Walk one graph; ``carried`` maps fake storages of its inputs to lifetimes born earlier."""
+        self.current = dict(carried)
         for i, node in enumerate(nodes, start=offset):
-            if node.op == "placeholder":
-                if node in external_inputs:
-                    self.external.update(self.node_keys(node))
-                continue
-            if node.op == "output":
+            if node.op in ("placeholder", "output"):
                 continue
             for arg in node.all_input_nodes:
-                for key in self.node_keys(arg):
-                    if key in self.birth:
-                        self.death[key] = i
+                for lifetime in self.lifetimes_of(arg):
+                    self.death[lifetime] = i
+            if _aliased_input(node) is not None or node.target is operator.getitem:
+                continue  # a view: no new storage
             for key, val in zip(self.node_keys(node), _vals(node)):
-                if key not in self.birth and key not in self.external:
-                    self.birth[key] = (i, node, val)
-                    self.death.setdefault(key, i)
+                self.current[key] = len(self.birth)
+                self.birth.append((i, node, val, key))
+                self.death.append(i)
 
 
 def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface) -> Timeline:
     """Lifetimes of every storage the pair creates; see the module docstring."""
     fw_nodes, bw_nodes = tuple(fw.nodes), tuple(bw.nodes)
-    end = len(fw_nodes) + len(bw_nodes) - 1
+    forward_end, end = len(fw_nodes) - 1, len(fw_nodes) + len(bw_nodes) - 1
     walker = _Walker()
-    walker.walk(fw_nodes, 0, [n for n in fw_nodes if n.op == "placeholder"])
-    saved = set(interface.bw_saved)
-    walker.walk(bw_nodes, len(fw_nodes), [n for n in bw_nodes if n.op == "placeholder" and n not in saved])
-    residual_keys = {k for n in interface.fw_saved for k in walker.node_keys(n)}
-    for value in (*interface.user_outputs, *bw.output_node().all_input_nodes):
+    walker.walk(fw_nodes, 0, {})
+    saved = {lt for n in interface.fw_saved for lt in walker.lifetimes_of(n)}
+    # User outputs are held until the forward returns; what the caller keeps
+    # through the backward (e.g. logits) is not modelled.
+    for value in interface.user_outputs:
         if isinstance(value, fx.Node):
-            for key in walker.node_keys(value):
-                if key in walker.birth:
-                    walker.death[key] = end
+            for lifetime in walker.lifetimes_of(value):
+                walker.death[lifetime] = max(walker.death[lifetime], forward_end)
+    carried = {k: walker.current[k] for n in interface.fw_saved for k in walker.node_keys(n) if k in walker.current}
+    saved_inputs = set(interface.bw_saved)
+    for node in bw_nodes:  # tangents: made by autograd as the backward starts
+        if node.op == "placeholder" and node not in saved_inputs:
+            for key, val in zip(walker.node_keys(node), _vals(node)):
+                carried[key] = len(walker.birth)
+                walker.birth.append((len(fw_nodes), node, val, key))
+                walker.death.append(len(fw_nodes))
+    walker.walk(bw_nodes, len(fw_nodes), carried)
+    for value in bw.output_node().all_input_nodes:  # gradients outlive the step
+        for lifetime in walker.lifetimes_of(value):
+            walker.death[lifetime] = end
     lifetimes = []
-    for key, (birth, node, val) in walker.birth.items():
+    for index, ((birth, node, val, key), death) in enumerate(zip(walker.birth, walker.death)):
         expr = tensor_nbytes(val)
-        lifetimes.append(
-            Lifetime(key, node.name, concrete(expr, val), expr, birth, walker.death[key], key in residual_keys)
-        )
+        lifetimes.append(Lifetime(index, key, node.name, concrete(expr, val), expr, birth, death, index in saved))
     return Timeline(fw_nodes, bw_nodes, tuple(lifetimes))
 
 
@@ -174,16 +199,16 @@ def intervals(
 ) -> list[tuple[int, int, int]]:
     """Device intervals of the timeline's storages under a plan.
 
-    ``moved`` maps an offloaded storage's key to (release position, prefetch
-    position): its device copy lives until the release, its prefetched copy
-    from the prefetch to its last use.
+    ``moved`` maps an offloaded storage's lifetime index to (release
+    position, prefetch position): its device copy lives until the release,
+    its prefetched copy from the prefetch to its last use.
     """
     out = []
     for lt in timeline.lifetimes:
         if residual_only and not lt.residual:
             continue
-        if lt.key in moved:
-            release, prefetch = moved[lt.key]
+        if lt.index in moved:
+            release, prefetch = moved[lt.index]
             out.append((lt.birth, release, lt.nbytes))
             out.append((prefetch, lt.death, lt.nbytes))
         else:

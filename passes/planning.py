@@ -212,13 +212,13 @@ def _choose(
     budget: int,
     options: PlanOptions,
 ) -> _Choice:
-    by_key = timeline.by_key()
-    keys = {base: storage_key(base) for base in candidates}
-    candidate_keys = set(keys.values())
-    fixed = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.key not in candidate_keys]
+    lives = {base: timeline.forward_lifetime(base) for base in candidates}
+    candidate_lives = {lt.index for lt in lives.values()}
+    fixed = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes
+             if lt.residual and lt.index not in candidate_lives]
     items = []
     for base in candidates:
-        lt = by_key[keys[base]]
+        lt = lives[base]
         release, prefetch = moves[base]
         cost = costs[base]
         items.append(Candidate(lt.nbytes, (lt.birth, lt.death), ((lt.birth, release), (prefetch, lt.death)),
@@ -259,7 +259,7 @@ def plan_offloads(
         raise AssertionError(f"fxoffload: candidates without a placement: {missing}")
 
     def evaluate(chosen: Sequence[fx.Node], residual_only: bool) -> int:
-        moved = {storage_key(b): moves[b] for b in chosen}
+        moved = {timeline.forward_lifetime(b).index: moves[b] for b in chosen}
         return peak(curve(timeline.length, intervals(timeline, moved, residual_only)))
 
     act_before = evaluate((), True)

@@ -80,3 +80,35 @@ def _fresh_dynamo():
     yield
     fxoffload.runtime.reset()
     torch._dynamo.reset()
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A causal LM and its next-token loss in one module, so that dynamo makes one graph of both
+    (GPT-2's own loss path breaks the graph in two)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
+        )
+
+
+def loss_step(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Forward and backward only (what ``measure_peak`` measures); returns the loss."""
+    loss = model(ids)
+    loss.backward()
+    return loss
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids)
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads

@@ -1,0 +1,162 @@
+"""``measure_peak``: device-resident tensor bytes over a real training step.
+
+Algorithm. An *infra* ``TorchDispatchMode`` (an ordinary mode makes dynamo run
+the original eager code instead of the compiled graphs, silently) sees every
+op the step dispatches, including the ops of compiled graphs run eagerly and
+the fxoffload ops. Each op output whose storage is new (not one of the op's
+inputs) is tracked with a weak reference, from that op until the first op at
+which the storage is gone. Outputs of ``fxoffload.offload`` are host memory;
+everything else counts as device memory. After the step:
+
+* a storage is an *activation* (saved for backward) if it was born in the
+  forward, was alive when the backward started (the first op dispatched from
+  the autograd engine), and was gone when the step returned; copies made by
+  ``fxoffload.prefetch`` are activations too. Return the loss from ``fn`` so
+  that it is not counted as an activation;
+* the total is every tracked device storage.
+
+Storages that existed before the step (parameters, inputs) are not counted.
+On CUDA, ``torch.cuda.max_memory_allocated`` is reported as well.
+
+Limits. Allocations that do not go through the dispatcher are invisible: under
+``inner="inductor"`` the buffers Inductor allocates for its fused kernels
+are, so measure with ``inner="eager"`` (same graphs, same plan) to compare with
+the memory model. Bytes are storage sizes, without allocator rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from passes.ops import FXOFFLOAD_OPS, OFFLOAD, PREFETCH
+
+__all__ = ["MemoryMeasurement", "measure_peak"]
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """Measured bytes (storage sizes) over one step; see the module docstring."""
+
+    total_peak: int  # device bytes of storages the step created
+    activation_peak: int  # of those, saved activations and prefetched copies
+    host_peak: int  # offload buffers in host memory
+    ops: int  # ops dispatched
+    fxoffload_ops: int  # fxoffload ops among them (0 means no offloading ran)
+    backward_started: int | None  # op index of the first backward op
+    cuda_max_allocated: int | None = None
+    total_curve: tuple[int, ...] = field(default=(), repr=False)  # device bytes after each op
+
+
+@dataclass
+class _Storage:
+    ref: StorageWeakRef
+    nbytes: int
+    born: int
+    host: bool
+    prefetched: bool
+    died: int | None = None
+
+
+class _Tracker(TorchDispatchMode):
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True  # so that dynamo runs the compiled graphs under this mode
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+        self.backward_start: int | None = None
+        self.storages: dict[int, _Storage] = {}
+        self.live: list[_Storage] = []
+        self.fxoffload_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.step += 1
+        if self.backward_start is None and torch._C._current_graph_task_id() != -1:
+            self.backward_start = self.step
+        self.fxoffload_ops += func in FXOFFLOAD_OPS
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, inputs, func)
+        self.sweep()
+        return out
+
+    def _track(self, t: torch.Tensor, inputs: set[int], func: Any) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref.cdata in inputs or ref.cdata in self.storages and not self.storages[ref.cdata].ref.expired():
+            return  # a view or an in-place result, or already tracked
+        host = func is OFFLOAD or (t.device.type == "cpu" and _has_cuda_peer(t))
+        entry = _Storage(ref, t.untyped_storage().nbytes(), self.step, host, func is PREFETCH)
+        self.storages[ref.cdata] = entry
+        self.live.append(entry)
+
+    def sweep(self) -> None:
+        still = []
+        for entry in self.live:
+            if entry.ref.expired():
+                entry.died = self.step
+            else:
+                still.append(entry)
+        self.live = still
+
+
+def _has_cuda_peer(t: torch.Tensor) -> bool:
+    return torch.cuda.is_available() and t.is_pinned()
+
+
+def _peak(entries: list[_Storage], length: int) -> tuple[int, list[int]]:
+    delta = [0] * (length + 2)
+    for e in entries:
+        delta[e.born] += e.nbytes
+        delta[e.died if e.died is not None else length + 1] -= e.nbytes
+    curve, running = [], 0
+    for d in delta[: length + 1]:
+        running += d
+        curve.append(running)
+    return max(curve, default=0), curve
+
+
+def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMeasurement:
+    """Run ``fn(*args, **kwargs)`` (a training step: forward and backward) and measure its memory."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    tracker = _Tracker()
+    with tracker:
+        returned = fn(*args, **kwargs)
+    tracker.step += 1
+    tracker.sweep()  # what the step freed on return; what it returned (e.g. the loss) is still alive
+    del returned
+    end = tracker.step
+    entries = list(tracker.storages.values())
+    device = [e for e in entries if not e.host]
+    start = tracker.backward_start
+
+    def is_activation(e: _Storage) -> bool:
+        if e.prefetched:
+            return True
+        return start is not None and e.born < start and (e.died is None or e.died > start) and e.died is not None
+
+    total_peak, curve = _peak(device, end)
+    activation_peak, _ = _peak([e for e in device if is_activation(e)], end)
+    host_peak, _ = _peak([e for e in entries if e.host], end)
+    return MemoryMeasurement(
+        total_peak=total_peak,
+        activation_peak=activation_peak,
+        host_peak=host_peak,
+        ops=tracker.step - 1,
+        fxoffload_ops=tracker.fxoffload_ops,
+        backward_started=start,
+        cuda_max_allocated=torch.cuda.max_memory_allocated() if cuda else None,
+        total_curve=tuple(curve),
+    )

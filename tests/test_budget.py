@@ -1,0 +1,116 @@
+"""Budget-driven planning on real transformers models, checked against measured memory.
+
+Memory is measured with ``fxoffload.measure_peak`` (inner="eager": the dispatch
+mode sees every allocation of the FX graphs; Inductor's fused-kernel buffers
+would be invisible to it). Predictions come from the plan's memory model.
+"""
+
+import pytest
+import torch
+
+import fxoffload
+from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
+
+BUDGETS = [0.1, 0.3, 0.5, 0.7]
+
+
+def build(name):
+    torch.manual_seed(0)
+    return CausalLMLoss(MODELS[name]()).train(), torch.randint(0, 256, (2, 32))
+
+
+def compiled_run(model, ids, **options):
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
+    compiled = torch.compile(model, backend=backend)
+    result = loss_and_grads(compiled, ids)  # compiles, and checks numerics below
+    measured = fxoffload.measure_peak(loss_step, compiled, ids)
+    model.zero_grad(set_to_none=True)
+    assert len(backend.records) == 1
+    return backend.records[0].plan, measured, result
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_budgets_hold_when_measured(name):
+    model, ids = build(name)
+    expected = loss_and_grads(model, ids)
+    base_plan, base, _ = compiled_run(model, ids, memory_budget=1.0)
+    assert not base_plan.transfers and base.fxoffload_ops == 0
+    # The memory model predicts the unoffloaded step to within 10%.
+    assert abs(base_plan.total_peak_before - base.total_peak) <= 0.1 * base.total_peak
+    assert abs(base_plan.activation_peak_before - base.activation_peak) <= 0.1 * base.activation_peak
+    for budget in BUDGETS:
+        plan, measured, result = compiled_run(model, ids, memory_budget=budget, on_infeasible="warn")
+        assert_same_step(expected, result)
+        assert plan.budget_bytes == int(budget * plan.activation_peak_before)
+        assert measured.fxoffload_ops == 4 * len(plan.transfers)  # the mode sees the compiled graphs' ops
+        if plan.feasible:
+            assert plan.activation_peak_after <= plan.budget_bytes
+            assert measured.activation_peak <= plan.budget_bytes, (budget, measured)
+        assert abs(plan.total_peak_after - measured.total_peak) <= 0.1 * measured.total_peak, (budget, plan, measured)
+        assert measured.total_peak <= base.total_peak
+    # Tighter budgets never offload less.
+    assert plan.offloaded_bytes > 0
+
+
+def test_budget_as_bytes_string_and_int_agree():
+    model, ids = build("llama")
+    plan_frac, _, _ = compiled_run(model, ids, memory_budget=0.5)
+    nbytes = plan_frac.budget_bytes
+    plan_int, measured, _ = compiled_run(model, ids, memory_budget=nbytes)
+    assert plan_int.budget_bytes == nbytes and measured.activation_peak <= nbytes
+    plan_str, _, _ = compiled_run(model, ids, memory_budget=f"{nbytes}B")
+    assert plan_str.budget_bytes == nbytes
+    assert [t.base_name for t in plan_str.transfers] == [t.base_name for t in plan_int.transfers]
+
+
+def test_infeasible_budget_errors_with_the_smallest_peak():
+    model, ids = build("llama")
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000)
+    with pytest.raises(Exception, match=r"smallest achievable activation peak is \d+ B .* above the budget of 1000 B"):
+        loss_step(torch.compile(model, backend=backend), ids)
+
+
+def test_infeasible_budget_can_warn_and_offload_everything():
+    model, ids = build("llama")
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, on_infeasible="warn")
+    with pytest.warns(UserWarning, match="smallest achievable activation peak"):
+        loss_step(torch.compile(model, backend=backend), ids)
+    plan = backend.records[0].plan
+    assert not plan.feasible and "smallest achievable" in plan.note
+    everything = fxoffload.offload_backend(inner="eager", min_bytes=0)  # no budget: offload all eligible
+    torch._dynamo.reset()
+    loss_step(torch.compile(model, backend=everything), ids)
+    assert len(plan.transfers) == len(everything.records[0].plan.transfers)
+    assert "note: memory_budget" in fxoffload.explain(backend.records[0])
+
+
+@pytest.mark.parametrize("solver", ["greedy", "milp"])
+def test_each_solver_meets_the_budget(solver):
+    model, ids = build("gpt2")
+    plan, measured, _ = compiled_run(model, ids, memory_budget=0.6, solver=solver)
+    assert plan.solver == solver and plan.feasible
+    assert measured.activation_peak <= plan.budget_bytes
+
+
+def test_explain_reports_budget_peaks_and_solver():
+    model, ids = build("llama")
+    plan, _, _ = compiled_run(model, ids, memory_budget=0.5)
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5)
+    loss_step(torch.compile(model, backend=backend), ids)
+    text = fxoffload.explain(backend.records[0])
+    assert "budget" in text and "0.5 of the activation peak" in text
+    assert "predicted activation peak" in text and "predicted total peak" in text
+    assert "solver: milp" in text and "gap" in text
+    assert "chosen to meet the budget" in text and "kept: the budget holds without offloading it" in text
+
+
+def test_measure_peak_sees_compiled_offload_ops_and_host_buffers():
+    model, ids = build("llama")
+    plan, measured, _ = compiled_run(model, ids)  # no budget: everything eligible
+    assert measured.fxoffload_ops == 4 * len(plan.transfers) > 0
+    assert measured.host_peak >= max(t.nbytes for t in plan.transfers)
+    assert measured.backward_started is not None

@@ -1,0 +1,61 @@
+"""The memory model on a tiny graph, with lifetimes computed by hand."""
+
+import pytest
+import torch
+
+from fxoffload.profiles import PROFILES
+from passes import PlanOptions, plan_pair
+from passes.analysis import saved_interface
+from passes.memory import build_timeline, curve, intervals, peak
+from passes.planning import Budget, BudgetInfeasibleError
+from tests.test_stages import partitioned_pair, viewed_relu, viewed_relu_inputs
+
+
+def test_lifetimes_of_viewed_relu():
+    fw, bw, n = partitioned_pair(viewed_relu, *viewed_relu_inputs())
+    timeline = build_timeline(fw.graph, bw.graph, saved_interface(fw.graph, bw.graph, n))
+    by_name = {(lt.name, lt.birth < len(timeline.fw_nodes)): lt for lt in timeline.lifetimes}
+    relu = by_name[("relu", True)]
+    le = by_name[("le", True)]
+    assert (relu.nbytes, relu.residual) == (3 * 5 * 6 * 4, True)  # saved through its view .view().t()
+    assert (le.nbytes, le.residual) == (3 * 5 * 6, True)  # bool mask
+    mm = by_name[("mm", True)]
+    # mm's storage is read through its view view_1 by relu: it dies at relu, not at view_1.
+    assert not mm.residual and mm.death == timeline.fw_position(next(n for n in timeline.fw_nodes if n.name == "relu"))
+    # Residuals live into the backward; nothing else from the forward does.
+    forward_end = len(timeline.fw_nodes) - 1
+    for lt in timeline.lifetimes:
+        if lt.birth <= forward_end and lt.death > forward_end:
+            assert lt.residual or lt.name == "sum_1", lt  # sum_1 is the user output (to forward end)
+    # The activation curve peaks at the boundary with both residuals: 360 + 90 bytes.
+    act = curve(timeline.length, intervals(timeline, {}, residual_only=True))
+    assert peak(act) == 450 and act[forward_end] == 450
+
+
+def deep_tanh(x, w1, w2, w3):
+    h1 = torch.tanh(x @ w1)
+    h2 = torch.tanh(h1 @ w2)
+    return torch.tanh(h2 @ w3).sum()
+
+
+def plan_deep(fraction):
+    inputs = [torch.randn(16, 8, requires_grad=True)] + [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    fw, bw, n = partitioned_pair(deep_tanh, *inputs)
+    options = PlanOptions(budget=Budget(fraction=fraction))
+    return plan_pair(fw, bw, n, options=options, horizon=1, profile=PROFILES["h100-pcie5"]).plan
+
+
+def test_budget_fraction_resolves_against_the_unoffloaded_peak():
+    # Saved: tanh, tanh_1 and mm_2 (the last tanh is recomputed from it), 16x8 floats = 512 B each.
+    # Unoffloaded, all three are live at the forward/backward boundary: 1536 B.
+    # In the forward, a layer's saved input is still read while its saved output is made
+    # (tanh_1 is read by the mm that makes mm_2), so no plan goes below 1024 B.
+    plan = plan_deep(0.7)
+    assert plan.activation_peak_before == 1536 and plan.budget_bytes == int(0.7 * 1536)
+    assert len(plan.transfers) == 1 and plan.transfers[0].base_name in ("tanh", "tanh_1")
+    assert plan.activation_peak_after == 1024
+
+
+def test_budget_below_the_floor_is_infeasible():
+    with pytest.raises(BudgetInfeasibleError, match="smallest achievable activation peak is 1024 B .* budget of 768 B"):
+        plan_deep(0.5)
