@@ -5,7 +5,11 @@ Python), as byte-level tokens. Nothing is downloaded. Timings are measured on
 this machine's CPU, where "device" and "host" are the same memory: they show
 the cost of the protocol, not a GPU's.
 
-    python examples/train_llama.py [--steps 6] [--inner inductor|eager] [--min-bytes 65536]
+    python examples/train_llama.py [--steps 6] [--budget 0.5] [--inner inductor|eager] [--min-bytes 65536]
+
+Memory is then measured for one more step of each (``fxoffload.measure_peak``,
+with the graphs run eagerly so that every allocation is seen) and printed next
+to the memory model's prediction.
 """
 
 from __future__ import annotations
@@ -86,7 +90,9 @@ def main() -> None:
     parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--min-bytes", type=int, default=64 * 1024)
     parser.add_argument("--horizon", type=int, default=2)
+    parser.add_argument("--budget", default="0.5", help="memory_budget: a fraction, or a size such as 64MiB")
     args = parser.parse_args()
+    budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
 
     text = stdlib_text()
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
@@ -102,7 +108,9 @@ def main() -> None:
     plain_losses, plain_times = train(plain, data, args.steps, args.batch, args.seq)
 
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(min_bytes=args.min_bytes, horizon=args.horizon, inner=args.inner)
+    backend = fxoffload.offload_backend(
+        memory_budget=budget, min_bytes=args.min_bytes, horizon=args.horizon, inner=args.inner
+    )
     offl_model = copy.deepcopy(base)
     offl = torch.compile(offl_model, backend=backend)
     offl_losses, offl_times = train(offl, data, args.steps, args.batch, args.seq)
@@ -126,7 +134,36 @@ def main() -> None:
             + ", ".join(f"{name} {sec * 1e3:.1f} ms" for name, sec in record.pass_seconds)
         )
     print("\nfxoffload.explain(backend.records[0]) starts:")
-    print("\n".join(fxoffload.explain(backend.records[0]).splitlines()[:12]))
+    print("\n".join(fxoffload.explain(backend.records[0]).splitlines()[:14]))
+    memory_report(base, data, args, budget)
+
+
+def measured_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss
+
+
+def memory_report(base, data, args, budget) -> None:
+    """Predicted and measured peaks of one step, plain compile against fxoffload."""
+    ids = next(batches(data, 1, args.batch, args.seq, seed=1))
+    rows = []
+    for label, options in (("plain torch.compile", {"memory_budget": 1.0}), (f"fxoffload, budget {args.budget}",
+                                                                              {"memory_budget": budget})):
+        torch._dynamo.reset()
+        # memory_budget=1.0 offloads nothing: the plain min-cut partition, with its prediction recorded.
+        backend = fxoffload.offload_backend(inner="eager", min_bytes=args.min_bytes, horizon=args.horizon, **options)
+        model = torch.compile(copy.deepcopy(base), backend=backend)
+        measured_step(model, ids)
+        measured = fxoffload.measure_peak(measured_step, model, ids)
+        plan = backend.records[0].plan
+        rows.append((label, plan.activation_peak_after, measured.activation_peak, plan.total_peak_after,
+                     measured.total_peak, format_bytes(plan.budget_bytes)))
+    print("\nmemory of one step (bytes of tensor storages; measured by fxoffload.measure_peak on this CPU, "
+          "predicted by the memory model):")
+    print(f"{'':<24}{'activations predicted':>22}{'measured':>12}{'total predicted':>17}{'measured':>12}   budget")
+    for label, ap, am, tp, tm, b in rows:
+        print(f"{label:<24}{format_bytes(ap):>22}{format_bytes(am):>12}{format_bytes(tp):>17}{format_bytes(tm):>12}   {b}")
 
 
 if __name__ == "__main__":

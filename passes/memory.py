@@ -87,7 +87,9 @@ def concrete(expr: Any, val: Any = None) -> int:
     if isinstance(expr, int):
         return expr
     shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
-    hints = dict(shape_env.var_to_val) if shape_env is not None else {}
+    if shape_env is None:
+        return int(expr)
+    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
     return int(expr.xreplace(hints))
 
 

@@ -43,6 +43,13 @@ def _trace(target: Callable, args: tuple, kwargs: dict | None = None) -> Any:
         return target(*fake_args[0], **fake_args[1])
 
 
+def _value(target: Callable, args: tuple, kwargs: dict | None = None) -> Any:
+    """The fake value of a new node: a wait returns its input; other ops are traced."""
+    if target is WAIT:
+        return args[0].meta["val"]
+    return _trace(target, args, kwargs)
+
+
 class _Inserter:
     """Inserts nodes after an anchor in call order (several inserts after one anchor stay ordered)."""
 
@@ -53,7 +60,7 @@ class _Inserter:
     def after(self, anchor: fx.Node, target: Callable, args: tuple) -> fx.Node:
         with self.graph.inserting_after(self._last.get(anchor, anchor)):
             node = self.graph.call_function(target, args)
-        node.meta["val"] = _trace(target, args)
+        node.meta["val"] = _value(target, args)
         self._last[anchor] = node
         return node
 
@@ -61,11 +68,12 @@ class _Inserter:
 def _before(graph: fx.Graph, anchor: fx.Node, target: Callable, args: tuple, kwargs=None, val=None) -> fx.Node:
     with graph.inserting_before(anchor):
         node = graph.call_function(target, args, kwargs or {})
-    node.meta["val"] = _trace(target, args, kwargs) if val is None else val
+    node.meta["val"] = _value(target, args, kwargs) if val is None else val
     return node
 
 
-def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: SavedInterface) -> None:
+def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: SavedInterface) -> list[fx.Node]:
+    """Insert offloads and their waits; return the waited host buffer of each transfer."""
     inserter = _Inserter(fw)
     hosts = []
     for transfer, place in zip(plan.transfers, schedule.placements):
@@ -81,6 +89,7 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     old = tuple(out.args[0])
     rest = old[interface.num_user_outputs + len(interface.fw_saved) :]
     out.args = (old[: interface.num_user_outputs] + tuple(saved) + rest,)
+    return hosts
 
 
 def _replay(bw: fx.Graph, anchor: fx.Node, base: fx.Node, act: SavedActivation) -> fx.Node:
@@ -100,13 +109,14 @@ def _rewrite_backward(
     schedule: Schedule,
     interface: SavedInterface,
     activations: Sequence[SavedActivation],
+    fw_hosts: Sequence[fx.Node],
 ) -> None:
     placeholders = list(bw.find_nodes(op="placeholder"))
     host_inputs = []
-    for transfer, place in zip(plan.transfers, schedule.placements):
+    for transfer, place, fw_host in zip(plan.transfers, schedule.placements, fw_hosts):
         with bw.inserting_before(placeholders[0]):
             host = bw.placeholder(f"{transfer.base.name}_host")
-        host.meta["val"] = _trace(OFFLOAD, (transfer.base,))
+        host.meta["val"] = fw_host.meta["val"]  # the same host buffer crosses from forward to backward
         host_inputs.append(host)
         val = transfer.base.meta["val"]
         dev = _before(bw, place.prefetch_before, PREFETCH, (host, val.device, list(val.shape), list(val.stride())))
@@ -142,12 +152,16 @@ def rewrite_pair(
     plan: Plan,
     schedule: Schedule,
 ) -> None:
-    """Apply ``plan`` and ``schedule`` to the partitioned pair, in place."""
+    """Apply ``plan`` and ``schedule`` to the partitioned pair, in place.
+
+    The graphs are edited and linted; their Python code is not regenerated
+    (``module.recompile()``): whoever runs them does that once (the eager inner
+    compiler does, Inductor reads the graph).
+    """
     if not plan.transfers:
         return
-    _rewrite_forward(fw_module.graph, plan, schedule, interface)
-    _rewrite_backward(bw_module.graph, plan, schedule, interface, activations)
+    hosts = _rewrite_forward(fw_module.graph, plan, schedule, interface)
+    _rewrite_backward(bw_module.graph, plan, schedule, interface, activations, hosts)
     for module in (fw_module, bw_module):
         module.graph.eliminate_dead_code()
         module.graph.lint()
-        module.recompile()

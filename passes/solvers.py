@@ -13,13 +13,14 @@ offloading every candidate does not fit, nothing does.
   that saves there at the lowest cost per byte; then drop chosen candidates,
   costliest first, while the budget still holds.
 * :func:`solve_milp`: the exact 0/1 program (minimise total cost subject to
-  the curve <= budget at every interval start where it could exceed it), with
-  SciPy's HiGHS (``scipy.optimize.milp``) under a time limit.
+  the curve <= budget everywhere), with SciPy's HiGHS (``scipy.optimize.milp``)
+  under a time limit. The timeline is cut at the ends of the saving
+  intervals; within a segment the same candidates can save, so one row per
+  segment (at its highest point) states the whole constraint.
 * :func:`choose_offloads`: ``"auto"`` runs both and keeps the cheaper
   feasible answer, so the exact answer is never worse than greedy.
 
-Limits: costs are additive (no queueing between copies); the budget is
-checked at interval starts, which is where a piecewise-constant curve peaks.
+Limits: costs are additive (no queueing between copies).
 """
 
 from __future__ import annotations
@@ -129,9 +130,12 @@ def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverRe
 
     started = time.perf_counter()
     base = _base_curve(length, fixed, candidates)
-    starts = sorted({s for s, _, _ in fixed} | {c.keep[0] for c in candidates}
-                    | {a for c in candidates for a, _ in c.offload} | {a for c in candidates for a, _ in _savings(c)})
-    rows = [t for t in starts if t < length and base[t] > budget]
+    # Between consecutive ends of saving intervals, the same candidates can
+    # save: one row per such segment, at the segment's highest point.
+    cuts = sorted({0} | {p for c in candidates for a, b in _savings(c) for p in (a, b + 1)} - {length})
+    highest = np.maximum.reduceat(base, cuts) if length else np.zeros(0)
+    rows = [t for t, top in zip(cuts, highest) if top > budget]
+    excess = np.array([top - budget for top in highest if top > budget], dtype=float)
     if not rows:
         return _result(length, fixed, candidates, (), budget, "milp", True, 0.0, started)
     row_pos = np.array(rows)
@@ -143,7 +147,6 @@ def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverRe
             entries_c.extend([i] * (hi - lo))
             entries_v.extend([c.nbytes] * (hi - lo))
     matrix = coo_matrix((entries_v, (entries_r, entries_c)), shape=(len(rows), len(candidates)), dtype=float)
-    excess = np.array([base[t] - budget for t in rows], dtype=float)
     cost = np.array([c.cost for c in candidates], dtype=float)
     res = milp(
         cost,

@@ -37,3 +37,41 @@ def test_bad_option_by_name_reaches_the_user():
     compiled = torch.compile(model, backend="fxoffload", options={"horizn": 2})
     with pytest.raises(Exception, match="horizn"):
         compiled(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, -1, -0.5, 0.0, 1.5, float("nan"), True, False, "lots", "12 parsecs", "0GB", "GiB", "-3MB", [1], {"a": 1}],
+)
+def test_bad_memory_budget_forms(value):
+    with pytest.raises(ValueError, match=r"memory_budget: got .*; accepted: None, a fraction in \(0, 1\]"):
+        fxoffload.offload_backend(memory_budget=value)
+
+
+@pytest.mark.parametrize(
+    "value, fraction, nbytes",
+    [
+        (0.5, 0.5, None), (1.0, 1.0, None), (1, None, 1), (4096, None, 4096),
+        ("6GiB", None, 6 * 2**30), ("512MB", None, 512 * 10**6), ("1.5 GB", None, 1_500_000_000),
+        ("64kib", None, 65536), ("100B", None, 100),
+    ],
+)
+def test_memory_budget_forms(value, fraction, nbytes):
+    from fxoffload.config import parse_budget
+
+    budget = parse_budget(value)
+    assert (budget.fraction, budget.nbytes) == (fraction, nbytes)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"solver": "cplex"}, "solver: got 'cplex'; accepted: 'auto', 'milp', 'greedy'"),
+        ({"on_infeasible": "ignore"}, "on_infeasible: got 'ignore'; accepted: 'error', 'warn'"),
+        ({"solver_time_limit": 0}, "solver_time_limit: got 0"),
+        ({"device_profile": "tpu-v5"}, "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, h100-pcie5"),
+    ],
+)
+def test_bad_planner_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        fxoffload.offload_backend(**options)

@@ -105,3 +105,20 @@ def test_explain_lists_every_saved_activation_with_reason():
         assert decision.name in text and decision.reason in text
     assert "view of relu; offloaded through its base" in text
     assert "graph input" in text
+
+
+def test_explain_shows_symbolic_bytes_under_dynamic_shapes():
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0)
+    compiled = torch.compile(MLP(), backend=backend, dynamic=True)
+    compiled(torch.randn(3, 5, 8)).backward()
+    record = backend.records[0]
+    symbolic = [d for d in record.plan.decisions if not isinstance(d.nbytes, int)]
+    assert symbolic, fxoffload.explain(record)
+    text = fxoffload.explain(record)
+    for d in symbolic:
+        assert str(d.nbytes) in text  # e.g. 64*s27*s77: the sympy form, not a number
+        assert d.action == "keep" and d.reason.startswith("symbolic size")
+    # The memory model evaluates the symbols at their hints: 3 x 5 x 16 floats for tanh.
+    tanh = next(lt for lt in record.timeline.lifetimes if lt.name == "tanh")
+    assert tanh.nbytes == 3 * 5 * 16 * 4
