@@ -157,8 +157,9 @@ def memory_report(base, data, args, budget) -> None:
         measured_step(model, ids)
         measured = fxoffload.measure_peak(measured_step, model, ids)
         plan = backend.records[0].plan
+        shown_budget = "none" if options["memory_budget"] == 1.0 else format_bytes(plan.budget_bytes)
         rows.append((label, plan.activation_peak_after, measured.activation_peak, plan.total_peak_after,
-                     measured.total_peak, format_bytes(plan.budget_bytes)))
+                     measured.total_peak, shown_budget))
     print("\nmemory of one step (bytes of tensor storages; measured by fxoffload.measure_peak on this CPU, "
           "predicted by the memory model):")
     print(f"{'':<24}{'activations predicted':>22}{'measured':>12}{'total predicted':>17}{'measured':>12}   budget")
