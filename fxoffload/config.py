@@ -62,9 +62,11 @@ class OffloadConfig:
     """Smallest storage (bytes) worth a transfer; smaller saved tensors stay on the device.
     Copies below ~64 KiB are dominated by launch and link latency."""
 
-    horizon: int = 2
-    """Compute ops between a prefetch and the first backward consumer of its tensor
-    (views, getitems and fxoffload ops do not count); clamped to the backward's start."""
+    horizon: Any = "auto"
+    """Where prefetches start: ``"auto"`` (from predicted op and copy times, as late as hides the
+    copy, as early as the memory bound allows), or an int: exactly that many compute ops before
+    the first backward consumer (views, getitems and fxoffload ops do not count), clamped to the
+    backward's start."""
 
     inner: str = "inductor"
     """Compiler for the rewritten graphs: ``"inductor"`` or ``"eager"`` (run the FX graphs as they are)."""
@@ -85,7 +87,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
         _check_int("min_bytes", self.min_bytes)
-        _check_int("horizon", self.horizon)
+        if self.horizon != "auto":
+            _check_int("horizon", self.horizon, also="or 'auto'")
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("solver", self.solver, SOLVERS)
         _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
@@ -110,9 +113,9 @@ class OffloadConfig:
         return resolve_profile(self.device_profile)
 
 
-def _check_int(name: str, value: Any) -> None:
+def _check_int(name: str, value: Any, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: got {value!r}; accepted: an int >= 0")
+        raise ValueError(f"{name}: got {value!r}; accepted: an int >= 0" + (f" {also}" if also else ""))
 
 
 def _check_choice(name: str, value: Any, accepted: tuple[str, ...]) -> None:

@@ -39,7 +39,8 @@ def _summary(record: Any) -> str:
         f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
         f"{format_bytes(plan.activation_peak_after)}",
         f"predicted total peak:      {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}",
-        f"predicted stall on {record.profile}: {plan.predicted_stall * 1e6:.1f} us",
+        f"predicted stall on {record.profile}: {schedule.predicted_stall * 1e6:.1f} us "
+        "(copies served in order per direction; see the placements)",
     ]
     if plan.note:
         lines.append(f"note: {plan.note}")
@@ -59,15 +60,15 @@ def explain(record: Any) -> str:
         place_rows = []
         for p in schedule.placements:
             t = plan.transfers[p.transfer]
-            cost = t.cost
             place_rows.append([
                 t.base_name, format_bytes(t.nbytes), p.offload_after.name, p.free_after.name,
                 p.prefetch_before.name, p.wait_before.name, str(p.ops_ahead),
-                f"{cost.h2d * 1e6:.1f}" if cost else "-", f"{cost.stall * 1e6:.1f}" if cost else "-",
+                f"{p.d2h_seconds * 1e6:.1f}", f"{p.h2d_seconds * 1e6:.1f}",
+                f"{p.forward_stall * 1e6:.1f}", f"{p.backward_stall * 1e6:.1f}",
             ])
         text.append(_table(
             ["transfer", "bytes", "offload after", "release after", "prefetch before", "wait before", "ops ahead",
-             "h2d us", "stall us"],
+             "d2h us", "h2d us", "fw stall us", "bw stall us"],
             place_rows,
         ))
     return "\n\n".join(text)

@@ -23,10 +23,11 @@ from passes.cost_model import DeviceProfile, node_times
 from passes.memory import Timeline, build_timeline
 from passes.planning import (
     Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
+    with_scheduled_peaks,
 )
 from passes.rewrite import rewrite_pair
 from passes.scheduling import (
-    Placement, Schedule, place_candidates, schedule_transfers, timeline_moves, transfer_costs,
+    AUTO, Placement, Schedule, place_candidates, schedule_transfers, timeline_moves, transfer_costs,
 )
 
 __all__ = [
@@ -62,7 +63,7 @@ def plan_pair(
     num_user_outputs: int,
     *,
     options: PlanOptions,
-    horizon: int,
+    horizon: int | str,
     profile: DeviceProfile,
     _watch: _Stopwatch | None = None,
 ) -> PassResult:
@@ -82,10 +83,11 @@ def plan_pair(
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     nbytes = {b: g[0].base_nbytes for b, g in candidates.items()}
     moves = timeline_moves(timeline, placements)
-    costs = transfer_costs(timeline, placements, times, nbytes, profile)
+    costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
     plan = plan_offloads(interface, activations, timeline, moves, costs, options)
     watch.stamp("plan")
-    schedule = schedule_transfers(plan, placements, horizon)
+    schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile)
+    plan = with_scheduled_peaks(plan, timeline, schedule)
     watch.stamp("schedule")
     return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times))
 
@@ -96,7 +98,7 @@ def offload_pair(
     num_user_outputs: int,
     *,
     options: PlanOptions,
-    horizon: int,
+    horizon: int | str,
     profile: DeviceProfile,
 ) -> PassResult:
     """Plan the pair, then rewrite it in place; return what was decided. Recompile the modules to run them."""

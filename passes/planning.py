@@ -27,6 +27,7 @@ behind other copies); symbolic sizes are evaluated at their hints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from passes.solvers import Candidate, choose_offloads, min_peak
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Transfer", "TransferCost",
-    "group_by_base", "plan_offloads", "why_kept",
+    "group_by_base", "plan_offloads", "why_kept", "with_scheduled_peaks",
 ]
 
 OFFLOAD = "offload"
@@ -304,4 +305,21 @@ def plan_offloads(
         gap=choice.gap,
         feasible=choice.feasible,
         note=choice.note,
+    )
+
+
+def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
+    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
+    if not schedule.placements:
+        return plan
+    nodes = timeline.fw_nodes + timeline.bw_nodes
+    pos = {n: i for i, n in enumerate(nodes)}
+    moved = {
+        timeline.forward_lifetime(plan.transfers[p.transfer].base).index: (pos[p.free_after], pos[p.prefetch_before])
+        for p in schedule.placements
+    }
+    return dataclasses.replace(
+        plan,
+        activation_peak_after=peak(curve(timeline.length, intervals(timeline, moved, True))),
+        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False))),
     )

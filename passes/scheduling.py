@@ -1,27 +1,46 @@
-"""Scheduling: where each offload, offload wait, prefetch and wait goes.
+"""Scheduling: where each offload, release, prefetch and wait goes, and what it costs.
 
-Algorithm (fixed horizon).
-* Forward: the offload is issued right after its base is computed. That is
-  correct because post-AOTAutograd graphs are functional: nothing writes to the
-  base afterwards, so the copy reads final values while compute goes on. The
-  offload ``wait`` (which releases the device copy) goes right after the last
-  forward use of any alias of the base, so no view outlives its storage.
-* Backward: the ``wait`` goes right before the first backward consumer of any
-  tensor rebuilt from the base; the prefetch goes ``horizon`` compute ops
-  earlier (views, getitems and fxoffload ops do not count), clamped to the
-  start of the backward graph.
+Algorithm.
+* Offload: right after its base is computed. Post-AOTAutograd graphs are
+  functional: nothing writes the base afterwards, so the copy reads final
+  values while compute goes on.
+* Release (the offload ``wait``, which frees the device copy): never before
+  the last forward use of any alias of the base. Device-to-host copies run in
+  issue order on one engine (each starts when both its base exists and the
+  previous copy ended); the release goes at the first node after that use where
+  the copy is predicted done, so compute does not stall on it, but no later
+  than the memory bound allows (holding the device copy longer raises the
+  activation curve) and no later than the forward's end.
+* Prefetch, ``horizon=int``: exactly that many compute ops (views, getitems and
+  fxoffload ops do not count) before the first backward consumer, clamped to
+  the start of the backward.
+* Prefetch, ``horizon="auto"``: host-to-device copies are served in order on
+  one engine, so walking the transfers from the last consumer back gives each
+  copy its latest start (it must end before its consumer and before the next
+  copy starts); the prefetch goes at the last node issued no later than that,
+  from the predicted compute time of every backward node. If that would break
+  the memory bound (a prefetched copy occupies the device from its prefetch),
+  it starts as early as the bound allows and the stall is recorded.
+* Wait: right before the first backward consumer.
 
-:func:`place_candidates` places every candidate before planning (the planner
-needs the positions to predict memory); :func:`schedule_transfers` keeps the
-placements of the transfers the plan chose. :func:`prefetch_index` and
-:func:`free_index` are pure functions over lists, free of FX. The result is an
-immutable :class:`Schedule`; nothing here edits a graph.
+The memory bound is the plan's budget, or without a budget the plan's own
+predicted activation peak (so scheduling never raises it). Stalls are
+predicted per wait by serving the copies in order on their engine over the
+predicted compute timeline; one stall does not delay the next here (the
+simulator models that).
 
-Limits. The horizon is a count of ops, not a time.
+The helpers over plain lists (:func:`prefetch_index`, :func:`latest_starts`,
+:func:`issue_index`, :func:`bounded_start`, :func:`fifo_finish`) know nothing of
+FX. The result is an immutable :class:`Schedule`; nothing here edits a graph.
+
+Limits. Compute never overlaps compute; copies in the two directions are
+modelled independently (see the simulator for a shared link); costs come from
+the roofline cost model.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -30,28 +49,44 @@ import torch.fx as fx
 
 from passes.analysis import SavedActivation, is_compute, last_storage_use, storage_key
 from passes.cost_model import DeviceProfile, transfer_time
-from passes.memory import Timeline
+from passes.memory import Timeline, curve, intervals
 from passes.planning import Plan, TransferCost
 
-__all__ = ["Placement", "Schedule", "place_candidates", "schedule_transfers", "prefetch_index", "free_index"]
+__all__ = [
+    "Placement", "Schedule", "place_candidates", "schedule_transfers", "prefetch_index", "free_index",
+    "latest_starts", "issue_index", "bounded_start", "fifo_finish", "AUTO",
+]
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the four ops of one transfer go (nodes of the forward/backward graphs)."""
+    """Where the four ops of one transfer go (nodes of the forward/backward graphs), and their predicted times."""
 
     transfer: int  # index into Plan.transfers (-1 for an unchosen candidate)
     offload_after: fx.Node  # forward: offload right after this node
-    free_after: fx.Node  # forward: offload wait right after this node
+    free_after: fx.Node  # forward: offload wait (release) right after this node
     prefetch_before: fx.Node  # backward: prefetch right before this node
     wait_before: fx.Node  # backward: wait right before this node (first consumer)
     ops_ahead: int  # compute ops between the prefetch and the wait
+    d2h_seconds: float = 0.0  # predicted copy times
+    h2d_seconds: float = 0.0
+    forward_stall: float = 0.0  # predicted compute stall at the release
+    backward_stall: float = 0.0  # predicted compute stall at the wait
 
 
 @dataclass(frozen=True)
 class Schedule:
-    horizon: int
+    horizon: int | str
     placements: tuple[Placement, ...]  # aligned with Plan.transfers
+
+    @property
+    def predicted_stall(self) -> float:
+        return sum(p.forward_stall + p.backward_stall for p in self.placements)
+
+
+# --------------------------------------------------------------------------- pure helpers
 
 
 def prefetch_index(compute: Sequence[bool], consumer: int, horizon: int, first: int) -> int:
@@ -70,8 +105,47 @@ def prefetch_index(compute: Sequence[bool], consumer: int, horizon: int, first: 
 
 
 def free_index(birth: int, last_use: int) -> int:
-    """Index of the node after which the device copy is released."""
+    """Index of the node after which the device copy may first be released."""
     return max(birth, last_use)
+
+
+def latest_starts(deadlines: Sequence[float], durations: Sequence[float]) -> list[float]:
+    """Latest start of each copy on one in-order engine, copies listed in service order.
+
+    Copy ``k`` must end by ``deadlines[k]`` and before copy ``k + 1`` starts.
+    """
+    starts = [0.0] * len(deadlines)
+    next_start = float("inf")
+    for k in range(len(deadlines) - 1, -1, -1):
+        starts[k] = min(deadlines[k], next_start) - durations[k]
+        next_start = starts[k]
+    return starts
+
+
+def issue_index(start_times: Sequence[float], when: float, first: int, last: int) -> int:
+    """The last index in ``[first, last]`` whose start time is at or before ``when`` (``first`` if none)."""
+    index = bisect.bisect_right(start_times, when, first, last + 1) - 1
+    return max(first, min(index, last))
+
+
+def bounded_start(occupied: Sequence[int], desired: int, end: int, nbytes: int, bound: int) -> int:
+    """Earliest index in ``[desired, end]`` from which ``nbytes`` more over ``[index, end)`` stays within ``bound``."""
+    index = end
+    while index > desired and occupied[index - 1] + nbytes <= bound:
+        index -= 1
+    return index
+
+
+def fifo_finish(ready: Sequence[float], durations: Sequence[float]) -> list[float]:
+    """Finish times of copies served in order on one engine, each ready at ``ready[k]``."""
+    finish, engine_free = [], float("-inf")
+    for r, d in zip(ready, durations):
+        engine_free = max(r, engine_free) + d
+        finish.append(engine_free)
+    return finish
+
+
+# --------------------------------------------------------------------------- candidates (before planning)
 
 
 def place_candidates(
@@ -79,9 +153,14 @@ def place_candidates(
     bw: fx.Graph,
     groups: Mapping[fx.Node, Sequence[SavedActivation]],
     *,
-    horizon: int,
+    horizon: int | str,
 ) -> dict[fx.Node, Placement]:
-    """A placement for every candidate base, as if each were offloaded."""
+    """A placement for every candidate base, as if each were offloaded alone.
+
+    For the planner's memory model the release is at the last forward use and,
+    under ``"auto"``, the prefetch is at its consumer: the least memory each
+    transfer can take. Scheduling later moves them within the plan's bound.
+    """
     fw_nodes = list(fw.nodes)
     fw_pos = {n: i for i, n in enumerate(fw_nodes)}
     last_use = last_storage_use(fw)
@@ -94,7 +173,7 @@ def place_candidates(
         birth = fw_pos[base]
         free = free_index(birth, last_use.get(storage_key(base), birth))
         consumer = min(bw_pos[u] for m in members for u in m.bw_node.users)
-        start = prefetch_index(compute, consumer, horizon, first)
+        start = consumer if horizon == AUTO else prefetch_index(compute, consumer, horizon, first)
         placements[base] = Placement(
             transfer=-1,
             offload_after=base,
@@ -114,18 +193,30 @@ def timeline_moves(timeline: Timeline, placements: Mapping[fx.Node, Placement]) 
     }
 
 
+def _prefix(times: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for t in times:
+        out.append(out[-1] + t)
+    return out
+
+
 def transfer_costs(
     timeline: Timeline,
     placements: Mapping[fx.Node, Placement],
     times: Sequence[float],
     nbytes: Mapping[fx.Node, int],
     profile: DeviceProfile,
+    *,
+    hide_backward: bool = False,
 ) -> dict[fx.Node, TransferCost]:
-    """Predicted copy times and the compute time between each op pair that could hide them."""
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
+    """Each candidate's predicted copy times and the compute that could hide them, alone on its link.
+
+    ``hide_backward``: the prefetch may start anywhere in the backward (``"auto"``), so
+    the window is all compute between the backward's start and the consumer.
+    """
+    prefix = _prefix(times)
     window = lambda a, b: prefix[b] - prefix[a]  # compute time of positions a .. b-1
+    backward_start = len(timeline.fw_nodes)
     costs = {}
     for base, p in placements.items():
         birth, release = timeline.fw_position(base), timeline.fw_position(p.free_after)
@@ -133,13 +224,111 @@ def transfer_costs(
         costs[base] = TransferCost(
             d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
             h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),
-            forward_window=window(birth + 1, release + 1),
-            backward_window=window(start, consumer),
+            forward_window=window(birth + 1, len(timeline.fw_nodes)),
+            backward_window=window(backward_start if hide_backward else start, consumer),
         )
     return costs
 
 
-def schedule_transfers(plan: Plan, placements: Mapping[fx.Node, Placement], horizon: int) -> Schedule:
-    """The placements of the transfers the plan chose, in plan order."""
-    chosen = tuple(dataclasses.replace(placements[t.base], transfer=k) for k, t in enumerate(plan.transfers))
-    return Schedule(horizon, chosen)
+# --------------------------------------------------------------------------- final schedule (after planning)
+
+
+def _activation_curve(timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> list[int]:
+    return curve(timeline.length, intervals(timeline, moves, residual_only=True))
+
+
+def schedule_transfers(
+    plan: Plan,
+    placements: Mapping[fx.Node, Placement],
+    horizon: int | str,
+    *,
+    timeline: Timeline,
+    times: Sequence[float],
+    profile: DeviceProfile,
+) -> Schedule:
+    """Final placements of the transfers the plan chose (see the module docstring)."""
+    chosen = [dataclasses.replace(placements[t.base], transfer=k) for k, t in enumerate(plan.transfers)]
+    if not chosen:
+        return Schedule(horizon, ())
+    bound = plan.budget_bytes if plan.budget_bytes is not None else plan.activation_peak_after
+    nodes = timeline.fw_nodes + timeline.bw_nodes
+    starts = _prefix(times)  # predicted start time of each timeline position, before stalls
+    pos = {n: i for i, n in enumerate(nodes)}
+    sizes = [int(t.nbytes) for t in plan.transfers]
+    lives = [timeline.forward_lifetime(t.base).index for t in plan.transfers]
+    d2h = [transfer_time(s, profile.d2h_bandwidth, profile.copy_latency) for s in sizes]
+    h2d = [transfer_time(s, profile.h2d_bandwidth, profile.copy_latency) for s in sizes]
+
+    moves = {lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)}
+    releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound)
+    for k, r in enumerate(releases):
+        moves[lives[k]] = (r, moves[lives[k]][1])
+    if horizon == AUTO:
+        prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound)
+    else:
+        prefetches = [pos[p.prefetch_before] for p in chosen]
+    return _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, starts, pos, horizon)
+
+
+def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound) -> list[int]:
+    forward_end = len(timeline.fw_nodes) - 2  # the last node before the output
+    order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
+    ready = [starts[pos[chosen[k].offload_after] + 1] for k in order]
+    done = dict(zip(order, fifo_finish(ready, [d2h[k] for k in order])))
+    occupied = _activation_curve(timeline, moves)
+    releases = [0] * len(chosen)
+    for k in order:
+        earliest = pos[chosen[k].free_after]
+        wanted = max(earliest, min(forward_end, issue_index(starts, done[k], earliest, forward_end)))
+        # Holding the device copy from ``earliest`` to ``wanted`` adds its bytes there.
+        index = earliest
+        while index < wanted and occupied[index + 1] + sizes[k] <= bound:
+            index += 1
+        for i in range(earliest + 1, index + 1):
+            occupied[i] += sizes[k]
+        releases[k] = index
+    return releases
+
+
+def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound) -> list[int]:
+    first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
+    order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
+    consumers = [pos[chosen[k].wait_before] for k in order]
+    latest = latest_starts([starts[c] for c in consumers], [h2d[k] for k in order])
+    occupied = _activation_curve(timeline, moves)  # prefetches at their consumers: the least memory
+    prefetches = [0] * len(chosen)
+    for j in range(len(order) - 1, -1, -1):
+        k, consumer = order[j], consumers[j]
+        desired = issue_index(starts, latest[j], first, consumer)
+        start = bounded_start(occupied, desired, consumer, sizes[k], bound)
+        for i in range(start, consumer):
+            occupied[i] += sizes[k]
+        prefetches[k] = start
+    return prefetches
+
+
+def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, starts, pos, horizon) -> Schedule:
+    nodes = timeline.fw_nodes + timeline.bw_nodes
+    # Forward: copies in offload order; a release waits for its copy.
+    f_order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
+    f_done = dict(zip(f_order, fifo_finish([starts[pos[chosen[k].offload_after] + 1] for k in f_order],
+                                           [d2h[k] for k in f_order])))
+    # Backward: copies in prefetch order.
+    b_order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before]))
+    b_done = dict(zip(b_order, fifo_finish([starts[prefetches[k]] for k in b_order], [h2d[k] for k in b_order])))
+    compute = [is_compute(n) for n in nodes]
+    result = []
+    for k, p in enumerate(chosen):
+        release_time = starts[releases[k] + 1]
+        consumer = pos[p.wait_before]
+        result.append(dataclasses.replace(
+            p,
+            free_after=nodes[releases[k]],
+            prefetch_before=nodes[prefetches[k]],
+            ops_ahead=sum(compute[prefetches[k]:consumer]),
+            d2h_seconds=d2h[k],
+            h2d_seconds=h2d[k],
+            forward_stall=max(0.0, f_done[k] - release_time),
+            backward_stall=max(0.0, b_done[k] - starts[consumer]),
+        ))
+    return Schedule(horizon, tuple(result))

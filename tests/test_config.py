@@ -11,7 +11,8 @@ from fxoffload.config import OffloadConfig
     "options, message",
     [
         ({"bogus": 1}, "'bogus'.*accepted: memory_budget, min_bytes, horizon, inner"),
-        ({"horizon": -1}, "horizon: got -1; accepted: an int >= 0"),
+        ({"horizon": -1}, "horizon: got -1; accepted: an int >= 0 or .auto."),
+        ({"horizon": "soon"}, "horizon: got .soon.; accepted: an int >= 0 or .auto."),
         ({"horizon": 1.5}, "horizon: got 1.5"),
         ({"horizon": True}, "horizon: got True"),
         ({"min_bytes": -5}, "min_bytes: got -5; accepted: an int >= 0"),
@@ -26,7 +27,7 @@ def test_bad_options_name_the_option(options, message):
 
 def test_config_is_frozen_and_defaults_are_valid():
     config = OffloadConfig()
-    assert (config.min_bytes, config.horizon, config.inner) == (64 * 1024, 2, "inductor")
+    assert (config.min_bytes, config.horizon, config.inner) == (64 * 1024, "auto", "inductor")
     assert config.memory_budget is None and config.solver == "auto" and config.on_infeasible == "error"
     with pytest.raises(Exception):
         config.horizon = 3

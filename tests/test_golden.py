@@ -45,11 +45,14 @@ def test_mlp_forward_golden():
         "offload",  # relu: issued as soon as it exists (the graph is functional)
         "alias", "view", "permute", "addmm", "view", "tanh",
         "offload",  # tanh, at birth
-        "view", "permute", "addmm",
-        "wait",  # tanh released after addmm, its last reader (through a view)
-        "view", "sum", "alias", "le",
-        "wait",  # relu released after le, which reads it through alias -> alias
-        "offload", "wait",  # le: no forward reader, so released at once
+        "view", "permute", "addmm",  # addmm is tanh's last reader (through a view), but ...
+        "view", "sum", "alias",
+        "wait",  # ... its copy (10 us predicted, latency-bound) outlasts the forward's compute (ns),
+        # so the release waits as long as the memory bound (the plan's own activation peak,
+        # 1920 B here) allows: until le (240 B) is born on top of relu and tanh.
+        "le",
+        "wait",  # relu released after le, which reads it through alias -> alias; the forward's end
+        "offload", "wait",  # le: no forward reader and nothing after it
     ]
     assert fxoffload_args(fw) == [
         ("offload", ["relu"]),
