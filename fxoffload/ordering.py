@@ -9,7 +9,13 @@ PyTorch's ``control_deps`` higher-order op
 * the op depends on the nearest compute op before it (it cannot rise), and
   a ``wait`` also on every earlier reader of the storage it releases (a fused
   reader moved later, or a view's reader, must not outlive the release);
-* the nearest compute op after it depends on the op (it cannot sink).
+* the nearest compute op after it depends on the op (it cannot sink);
+* it depends on the fxoffload op before it, so ours keep their planned order
+  even when Inductor moves an anchor earlier (a fused reduction, say).
+
+Anchors are compute ops that read a value computed in the graph: an op of
+graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
+top by Inductor and would drag the pinned op with it.
 
 Applied only when the inner compiler is Inductor; the eager path runs the
 graph in its own order. fxoffload nodes are recognised by their op, never by
@@ -22,7 +28,7 @@ import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from passes.analysis import is_compute, storage_key
+from passes.analysis import is_anchored_compute, storage_key
 from passes.ops import FXOFFLOAD_OPS, WAIT
 
 __all__ = ["pin_offload_order"]
@@ -31,11 +37,13 @@ __all__ = ["pin_offload_order"]
 def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     edges: dict[fx.Node, OrderedSet[fx.Node]] = {}
     previous_compute: fx.Node | None = None
+    previous_op: fx.Node | None = None  # the last fxoffload op: ours keep their planned order
     waiting: list[fx.Node] = []  # fxoffload ops since the last compute op
     readers: dict[int, list[fx.Node]] = {}  # storage -> compute nodes that read it so far
     for node in graph.nodes:
         if node.op == "call_function" and node.target in FXOFFLOAD_OPS:
-            deps = OrderedSet([previous_compute] if previous_compute is not None else [])
+            deps = OrderedSet(d for d in (previous_compute, previous_op) if d is not None)
+            previous_op = node
             if node.target is WAIT:
                 # A wait releases its keepalive: it must follow every reader of
                 # that storage, even one Inductor fuses or moves earlier.
@@ -44,7 +52,7 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
             if deps:
                 edges[node] = deps
             waiting.append(node)
-        elif is_compute(node):
+        elif is_anchored_compute(node):
             for op in waiting:
                 if op not in node.all_input_nodes:
                     edges.setdefault(node, OrderedSet()).add(op)

@@ -36,6 +36,7 @@ __all__ = [
     "saved_activations",
     "storage_key",
     "is_compute",
+    "is_anchored_compute",
     "tensor_nbytes",
 ]
 
@@ -79,6 +80,16 @@ def _output_storages(node: fx.Node) -> set[int]:
     val = _fake(node)
     values = val if isinstance(val, (list, tuple)) else [val]
     return {StorageWeakRef(v.untyped_storage()).cdata for v in values if isinstance(v, torch.Tensor)}
+
+
+def is_anchored_compute(node: fx.Node) -> bool:
+    """A compute op that reads a value computed in its graph.
+
+    Ops of graph inputs only, or of nothing (``scalar_tensor``, ``full``), can be
+    hoisted anywhere by a compiler (Inductor folds constants into their users),
+    so they neither count towards a prefetch horizon nor pin a neighbour.
+    """
+    return is_compute(node) and any(a.op != "placeholder" for a in node.all_input_nodes)
 
 
 def is_compute(node: fx.Node) -> bool:

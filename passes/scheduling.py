@@ -11,9 +11,10 @@ Algorithm.
   the copy is predicted done, so compute does not stall on it, but no later
   than the memory bound allows (holding the device copy longer raises the
   activation curve) and no later than the forward's end.
-* Prefetch, ``horizon=int``: exactly that many compute ops (views, getitems and
-  fxoffload ops do not count) before the first backward consumer, clamped to
-  the start of the backward.
+* Prefetch, ``horizon=int``: exactly that many compute ops before the first
+  backward consumer, clamped to the start of the backward. Views, getitems,
+  fxoffload ops, and ops of graph inputs only or of nothing (constants a
+  compiler folds or hoists) do not count.
 * Prefetch, ``horizon="auto"``: host-to-device copies are served in order on
   one engine, so walking the transfers from the last consumer back gives each
   copy its latest start (it must end before its consumer and before the next
@@ -47,7 +48,7 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, is_compute, last_storage_use, storage_key
+from passes.analysis import SavedActivation, is_anchored_compute, last_storage_use, storage_key
 from passes.cost_model import DeviceProfile, transfer_time
 from passes.memory import Timeline, curve, intervals
 from passes.planning import Plan, TransferCost
@@ -166,7 +167,7 @@ def place_candidates(
     last_use = last_storage_use(fw)
     bw_nodes = list(bw.nodes)
     bw_pos = {n: i for i, n in enumerate(bw_nodes)}
-    compute = [is_compute(n) for n in bw_nodes]
+    compute = [is_anchored_compute(n) for n in bw_nodes]
     first = next(i for i, n in enumerate(bw_nodes) if n.op != "placeholder")
     placements = {}
     for base, members in groups.items():
@@ -316,7 +317,7 @@ def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, starts, pos, 
     # Backward: copies in prefetch order.
     b_order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before]))
     b_done = dict(zip(b_order, fifo_finish([starts[prefetches[k]] for k in b_order], [h2d[k] for k in b_order])))
-    compute = [is_compute(n) for n in nodes]
+    compute = [is_anchored_compute(n) for n in nodes]
     result = []
     for k, p in enumerate(chosen):
         release_time = starts[releases[k] + 1]

@@ -89,7 +89,7 @@ def order_violations(record, bw_code):
     return problems
 
 
-@pytest.mark.parametrize("horizon", [1, 2])
+@pytest.mark.parametrize("horizon", [0, 1, 2, "auto"])
 def test_backward_order_survives_inductor(horizon):
     record, _, bw_code = compile_and_read(horizon)
     assert order_violations(record, bw_code) == [], bw_code

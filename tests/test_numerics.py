@@ -7,17 +7,20 @@ import fxoffload
 from fxoffload import runtime
 from tests.conftest import MODELS, assert_same_step, lm_step
 
-INNERS = ["eager", pytest.param("inductor", marks=pytest.mark.slow)]
+SETTINGS = [
+    ("eager", 0), ("eager", 2), ("eager", "auto"),
+    pytest.param("inductor", 2, marks=pytest.mark.slow), pytest.param("inductor", "auto", marks=pytest.mark.slow),
+]
 
 
-@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("inner, horizon", SETTINGS)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_transformers_model_matches_eager(name, inner):
+def test_transformers_model_matches_eager(name, inner, horizon):
     torch.manual_seed(0)
     model = MODELS[name]().train()
     ids = torch.randint(0, 256, (2, 32))
     expected = lm_step(model, ids)
-    backend = fxoffload.offload_backend(min_bytes=0, horizon=2, inner=inner)
+    backend = fxoffload.offload_backend(min_bytes=0, horizon=horizon, inner=inner)
     compiled = torch.compile(model, backend=backend)
     with runtime.copy_delay(0.001):  # every copy lands late: a missing wait would show
         for _ in range(2):  # the second step reuses the compiled graphs
