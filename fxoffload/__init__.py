@@ -12,10 +12,10 @@ from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offloa
 from fxoffload.config import OffloadConfig
 from fxoffload.explain import explain
 from fxoffload.measure import MemoryMeasurement, measure_peak
-from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate
 from passes.planning import BudgetInfeasibleError
 
 __all__ = [
-    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "DeviceProfile", "GraphRecord", "OffloadBackend",
+    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
     "MemoryMeasurement", "OffloadConfig", "explain", "measure_peak", "named_backend", "offload_backend", "runtime",
 ]

@@ -19,7 +19,7 @@ import torch
 
 from passes.cost_model import DeviceProfile
 
-__all__ = ["PROFILES", "DEFAULT_PROFILE", "resolve_profile", "DeviceProfile"]
+__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "calibrate", "resolve_profile"]
 
 GB = 1e9
 T = 1e12
@@ -102,3 +102,62 @@ def resolve_profile(spec: "str | DeviceProfile") -> DeviceProfile:
             "'auto', or a fxoffload.DeviceProfile"
         )
     return PROFILES[spec]
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn`` on the current CUDA stream, timed with events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int = 256 << 20,
+              repeats: int = 5) -> DeviceProfile:
+    """Measure this machine's CUDA device and host link; return a :class:`DeviceProfile`.
+
+    Pinned copies of ``nbytes`` each way (alone, then both at once to see
+    whether the link is full duplex), 4 KiB copies for the latency, a device
+    copy for memory bandwidth, and square matmuls for bf16/fp16/fp32
+    throughput; each the median of ``repeats`` runs timed with CUDA events.
+    Needs a CUDA device: raises ``RuntimeError`` otherwise.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "fxoffload.calibrate needs a CUDA device and this machine has none "
+            f"(torch.cuda.is_available() is False); use a named profile instead: {', '.join(sorted(PROFILES))}"
+        )
+    device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
+    with torch.cuda.device(device):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        h2d = nbytes / _timed(lambda: dev.copy_(host, non_blocking=True), repeats)
+        d2h = nbytes / _timed(lambda: host.copy_(dev, non_blocking=True), repeats)
+        side = torch.cuda.Stream(device)
+
+        def both() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                host2.copy_(dev2, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(side)
+
+        duplex = 2 * nbytes / _timed(both, repeats) > 1.5 * min(h2d, d2h)
+        small_host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+        small_dev = torch.empty(4096, dtype=torch.uint8, device=device)
+        latency = _timed(lambda: small_dev.copy_(small_host, non_blocking=True), repeats)
+        memory = 2 * nbytes / _timed(lambda: dev2.copy_(dev), repeats)  # read + write
+        flops = []
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            n = 8192 if dtype != torch.float32 else 4096
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            flops.append((dtype, 2 * n**3 / _timed(lambda: a @ a, repeats)))
+    name = f"calibrated:{torch.cuda.get_device_name(device)}"
+    return DeviceProfile(name, tuple(flops), memory, h2d, d2h, duplex, latency, "fxoffload.calibrate() on this machine")

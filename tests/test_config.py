@@ -76,3 +76,24 @@ def test_memory_budget_forms(value, fraction, nbytes):
 def test_bad_planner_options(options, message):
     with pytest.raises(ValueError, match=message):
         fxoffload.offload_backend(**options)
+
+
+def test_profiles_are_complete_and_cited():
+    for name in ("h100-pcie5", "a100-pcie4", "gh200", "l4", "rtx4090"):
+        profile = fxoffload.PROFILES[name]
+        assert profile.h2d_bandwidth > 1e9 and profile.d2h_bandwidth > 1e9 and profile.copy_latency > 0
+        assert {d for d, _ in profile.flops} == {torch.bfloat16, torch.float16, torch.float32}
+        assert profile.source
+    from fxoffload.profiles import resolve_profile
+
+    custom = fxoffload.DeviceProfile("mine", ((torch.float32, 1e12),), 1e11, 1e9, 1e9, True, 1e-5)
+    assert resolve_profile(custom) is custom
+    expected = fxoffload.PROFILES["h100-pcie5"] if not torch.cuda.is_available() else None
+    if expected is not None:
+        assert resolve_profile("auto") is expected  # the documented default without a CUDA device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_calibrate_without_cuda_says_why():
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*use a named profile instead: a100-pcie4"):
+        fxoffload.calibrate()
