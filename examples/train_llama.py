@@ -89,10 +89,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--min-bytes", type=int, default=64 * 1024)
-    parser.add_argument("--horizon", type=int, default=2)
+    parser.add_argument("--horizon", default="auto", help="'auto' or a number of compute ops")
     parser.add_argument("--budget", default="0.5", help="memory_budget: a fraction, or a size such as 64MiB")
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
+    args.horizon = int(args.horizon) if args.horizon.isdigit() else args.horizon
 
     text = stdlib_text()
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()

@@ -133,7 +133,7 @@ class CpuEngine:
         return self._workers[direction].submit(run)
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
-        host = torch.empty_like(x)
+        host = torch.empty(x.shape, dtype=x.dtype)  # contiguous, as the fake kernel says
         _poison(host)
         future = self._submit("d2h", host, x)
         _register(host, _Transfer(future.result, (x,), "d2h"))
@@ -185,7 +185,7 @@ class CudaEngine:
         return _Transfer(finish, (src, dst), direction)
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
-        host = torch.empty_like(x, device="cpu", pin_memory=True)
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
         _register(host, self._copy("d2h", x.device, host, x))
         return host
 
