@@ -80,8 +80,8 @@ def plan_pair(
         b: g for b, g in group_by_base(activations).items()
         if b.op != "placeholder" and isinstance(g[0].base_nbytes, int) and any(a.bw_node.users for a in g)
     }
-    placements = place_candidates(fw, bw, candidates, horizon=horizon)
     nbytes = {b: g[0].base_nbytes for b, g in candidates.items()}
+    placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
     plan = plan_offloads(interface, activations, timeline, moves, costs, options)

@@ -113,11 +113,14 @@ def _rewrite_backward(
 ) -> None:
     placeholders = list(bw.find_nodes(op="placeholder"))
     host_inputs = []
-    for transfer, place, fw_host in zip(plan.transfers, schedule.placements, fw_hosts):
+    for transfer, fw_host in zip(plan.transfers, fw_hosts):
         with bw.inserting_before(placeholders[0]):
             host = bw.placeholder(f"{transfer.base.name}_host")
         host.meta["val"] = fw_host.meta["val"]  # the same host buffer crosses from forward to backward
         host_inputs.append(host)
+    order = schedule.prefetch_order or tuple(range(len(plan.transfers)))
+    for k in order:  # the scheduler's issue order: prefetches at one node go in consumer order
+        transfer, place, host = plan.transfers[k], schedule.placements[k], host_inputs[k]
         val = transfer.base.meta["val"]
         dev = _before(bw, place.prefetch_before, PREFETCH, (host, val.device, list(val.shape), list(val.stride())))
         ready = _before(bw, place.wait_before, WAIT, (dev, host))

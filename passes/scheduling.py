@@ -26,9 +26,9 @@ Algorithm.
 
 The memory bound is the plan's budget, or without a budget the plan's own
 predicted activation peak (so scheduling never raises it). Stalls are
-predicted per wait by serving the copies in order on their engine over the
-predicted compute timeline; one stall does not delay the next here (the
-simulator models that).
+predicted by one walk over the timeline with a clock: each copy starts when
+it is issued and its engine is free (one engine per direction), each wait
+stalls compute until its copy is done, and a stall delays everything after it.
 
 The helpers over plain lists (:func:`prefetch_index`, :func:`latest_starts`,
 :func:`issue_index`, :func:`bounded_start`, :func:`fifo_finish`) know nothing of
@@ -81,6 +81,7 @@ class Placement:
 class Schedule:
     horizon: int | str
     placements: tuple[Placement, ...]  # aligned with Plan.transfers
+    prefetch_order: tuple[int, ...] = ()  # transfer indices in the order their prefetches are issued
 
     @property
     def predicted_stall(self) -> float:
@@ -158,9 +159,11 @@ def place_candidates(
 ) -> dict[fx.Node, Placement]:
     """A placement for every candidate base, as if each were offloaded alone.
 
-    For the planner's memory model the release is at the last forward use and,
-    under ``"auto"``, the prefetch is at its consumer: the least memory each
-    transfer can take. Scheduling later moves them within the plan's bound.
+    The release is at the last forward use; under ``"auto"`` the prefetch is at
+    its consumer. That is the least memory each transfer can take, so the
+    planner's feasibility is exact: a budget is met whenever some placement
+    meets it. Scheduling then moves prefetches earlier to hide copies, and
+    releases later, as far as the plan's bound allows.
     """
     fw_nodes = list(fw.nodes)
     fw_pos = {n: i for i, n in enumerate(fw_nodes)}
@@ -212,12 +215,11 @@ def transfer_costs(
 ) -> dict[fx.Node, TransferCost]:
     """Each candidate's predicted copy times and the compute that could hide them, alone on its link.
 
-    ``hide_backward``: the prefetch may start anywhere in the backward (``"auto"``), so
-    the window is all compute between the backward's start and the consumer.
+    ``hide_backward`` (``"auto"``): the prefetch may start anywhere in the backward, so its
+    window is all compute from the backward's start to the consumer.
     """
     prefix = _prefix(times)
     window = lambda a, b: prefix[b] - prefix[a]  # compute time of positions a .. b-1
-    backward_start = len(timeline.fw_nodes)
     costs = {}
     for base, p in placements.items():
         birth, release = timeline.fw_position(base), timeline.fw_position(p.free_after)
@@ -226,7 +228,7 @@ def transfer_costs(
             d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
             h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),
             forward_window=window(birth + 1, len(timeline.fw_nodes)),
-            backward_window=window(backward_start if hide_backward else start, consumer),
+            backward_window=window(len(timeline.fw_nodes) if hide_backward else start, consumer),
         )
     return costs
 
@@ -265,10 +267,12 @@ def schedule_transfers(
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
     if horizon == AUTO:
+        for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
+            moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
         prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
-    return _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, starts, pos, horizon)
+    return _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon)
 
 
 def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound) -> list[int]:
@@ -308,19 +312,45 @@ def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, b
     return prefetches
 
 
-def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, starts, pos, horizon) -> Schedule:
+def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon) -> Schedule:
+    """Walk the timeline once with a clock: copies wait for their engine, waits stall compute."""
     nodes = timeline.fw_nodes + timeline.bw_nodes
-    # Forward: copies in offload order; a release waits for its copy.
-    f_order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
-    f_done = dict(zip(f_order, fifo_finish([starts[pos[chosen[k].offload_after] + 1] for k in f_order],
-                                           [d2h[k] for k in f_order])))
-    # Backward: copies in prefetch order.
-    b_order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before]))
-    b_done = dict(zip(b_order, fifo_finish([starts[prefetches[k]] for k in b_order], [h2d[k] for k in b_order])))
+    issue_after = {}  # position -> transfers whose offload is issued after that node
+    release_after, prefetch_before, wait_before = {}, {}, {}
+    # Prefetches issued at the same node go in the order of their consumers.
+    order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before], k))
+    for k, p in enumerate(chosen):
+        issue_after.setdefault(pos[p.offload_after], []).append(k)
+        release_after.setdefault(releases[k], []).append(k)
+        wait_before.setdefault(pos[p.wait_before], []).append(k)
+    for k in order:
+        prefetch_before.setdefault(prefetches[k], []).append(k)
+    now, engines = 0.0, {"d2h": 0.0, "h2d": 0.0}
+    done, stalls = {}, {}
+
+    def issue(key, k, seconds):
+        engines[key] = max(now, engines[key]) + seconds
+        done[(key, k)] = engines[key]
+
+    def wait(key, k):
+        nonlocal now
+        stall = max(0.0, done[(key, k)] - now)
+        stalls[(key, k)] = stall
+        now += stall
+
+    for i in range(len(nodes)):
+        for k in prefetch_before.get(i, ()):
+            issue("h2d", k, h2d[k])
+        for k in wait_before.get(i, ()):
+            wait("h2d", k)
+        now += times[i]
+        for k in issue_after.get(i, ()):
+            issue("d2h", k, d2h[k])
+        for k in release_after.get(i, ()):
+            wait("d2h", k)
     compute = [is_anchored_compute(n) for n in nodes]
     result = []
     for k, p in enumerate(chosen):
-        release_time = starts[releases[k] + 1]
         consumer = pos[p.wait_before]
         result.append(dataclasses.replace(
             p,
@@ -329,7 +359,7 @@ def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, starts, pos, 
             ops_ahead=sum(compute[prefetches[k]:consumer]),
             d2h_seconds=d2h[k],
             h2d_seconds=h2d[k],
-            forward_stall=max(0.0, f_done[k] - release_time),
-            backward_stall=max(0.0, b_done[k] - starts[consumer]),
+            forward_stall=stalls[("d2h", k)],
+            backward_stall=stalls[("h2d", k)],
         ))
-    return Schedule(horizon, tuple(result))
+    return Schedule(horizon, tuple(result), tuple(order))

@@ -147,12 +147,16 @@ def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverRe
             entries_c.extend([i] * (hi - lo))
             entries_v.extend([c.nbytes] * (hi - lo))
     matrix = coo_matrix((entries_v, (entries_r, entries_c)), shape=(len(rows), len(candidates)), dtype=float)
+    # Scale to O(1): costs are seconds (often microseconds) and HiGHS's absolute
+    # gap tolerance is 1e-6, which would call any answer optimal; bytes likewise.
     cost = np.array([c.cost for c in candidates], dtype=float)
+    cost = cost / cost.max() if cost.max() > 0 else cost
+    unit = float(max(c.nbytes for c in candidates)) or 1.0
     res = milp(
         cost,
         integrality=np.ones(len(candidates)),
         bounds=Bounds(0, 1),
-        constraints=LinearConstraint(matrix.tocsr(), lb=excess, ub=np.inf),
+        constraints=LinearConstraint(matrix.tocsr() / unit, lb=excess / unit, ub=np.inf),
         options={"time_limit": time_limit, "disp": False},
     )
     if res.x is None:

@@ -47,15 +47,19 @@ def test_golden_horizon_2_counts_compute_ops():
 
 def test_golden_horizon_auto_starts_as_early_as_the_bound_allows():
     placements, record = mlp_placements("auto")
-    # No copy can be hidden, so each wants the backward's start. The bound (the plan's own
-    # activation peak, 1920 B) lets tanh (960 B) and le (240 B) start there; relu (960 B)
-    # only once tanh's prefetched copy is dead (after mul, its last reader): before sub.
+    # The planner counts each prefetch from its consumer (the least memory), so without a
+    # budget the bound is that plan's activation peak: 1920 B. No copy can be hidden, so each
+    # prefetch wants the backward's start. tanh (960 B) and le (240 B) fit there; relu
+    # (960 B) only once tanh's prefetched copy is dead (after mul, its last reader): before
+    # sub. At one node, prefetches go in consumer order: tanh (view_4) before le (where).
     assert placements == {
         "relu": (RELEASES["relu"], "sub", "mm_3"),
         "tanh": (RELEASES["tanh"], "expand", "view_4"),
         "le": (RELEASES["le"], "expand", "where"),
     }
     assert record.plan.activation_peak_after <= 1920
+    order = [record.plan.transfers[k].base_name for k in record.schedule.prefetch_order]
+    assert order == ["tanh", "le", "relu"]
 
 
 def long_then_short(v, u, p, x, w):
