@@ -17,24 +17,32 @@ offloading every candidate does not fit, nothing does.
   under a time limit. The timeline is cut at the ends of the saving
   intervals; within a segment the same candidates can save, so one row per
   segment (at its highest point) states the whole constraint.
-* :func:`choose_offloads`: ``"auto"`` runs both and keeps the cheaper
-  feasible answer, so the exact answer is never worse than greedy.
+* :func:`choose_offloads`: ``"auto"`` runs greedy, then the LP relaxation
+  (a lower bound on any answer's cost). If greedy is within 1% of it, greedy
+  is kept with that gap reported (optimal when within HiGHS's 0.01%): branch
+  and bound took 3 s on a 7B graph to confirm a greedy answer 0.13% above the
+  bound. Otherwise the exact program runs under its time limit and the
+  cheaper feasible answer is kept, so the answer is never worse than greedy.
+  ``"milp"`` always runs the exact program.
 
 Limits: costs are additive (no queueing between copies).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 __all__ = ["Candidate", "SolverResult", "choose_offloads", "solve_greedy", "solve_milp", "evaluate"]
 
 Interval = tuple[int, int]
+OPTIMALITY_GAP = 1e-4  # relative; HiGHS's default for mixed-integer programs
+ACCEPTED_GAP = 1e-2  # "auto" keeps greedy without branch and bound when this close to the LP bound
 
 
 @dataclass(frozen=True)
@@ -123,21 +131,28 @@ def solve_greedy(length, fixed, candidates, budget) -> SolverResult:
     return _result(length, fixed, candidates, chosen, budget, "greedy", False, math.nan, started)
 
 
-def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverResult | None:
-    """The exact program; None if HiGHS found no feasible answer in time."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+@dataclass(frozen=True)
+class _Program:
+    """The 0/1 program in matrix form, scaled to O(1) (see :func:`_program`)."""
+
+    cost: np.ndarray  # per candidate, divided by ``cost_unit``
+    cost_unit: float
+    matrix: Any  # sparse rows x candidates: bytes saved per segment, divided by the largest candidate
+    excess: np.ndarray  # bytes over budget per segment, same unit
+
+
+def _program(length, fixed, candidates, budget) -> _Program | None:
+    """Rows of the program, or None when the budget holds with nothing offloaded."""
     from scipy.sparse import coo_matrix
 
-    started = time.perf_counter()
     base = _base_curve(length, fixed, candidates)
     # Between consecutive ends of saving intervals, the same candidates can
     # save: one row per such segment, at the segment's highest point.
     cuts = sorted({0} | {p for c in candidates for a, b in _savings(c) for p in (a, b + 1)} - {length})
     highest = np.maximum.reduceat(base, cuts) if length else np.zeros(0)
     rows = [t for t, top in zip(cuts, highest) if top > budget]
-    excess = np.array([top - budget for top in highest if top > budget], dtype=float)
     if not rows:
-        return _result(length, fixed, candidates, (), budget, "milp", True, 0.0, started)
+        return None
     row_pos = np.array(rows)
     entries_r, entries_c, entries_v = [], [], []
     for i, c in enumerate(candidates):
@@ -146,17 +161,41 @@ def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverRe
             entries_r.extend(range(lo, hi))
             entries_c.extend([i] * (hi - lo))
             entries_v.extend([c.nbytes] * (hi - lo))
-    matrix = coo_matrix((entries_v, (entries_r, entries_c)), shape=(len(rows), len(candidates)), dtype=float)
     # Scale to O(1): costs are seconds (often microseconds) and HiGHS's absolute
     # gap tolerance is 1e-6, which would call any answer optimal; bytes likewise.
-    cost = np.array([c.cost for c in candidates], dtype=float)
-    cost = cost / cost.max() if cost.max() > 0 else cost
     unit = float(max(c.nbytes for c in candidates)) or 1.0
+    matrix = coo_matrix((np.array(entries_v, dtype=float) / unit, (entries_r, entries_c)),
+                        shape=(len(rows), len(candidates))).tocsr()
+    cost = np.array([c.cost for c in candidates], dtype=float)
+    cost_unit = float(cost.max()) if cost.max() > 0 else 1.0
+    excess = np.array([top - budget for top in highest if top > budget], dtype=float) / unit
+    return _Program(cost / cost_unit, cost_unit, matrix, excess)
+
+
+def lower_bound(length, fixed, candidates, budget) -> float:
+    """A lower bound on the least cost: the LP relaxation of the program (HiGHS)."""
+    from scipy.optimize import linprog
+
+    program = _program(length, fixed, candidates, budget)
+    if program is None:
+        return 0.0
+    res = linprog(program.cost, A_ub=-program.matrix, b_ub=-program.excess, bounds=(0, 1), method="highs")
+    return float(res.fun) * program.cost_unit if res.status == 0 else math.inf
+
+
+def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverResult | None:
+    """The exact program; None if HiGHS found no feasible answer in time."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    started = time.perf_counter()
+    program = _program(length, fixed, candidates, budget)
+    if program is None:
+        return _result(length, fixed, candidates, (), budget, "milp", True, 0.0, started)
     res = milp(
-        cost,
+        program.cost,
         integrality=np.ones(len(candidates)),
         bounds=Bounds(0, 1),
-        constraints=LinearConstraint(matrix.tocsr() / unit, lb=excess / unit, ub=np.inf),
+        constraints=LinearConstraint(program.matrix, lb=program.excess, ub=np.inf),
         options={"time_limit": time_limit, "disp": False},
     )
     if res.x is None:
@@ -178,6 +217,15 @@ def choose_offloads(length, fixed, candidates, budget, *, solver: str = "auto", 
     greedy = solve_greedy(length, fixed, candidates, budget) if solver in ("auto", "greedy") else None
     if solver == "greedy" or (greedy is not None and not greedy.feasible):
         return greedy  # infeasible: no exact search can do better than "everything"
+    if greedy is not None and greedy.cost > 0:
+        # The LP relaxation bounds every answer from below: when greedy meets it,
+        # greedy is optimal and the (slower) branch and bound is not needed.
+        bound = lower_bound(length, fixed, candidates, budget)
+        gap = max((greedy.cost - bound) / greedy.cost, 0.0)
+        if gap <= ACCEPTED_GAP:
+            return dataclasses.replace(greedy, solver="greedy, LP-bounded", optimal=gap <= OPTIMALITY_GAP, gap=gap)
+    elif greedy is not None:
+        return dataclasses.replace(greedy, optimal=True, gap=0.0)  # zero cost cannot be beaten
     exact = solve_milp(length, fixed, candidates, budget, time_limit)
     if greedy is None:
         return exact if exact is not None else solve_greedy(length, fixed, candidates, budget)
