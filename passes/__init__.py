@@ -103,8 +103,12 @@ def offload_pair(
 ) -> PassResult:
     """Plan the pair, then rewrite it in place; return what was decided. Recompile the modules to run them."""
     with _gc_paused():
-        return _offload_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon,
-                             profile=profile)
+        watch = _Stopwatch()
+        result = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon,
+                           profile=profile, _watch=watch)
+        rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
+        watch.stamp("rewrite")
+    return dataclasses.replace(result, seconds=tuple(watch.times))
 
 
 @contextlib.contextmanager
@@ -119,12 +123,3 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-def _offload_pair(fw_module, bw_module, num_user_outputs, *, options, horizon, profile) -> PassResult:
-    watch = _Stopwatch()
-    result = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon, profile=profile,
-                       _watch=watch)
-    rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
-    watch.stamp("rewrite")
-    return dataclasses.replace(result, seconds=tuple(watch.times))
