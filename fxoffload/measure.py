@@ -94,7 +94,8 @@ class _Tracker(TorchDispatchMode):
         ref = StorageWeakRef(t.untyped_storage())
         if ref.cdata in inputs or ref.cdata in self.storages and not self.storages[ref.cdata].ref.expired():
             return  # a view or an in-place result, or already tracked
-        host = func is OFFLOAD or (t.device.type == "cpu" and _has_cuda_peer(t))
+        # On a CUDA machine host memory is the CPU; on the CPU engine, only offload buffers.
+        host = t.device.type == "cpu" if torch.cuda.is_available() else func is OFFLOAD
         entry = _Storage(ref, t.untyped_storage().nbytes(), self.step, host, func is PREFETCH)
         self.storages[ref.cdata] = entry
         self.live.append(entry)
@@ -107,10 +108,6 @@ class _Tracker(TorchDispatchMode):
             else:
                 still.append(entry)
         self.live = still
-
-
-def _has_cuda_peer(t: torch.Tensor) -> bool:
-    return torch.cuda.is_available() and t.is_pinned()
 
 
 def _peak(entries: list[_Storage], length: int) -> tuple[int, list[int]]:

@@ -13,7 +13,8 @@ Backward, per transfer: a new input takes the host buffer;
 chain is replayed on ``dev`` and replaces the member's old input.
 Both graphs keep AOTAutograd's calling convention (user outputs, saved
 tensors, saved symints; backward inputs in the matching order), then are
-linted and recompiled. Every new node gets a fake ``meta["val"]``.
+linted; the caller regenerates their code (``module.recompile()``). Every new
+node gets a fake ``meta["val"]``.
 """
 
 from __future__ import annotations

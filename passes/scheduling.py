@@ -227,7 +227,7 @@ def transfer_costs(
         costs[base] = TransferCost(
             d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
             h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),
-            forward_window=window(birth + 1, len(timeline.fw_nodes)),
+            forward_window=window(birth + 1, release + 1),
             backward_window=window(len(timeline.fw_nodes) if hide_backward else start, consumer),
         )
     return costs

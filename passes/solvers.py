@@ -176,11 +176,11 @@ def lower_bound(length, fixed, candidates, budget) -> float:
     """A lower bound on the least cost: the LP relaxation of the program (HiGHS)."""
     from scipy.optimize import linprog
 
-    program = _program(length, fixed, candidates, budget)
+    program = _program(length, fixed, candidates, budget) if candidates else None
     if program is None:
         return 0.0
     res = linprog(program.cost, A_ub=-program.matrix, b_ub=-program.excess, bounds=(0, 1), method="highs")
-    return float(res.fun) * program.cost_unit if res.status == 0 else math.inf
+    return float(res.fun) * program.cost_unit if res.status == 0 else 0.0  # no bound found: the trivial one
 
 
 def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverResult | None:
@@ -188,8 +188,8 @@ def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverRe
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     started = time.perf_counter()
-    program = _program(length, fixed, candidates, budget)
-    if program is None:
+    program = _program(length, fixed, candidates, budget) if candidates else None
+    if program is None:  # nothing to choose, or nothing needed: the empty answer
         return _result(length, fixed, candidates, (), budget, "milp", True, 0.0, started)
     res = milp(
         program.cost,

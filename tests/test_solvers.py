@@ -96,3 +96,9 @@ def test_never_over_budget_when_feasible_and_exact_never_worse(problem):
         assert exact.cost <= greedy.cost + 1e-9
         milp = solve_milp(length, fixed, cands, budget, time_limit=5)
         assert milp is not None and milp.feasible and milp.cost <= greedy.cost + 1e-6
+
+
+def test_no_candidates_with_the_exact_solver():
+    # Nothing can be offloaded and the fixed memory is over budget: an infeasible empty answer.
+    result = choose_offloads(4, [(0, 3, 10)], [], 5, solver="milp")
+    assert result.chosen == () and not result.feasible and result.peak == 10
