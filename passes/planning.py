@@ -83,7 +83,7 @@ class TransferCost:
 
     d2h: float
     h2d: float
-    forward_window: float  # compute between the offload and its release
+    forward_window: float  # compute after the offload that may hide it (to the forward's end)
     backward_window: float  # compute between the prefetch and its wait
 
     @property

@@ -222,12 +222,15 @@ def transfer_costs(
     window = lambda a, b: prefix[b] - prefix[a]  # compute time of positions a .. b-1
     costs = {}
     for base, p in placements.items():
-        birth, release = timeline.fw_position(base), timeline.fw_position(p.free_after)
+        birth = timeline.fw_position(base)
         start, consumer = timeline.bw_position(p.prefetch_before), timeline.bw_position(p.wait_before)
         costs[base] = TransferCost(
             d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
             h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),
-            forward_window=window(birth + 1, release + 1),
+            # The scheduler delays a release until its copy is done when the bound
+            # allows, so the planner prices the whole rest of the forward as cover
+            # (optimistic when memory is tight; the schedule's stall is the real one).
+            forward_window=window(birth + 1, len(timeline.fw_nodes)),
             backward_window=window(len(timeline.fw_nodes) if hide_backward else start, consumer),
         )
     return costs
