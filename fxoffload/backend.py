@@ -26,7 +26,7 @@ by the rewritten graphs) stays on.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import fxoffload
 from fxoffload import runtime
 
 ops = torch.ops.fxoffload

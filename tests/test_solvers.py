@@ -1,6 +1,5 @@
 """Solvers on plain numbers: hand-computed cases and properties (hypothesis)."""
 
-import math
 
 import pytest
 from hypothesis import given, settings, strategies as st
