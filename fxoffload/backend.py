@@ -59,6 +59,7 @@ class GraphRecord:
     inner: str
     timeline: Timeline  # the memory model's lifetimes (before the rewrite)
     profile: str  # device profile the predictions are for
+    work: tuple = ()  # per timeline node (FLOPs, bytes, dtype), measured before the rewrite
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -148,7 +149,7 @@ class OffloadBackend:
         )
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
-            result.timeline, self.config.profile.name,
+            result.timeline, self.config.profile.name, result.work,
         )
         self.records.append(record)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from passes.analysis import SavedActivation, SavedInterface, saved_activations, saved_interface
-from passes.cost_model import DeviceProfile, node_times
+from passes.cost_model import DeviceProfile, node_work, roofline
 from passes.memory import Timeline, build_timeline
 from passes.planning import (
     Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
@@ -44,6 +44,7 @@ class PassResult:
     plan: Plan
     schedule: Schedule
     seconds: tuple[tuple[str, float], ...]  # (stage name, wall time) in run order
+    work: tuple = ()  # per timeline node: (FLOPs, bytes, dtype) or None, for the cost model
 
 
 class _Stopwatch:
@@ -74,7 +75,9 @@ def plan_pair(
     activations = saved_activations(interface)
     timeline = build_timeline(fw, bw, interface)
     watch.stamp("analyse")
-    times = node_times(timeline.fw_nodes + timeline.bw_nodes, profile)
+    # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
+    work = tuple(node_work(n) for n in timeline.fw_nodes + timeline.bw_nodes)
+    times = [roofline(w, profile) for w in work]
     watch.stamp("estimate")
     candidates = {
         b: g for b, g in group_by_base(activations).items()
@@ -89,7 +92,7 @@ def plan_pair(
     schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile)
     plan = with_scheduled_peaks(plan, timeline, schedule)
     watch.stamp("schedule")
-    return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times))
+    return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times), work)
 
 
 def offload_pair(

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 from passes.analysis import is_compute, tensor_nbytes
 from passes.memory import concrete
 
-__all__ = ["DeviceProfile", "node_time", "node_times", "transfer_time"]
+__all__ = ["DeviceProfile", "node_time", "node_times", "node_work", "roofline", "transfer_time"]
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,30 @@ def _flops(node: fx.Node) -> int:
         return 0
 
 
-def node_time(node: fx.Node, profile: DeviceProfile) -> float:
-    """Predicted seconds for one node (0 for views, getitems, placeholders and fxoffload ops)."""
+Work = tuple  # (FLOPs, bytes moved, dtype) of one node, or None for a node that runs no kernel
+
+
+def node_work(node: fx.Node) -> Work | None:
+    """What one node asks of the device: FLOPs, bytes read and written, and its dtype."""
     if not is_compute(node):
-        return 0.0
+        return None
     out = node.meta.get("val")
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     moved = _nbytes(out) + sum(_nbytes(_fake(a)) for a in node.all_input_nodes)
-    return max(_flops(node) / profile.throughput(dtype), moved / profile.memory_bandwidth)
+    return (_flops(node), moved, dtype)
+
+
+def roofline(work: Work | None, profile: DeviceProfile) -> float:
+    """Predicted seconds for ``work`` on ``profile``: the slower of compute and memory."""
+    if work is None:
+        return 0.0
+    flops, moved, dtype = work
+    return max(flops / profile.throughput(dtype), moved / profile.memory_bandwidth)
+
+
+def node_time(node: fx.Node, profile: DeviceProfile) -> float:
+    """Predicted seconds for one node (0 for views, getitems, placeholders and fxoffload ops)."""
+    return roofline(node_work(node), profile)
 
 
 def node_times(nodes: tuple[fx.Node, ...], profile: DeviceProfile) -> list[float]:

@@ -26,9 +26,9 @@ Algorithm.
 
 The memory bound is the plan's budget, or without a budget the plan's own
 predicted activation peak (so scheduling never raises it). Stalls are
-predicted by one walk over the timeline with a clock: each copy starts when
-it is issued and its engine is free (one engine per direction), each wait
-stalls compute until its copy is done, and a stall delays everything after it.
+predicted by the simulator's replay (``passes.simulator``): each copy starts
+when it is issued and its engine is free (one engine per direction), each
+wait stalls compute until its copy is done, and a stall delays what follows.
 
 The helpers over plain lists (:func:`prefetch_index`, :func:`latest_starts`,
 :func:`issue_index`, :func:`bounded_start`, :func:`fifo_finish`) know nothing of
@@ -52,6 +52,7 @@ from passes.analysis import SavedActivation, is_anchored_compute, last_storage_u
 from passes.cost_model import DeviceProfile, transfer_time
 from passes.memory import Timeline, curve, intervals
 from passes.planning import Plan, TransferCost
+from passes.simulator import Copy, replay
 
 __all__ = [
     "Placement", "Schedule", "place_candidates", "schedule_transfers", "prefetch_index", "free_index",
@@ -316,41 +317,14 @@ def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, b
 
 
 def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon) -> Schedule:
-    """Walk the timeline once with a clock: copies wait for their engine, waits stall compute."""
+    """Predict each wait's stall with the simulator's replay (one engine per direction)."""
     nodes = timeline.fw_nodes + timeline.bw_nodes
-    issue_after = {}  # position -> transfers whose offload is issued after that node
-    release_after, prefetch_before, wait_before = {}, {}, {}
     # Prefetches issued at the same node go in the order of their consumers.
     order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before], k))
-    for k, p in enumerate(chosen):
-        issue_after.setdefault(pos[p.offload_after], []).append(k)
-        release_after.setdefault(releases[k], []).append(k)
-        wait_before.setdefault(pos[p.wait_before], []).append(k)
-    for k in order:
-        prefetch_before.setdefault(prefetches[k], []).append(k)
-    now, engines = 0.0, {"d2h": 0.0, "h2d": 0.0}
-    done, stalls = {}, {}
-
-    def issue(key, k, seconds):
-        engines[key] = max(now, engines[key]) + seconds
-        done[(key, k)] = engines[key]
-
-    def wait(key, k):
-        nonlocal now
-        stall = max(0.0, done[(key, k)] - now)
-        stalls[(key, k)] = stall
-        now += stall
-
-    for i in range(len(nodes)):
-        for k in prefetch_before.get(i, ()):
-            issue("h2d", k, h2d[k])
-        for k in wait_before.get(i, ()):
-            wait("h2d", k)
-        now += times[i]
-        for k in issue_after.get(i, ()):
-            issue("d2h", k, d2h[k])
-        for k in release_after.get(i, ()):
-            wait("d2h", k)
+    copies = [Copy(pos[p.offload_after] + 1, releases[k] + 1, d2h[k], "d2h") for k, p in enumerate(chosen)]
+    copies += [Copy(prefetches[k], pos[chosen[k].wait_before], h2d[k], "h2d") for k in order]
+    run = replay(times, copies)
+    backward_stall = {k: run.stalls[len(chosen) + j] for j, k in enumerate(order)}
     compute = [is_anchored_compute(n) for n in nodes]
     result = []
     for k, p in enumerate(chosen):
@@ -362,7 +336,7 @@ def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, h
             ops_ahead=sum(compute[prefetches[k]:consumer]),
             d2h_seconds=d2h[k],
             h2d_seconds=h2d[k],
-            forward_stall=stalls[("d2h", k)],
-            backward_stall=stalls[("h2d", k)],
+            forward_stall=run.stalls[k],
+            backward_stall=backward_stall[k],
         ))
     return Schedule(horizon, tuple(result), tuple(order))
