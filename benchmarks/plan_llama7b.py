@@ -106,7 +106,7 @@ def main() -> None:
           f"{format_bytes(plan.offloaded_bytes)} offloaded")
     print(f"  activation peak {format_bytes(plan.activation_peak_before)} -> {format_bytes(plan.activation_peak_after)}; "
           f"total peak {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}; "
-          f"predicted stall {plan.predicted_stall * 1e3:.1f} ms")
+          f"predicted stall {record.schedule.predicted_stall * 1e3:.1f} ms (replayed schedule)")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def plan_pair(
     timeline = build_timeline(fw, bw, interface)
     watch.stamp("analyse")
     # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
-    work = tuple(node_work(n) for n in timeline.fw_nodes + timeline.bw_nodes)
+    work = tuple(node_work(n) for n in timeline.nodes)
     times = [roofline(w, profile) for w in work]
     watch.stamp("estimate")
     candidates = {

@@ -62,16 +62,16 @@ class Timeline:
     def length(self) -> int:
         return len(self.fw_nodes) + len(self.bw_nodes)
 
-    def fw_position(self, node: fx.Node) -> int:
-        return self._positions()[node]
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return self.fw_nodes + self.bw_nodes
 
-    def bw_position(self, node: fx.Node) -> int:
-        return self._positions()[node]
-
-    def _positions(self) -> dict[fx.Node, int]:
+    @property
+    def positions(self) -> dict[fx.Node, int]:
+        """Timeline position of every node of the pair (computed once)."""
         cache = self.__dict__.get("_pos")
         if cache is None:
-            cache = {n: i for i, n in enumerate(self.fw_nodes + self.bw_nodes)}
+            cache = {n: i for i, n in enumerate(self.nodes)}
             object.__setattr__(self, "_pos", cache)
         return cache
 

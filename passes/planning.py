@@ -141,7 +141,8 @@ class Plan:
         return sum(int(t.nbytes) for t in self.transfers)
 
     @property
-    def predicted_stall(self) -> float:
+    def estimated_stall(self) -> float:
+        """The planner's estimate (each copy alone on its link); ``Schedule.predicted_stall`` is the prediction."""
         return sum(t.cost.stall for t in self.transfers if t.cost is not None)
 
 
@@ -312,8 +313,7 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
     """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
     if not schedule.placements:
         return plan
-    nodes = timeline.fw_nodes + timeline.bw_nodes
-    pos = {n: i for i, n in enumerate(nodes)}
+    pos = timeline.positions
     moved = {
         timeline.forward_lifetime(plan.transfers[p.transfer].base).index: (pos[p.free_after], pos[p.prefetch_before])
         for p in schedule.placements

@@ -193,7 +193,7 @@ def place_candidates(
 def timeline_moves(timeline: Timeline, placements: Mapping[fx.Node, Placement]) -> dict[fx.Node, tuple[int, int]]:
     """(release, prefetch) timeline positions of each placement, for the memory model."""
     return {
-        base: (timeline.fw_position(p.free_after), timeline.bw_position(p.prefetch_before))
+        base: (timeline.positions[p.free_after], timeline.positions[p.prefetch_before])
         for base, p in placements.items()
     }
 
@@ -223,8 +223,8 @@ def transfer_costs(
     window = lambda a, b: prefix[b] - prefix[a]  # compute time of positions a .. b-1
     costs = {}
     for base, p in placements.items():
-        birth = timeline.fw_position(base)
-        start, consumer = timeline.bw_position(p.prefetch_before), timeline.bw_position(p.wait_before)
+        pos = timeline.positions
+        birth, start, consumer = pos[base], pos[p.prefetch_before], pos[p.wait_before]
         costs[base] = TransferCost(
             d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
             h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),
@@ -258,9 +258,8 @@ def schedule_transfers(
     if not chosen:
         return Schedule(horizon, ())
     bound = plan.budget_bytes if plan.budget_bytes is not None else plan.activation_peak_after
-    nodes = timeline.fw_nodes + timeline.bw_nodes
     starts = _prefix(times)  # predicted start time of each timeline position, before stalls
-    pos = {n: i for i, n in enumerate(nodes)}
+    pos = timeline.positions
     sizes = [int(t.nbytes) for t in plan.transfers]
     lives = [timeline.forward_lifetime(t.base).index for t in plan.transfers]
     d2h = [transfer_time(s, profile.d2h_bandwidth, profile.copy_latency) for s in sizes]
@@ -318,7 +317,7 @@ def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, b
 
 def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon) -> Schedule:
     """Predict each wait's stall with the simulator's replay (one engine per direction)."""
-    nodes = timeline.fw_nodes + timeline.bw_nodes
+    nodes = timeline.nodes
     # Prefetches issued at the same node go in the order of their consumers.
     order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before], k))
     copies = [Copy(pos[p.offload_after] + 1, releases[k] + 1, d2h[k], "d2h") for k, p in enumerate(chosen)]

@@ -95,8 +95,7 @@ class Simulation:
 def simulate(record: Any, profile: DeviceProfile) -> Simulation:
     """Replay a graph record's plan and schedule on ``profile`` (see the module docstring)."""
     timeline, plan, schedule = record.timeline, record.plan, record.schedule
-    nodes = timeline.fw_nodes + timeline.bw_nodes
-    pos = {n: i for i, n in enumerate(nodes)}
+    pos = timeline.positions
     times = [roofline(w, profile) for w in record.work]  # work from before the rewrite changed the edges
     engines = ("d2h", "h2d") if profile.duplex else ("link", "link")
     copies, names, moved = [], [], {}

@@ -21,7 +21,7 @@ def test_lifetimes_of_viewed_relu():
     assert (le.nbytes, le.residual) == (3 * 5 * 6, True)  # bool mask
     mm = by_name[("mm", True)]
     # mm's storage is read through its view view_1 by relu: it dies at relu, not at view_1.
-    assert not mm.residual and mm.death == timeline.fw_position(next(n for n in timeline.fw_nodes if n.name == "relu"))
+    assert not mm.residual and mm.death == timeline.positions[next(n for n in timeline.fw_nodes if n.name == "relu")]
     # Residuals live into the backward; nothing else from the forward does.
     forward_end = len(timeline.fw_nodes) - 1
     for lt in timeline.lifetimes:
