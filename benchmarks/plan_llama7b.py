@@ -101,7 +101,7 @@ def main() -> None:
     print(f"    of which fxoffload passes        {ours:7.2f} s  (" +
           ", ".join(f"{k} {v:.2f}" for k, v in record.pass_seconds) + ")")
     print(f"  fake backward                      {backward_seconds:7.2f} s")
-    print(f"plan (predicted on {record.profile}): budget {format_bytes(plan.budget_bytes)}, solver {plan.solver} "
+    print(f"plan (predicted on {record.profile.name}): budget {format_bytes(plan.budget_bytes)}, solver {plan.solver} "
           f"(optimal={plan.optimal}, gap {plan.gap:.2%}), {len(plan.transfers)} transfers, "
           f"{format_bytes(plan.offloaded_bytes)} offloaded")
     print(f"  activation peak {format_bytes(plan.activation_peak_before)} -> {format_bytes(plan.activation_peak_after)}; "

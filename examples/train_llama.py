@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
+from fxoffload.plot import format_seconds  # noqa: E402
 
 STDLIB_MODULES = [
     "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=64 * 1024)
     parser.add_argument("--horizon", default="auto", help="'auto' or a number of compute ops")
     parser.add_argument("--budget", default="0.5", help="memory_budget: a fraction, or a size such as 64MiB")
+    parser.add_argument("--plot", default="fxoffload-demo.png", help="where to write the simulated step's plot")
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
     args.horizon = int(args.horizon) if args.horizon.isdigit() else args.horizon
@@ -125,6 +127,12 @@ def main() -> None:
     print(f"\nmedian step time after compile (measured, CPU): plain {steady_p:.3f}s, fxoffload {steady_o:.3f}s")
     max_diff = max(abs(a - b) for a, b in zip(plain_losses, offl_losses))
     print(f"largest loss difference: {max_diff:.2e}")
+    for record in backend.records:
+        path = args.plot if len(backend.records) == 1 else f"{record.index}-{args.plot}"
+        sim = fxoffload.plot(record, path)  # simulates on the profile the plan was made for
+        print(f"simulated on {record.profile.name} (predicted, not measured): step {format_seconds(sim.step_time)}, "
+              f"without offload {format_seconds(sim.compute_time)} ({sim.overhead:+.1%}); floor "
+              f"{format_seconds(sim.floor)} ({sim.bound}-bound); plot written to {path}")
 
     for record in backend.records:
         plan = record.plan

@@ -5,6 +5,7 @@
     model = torch.compile(model, backend=backend)
     ...
     print(fxoffload.explain(backend.records[0]))
+    fxoffload.plot(backend.records[0], "plan.png")  # the predicted step, simulated on the device profile
 """
 
 from fxoffload import runtime
@@ -12,10 +13,13 @@ from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offloa
 from fxoffload.config import OffloadConfig
 from fxoffload.explain import explain
 from fxoffload.measure import MemoryMeasurement, measure_peak
+from fxoffload.plot import plot
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate
 from passes.planning import BudgetInfeasibleError
+from passes.simulator import Simulation, simulate
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
-    "MemoryMeasurement", "OffloadConfig", "explain", "measure_peak", "named_backend", "offload_backend", "runtime",
+    "MemoryMeasurement", "OffloadConfig", "Simulation", "explain", "measure_peak", "named_backend", "offload_backend", "plot",
+    "runtime", "simulate",
 ]

@@ -39,7 +39,7 @@ import fxoffload.runtime  # noqa: F401  (op kernels)
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
-from passes import PassResult, Plan, Schedule, Timeline, offload_pair
+from passes import DeviceProfile, PassResult, Plan, Schedule, Timeline, offload_pair
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class GraphRecord:
     pass_seconds: tuple[tuple[str, float], ...]
     inner: str
     timeline: Timeline  # the memory model's lifetimes (before the rewrite)
-    profile: str  # device profile the predictions are for
+    profile: DeviceProfile  # the device profile the predictions are for
     work: tuple = ()  # per timeline node (FLOPs, bytes, dtype), measured before the rewrite
 
 
@@ -149,7 +149,7 @@ class OffloadBackend:
         )
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
-            result.timeline, self.config.profile.name, result.work,
+            result.timeline, self.config.profile, result.work,
         )
         self.records.append(record)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))

@@ -39,7 +39,7 @@ def _summary(record: Any) -> str:
         f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
         f"{format_bytes(plan.activation_peak_after)}",
         f"predicted total peak:      {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}",
-        f"predicted stall on {record.profile}: {schedule.predicted_stall * 1e6:.1f} us "
+        f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
         "(copies served in order per direction; see the placements)",
     ]
     if plan.note:

@@ -112,6 +112,7 @@ class Transfer:
     base: fx.Node
     nbytes: int
     members: tuple[int, ...]  # indices of the saved activations that live in this storage
+    lifetime: int  # its index in Timeline.lifetimes, fixed at plan time (the inner compiler may change the nodes)
     cost: TransferCost | None = None
 
     @property
@@ -229,9 +230,10 @@ def _choose(
     if result.feasible:
         return _Choice(tuple(candidates[i] for i in result.chosen), result.solver, result.optimal, result.gap)
     smallest = min_peak(timeline.length, fixed, items)
+    given = "" if options.budget.nbytes is not None else f", {options.budget}"
     message = (
-        f"memory_budget: the smallest achievable activation peak is {smallest} B (offloading every eligible "
-        f"activation), above the budget of {budget} B ({options.budget})"
+        f"memory_budget: the smallest achievable activation peak is {smallest} B ({smallest / 2**20:.1f} MiB, "
+        f"offloading every eligible activation), above the budget of {budget} B ({budget / 2**20:.1f} MiB{given})"
     )
     if options.on_infeasible == "error":
         raise BudgetInfeasibleError(message + "; raise the budget, lower min_bytes, or pass on_infeasible='warn'")
@@ -281,7 +283,8 @@ def plan_offloads(
         transfer = None
         if base in chosen:
             transfer = len(transfers)
-            transfers.append(Transfer(base, group[0].base_nbytes, tuple(a.index for a in group), costs.get(base)))
+            transfers.append(Transfer(base, group[0].base_nbytes, tuple(a.index for a in group),
+                                      timeline.forward_lifetime(base).index, costs.get(base)))
         elif reason is None:
             reason = "kept: the budget holds without offloading it"
         for act in group:
@@ -315,7 +318,7 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
         return plan
     pos = timeline.positions
     moved = {
-        timeline.forward_lifetime(plan.transfers[p.transfer].base).index: (pos[p.free_after], pos[p.prefetch_before])
+        plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
         for p in schedule.placements
     }
     return dataclasses.replace(

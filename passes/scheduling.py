@@ -261,7 +261,7 @@ def schedule_transfers(
     starts = _prefix(times)  # predicted start time of each timeline position, before stalls
     pos = timeline.positions
     sizes = [int(t.nbytes) for t in plan.transfers]
-    lives = [timeline.forward_lifetime(t.base).index for t in plan.transfers]
+    lives = [t.lifetime for t in plan.transfers]
     d2h = [transfer_time(s, profile.d2h_bandwidth, profile.copy_latency) for s in sizes]
     h2d = [transfer_time(s, profile.h2d_bandwidth, profile.copy_latency) for s in sizes]
 

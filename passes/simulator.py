@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
 
-__all__ = ["Copy", "Replay", "Simulation", "replay", "simulate"]
+__all__ = ["Copy", "Replay", "SimulatedCopy", "Simulation", "replay", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Replay:
     starts: tuple[float, ...]  # start time of each position's op (len = positions + 1: the end)
     stalls: tuple[float, ...]  # per copy, the stall at its wait
     finishes: tuple[float, ...]  # per copy, when it ended
+    waited_at: tuple[float, ...]  # per copy, when compute reached its wait (a stall starts there)
 
 
 def replay(times: Sequence[float], copies: Sequence[Copy]) -> Replay:
@@ -63,6 +64,7 @@ def replay(times: Sequence[float], copies: Sequence[Copy]) -> Replay:
     now, engines = 0.0, {}
     finish = [0.0] * len(copies)
     stalls = [0.0] * len(copies)
+    waited_at = [0.0] * len(copies)
     starts = []
     for i in range(len(times) + 1):
         for k in issued.get(i, ()):
@@ -70,30 +72,61 @@ def replay(times: Sequence[float], copies: Sequence[Copy]) -> Replay:
             engines[engine] = max(now, engines.get(engine, 0.0)) + copies[k].seconds
             finish[k] = engines[engine]
         for k in waited.get(i, ()):
+            waited_at[k] = now
             stalls[k] = max(0.0, finish[k] - now)
             now += stalls[k]
         starts.append(now)
         if i < len(times):
             now += times[i]
-    return Replay(now, tuple(starts), tuple(stalls), tuple(finish))
+    return Replay(now, tuple(starts), tuple(stalls), tuple(finish), tuple(waited_at))
+
+
+@dataclass(frozen=True)
+class SimulatedCopy:
+    name: str  # the offloaded storage's base node
+    phase: str  # "forward" (device to host) or "backward" (host to device)
+    engine: str  # "d2h", "h2d", or "link" when the link is not full duplex
+    start: float  # seconds from the step's start
+    end: float
+    waited_at: float  # when compute reached the copy's wait
+    stall: float  # compute stalled this long at the wait
 
 
 @dataclass(frozen=True)
 class Simulation:
-    step_time: float  # predicted seconds for forward + backward
-    compute_time: float  # the same without any stall
+    """A predicted step; times in seconds from its start, memory in bytes."""
+
+    step_time: float  # forward + backward
+    compute_time: float  # the same without any stall: the step without offloading
     floor: float  # the least any schedule of this plan could take
-    stalls: tuple[tuple[str, str, float], ...]  # (transfer, "forward"/"backward", seconds)
-    memory: tuple[tuple[float, int], ...]  # (time, device bytes) after each op starts
-    peak: int  # device bytes
+    backward_start: float  # when the backward's first op starts
+    ops: tuple[tuple[float, float], ...]  # (start, seconds) per op, forward then backward
+    copies: tuple[SimulatedCopy, ...]  # forward copies in issue order, then backward ones
+    memory: tuple[tuple[float, int], ...]  # (time, device bytes) at each op's start, under the plan
+    activations: tuple[tuple[float, int], ...]  # the same, saved activations only (what the budget bounds)
+    baseline_memory: tuple[tuple[float, int], ...]  # no offload, on its own (stall-free) clock
+    baseline_activations: tuple[tuple[float, int], ...]
+    peak: int  # device bytes under the plan
+    activation_peak: int
 
     @property
     def overhead(self) -> float:
+        """Step time over the step without offloading, minus one."""
         return self.step_time / self.compute_time - 1.0 if self.compute_time else 0.0
 
+    @property
+    def stalls(self) -> tuple[tuple[str, str, float], ...]:
+        return tuple((c.name, c.phase, c.stall) for c in self.copies)
 
-def simulate(record: Any, profile: DeviceProfile) -> Simulation:
-    """Replay a graph record's plan and schedule on ``profile`` (see the module docstring)."""
+    @property
+    def bound(self) -> str:
+        """What limits this plan's floor: "compute" or "link"."""
+        return "compute" if self.floor <= self.compute_time else "link"
+
+
+def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
+    """Replay a graph record's plan and schedule on ``profile`` (default: the one it was planned for)."""
+    profile = profile or record.profile
     timeline, plan, schedule = record.timeline, record.plan, record.schedule
     pos = timeline.positions
     times = [roofline(w, profile) for w in record.work]  # work from before the rewrite changed the edges
@@ -104,24 +137,53 @@ def simulate(record: Any, profile: DeviceProfile) -> Simulation:
         # Offload issued after its base (before the next position); released after free_after.
         copies.append(Copy(pos[p.offload_after] + 1, pos[p.free_after] + 1, p.d2h_seconds, engines[0]))
         names.append((transfer.base_name, "forward"))
-        moved[timeline.forward_lifetime(transfer.base).index] = (pos[p.free_after], pos[p.prefetch_before])
+        moved[transfer.lifetime] = (pos[p.free_after], pos[p.prefetch_before])
     offloads = len(copies)
     for k in schedule.prefetch_order or range(len(schedule.placements)):  # the rewrite's issue order
         p = schedule.placements[k]
         copies.append(Copy(pos[p.prefetch_before], pos[p.wait_before], p.h2d_seconds, engines[1]))
         names.append((plan.transfers[p.transfer].base_name, "backward"))
     run = replay(times, copies)
-    bytes_at = curve(timeline.length, intervals(timeline, moved, residual_only=False))
     forward = len(timeline.fw_nodes)
-    d2h = sum(c.seconds for c in copies[:offloads])
-    h2d = sum(c.seconds for c in copies[offloads:])
-    fw_compute, bw_compute = sum(times[:forward]), sum(times[forward:])
-    floor = max(fw_compute, d2h) + max(bw_compute, h2d)  # forward copies go down, backward ones up
+    plan_clock, free_clock = run.starts[:-1], _prefix_sums(times)
+    plan_total, plan_saved, base_total, base_saved = (
+        curve(timeline.length, intervals(timeline, m, residual_only=r))
+        for m, r in ((moved, False), (moved, True), ({}, False), ({}, True))
+    )
     return Simulation(
         step_time=run.step_time,
-        compute_time=fw_compute + bw_compute,
-        floor=floor,
-        stalls=tuple((name, phase, s) for (name, phase), s in zip(names, run.stalls)),
-        memory=tuple(zip(run.starts[:-1], bytes_at)),
-        peak=max(bytes_at, default=0),
+        compute_time=sum(times),
+        floor=_floor(times[:forward], times[forward:], copies[:offloads], copies[offloads:]),
+        backward_start=run.starts[forward],
+        ops=tuple(zip(plan_clock, times)),
+        copies=tuple(
+            SimulatedCopy(name, phase, c.engine, end - c.seconds, end, at, stall)
+            for (name, phase), c, end, at, stall in zip(names, copies, run.finishes, run.waited_at, run.stalls)
+        ),
+        memory=tuple(zip(plan_clock, plan_total)),
+        activations=tuple(zip(plan_clock, plan_saved)),
+        baseline_memory=tuple(zip(free_clock, base_total)),
+        baseline_activations=tuple(zip(free_clock, base_saved)),
+        peak=max(plan_total, default=0),
+        activation_peak=max(plan_saved, default=0),
     )
+
+
+def _prefix_sums(times: Sequence[float]) -> list[float]:
+    out, now = [], 0.0
+    for t in times:
+        out.append(now)
+        now += t
+    return out
+
+
+def _floor(forward: Sequence[float], backward: Sequence[float], down: Sequence[Copy], up: Sequence[Copy]) -> float:
+    """Per pass, the larger of its compute time and its copies' time: no schedule of these copies beats it.
+
+    A forward copy is issued and waited for (released) inside the forward, a
+    prefetch inside the backward, and an engine moves one copy at a time, so
+    each pass lasts at least as long as its copies' total time, and at least
+    its compute. Each pass moves data one way only, so a shared (not full
+    duplex) link gives the same bound.
+    """
+    return max(sum(forward), sum(c.seconds for c in down)) + max(sum(backward), sum(c.seconds for c in up))

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxoffload
 from passes.simulator import Copy, replay, simulate
-from tests.conftest import MLP
+from tests.conftest import MLP, lm_step, tiny_llama
 
 OPS = [1.0, 1.0, 1.0, 1.0]  # four ops of one second each
 
@@ -55,3 +57,58 @@ def test_simulated_peak_and_stalls_match_the_planner():
     # On a link that is not full duplex the copies share one engine: never faster.
     shared = simulate(record, fxoffload.PROFILES["a100-pcie4"])
     assert not fxoffload.PROFILES["a100-pcie4"].duplex and shared.step_time > 0
+
+
+def test_the_simulation_agrees_with_the_planner_on_every_peak():
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5)
+    lm_step(torch.compile(tiny_llama(), backend=backend), torch.randint(0, 256, (2, 64)))
+    record = backend.records[0]
+    sim = simulate(record)  # on the profile the record was planned for
+    plan = record.plan
+    assert sim.activation_peak == plan.activation_peak_after <= plan.budget_bytes
+    assert max(b for _, b in sim.baseline_activations) == plan.activation_peak_before
+    assert max(b for _, b in sim.baseline_memory) == plan.total_peak_before
+    # The baseline runs on a stall-free clock: its last op starts before the step without offload ends.
+    assert sim.baseline_memory[-1][0] <= sim.compute_time <= sim.step_time
+    # Each copy ends after it starts, on its engine; stalls start where compute reached the wait.
+    for c in sim.copies:
+        assert c.end > c.start >= 0 and c.stall >= 0 and c.engine == ("d2h" if c.phase == "forward" else "h2d")
+        if c.stall:
+            assert c.waited_at + c.stall == pytest.approx(c.end)
+
+
+durations = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
+
+
+@st.composite
+def timelines(draw):
+    times = draw(st.lists(durations, min_size=1, max_size=12))
+    copies = []
+    for _ in range(draw(st.integers(0, 6))):
+        issue = draw(st.integers(0, len(times)))
+        wait = draw(st.integers(issue, len(times)))
+        copies.append(Copy(issue, wait, draw(durations), draw(st.sampled_from(["d2h", "h2d", "link"]))))
+    return times, copies
+
+
+@settings(max_examples=300, deadline=None)
+@given(timelines())
+def test_replay_properties(case):
+    times, copies = case
+    run = replay(times, copies)
+    # Compute runs in order: the step is the compute plus every stall, and never less than either.
+    assert run.step_time == pytest.approx(sum(times) + sum(run.stalls))
+    for engine in {c.engine for c in copies}:
+        # One engine moves one copy at a time: the step ends no earlier than the copies it waited for.
+        waited = [k for k, c in enumerate(copies) if c.engine == engine]
+        assert max(run.finishes[k] for k in waited) >= sum(copies[k].seconds for k in waited) - 1e-9
+    for k, c in enumerate(copies):
+        # A copy ends by the time compute passes its wait, and it cannot end before it was issued plus its length.
+        assert run.finishes[k] <= run.starts[c.wait] + 1e-9
+        issued_at = run.starts[c.issue] - sum(s for o, s in zip(copies, run.stalls) if o.wait == c.issue)
+        assert run.finishes[k] >= issued_at + c.seconds - 1e-9
+        # No stall when the compute between issue and wait covers the copy and nothing queued ahead of it.
+        alone = all(o.engine != c.engine or o.issue > c.issue or o is c for o in copies)
+        if alone and sum(times[c.issue:c.wait]) >= c.seconds:
+            assert run.stalls[k] == 0.0

@@ -1,0 +1,3 @@
+from fxoffload.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,301 @@
+"""The ``fxoffload`` command: plan a model you cannot run here, and see the predicted step.
+
+    fxoffload plan --preset llama-2-7b --seq 4096 --batch 1 --dtype bf16 --profile h100-pcie5 --budget 0.5
+    python -m fxoffload plan --config path/to/config.json --layers 4 --json
+
+``plan`` builds the model under ``FakeTensorMode`` (shapes only: no weights,
+nothing allocated), compiles one training step with the fxoffload backend
+(``inner="eager"``: the passes run, no code is generated), simulates each
+compiled graph on the device profile, prints the plan table and a summary,
+and writes the plot. Progress goes to stderr, results to stdout. Every time
+and memory figure is a prediction (memory model, cost model, simulator), and
+the output says so.
+
+Exit status: 0 on success, 2 for bad input (options, model source, an
+impossible budget), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["main"]
+
+
+class _Progress:
+    """Timestamped progress lines on stderr (tracing a 7B graph takes tens of seconds)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.start = quiet, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fxoffload.models import DTYPES, PRESETS
+    from fxoffload.profiles import PROFILES
+
+    parser = argparse.ArgumentParser(prog="fxoffload", description="fxoffload: activation offloading for torch.compile")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser(
+        "plan", help="plan a model with fake tensors and predict its step (nothing runs on a GPU)",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+        epilog=f"presets: {', '.join(PRESETS)}. profiles: {', '.join(PROFILES)}. "
+               "All figures are predictions (simulated), not measurements.",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help=f"a built-in architecture: {', '.join(PRESETS)}")
+    source.add_argument("--config", help="a transformers config.json (or the folder holding it)")
+    source.add_argument("--model", help="a Python file defining build(batch, seq, dtype) -> (model, inputs)")
+    plan.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    plan.add_argument("--seq", type=int, help="sequence length (default: the model's, at most 4096)")
+    plan.add_argument("--image-size", type=int, help="image side in pixels, for vision models (default: the model's)")
+    plan.add_argument("--dtype", default="bf16", help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
+    plan.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
+    plan.add_argument("--budget", default="0.5",
+                      help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
+                           "offloads everything eligible (default 0.5)")
+    plan.add_argument("--horizon", default="auto", help="prefetch horizon: 'auto' or a number of compute ops")
+    plan.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
+    plan.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")
+    plan.add_argument("--solver", default="auto", help="auto, milp or greedy")
+    plan.add_argument("--output", default="fxoffload-plan.png", help="plot path, .png/.svg/.pdf (default fxoffload-plan.png)")
+    plan.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of tables")
+    plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return parser
+
+
+class UsageError(ValueError):
+    """Bad input to the command; its message is printed as is."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _plan(args)
+    except UsageError as e:
+        print(f"fxoffload plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    from fxoffload.config import OffloadConfig, parse_budget
+
+    budget: Any = None if args.budget.lower() == "none" else _number_or_text(args.budget)
+    horizon: Any = args.horizon if args.horizon == "auto" else _number_or_text(args.horizon)
+    min_bytes = _number_or_text(args.min_bytes)
+    if isinstance(min_bytes, (str, float)):
+        try:
+            min_bytes = parse_budget(str(min_bytes)).nbytes
+        except (ValueError, AttributeError):
+            raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
+    options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
+                   solver=args.solver, inner="eager")
+    try:
+        OffloadConfig(**options)
+    except ValueError as e:
+        raise UsageError(str(e).replace("memory_budget:", "--budget:").replace("device_profile:", "--profile:")) from None
+    for flag in ("batch", "seq", "image_size", "layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
+    return options
+
+
+def _number_or_text(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _source(args: argparse.Namespace):
+    from fxoffload import models
+
+    if args.preset or args.config:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise UsageError("--preset and --config models are built with transformers, which is not installed; "
+                             "pip install 'fxoffload[models]'") from None
+    if args.preset:
+        return models.from_preset(args.preset, args.layers)
+    if args.config:
+        return models.from_config_file(args.config, args.layers)
+    if args.layers is not None:
+        raise UsageError("--layers: applies to --preset and --config models only (a model file builds its own)")
+    return models.from_python_file(args.model)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from fxoffload.models import DTYPES, ModelError
+
+    progress = _Progress(args.quiet)
+    options = _options(args)
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
+    if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
+    try:
+        source = _source(args)
+        seq = args.image_size or args.seq or source.default_seq
+        records, seconds = _trace(source, args.batch, seq, DTYPES[args.dtype], options, progress)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
+    progress(f"simulating {len(records)} graph(s) on {options['device_profile']}")
+    report = _report(source, args, seq, records)
+    if not args.no_plot:
+        for path, record in zip(_plot_paths(Path(args.output), len(records)), records):
+            from fxoffload.plot import plot
+
+            plot(record, path, title=f"{source.name}, batch {args.batch} x {seq}, {args.dtype}, graph {record.index}: "
+                                     f"predicted on {record.profile.name} (simulated, not measured)")
+            report["plots"].append(str(path))
+            progress(f"wrote {path}")
+    report["seconds"] = seconds
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report, records)
+    return 0
+
+
+def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict, progress: _Progress):
+    """Build and compile one fake training step; return the backend's records and wall times (measured)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fxoffload
+    from fxoffload.models import ModelError
+    from passes.planning import BudgetInfeasibleError
+
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(**options)
+    seconds = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        progress(f"building {source.name} with fake tensors (batch {batch}, size {seq}, {dtype})")
+        start = time.perf_counter()
+        step, inputs, kwargs = source.build(batch, seq, dtype)
+        seconds["build"] = time.perf_counter() - start
+        progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
+        start = time.perf_counter()
+        try:
+            torch.compile(step, backend=backend)(*inputs, **kwargs)
+        except Exception as e:
+            cause = _cause(e, (BudgetInfeasibleError, ModelError))
+            if isinstance(cause, BudgetInfeasibleError):
+                raise UsageError(f"impossible budget: {cause}".replace(", or pass on_infeasible='warn'", "")) from None
+            if isinstance(cause, ModelError):
+                raise UsageError(str(cause)) from None
+            raise
+        seconds["trace_and_plan"] = time.perf_counter() - start
+    torch._dynamo.reset()
+    if not backend.records:
+        raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
+    seconds["fxoffload_passes"] = sum(s for r in backend.records for _, s in r.pass_seconds)
+    progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
+             f"(fxoffload passes {seconds['fxoffload_passes']:.1f} s)")
+    return backend.records, seconds
+
+
+def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
+def _plot_paths(path: Path, count: int) -> list[Path]:
+    if count == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(count)]
+
+
+def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> dict:
+    from passes.simulator import simulate
+
+    graphs = []
+    for record in records:
+        plan, sim = record.plan, simulate(record)
+        graphs.append({
+            "index": record.index,
+            "budget_bytes": plan.budget_bytes,
+            "within_budget": plan.budget_bytes is None or plan.activation_peak_after <= plan.budget_bytes,
+            "activation_peak_before": plan.activation_peak_before,
+            "activation_peak_after": plan.activation_peak_after,
+            "total_peak_before": plan.total_peak_before,
+            "total_peak_after": plan.total_peak_after,
+            "input_bytes": _input_bytes(record),
+            "saved_activations": len(plan.decisions),
+            "transfers": len(plan.transfers),
+            "offloaded_bytes": plan.offloaded_bytes,
+            "step_time": sim.step_time,
+            "step_time_without_offload": sim.compute_time,
+            "overhead": sim.overhead,
+            "floor": sim.floor,
+            "step_over_floor": sim.step_time / sim.floor if sim.floor else 1.0,
+            "bound": sim.bound,
+            "stall": sum(c.stall for c in sim.copies),
+            "solver": plan.solver,
+            "solver_gap": None if plan.gap != plan.gap else plan.gap,
+        })
+    return {
+        "model": source.name, "batch": args.batch, "seq": seq, "dtype": args.dtype, "layers": source.layers,
+        "budget": args.budget, "horizon": args.horizon, "profile": records[0].profile.name,
+        "note": "memory and times are predictions (memory model, cost model, simulator); seconds are measured here",
+        "graphs": graphs, "plots": [],
+    }
+
+
+def _input_bytes(record: Any) -> int:
+    """Bytes of the forward graph's tensor inputs: parameters, buffers and batch (not in the peaks)."""
+    from passes.analysis import tensor_nbytes
+    from passes.memory import concrete
+
+    vals = [n.meta.get("val") for n in record.forward.graph.find_nodes(op="placeholder")]
+    return sum(concrete(tensor_nbytes(v), v) for v in vals if isinstance(v, torch.Tensor))
+
+
+def _print_report(report: dict, records: list) -> None:
+    from fxoffload.explain import explain, format_bytes
+    from fxoffload.plot import format_seconds
+
+    for record, graph in zip(records, report["graphs"]):
+        print(explain(record))
+        print()
+        budget = "none" if graph["budget_bytes"] is None else format_bytes(graph["budget_bytes"])
+        layers = "" if report["layers"] is None else f"{report['layers']} layers, "
+        print(f"summary, graph {graph['index']} ({report['model']}, {layers}batch {report['batch']} x "
+              f"{report['seq']}, {report['dtype']}; predicted on {report['profile']}, simulated, not measured):")
+        print(f"  activation peak  {format_bytes(graph['activation_peak_before'])} -> "
+              f"{format_bytes(graph['activation_peak_after'])} (budget {budget}: "
+              f"{'within' if graph['within_budget'] else 'OVER'})")
+        print(f"  total peak       {format_bytes(graph['total_peak_before'])} -> {format_bytes(graph['total_peak_after'])} "
+              "(tensors the step creates: activations, gradients, temporaries)")
+        print(f"  graph inputs     {format_bytes(graph['input_bytes'])} (parameters, buffers, batch: resident "
+              "throughout; optimizer state not modelled)")
+        print(f"  offloaded        {format_bytes(graph['offloaded_bytes'])} in {graph['transfers']} transfers")
+        print(f"  step time        {format_seconds(graph['step_time'])} (without offload "
+              f"{format_seconds(graph['step_time_without_offload'])}: overhead {graph['overhead']:+.1%})")
+        print(f"  floor            {format_seconds(graph['floor'])} ({graph['bound']}-bound); step is "
+              f"{graph['step_over_floor']:.3f}x the floor")
+    seconds = report["seconds"]
+    print(f"measured here: build {seconds['build']:.1f} s, trace and plan {seconds['trace_and_plan']:.1f} s "
+          f"(fxoffload passes {seconds['fxoffload_passes']:.1f} s)")
+    for path in report["plots"]:
+        print(f"plot: {path}")

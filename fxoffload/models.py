@@ -1,0 +1,337 @@
+"""Models for what-if planning: built-in presets, a ``config.json``, or a Python file.
+
+A :class:`ModelSource` builds a training step for given sizes: a module whose
+forward takes the inputs and returns the loss. Everything is meant to be
+called under ``FakeTensorMode`` (shapes and dtypes only, nothing allocated),
+so a 7B model costs no memory.
+
+* Presets are well-known architectures at their published shapes (the
+  ``config.json`` of each model's official Hugging Face release), built with
+  ``transformers`` from a config, random weights, nothing downloaded.
+* A ``config.json`` of a ``transformers`` model (or a folder holding one): the
+  task comes from its ``architectures`` field, else from the model type.
+* A Python file that defines ``build(batch, seq, dtype)`` returning
+  ``(model, inputs)``: ``inputs`` a tensor, a tuple of positional arguments or
+  a dict of keyword arguments; the model returns a scalar loss, or an output
+  with a ``.loss``. ``build`` runs on the meta device (``nn.Module.to`` and
+  ``torch.randn`` work, nothing is allocated); its parameters, buffers and
+  inputs are then swapped for fake CPU tensors.
+
+Language models get token ids and a loss computed here from the logits (next
+token for causal models, every position for masked ones) rather than the
+model's own loss path, which breaks some models' graphs in two. Image
+classifiers get pixel values and class labels.
+
+Limits: text and image classification tasks only; the loss is cross-entropy.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+__all__ = ["PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "from_config_file", "from_preset",
+           "from_python_file"]
+
+TASKS = ("causal-lm", "masked-lm", "image-classification")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model source (preset, config file, Python file) that cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str  # transformers model type
+    task: str
+    shape: dict[str, Any]  # config fields, as published
+    source: str  # where the shape comes from
+    default_seq: int = 4096  # or image size, for vision models
+
+
+PRESETS: dict[str, Preset] = {
+    "llama-2-7b": Preset("llama", "causal-lm", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    ), "meta-llama/Llama-2-7b-hf config.json"),
+    "llama-3-8b": Preset("llama", "causal-lm", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ), "meta-llama/Meta-Llama-3-8B config.json"),
+    "mistral-7b": Preset("mistral", "causal-lm", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        sliding_window=4096,
+    ), "mistralai/Mistral-7B-v0.1 config.json"),
+    "gpt2-xl": Preset("gpt2", "causal-lm", dict(
+        vocab_size=50257, n_embd=1600, n_layer=48, n_head=25, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ), "openai-community/gpt2-xl config.json (dropout off: a plan is for the graph, not the noise)", 1024),
+    "bert-large": Preset("bert", "masked-lm", dict(
+        vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+        intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ), "google-bert/bert-large-uncased config.json (dropout off)", 512),
+    "vit-l-16": Preset("vit", "image-classification", dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        image_size=224, patch_size=16, num_channels=3, num_labels=1000,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ), "google/vit-large-patch16-224 config.json (dropout off)", 224),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Builds ``(step, args, kwargs)`` for a batch, a sequence length (or image size) and a dtype:
+    ``step(*args, **kwargs)`` is the training step's forward and returns the loss."""
+
+    name: str
+    build: Callable[[int, int, torch.dtype], tuple[torch.nn.Module, tuple, dict[str, Any]]] = field(repr=False)
+    default_seq: int
+    layers: int | None = None  # of the full model, when known
+
+
+def from_preset(name: str, layers: int | None = None) -> ModelSource:
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    return _from_transformers_config(name, preset.model_type, dict(preset.shape), preset.task, layers,
+                                     preset.default_seq)
+
+
+def from_config_file(path: "str | Path", layers: int | None = None) -> ModelSource:
+    """A ``transformers`` model from its ``config.json`` (or a folder that holds one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelError(f"config file not found: {str(path)!r} (give a transformers config.json or its folder)")
+    try:
+        fields = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ModelError(f"config file {str(path)!r}: expected a JSON object of config fields, got {type(fields).__name__}")
+    model_type = fields.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ModelError(f"config file {str(path)!r} has no \"model_type\" field (a transformers config.json names "
+                         "its model type, e.g. \"llama\")")
+    task = _task_of(fields.get("architectures"), model_type, path)
+    seq = fields.get("max_position_embeddings") or fields.get("n_positions") or fields.get("image_size") or 1024
+    if task != "image-classification":
+        seq = min(int(seq), 4096)
+    return _from_transformers_config(path.parent.name or path.stem, model_type, fields, task, layers, int(seq),
+                                     origin=f"config file {str(path)!r}")
+
+
+def from_python_file(path: "str | Path") -> ModelSource:
+    """A model from a Python file that defines ``build(batch, seq, dtype) -> (model, inputs)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"model file not found: {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(f"fxoffload_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dynamo looks the model's globals up by module name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[spec.name]
+        raise ModelError(f"model file {str(path)!r} failed to import: {type(e).__name__}: {e}") from e
+    build = getattr(module, "build", None)
+    if not callable(build):
+        raise ModelError(f"model file {str(path)!r} defines no function build(batch, seq, dtype) returning "
+                         "(model, inputs)")
+
+    def build_step(batch: int, seq: int, dtype: torch.dtype):
+        # Built on the meta device (nothing allocated; nn.Module.to() works there, not on fake
+        # parameters), then every parameter, buffer and input is swapped for a fake tensor.
+        with unset_fake_temporarily(), torch.device("meta"):
+            built = build(batch, seq, dtype)
+        if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
+            raise ModelError(f"model file {str(path)!r}: build() must return (model, inputs) with model an "
+                             f"nn.Module; got {type(built).__name__}")
+        model, inputs = built
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, (tuple, list, dict)):
+            raise ModelError(f"model file {str(path)!r}: inputs must be a tuple of arguments or a dict of keyword "
+                             f"arguments; got {type(inputs).__name__}")
+        _check_returns_loss(model, inputs, path)
+        step = _UserStep(_with_fake_tensors(model))
+        if isinstance(inputs, dict):
+            return step, (), {k: _fake_like(v) for k, v in inputs.items()}
+        return step, tuple(_fake_like(v) for v in inputs), {}
+
+    return ModelSource(path.stem, build_step, getattr(module, "DEFAULT_SEQ", 1024))
+
+
+def _check_returns_loss(model: torch.nn.Module, inputs: Any, path: Path) -> None:
+    """Run the model once on the meta device (cheap: shapes only) to check that it returns a loss."""
+    with unset_fake_temporarily():
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    if _loss_of(out) is None:
+        raise ModelError(f"model file {str(path)!r}: the model must return a scalar loss, or an output with a "
+                         f"scalar .loss; got {type(out).__name__}" +
+                         (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""))
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
+def _fake_like(value: Any) -> Any:
+    """A fake CPU tensor shaped like ``value`` (under the active FakeTensorMode), or ``value`` if not a tensor."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+
+
+def _with_fake_tensors(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its parameters and buffers replaced by fake tensors; tied parameters stay tied."""
+    swapped: dict[int, Any] = {}
+    for module in model.modules():
+        for table, make in ((module._parameters, lambda p: torch.nn.Parameter(_fake_like(p), p.requires_grad)),
+                            (module._buffers, _fake_like)):
+            for name, value in table.items():
+                if value is not None:
+                    table[name] = swapped.setdefault(id(value), make(value))
+    return model
+
+
+def _task_of(architectures: Any, model_type: str, path: Path) -> str:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ModelError(f"config file {str(path)!r}: model_type {model_type!r} is not one transformers knows")
+    endings = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+               ("ForImageClassification", "image-classification"))
+    for name in architectures or ():
+        for ending, task in endings:
+            if str(name).endswith(ending):
+                return task
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    for names, task in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal-lm"), (MODEL_FOR_MASKED_LM_MAPPING_NAMES, "masked-lm"),
+                        (MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "image-classification")):
+        if model_type in names:
+            return task
+    raise ModelError(f"config file {str(path)!r}: cannot tell the task of model_type {model_type!r}; accepted: "
+                     f"models with a causal LM, masked LM or image classification head ({', '.join(TASKS)})")
+
+
+def _from_transformers_config(name: str, model_type: str, fields: dict, task: str, layers: int | None,
+                              default_seq: int, origin: str = "") -> ModelSource:
+    from transformers import AutoConfig
+
+    fields.pop("architectures", None)
+    fields.pop("torch_dtype", None)
+    fields.pop("dtype", None)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except Exception as e:  # transformers' own validation errors have several types
+        raise ModelError(f"{origin or name}: transformers rejected the config: {e}") from None
+    if layers is not None:
+        if not 1 <= layers <= config.num_hidden_layers:
+            raise ModelError(f"--layers: got {layers}; {name} has {config.num_hidden_layers} layers, accepted 1 to "
+                             f"{config.num_hidden_layers}")
+        config.num_hidden_layers = layers
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    full_layers = config.num_hidden_layers
+
+    def build(batch: int, seq: int, dtype: torch.dtype):
+        _check_size(name, config, task, seq)
+        sized = config
+        if task == "image-classification" and seq != config.image_size:
+            sized = copy.deepcopy(config)  # position embeddings for the image size trained at
+            sized.image_size = seq
+        return _build_step(sized, task, batch, seq, dtype)
+
+    return ModelSource(name, build, default_seq, full_layers)
+
+
+def _check_size(name: str, config: Any, task: str, seq: int) -> None:
+    if task == "image-classification":
+        patch = getattr(config, "patch_size", 1)
+        if seq % patch:
+            raise ModelError(f"--image-size: got {seq}; {name} needs a multiple of its patch size {patch}")
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ModelError(f"--seq: got {seq}; {name} has {limit} positions (max_position_embeddings), accepted 1 to {limit}")
+
+
+def _build_step(config: Any, task: str, batch: int, seq: int, dtype: torch.dtype):
+    import transformers
+
+    auto = {"causal-lm": transformers.AutoModelForCausalLM, "masked-lm": transformers.AutoModelForMaskedLM,
+            "image-classification": transformers.AutoModelForImageClassification}[task]
+    from transformers.initialization import no_init_weights
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the training dtype
+    try:
+        # No weight initialisation: values do not matter to a plan, and some initialisers
+        # (ViT's truncated normal) read values, which fake tensors do not have.
+        with no_init_weights():
+            try:
+                model = auto.from_config(config)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ModelError(f"transformers could not build the model from the config: {type(e).__name__}: {e}")
+        model.tie_weights()  # init_weights, skipped above, also ties (GPT-2's head is its embedding)
+    finally:
+        torch.set_default_dtype(previous)
+    if task == "image-classification":
+        size = (batch, config.num_channels, seq, seq)
+        inputs = {"pixel_values": torch.randn(size, dtype=dtype), "labels": torch.randint(0, config.num_labels, (batch,))}
+    else:
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+        inputs = {"input_ids": ids}
+    return _Step(model.train(), task), (), inputs
+
+
+class _Step(torch.nn.Module):
+    """One training step's forward: the model, then a cross-entropy loss from its logits."""
+
+    def __init__(self, model: torch.nn.Module, task: str) -> None:
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, input_ids=None, pixel_values=None, labels=None):
+        cross_entropy = torch.nn.functional.cross_entropy
+        if self.task == "image-classification":
+            logits = self.model(pixel_values=pixel_values).logits
+            return cross_entropy(logits.float(), labels)
+        logits = self.model(input_ids=input_ids).logits
+        if self.task == "causal-lm":  # predict the next token
+            return cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+        return cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten())
+
+
+class _UserStep(torch.nn.Module):
+    """A model from a file whose output is a loss, or has one (checked before tracing)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return _loss_of(self.model(*args, **kwargs))

@@ -1,0 +1,127 @@
+"""``plot(record, path)``: a picture of one planned step, as the simulator predicts it.
+
+Top panel: saved-activation bytes on the device over the step, without
+offloading (on its own, stall-free clock) and under the plan, with the budget
+as a line; thin lines show all device tensors. Bottom panel: the compute lane
+(stalls in red) and one lane per copy engine, each copy a bar. Everything drawn
+is a prediction (``passes.simulator`` on a device profile), and the figure says
+so. Matplotlib is used through its object interface (no pyplot), so plotting
+touches no global state and needs no display.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from fxoffload.explain import format_bytes
+from passes.cost_model import DeviceProfile
+from passes.simulator import Simulation, simulate
+
+__all__ = ["format_seconds", "plot"]
+
+FORMATS = (".png", ".svg", ".pdf")
+COLORS = {"compute": "#4c72b0", "stall": "#d62728", "forward": "#55a868", "backward": "#8172b2",
+          "baseline": "#7f7f7f", "plan": "#1f77b4", "budget": "#d62728"}
+
+
+def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, title: str | None = None) -> Simulation:
+    """Simulate ``record`` on ``profile`` (default: its own) and draw it to ``path`` (.png, .svg or .pdf)."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    from matplotlib.figure import Figure
+
+    sim = simulate(record, profile)
+    profile = profile or record.profile
+    figure = Figure(figsize=(11, 6.5), layout="constrained")
+    memory_ax, lanes_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1.6))
+    unit, scale = _unit(max(sim.peak, max((b for _, b in sim.baseline_memory), default=0)))
+    clock = (1e3, "ms") if sim.step_time >= 1e-3 else (1e6, "us")
+    _draw_memory(memory_ax, sim, record.plan.budget_bytes, (unit, scale), clock[0])
+    _draw_lanes(lanes_ax, sim, profile.duplex, clock[0])
+    figure.suptitle(title or f"graph {record.index}: predicted on {profile.name} (simulated, not measured)")
+    lanes_ax.set_xlabel(
+        f"time ({clock[1]}): step {format_seconds(sim.step_time)}, without offload "
+        f"{format_seconds(sim.compute_time)} (+{sim.overhead:.1%}), floor of this plan "
+        f"{format_seconds(sim.floor)} ({sim.bound}-bound)"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return sim
+
+
+def _unit(nbytes: int) -> tuple[str, float]:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return unit, float(size)
+    return "B", 1.0
+
+
+def format_seconds(seconds: float) -> str:
+    for unit, size in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _steps(points: Sequence[tuple[float, int]], end: float, scale: float, ticks: float):
+    times = [t * ticks for t, _ in points] + [end * ticks]
+    values = [b / scale for _, b in points]
+    return times, values + values[-1:]
+
+
+def _draw_memory(ax: Any, sim: Simulation, budget: int | None, units: tuple[str, float], ticks: float) -> None:
+    unit, scale = units
+    for points, end, color, label, width in (
+        (sim.baseline_activations, sim.compute_time, COLORS["baseline"], "saved activations, no offload", 1.8),
+        (sim.activations, sim.step_time, COLORS["plan"], "saved activations, this plan", 1.8),
+        (sim.baseline_memory, sim.compute_time, COLORS["baseline"], "all device tensors, no offload", 0.7),
+        (sim.memory, sim.step_time, COLORS["plan"], "all device tensors, this plan", 0.7),
+    ):
+        if points:
+            ax.step(*_steps(points, end, scale, ticks), where="post", color=color, linewidth=width, label=label,
+                    linestyle="-" if width > 1 else ":")
+    if budget is not None:
+        ax.axhline(budget / scale, color=COLORS["budget"], linestyle="--", linewidth=1.2,
+                   label=f"budget {format_bytes(budget)}")
+    ax.axvline(sim.backward_start * ticks, color="black", linewidth=0.6, alpha=0.5)
+    ax.text(sim.backward_start * ticks, 0, " backward", va="bottom", fontsize=8, alpha=0.7)
+    ax.set_ylabel(f"device memory ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _draw_lanes(ax: Any, sim: Simulation, duplex: bool, ticks: float) -> None:
+    lanes = ["compute", "device to host", "host to device"] if duplex else ["compute", "link (shared)"]
+    row = {"d2h": 1, "h2d": 2, "link": 1}
+    ax.broken_barh(_merged(sim.ops, ticks), (-0.4, 0.8), color=COLORS["compute"])
+    stalls = [(c.waited_at * ticks, c.stall * ticks) for c in sim.copies if c.stall > 0]
+    ax.broken_barh(stalls, (-0.45, 0.9), color=COLORS["stall"])
+    for phase in ("forward", "backward"):
+        for engine in ("d2h", "h2d", "link"):
+            bars = [(c.start * ticks, (c.end - c.start) * ticks) for c in sim.copies
+                    if c.phase == phase and c.engine == engine]
+            if bars:
+                ax.broken_barh(bars, (row[engine] - 0.35, 0.7), facecolor=COLORS[phase], edgecolor="white",
+                               linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    total_stall = sum(c.stall for c in sim.copies)
+    ax.set_title(f"compute (stalls in red: {format_seconds(total_stall)} in {len(stalls)} waits); "
+                 "copies: green offload, purple prefetch", fontsize=9, loc="left")
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _merged(ops: Sequence[tuple[float, float]], ticks: float) -> list[tuple[float, float]]:
+    """Back-to-back ops as one bar (thousands of bars draw slowly and look the same)."""
+    bars: list[list[float]] = []
+    for start, seconds in ops:
+        if seconds <= 0:
+            continue
+        if bars and abs(bars[-1][0] + bars[-1][1] - start * ticks) < 1e-9 * ticks:
+            bars[-1][1] += seconds * ticks
+        else:
+            bars.append([start * ticks, seconds * ticks])
+    return [tuple(b) for b in bars]

@@ -1,0 +1,30 @@
+"""fxoffload.plot writes a readable image of the simulated step, or refuses a path it cannot write."""
+
+import pytest
+import torch
+
+import fxoffload
+from tests.conftest import lm_step, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def record():
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5)
+    lm_step(torch.compile(tiny_llama(), backend=backend), torch.randint(0, 256, (2, 64)))
+    return backend.records[0]
+
+
+def test_png_and_svg_are_written(record, tmp_path):
+    sim = fxoffload.plot(record, tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sim.peak == record.plan.total_peak_after
+    svg = tmp_path / "deeper" / "plan.svg"  # parent folders are created
+    fxoffload.plot(record, svg, profile=fxoffload.PROFILES["a100-pcie4"])
+    text = svg.read_text()
+    assert "a100-pcie4" in text and "simulated" in text and "budget" in text
+
+
+def test_an_unknown_image_format_is_refused(record, tmp_path):
+    with pytest.raises(ValueError, match=r"cannot tell the image format of .*plan\.jpg.*\.png, \.svg, \.pdf"):
+        fxoffload.plot(record, tmp_path / "plan.jpg")
