@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-__all__ = ["PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "from_config_file", "from_preset",
+__all__ = ["PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "TrainingStep", "from_config_file", "from_preset",
            "from_python_file"]
 
 TASKS = ("causal-lm", "masked-lm", "image-classification")
@@ -305,10 +305,10 @@ def _build_step(config: Any, task: str, batch: int, seq: int, dtype: torch.dtype
     else:
         ids = torch.randint(0, config.vocab_size, (batch, seq))
         inputs = {"input_ids": ids}
-    return _Step(model.train(), task), (), inputs
+    return TrainingStep(model.train(), task), (), inputs
 
 
-class _Step(torch.nn.Module):
+class TrainingStep(torch.nn.Module):
     """One training step's forward: the model, then a cross-entropy loss from its logits."""
 
     def __init__(self, model: torch.nn.Module, task: str) -> None:

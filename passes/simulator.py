@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
 
-__all__ = ["Copy", "Replay", "SimulatedCopy", "Simulation", "replay", "simulate"]
+__all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "replay", "simulate", "simulate_movements"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,22 @@ class Simulation:
     @property
     def bound(self) -> str:
         """What limits this plan's floor: "compute" or "link"."""
-        return "compute" if self.floor <= self.compute_time else "link"
+        return "compute" if self.floor <= self.compute_time * (1 + 1e-9) else "link"  # sums in another order
+
+
+@dataclass(frozen=True)
+class Movement:
+    """One storage's round trip, in timeline positions (a copy "at" p is issued or waited right before p)."""
+
+    name: str
+    lifetime: int  # index into Timeline.lifetimes
+    offload_at: int  # the device-to-host copy is issued here
+    offload_wait_at: int  # compute waits for that copy here
+    free_at: int  # the device copy is freed here (it occupies memory up to free_at - 1); fxoffload frees at its wait
+    prefetch_at: int  # the host-to-device copy is issued here; the device copy occupies memory from here
+    wait_at: int  # its wait, before the first consumer
+    d2h_seconds: float
+    h2d_seconds: float
 
 
 def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
@@ -129,21 +144,37 @@ def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
     profile = profile or record.profile
     timeline, plan, schedule = record.timeline, record.plan, record.schedule
     pos = timeline.positions
-    times = [roofline(w, profile) for w in record.work]  # work from before the rewrite changed the edges
+    movements = [
+        Movement(plan.transfers[p.transfer].base_name, plan.transfers[p.transfer].lifetime,
+                 pos[p.offload_after] + 1, pos[p.free_after] + 1, pos[p.free_after] + 1, pos[p.prefetch_before],
+                 pos[p.wait_before],
+                 p.d2h_seconds, p.h2d_seconds)
+        for p in schedule.placements
+    ]
+    return simulate_movements(timeline, record.work, profile, movements, schedule.prefetch_order or None)
+
+
+def simulate_movements(
+    timeline: Any,
+    work: Sequence[Any],
+    profile: DeviceProfile,
+    movements: Sequence[Movement],
+    prefetch_order: Sequence[int] | None = None,
+) -> Simulation:
+    """Replay ``movements`` on the timeline: any strategy's copies, not only a plan's.
+
+    ``work`` is each timeline node's (FLOPs, bytes, dtype) from the cost model;
+    prefetches issued at the same position go in ``prefetch_order`` (default:
+    the order of ``movements``).
+    """
+    times = [roofline(w, profile) for w in work]
     engines = ("d2h", "h2d") if profile.duplex else ("link", "link")
-    copies, names, moved = [], [], {}
-    for p in schedule.placements:
-        transfer = plan.transfers[p.transfer]
-        # Offload issued after its base (before the next position); released after free_after.
-        copies.append(Copy(pos[p.offload_after] + 1, pos[p.free_after] + 1, p.d2h_seconds, engines[0]))
-        names.append((transfer.base_name, "forward"))
-        moved[transfer.lifetime] = (pos[p.free_after], pos[p.prefetch_before])
-    offloads = len(copies)
-    for k in schedule.prefetch_order or range(len(schedule.placements)):  # the rewrite's issue order
-        p = schedule.placements[k]
-        copies.append(Copy(pos[p.prefetch_before], pos[p.wait_before], p.h2d_seconds, engines[1]))
-        names.append((plan.transfers[p.transfer].base_name, "backward"))
-    run = replay(times, copies)
+    down = [Copy(m.offload_at, m.offload_wait_at, m.d2h_seconds, engines[0]) for m in movements]
+    order = list(prefetch_order) if prefetch_order is not None else range(len(movements))
+    up = [Copy(movements[k].prefetch_at, movements[k].wait_at, movements[k].h2d_seconds, engines[1]) for k in order]
+    names = [(m.name, "forward") for m in movements] + [(movements[k].name, "backward") for k in order]
+    moved = {m.lifetime: (m.free_at - 1, m.prefetch_at) for m in movements}
+    run = replay(times, down + up)
     forward = len(timeline.fw_nodes)
     plan_clock, free_clock = run.starts[:-1], _prefix_sums(times)
     plan_total, plan_saved, base_total, base_saved = (
@@ -153,12 +184,12 @@ def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
     return Simulation(
         step_time=run.step_time,
         compute_time=sum(times),
-        floor=_floor(times[:forward], times[forward:], copies[:offloads], copies[offloads:]),
+        floor=_floor(times[:forward], times[forward:], down, up),
         backward_start=run.starts[forward],
         ops=tuple(zip(plan_clock, times)),
         copies=tuple(
             SimulatedCopy(name, phase, c.engine, end - c.seconds, end, at, stall)
-            for (name, phase), c, end, at, stall in zip(names, copies, run.finishes, run.waited_at, run.stalls)
+            for (name, phase), c, end, at, stall in zip(names, down + up, run.finishes, run.waited_at, run.stalls)
         ),
         memory=tuple(zip(plan_clock, plan_total)),
         activations=tuple(zip(plan_clock, plan_saved)),

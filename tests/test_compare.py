@@ -1,0 +1,36 @@
+"""benchmarks/compare.py --quick: every model, profile, budget and strategy, with budgets checked."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import compare  # noqa: E402
+
+
+@pytest.mark.slow
+def test_quick_comparison_table(tmp_path, capsys):
+    assert compare.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    rows = report["rows"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["profile"], r["budget"]), {})[r["strategy"]] = r
+    assert set(groups) == {(m, p, b) for m in compare.QUICK for p in compare.PROFILE_NAMES for b in compare.BUDGETS}
+    for (model, profile, budget), group in groups.items():
+        assert set(group) == set(compare.STRATEGIES)
+        none = group["none"]
+        limit = int(budget * none["activation_peak"])  # budgets are fractions of none's activation peak
+        for strategy, r in group.items():
+            assert r["budget_bytes"] == limit
+            assert r["over_budget"] == (r["activation_peak"] > limit), (model, profile, budget, strategy)
+            assert r["bound"] in ("compute", "link")
+            assert r["step_time"] >= r["floor"] * (1 - 1e-9) and r["floor"] >= r["compute_time"] * (1 - 1e-9)
+        fx = group["fxoffload"]
+        assert not fx["over_budget"] or fx["note"].startswith("infeasible"), (model, profile, budget)
+        assert none["overhead"] == 0.0 and none["offloaded_bytes"] == 0
+    table = (tmp_path / "compare.md").read_text().strip().splitlines()
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 14 for line in table)
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
