@@ -29,7 +29,9 @@ partitioner; every strategy below works from that joint graph:
 
 Budgets are fractions of ``none``'s activation peak (the residual bytes), as
 ``memory_budget`` defines them. Per row: predicted activation peak (and
-whether it is over budget), simulated step time and overhead over ``none``,
+whether it is over budget), predicted total peak (every tensor the step
+creates: activations, gradients, temporaries such as recomputed values),
+simulated step time and overhead over ``none``,
 the step's ratio to the floor of that strategy's copies, what bounds the
 floor, bytes offloaded, FLOPs recomputed, and the measured wall time of
 deciding (planning, or the partitioner run that makes the strategy's graphs).
@@ -48,7 +50,6 @@ schedule of those copies can beat it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -312,7 +313,7 @@ def row(model: str, profile: str, budget: float, strategy: str, sim: Simulation,
         budget_bytes: int, none_time: float, offloaded: int, recomputed: float, seconds: float, note: str = "") -> dict:
     return {
         "model": model, "profile": profile, "budget": budget, "strategy": strategy,
-        "activation_peak": activation_peak, "budget_bytes": budget_bytes,
+        "activation_peak": activation_peak, "total_peak": sim.peak, "budget_bytes": budget_bytes,
         "over_budget": activation_peak > budget_bytes,
         "step_time": sim.step_time, "overhead": sim.step_time / none_time - 1.0,
         "compute_time": sim.compute_time, "floor": sim.floor, "step_over_floor": sim.step_time / sim.floor,
@@ -401,17 +402,33 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
 
 
 def markdown(rows: list[dict]) -> str:
-    header = ("| model | profile | budget | strategy | act. peak (pred.) | step (sim.) | overhead | step/floor | bound "
-              "| offloaded | recomputed | decide (meas.) | fxoffload at this peak (sim.) |")
-    lines = [header, "|" + "---|" * 13]
+    header = ("| model | profile | budget | strategy | act. peak (pred.) | total peak (pred.) | step (sim.) | overhead "
+              "| step/floor | bound | offloaded | recomputed | decide (meas.) | fxoffload at this peak (sim.) |")
+    lines = [header, "|" + "---|" * 14]
     for r in rows:
         peak = format_bytes(r["activation_peak"]) + (" **over**" if r["over_budget"] else "")
         lines.append(
-            f"| {r['model']} | {r['profile']} | {r['budget']} | {r['strategy']} | {peak} | "
+            f"| {r['model']} | {r['profile']} | {r['budget']} | {r['strategy']} | {peak} | {format_bytes(r['total_peak'])} | "
             f"{r['step_time'] * 1e3:.1f} ms | {r['overhead']:+.1%} | {r['step_over_floor']:.3f} | {r['bound']} | "
             f"{format_bytes(r['offloaded_bytes'])} | {r['recomputed_flops'] / 1e12:.2f} TFLOP | "
             f"{r['decision_seconds']:.2f} s | {_at_peak(r)} |"
         )
+    return "\n".join(lines)
+
+
+def headline(rows: list[dict], profile: str = "h100-pcie5") -> str:
+    """One line per model and budget below 1.0: each strategy's activation peak, overhead and bound."""
+    cells: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        if r["profile"] != profile or r["budget"] >= 1.0 or r["strategy"] == "none":
+            continue
+        over = ", **over**" if r["over_budget"] else ""
+        cells.setdefault((r["model"], r["budget"]), {})[r["strategy"]] = (
+            f"{format_bytes(r['activation_peak'])}{over}, {r['overhead']:+.1%} ({r['bound']})")
+    shown = STRATEGIES[1:]
+    lines = ["| model | budget | " + " | ".join(shown) + " |", "|" + "---|" * (2 + len(shown))]
+    for (model, budget), by in cells.items():
+        lines.append(f"| {model} | {budget} | " + " | ".join(by[s] for s in shown) + " |")
     return "\n".join(lines)
 
 
@@ -467,7 +484,8 @@ def plot(rows: list[dict], path: Path, profile: str = "h100-pcie5") -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small slices of each model (CI-sized, < 2 min)")
-    parser.add_argument("--out", default="benchmarks/out", help="folder for compare.md, compare.json, compare.png")
+    parser.add_argument("--out", default="benchmarks/out",
+                        help="folder for compare.md, headline.md, compare.json, compare.png")
     parser.add_argument("--models", default=",".join(FULL), help="comma-separated subset of " + ", ".join(FULL))
     args = parser.parse_args(argv)
     specs = QUICK if args.quick else FULL
@@ -488,11 +506,14 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "cpu_count": os.cpu_count(), "seconds": time.perf_counter() - start,
             "note": "activation peaks predicted, step times simulated; decision seconds measured on this machine"}
     (out / "compare.md").write_text(table + "\n")
+    (out / "headline.md").write_text(headline(rows) + "\n")
     (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows, "misses": misses}, indent=1))
     plot(rows, out / "compare.png")
     print(table)
+    print("\nheadline, h100-pcie5 (activation peak predicted, overhead over none simulated, floor bound):")
+    print(headline(rows))
     print(f"\ntargets: {len(misses)} missed" + "".join(f"\n  {m}" for m in misses))
-    print(f"wrote {out / 'compare.md'}, {out / 'compare.json'}, {out / 'compare.png'} in {meta['seconds']:.0f} s")
+    print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'compare.json'}, {out / 'compare.png'} in {meta['seconds']:.0f} s")
     return 0
 
 

@@ -27,10 +27,15 @@ def test_quick_comparison_table(tmp_path, capsys):
             assert r["budget_bytes"] == limit
             assert r["over_budget"] == (r["activation_peak"] > limit), (model, profile, budget, strategy)
             assert r["bound"] in ("compute", "link")
+            assert r["total_peak"] >= r["activation_peak"] > 0
             assert r["step_time"] >= r["floor"] * (1 - 1e-9) and r["floor"] >= r["compute_time"] * (1 - 1e-9)
         fx = group["fxoffload"]
         assert not fx["over_budget"] or fx["note"].startswith("infeasible"), (model, profile, budget)
         assert none["overhead"] == 0.0 and none["offloaded_bytes"] == 0
     table = (tmp_path / "compare.md").read_text().strip().splitlines()
-    assert len(table) == 2 + len(rows) and all(line.count("|") == 14 for line in table)
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 15 for line in table)
+    headline = (tmp_path / "headline.md").read_text().strip().splitlines()
+    below_one = [b for b in compare.BUDGETS if b < 1.0]
+    assert len(headline) == 2 + len(compare.QUICK) * len(below_one)
+    assert all(line.count("|") == 2 + len(compare.STRATEGIES) for line in headline)
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
