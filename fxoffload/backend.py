@@ -40,6 +40,7 @@ from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
 from passes import DeviceProfile, PassResult, Plan, Schedule, Timeline, offload_pair
+from passes.policies import read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,15 @@ class GraphRecord:
 class _Partitioner(CustomPartitionerFn):
     """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
 
-    def __init__(self, on_pair: Callable[[fx.GraphModule, fx.GraphModule, int], None]) -> None:
+    def __init__(self, on_pair: Callable[[fx.GraphModule, fx.GraphModule, int, dict[str, str]], None]) -> None:
         self._on_pair = on_pair
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        # The user's selective-checkpoint marks, before the partitioner writes its own.
+        policies = read_policies(gm.graph)
+        save_offload_marks(gm.graph)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        self._on_pair(fw, bw, kwargs["num_fwd_outputs"])
+        self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies)
         return fw, bw
 
     def uuid(self) -> None:
@@ -113,8 +117,8 @@ class _Compilation:
         self.backend = backend
         self.record: GraphRecord | None = None
 
-    def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> None:
-        self.record = self.backend._plan_pair(fw, bw, num_user_outputs)
+    def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str]) -> None:
+        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies)
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
         if self.record is not None:
@@ -142,10 +146,13 @@ class OffloadBackend:
         self.config = config
         self.records: list[GraphRecord] = []
 
-    def _plan_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> GraphRecord:
+    def _plan_pair(
+        self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
+    ) -> GraphRecord:
         result: PassResult = offload_pair(
             fw, bw, num_user_outputs,
             options=self.config.plan_options, horizon=self.config.horizon, profile=self.config.profile,
+            policies=policies,
         )
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,

@@ -64,6 +64,10 @@ class _Storage:
 
 
 class _Tracker(TorchDispatchMode):
+    # Higher-order ops (``run_and_save_rng_state`` of checkpointed random ops)
+    # come here whole: their outputs are tracked, their inner temporaries not.
+    supports_higher_order_operators = True
+
     @classmethod
     def is_infra_mode(cls) -> bool:
         return True  # so that dynamo runs the compiled graphs under this mode

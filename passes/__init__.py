@@ -3,7 +3,8 @@
 Stages, one module each: ``analysis`` (saved tensors, aliasing), ``memory``
 (device bytes over the joint timeline), ``cost_model`` (predicted op and copy
 times), ``scheduling`` (where each op goes), ``planning`` with ``solvers``
-(keep or offload under a budget -> Plan), ``rewrite`` (insert the ops).
+(keep or offload under a budget -> Plan), ``policies`` (the user's
+selective-checkpoint marks), ``rewrite`` (insert the ops).
 :func:`offload_pair` runs them in order. This package knows FX and PyTorch
 graphs, nothing of torch.compile or of the copy engines.
 """
@@ -15,6 +16,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch.fx as fx
 
@@ -66,9 +68,13 @@ def plan_pair(
     options: PlanOptions,
     horizon: int | str,
     profile: DeviceProfile,
+    policies: Mapping[str, str] | None = None,
     _watch: _Stopwatch | None = None,
 ) -> PassResult:
-    """Analyse, estimate, plan and schedule the pair; the graphs are not changed."""
+    """Analyse, estimate, plan and schedule the pair; the graphs are not changed.
+
+    ``policies``: the user's selective-checkpoint marks by forward node name (``passes.policies``).
+    """
     watch = _watch or _Stopwatch()
     fw, bw = fw_module.graph, bw_module.graph
     interface = saved_interface(fw, bw, num_user_outputs)
@@ -87,7 +93,7 @@ def plan_pair(
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
-    plan = plan_offloads(interface, activations, timeline, moves, costs, options)
+    plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies)
     watch.stamp("plan")
     schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile)
     plan = with_scheduled_peaks(plan, timeline, schedule)
@@ -103,12 +109,13 @@ def offload_pair(
     options: PlanOptions,
     horizon: int | str,
     profile: DeviceProfile,
+    policies: Mapping[str, str] | None = None,
 ) -> PassResult:
     """Plan the pair, then rewrite it in place; return what was decided. Recompile the modules to run them."""
     with _gc_paused():
         watch = _Stopwatch()
         result = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon,
-                           profile=profile, _watch=watch)
+                           profile=profile, policies=policies, _watch=watch)
         rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
         watch.stamp("rewrite")
     return dataclasses.replace(result, seconds=tuple(watch.times))

@@ -11,6 +11,11 @@ are all covered without a list of view ops. Each saved tensor is traced back
 to its *base*, the forward node that created its storage, through a chain of
 aliasing nodes; that chain can be replayed on a prefetched copy of the base.
 
+Random ops recomputed in the backward (inside checkpointed regions) make the
+partitioner save their generator state: the forward's ``getitem 0`` of
+``run_and_save_rng_state`` arrives in the backward as a placeholder of
+another name; :func:`is_rng_state` recognises it by its producer.
+
 Limits. Saved opaque objects and symints are passed through untouched. A view
 chain whose ops take other graph values as arguments (e.g. symbolic sizes) is
 reported as not replayable. Sizes are ``numel * itemsize`` of the traced
@@ -37,6 +42,7 @@ __all__ = [
     "storage_key",
     "is_compute",
     "is_anchored_compute",
+    "is_rng_state",
     "tensor_nbytes",
 ]
 
@@ -101,6 +107,14 @@ def is_compute(node: fx.Node) -> bool:
     return _aliased_input(node) is None
 
 
+def is_rng_state(node: fx.Node) -> bool:
+    """The generator state the partitioner saves for a random op it recomputes in the backward."""
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
+        return False
+    source = node.args[0]
+    return isinstance(source, fx.Node) and source.target is torch._prims.rng_prims.run_and_save_rng_state
+
+
 @dataclass(frozen=True)
 class SavedInterface:
     """The contract between forward and backward: which values cross, and where."""
@@ -122,7 +136,8 @@ def saved_interface(fw: fx.Graph, bw: fx.Graph, num_user_outputs: int) -> SavedI
     placeholders = list(bw.find_nodes(op="placeholder"))
     bw_saved = placeholders[num_syms : num_syms + len(tensors)]
     for f, b in zip(tensors, bw_saved):
-        if f.name != b.name:  # the partitioner names both sides alike; anything else is a new contract
+        # The partitioner names both sides alike (generator states excepted); anything else is a new contract.
+        if f.name != b.name and not is_rng_state(f):
             raise AssertionError(
                 f"fxoffload: saved tensor {f.name!r} does not match backward input {b.name!r}"
             )

@@ -134,9 +134,13 @@ class _Walker:
             for arg in node.all_input_nodes:
                 for lifetime in self.lifetimes_of(arg):
                     self.death[lifetime] = i
-            if _aliased_input(node) is not None or node.target is operator.getitem:
+            if _aliased_input(node) is not None:
                 continue  # a view: no new storage
             for key, val in zip(self.node_keys(node), _vals(node)):
+                if node.target is operator.getitem and key in self.current:
+                    continue  # an output of a multi-output op, born there
+                # (a getitem of an op without a value, such as the partitioner's
+                # run_and_save_rng_state, is where its outputs' storages appear)
                 self.current[key] = len(self.birth)
                 self.birth.append((i, node, val, key))
                 self.death.append(i)
@@ -155,7 +159,15 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface) -> Tim
         if isinstance(value, fx.Node):
             for lifetime in walker.lifetimes_of(value):
                 walker.death[lifetime] = max(walker.death[lifetime], forward_end)
-    carried = {k: walker.current[k] for n in interface.fw_saved for k in walker.node_keys(n) if k in walker.current}
+    # Saved tensors carry their lifetimes by the interface's pairing: a backward
+    # placeholder usually shares its forward node's fake value, but not always
+    # (the partitioner makes a new one for a saved generator state).
+    carried = {
+        kb: walker.current[kf]
+        for f, b in zip(interface.fw_saved, interface.bw_saved)
+        for kf, kb in zip(walker.node_keys(f), walker.node_keys(b))
+        if kf in walker.current
+    }
     saved_inputs = set(interface.bw_saved)
     for node in bw_nodes:  # tangents: made by autograd as the backward starts
         if node.op == "placeholder" and node not in saved_inputs:

@@ -36,8 +36,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, SavedInterface, output_storages, storage_key
+from passes.analysis import SavedActivation, SavedInterface, is_rng_state, output_storages, storage_key
 from passes.memory import Timeline, curve, intervals, peak
+from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE, group_policies
 from passes.solvers import Candidate, choose_offloads, min_peak
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
 OFFLOAD = "offload"
 KEEP = "keep"
 COPY_WEIGHT = 1e-3  # weight of hidden copy time next to stall time in the objective
+PREFER_SAVE_PENALTY = 10.0  # a PREFER_SAVE candidate costs this many times the costliest other one more
 
 
 class BudgetInfeasibleError(ValueError):
@@ -163,14 +165,24 @@ def _replayable(act: SavedActivation) -> bool:
     return True
 
 
-def why_kept(group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int) -> str | None:
-    """Why this storage group must stay on the device, or None if it may be offloaded."""
+def why_kept(
+    group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int,
+    marks: frozenset[str] = frozenset(),
+) -> str | None:
+    """Why this storage group must stay on the device, or None if it may be offloaded.
+
+    ``marks`` are the group's selective-checkpoint marks (``passes.policies``).
+    """
     base = group[0].base
     val = base.meta.get("val")
     if base.op == "placeholder":
         return "graph input (parameter or user input), or a view of one"
+    if MUST_SAVE in marks:
+        return "selective checkpoint policy MUST_SAVE"
     if not isinstance(val, torch.Tensor):
         return "base is not a single tensor"
+    if any(is_rng_state(a.fw_node) for a in group):
+        return "random-number generator state for a recomputed random op"
     if storage_key(base) in user_storages:
         return "shares storage with a model output"
     if val.device.type not in ("cpu", "cuda"):
@@ -185,16 +197,23 @@ def why_kept(group: Sequence[SavedActivation], user_storages: frozenset[int], mi
         return "view chain takes other graph values as arguments; cannot rebuild it after prefetch"
     if not any(a.bw_node.users for a in group):
         return "not used by the backward graph"
-    if group[0].base_nbytes < min_bytes:
+    if group[0].base_nbytes < min_bytes and MUST_CPU_OFFLOAD not in marks:  # the user asked for this one
         return f"{group[0].base_nbytes} B < min_bytes={min_bytes}"
     return None
 
 
-def _offload_reason(act: SavedActivation, budgeted: bool) -> str:
+def _group_names(group: Sequence[SavedActivation]) -> list[str]:
+    return [group[0].base.name] + [n.name for a in group for n in a.view_chain]
+
+
+_VIEW_WORDING = {"offloaded (>= min_bytes)": "offloaded through its base",
+                 "chosen to meet the budget": "base chosen to meet the budget"}
+
+
+def _offload_reason(act: SavedActivation, why: str) -> str:
     if not act.view_chain:
-        return "chosen to meet the budget" if budgeted else "offloaded (>= min_bytes)"
-    how = "base chosen to meet the budget" if budgeted else "offloaded through its base"
-    return f"view of {act.base.name}; {how}, rebuilt after prefetch"
+        return why
+    return f"view of {act.base.name}; {_VIEW_WORDING.get(why, f'base offloaded ({why})')}, rebuilt after prefetch"
 
 
 @dataclass(frozen=True)
@@ -207,6 +226,22 @@ class _Choice:
     note: str = ""
 
 
+def _solver_costs(
+    candidates: Sequence[fx.Node], costs: Mapping[fx.Node, TransferCost], marks: Mapping[fx.Node, frozenset[str]],
+) -> list[float]:
+    """Each candidate's objective weight; PREFER_CPU_OFFLOAD is free, PREFER_SAVE dearer than any other."""
+    base_cost = [costs[b].stall + COPY_WEIGHT * (costs[b].d2h + costs[b].h2d) for b in candidates]
+    scale = max(base_cost, default=0.0) or 1e-6
+    out = []
+    for b, cost in zip(candidates, base_cost):
+        if PREFER_CPU_OFFLOAD in marks.get(b, ()):
+            cost = 0.0
+        elif PREFER_SAVE in marks.get(b, ()):
+            cost += PREFER_SAVE_PENALTY * scale
+        out.append(cost)
+    return out
+
+
 def _choose(
     timeline: Timeline,
     candidates: Sequence[fx.Node],
@@ -214,21 +249,25 @@ def _choose(
     costs: Mapping[fx.Node, TransferCost],
     budget: int,
     options: PlanOptions,
+    forced: Sequence[fx.Node] = (),
+    marks: Mapping[fx.Node, frozenset[str]] | None = None,
 ) -> _Choice:
-    lives = {base: timeline.forward_lifetime(base) for base in candidates}
-    candidate_lives = {lt.index for lt in lives.values()}
-    fixed = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes
-             if lt.residual and lt.index not in candidate_lives]
+    """Candidates to offload, on top of the ``forced`` ones (always offloaded), so that the budget holds."""
+    lives = {base: timeline.forward_lifetime(base) for base in (*candidates, *forced)}
+    planned = {lt.index for lt in lives.values()}
+    fixed = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.index not in planned]
+    for base in forced:  # their offloaded intervals hold memory whatever is chosen
+        lt, (release, prefetch) = lives[base], moves[base]
+        fixed += [(lt.birth, release, lt.nbytes), (prefetch, lt.death, lt.nbytes)]
     items = []
-    for base in candidates:
+    for base, cost in zip(candidates, _solver_costs(candidates, costs, marks or {})):
         lt = lives[base]
         release, prefetch = moves[base]
-        cost = costs[base]
-        items.append(Candidate(lt.nbytes, (lt.birth, lt.death), ((lt.birth, release), (prefetch, lt.death)),
-                               cost.stall + COPY_WEIGHT * (cost.d2h + cost.h2d)))
+        items.append(Candidate(lt.nbytes, (lt.birth, lt.death), ((lt.birth, release), (prefetch, lt.death)), cost))
     result = choose_offloads(timeline.length, fixed, items, budget, solver=options.solver, time_limit=options.time_limit)
     if result.feasible:
-        return _Choice(tuple(candidates[i] for i in result.chosen), result.solver, result.optimal, result.gap)
+        chosen = tuple(forced) + tuple(candidates[i] for i in result.chosen)
+        return _Choice(chosen, result.solver, result.optimal, result.gap)
     smallest = min_peak(timeline.length, fixed, items)
     given = "" if options.budget.nbytes is not None else f", {options.budget}"
     message = (
@@ -238,7 +277,7 @@ def _choose(
     if options.on_infeasible == "error":
         raise BudgetInfeasibleError(message + "; raise the budget, lower min_bytes, or pass on_infeasible='warn'")
     warnings.warn(message + "; offloading every eligible activation", stacklevel=2)
-    return _Choice(tuple(candidates), result.solver, False, math.nan, False, message)
+    return _Choice(tuple(forced) + tuple(candidates), result.solver, False, math.nan, False, message)
 
 
 def plan_offloads(
@@ -248,19 +287,26 @@ def plan_offloads(
     moves: Mapping[fx.Node, tuple[int, int]],
     costs: Mapping[fx.Node, TransferCost],
     options: PlanOptions,
+    policies: Mapping[str, str] | None = None,
 ) -> Plan:
     """Keep or offload every saved activation (see the module docstring).
 
     ``moves`` maps each candidate base to the (release, prefetch) timeline
-    positions the scheduler gives it; ``costs`` to its predicted copy costs.
+    positions the scheduler gives it; ``costs`` to its predicted copy costs;
+    ``policies`` the user's selective-checkpoint marks by forward node name
+    (``passes.policies``).
     """
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
-    reasons = {base: why_kept(group, user_storages, options.min_bytes) for base, group in groups.items()}
+    marks = {base: group_policies(_group_names(group), policies or {}) for base, group in groups.items()}
+    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base]) for base, group in groups.items()}
     candidates = [base for base, reason in reasons.items() if reason is None]
     missing = [b.name for b in candidates if b not in moves or b not in costs]
     if missing:
         raise AssertionError(f"fxoffload: candidates without a placement: {missing}")
+    forced = [b for b in candidates if MUST_CPU_OFFLOAD in marks[b]]
+    free = [b for b in candidates if MUST_CPU_OFFLOAD not in marks[b]]
+    _warn_unhonoured(reasons, marks)
 
     def evaluate(chosen: Sequence[fx.Node], residual_only: bool) -> int:
         moved = {timeline.forward_lifetime(b).index: moves[b] for b in chosen}
@@ -268,30 +314,27 @@ def plan_offloads(
 
     act_before = evaluate((), True)
     budget_bytes = options.budget.resolve(act_before) if options.budget is not None else None
-    if budget_bytes is None:
-        choice = _Choice(tuple(candidates))
-    elif act_before <= budget_bytes:
-        choice = _Choice(())
+    if budget_bytes is None:  # offload everything eligible, but a PREFER_SAVE hint is honoured
+        choice = _Choice(tuple(forced) + tuple(b for b in free if PREFER_SAVE not in marks[b]))
+    elif evaluate(forced, True) <= budget_bytes:
+        choice = _Choice(tuple(forced))
     else:
-        choice = _choose(timeline, candidates, moves, costs, budget_bytes, options)
+        choice = _choose(timeline, free, moves, costs, budget_bytes, options, forced, marks)
 
     chosen = set(choice.chosen)
     transfers: list[Transfer] = []
     decisions: dict[int, Decision] = {}
     for base, group in groups.items():
-        reason = reasons[base]
         transfer = None
         if base in chosen:
             transfer = len(transfers)
             transfers.append(Transfer(base, group[0].base_nbytes, tuple(a.index for a in group),
                                       timeline.forward_lifetime(base).index, costs.get(base)))
-        elif reason is None:
-            reason = "kept: the budget holds without offloading it"
         for act in group:
             decisions[act.index] = Decision(
                 index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
                 action=OFFLOAD if transfer is not None else KEEP,
-                reason=reason if transfer is None else _offload_reason(act, budget_bytes is not None),
+                reason=_reason(act, reasons[base], transfer is not None, budget_bytes is not None, marks[base]),
                 transfer=transfer,
             )
     return Plan(
@@ -310,6 +353,34 @@ def plan_offloads(
         feasible=choice.feasible,
         note=choice.note,
     )
+
+
+def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, budgeted: bool,
+            marks: frozenset[str]) -> str:
+    """Why ``act`` is kept or offloaded, naming the selective-checkpoint mark it honours or overrides."""
+    if kept_because is not None:
+        return f"MUST_CPU_OFFLOAD not honoured: {kept_because}" if MUST_CPU_OFFLOAD in marks else kept_because
+    if offloaded:
+        if MUST_CPU_OFFLOAD in marks:
+            return _offload_reason(act, "selective checkpoint policy MUST_CPU_OFFLOAD")
+        if PREFER_SAVE in marks:
+            return _offload_reason(act, "chosen to meet the budget, overriding PREFER_SAVE")
+        if PREFER_CPU_OFFLOAD in marks:
+            return _offload_reason(act, "PREFER_CPU_OFFLOAD, chosen to meet the budget")
+        return _offload_reason(act, "chosen to meet the budget" if budgeted else "offloaded (>= min_bytes)")
+    if PREFER_SAVE in marks and not budgeted:
+        return "kept: selective checkpoint policy PREFER_SAVE"
+    if PREFER_CPU_OFFLOAD in marks:
+        return "kept: the budget holds without offloading it (overrides PREFER_CPU_OFFLOAD)"
+    return "kept: the budget holds without offloading it"
+
+
+def _warn_unhonoured(reasons: Mapping[fx.Node, str | None], marks: Mapping[fx.Node, frozenset[str]]) -> None:
+    # A MUST mark the plan cannot follow is something the user must act on.
+    for base, reason in reasons.items():
+        if MUST_CPU_OFFLOAD in marks[base] and reason is not None:
+            warnings.warn(f"fxoffload: {base.name} is marked MUST_CPU_OFFLOAD but stays on the device: {reason}",
+                          stacklevel=3)
 
 
 def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:

@@ -25,7 +25,13 @@ Algorithm.
 * Wait: right before the first backward consumer.
 
 The memory bound is the plan's budget, or without a budget the plan's own
-predicted activation peak (so scheduling never raises it). Stalls are
+predicted activation peak (so scheduling never raises it). Moves also keep the
+predicted total peak (every tensor of the step) at or below the step's total
+peak without offloading (or the least-memory placement's, releases at last use
+and prefetches at their consumers, if that is higher): a release held past its
+last use may not raise it where temporaries or gradients pile up. A stricter
+bound (the least-memory placement's total peak) would give up hiding a copy
+behind a long op whose output meets the prefetched copy at the peak. Stalls are
 predicted by the simulator's replay (``passes.simulator``): each copy starts
 when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
@@ -240,8 +246,19 @@ def transfer_costs(
 # --------------------------------------------------------------------------- final schedule (after planning)
 
 
-def _activation_curve(timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> list[int]:
-    return curve(timeline.length, intervals(timeline, moves, residual_only=True))
+def _total_peak(timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> int:
+    return max(curve(timeline.length, intervals(timeline, moves, residual_only=False)), default=0)
+
+
+def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: int, total_bound: int) -> list[int]:
+    """One curve that a move's bytes must fit under ``bound``: the activation curve, or the total
+    curve shifted so that ``total_bound`` lands on ``bound``, whichever is closer to its limit.
+
+    Both curves rise by the same bytes when a copy is held longer, so one curve states both limits.
+    """
+    saved = curve(timeline.length, intervals(timeline, moves, residual_only=True))
+    total = curve(timeline.length, intervals(timeline, moves, residual_only=False))
+    return [max(s, t - total_bound + bound) for s, t in zip(saved, total)]
 
 
 def schedule_transfers(
@@ -266,24 +283,27 @@ def schedule_transfers(
     h2d = [transfer_time(s, profile.h2d_bandwidth, profile.copy_latency) for s in sizes]
 
     moves = {lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)}
-    releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound)
+    # Moving a release later or a prefetch earlier never raises the total peak above the
+    # step's without offloading (nor above the least-memory placement's, if that is higher).
+    total_bound = max(plan.total_peak_before, _total_peak(timeline, moves))
+    releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
     if horizon == AUTO:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound)
+        prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
     return _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon)
 
 
-def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound) -> list[int]:
+def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound) -> list[int]:
     forward_end = len(timeline.fw_nodes) - 2  # the last node before the output
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
     ready = [starts[pos[chosen[k].offload_after] + 1] for k in order]
     done = dict(zip(order, fifo_finish(ready, [d2h[k] for k in order])))
-    occupied = _activation_curve(timeline, moves)
+    occupied = _occupied(timeline, moves, bound, total_bound)
     releases = [0] * len(chosen)
     for k in order:
         earliest = pos[chosen[k].free_after]
@@ -298,12 +318,12 @@ def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bou
     return releases
 
 
-def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound) -> list[int]:
+def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound) -> list[int]:
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
     consumers = [pos[chosen[k].wait_before] for k in order]
     latest = latest_starts([starts[c] for c in consumers], [h2d[k] for k in order])
-    occupied = _activation_curve(timeline, moves)  # prefetches at their consumers: the least memory
+    occupied = _occupied(timeline, moves, bound, total_bound)  # prefetches at their consumers: the least memory
     prefetches = [0] * len(chosen)
     for j in range(len(order) - 1, -1, -1):
         k, consumer = order[j], consumers[j]

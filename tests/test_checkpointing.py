@@ -1,0 +1,211 @@
+"""Activation checkpointing through the backend.
+
+``torch.utils.checkpoint`` regions (``use_reentrant=False``, also through
+``checkpoint_wrapper`` / ``apply_activation_checkpointing`` and transformers'
+gradient checkpointing) are recomputed as the user asked, and the tensors
+they still save are candidates for offloading. Selective-checkpoint marks:
+``MUST_SAVE`` stays on the device, ``MUST_RECOMPUTE`` is recomputed,
+``MUST_CPU_OFFLOAD`` is offloaded whatever the budget; ``PREFER_*`` marks are
+hints the plan may override, and its reasons say when it did.
+"""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import fxoffload
+from fxoffload import runtime
+from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
+from tests.test_golden import fxoffload_args, op_sequence
+
+aten = torch.ops.aten
+MUST = {aten.addmm.default: CheckpointPolicy.MUST_SAVE, aten.tanh.default: CheckpointPolicy.MUST_CPU_OFFLOAD,
+        aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE}
+PREFER = {aten.addmm.default: CheckpointPolicy.PREFER_SAVE, aten.tanh.default: CheckpointPolicy.PREFER_CPU_OFFLOAD,
+          aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE}
+
+
+def policy_of(marks):
+    def policy(ctx, op, *args, **kwargs):
+        return marks.get(op, CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+class Block(torch.nn.Module):
+    """addmm -> gelu (its backward reads addmm) -> tanh (reads its output) -> relu -> addmm, plus a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(torch.nn.functional.gelu(self.a(x))).relu())
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, marks, blocks: int = 1) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+        self.context = policy_of(marks) if marks is not None else None
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.context is None:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = checkpoint(block, x, use_reentrant=False, context_fn=self.context)
+        return x.sum()
+
+
+def run(model, x, **options):
+    """Compile and run one step with delayed copies; return the record and (loss, grads), checked against eager."""
+    torch._dynamo.reset()
+    expected = loss_and_grads(model, x)
+    backend = fxoffload.offload_backend(inner="eager", **options)
+    compiled = torch.compile(model, backend=backend)
+    with runtime.copy_delay(0.001):  # a consumer that skipped its wait would read NaN
+        assert_same_step(expected, loss_and_grads(compiled, x))
+    assert runtime.pending_transfers() == 0
+    return backend.records[0]
+
+
+def decisions(record):
+    return {d.name: (d.action, d.reason) for d in record.plan.decisions}
+
+
+def test_must_marks_golden():
+    """One block, offload everything eligible: each MUST mark is honoured, in the graphs themselves."""
+    torch.manual_seed(0)
+    record = run(Checkpointed(MUST), torch.randn(8, 16), min_bytes=0)
+    assert op_sequence(record.forward) == [
+        "permute", "addmm",  # MUST_SAVE: saved as it is, no offload
+        "mul", "mul", "erf", "add", "mul",  # gelu
+        "tanh",
+        "offload",  # MUST_CPU_OFFLOAD: offloaded at birth
+        "relu",  # computed for the forward, but not saved (MUST_RECOMPUTE)
+        "permute", "addmm", "add", "sum",
+        "wait",  # tanh's release: its copy (10 us predicted) outlasts this forward's compute
+    ]
+    saved = [a.name for a in record.forward.graph.output_node().args[0][1:]]
+    assert saved == ["primals_1", "primals_4", "addmm", "wait_default"]  # input, weight, MUST_SAVE, tanh's host copy
+    assert fxoffload_args(record.backward) == [("prefetch", ["tanh_host"]), ("wait", ["prefetch_default", "tanh_host"])]
+    backward = op_sequence(record.backward)
+    # relu is recomputed from the prefetched tanh, right after its wait
+    assert backward[backward.index("wait") + 1] == "relu"
+    assert decisions(record) == {
+        "primals_1": ("keep", "graph input (parameter or user input), or a view of one"),
+        "primals_4": ("keep", "graph input (parameter or user input), or a view of one"),
+        "addmm": ("keep", "selective checkpoint policy MUST_SAVE"),
+        "tanh": ("offload", "selective checkpoint policy MUST_CPU_OFFLOAD"),
+    }
+
+
+def test_must_cpu_offload_overrides_budget_and_min_bytes():
+    torch.manual_seed(0)
+    record = run(Checkpointed(MUST, blocks=2), torch.randn(8, 16), memory_budget=1.0, min_bytes=1 << 20)
+    offloaded = {t.base_name for t in record.plan.transfers}
+    assert offloaded == {"tanh", "tanh_1"}  # 1 KiB each, under min_bytes, and the budget asks for nothing
+
+
+def test_prefer_marks_are_hints_the_plan_overrides_and_says_so():
+    torch.manual_seed(0)
+    model, x = Checkpointed(PREFER, blocks=2), torch.randn(64, 16)
+    everything = decisions(run(model, x, min_bytes=0))  # no budget: offload all eligible, but PREFER_SAVE is kept
+    assert everything["addmm"] == ("keep", "kept: selective checkpoint policy PREFER_SAVE")
+    assert everything["tanh"][0] == "offload"
+
+    holds = decisions(run(model, x, min_bytes=0, memory_budget=1.0))
+    assert holds["tanh"] == ("keep", "kept: the budget holds without offloading it (overrides PREFER_CPU_OFFLOAD)")
+    assert holds["addmm"] == ("keep", "kept: the budget holds without offloading it")
+
+    tight = run(model, x, min_bytes=0, memory_budget=0.5)  # feasible, but only by offloading a PREFER_SAVE
+    assert tight.plan.feasible and tight.plan.activation_peak_after <= tight.plan.budget_bytes
+    chosen = decisions(tight)
+    assert chosen["tanh"] == ("offload", "PREFER_CPU_OFFLOAD, chosen to meet the budget")
+    assert chosen["addmm"] == ("offload", "chosen to meet the budget, overriding PREFER_SAVE")
+
+
+def test_a_prefer_cpu_offload_mark_is_offloaded_before_other_candidates():
+    torch.manual_seed(0)
+    model, x = Checkpointed(PREFER, blocks=2), torch.randn(64, 16)
+    record = run(model, x, min_bytes=0, memory_budget=0.9)
+    chosen = {t.base_name for t in record.plan.transfers}
+    assert chosen and chosen <= {"tanh", "tanh_1"}, fxoffload.explain(record)
+
+
+def decoder_layer_class(lm):
+    return type(lm.model.layers[0]) if hasattr(lm, "model") else type(lm.transformer.h[0])
+
+
+def checkpointed_lm(name, how):
+    """A transformers LM + loss with each decoder layer checkpointed: "hf" (its own gradient
+    checkpointing), "wrapper" (apply_activation_checkpointing + checkpoint_wrapper) or "sac"
+    (the wrapper with a selective policy using each MUST mark)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper,
+    )
+
+    torch.manual_seed(0)
+    lm = MODELS[name]().train()
+    if how == "hf":
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        marks = {aten.mm.default: CheckpointPolicy.MUST_SAVE, aten.addmm.default: CheckpointPolicy.MUST_SAVE,
+                 aten.mul.Tensor: CheckpointPolicy.MUST_CPU_OFFLOAD, aten.add.Tensor: CheckpointPolicy.MUST_RECOMPUTE}
+        kwargs = {"context_fn": policy_of(marks)} if how == "sac" else {}
+        wrapper = functools.partial(checkpoint_wrapper, **kwargs)
+        layer = decoder_layer_class(lm)
+        apply_activation_checkpointing(lm, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, layer))
+    return CausalLMLoss(lm), torch.randint(0, 256, (2, 32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["hf", "wrapper", "sac"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_checkpointed_transformers_match_eager_within_budget(name, how):
+    model, ids = checkpointed_lm(name, how)
+    expected = loss_and_grads(model, ids)
+    plain = torch.compile(model, backend="aot_eager_decomp_partition")  # plain compile, same partitioner
+    assert_same_step(expected, loss_and_grads(plain, ids))
+    plain_peak = fxoffload.measure_peak(loss_step, plain, ids)
+    for budget in (0.3, 0.5, 0.7):
+        torch._dynamo.reset()
+        backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=budget, on_infeasible="warn")
+        compiled = torch.compile(model, backend=backend)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="memory_budget: the smallest achievable")
+            with runtime.copy_delay(0.001):
+                assert_same_step(expected, loss_and_grads(compiled, ids))
+            measured = fxoffload.measure_peak(loss_step, compiled, ids)
+        assert len(backend.records) == 1
+        record = backend.records[0]
+        if record.plan.feasible:
+            assert measured.activation_peak <= record.plan.budget_bytes, (budget, measured, fxoffload.explain(record))
+        if how != "sac":  # see test_must_cpu_offload_total_peak_against_plain_compile
+            assert measured.total_peak <= plain_peak.total_peak, (budget, measured, plain_peak)
+        assert record.plan.transfers, fxoffload.explain(record)  # checkpoint boundaries are offloaded too
+    if how == "sac":  # the MUST marks reached the plan
+        reasons = {d.reason for d in record.plan.decisions}
+        assert "selective checkpoint policy MUST_SAVE" in reasons, fxoffload.explain(record)
+        assert "selective checkpoint policy MUST_CPU_OFFLOAD" in reasons, fxoffload.explain(record)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: plain compile ignores MUST_CPU_OFFLOAD and recomputes those tensors; fxoffload saves, "
+    "offloads and prefetches them early (within the activation budget and the step's own unoffloaded total "
+    "peak), so its measured total peak is higher (GPT-2, budget 0.7: 706,696 B against 663,688 B)"))
+def test_must_cpu_offload_total_peak_against_plain_compile():
+    model, ids = checkpointed_lm("gpt2", "sac")
+    plain = torch.compile(model, backend="aot_eager_decomp_partition")
+    loss_and_grads(plain, ids)
+    plain_peak = fxoffload.measure_peak(loss_step, plain, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.7))
+    loss_and_grads(compiled, ids)
+    assert fxoffload.measure_peak(loss_step, compiled, ids).total_peak <= plain_peak.total_peak
