@@ -16,6 +16,12 @@ rest are candidates.
   predicted cost: copy time that compute cannot hide (from
   ``passes.cost_model``), plus a small weight on all copy time so that no copy
   is made for nothing.
+* Selective-checkpoint marks (``passes.policies``): ``MUST_SAVE`` keeps a
+  storage; ``MUST_CPU_OFFLOAD`` offloads it whatever the budget and
+  ``min_bytes`` (its offloaded intervals are fixed memory for the solver);
+  ``PREFER_CPU_OFFLOAD`` costs nothing in the objective and ``PREFER_SAVE``
+  more than any unmarked candidate, so the budget takes them first and last.
+  Every reason names the mark it honours or overrides.
 * If even offloading every candidate misses the budget, ``on_infeasible``
   decides: ``"error"`` raises :class:`BudgetInfeasibleError` with the smallest
   achievable peak; ``"warn"`` offloads every candidate and says so.
@@ -366,7 +372,8 @@ def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, bud
         if PREFER_SAVE in marks:
             return _offload_reason(act, "chosen to meet the budget, overriding PREFER_SAVE")
         if PREFER_CPU_OFFLOAD in marks:
-            return _offload_reason(act, "PREFER_CPU_OFFLOAD, chosen to meet the budget")
+            return _offload_reason(act, "PREFER_CPU_OFFLOAD, " + ("chosen to meet the budget" if budgeted
+                                                                 else "offloaded (no budget)"))
         return _offload_reason(act, "chosen to meet the budget" if budgeted else "offloaded (>= min_bytes)")
     if PREFER_SAVE in marks and not budgeted:
         return "kept: selective checkpoint policy PREFER_SAVE"

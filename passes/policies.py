@@ -50,19 +50,30 @@ _PLANNED = {CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, Checkpoint
 _OFFLOAD = {CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD}
 
 
+_USER_MARK = "fxoffload_user_policy"  # the user's mark, where save_offload_marks replaced it
+
+
+def _user_mark(node: fx.Node) -> object:
+    return node.meta.get(_USER_MARK, node.meta.get("recompute"))
+
+
 def read_policies(joint: fx.Graph) -> dict[str, str]:
     """The save and offload marks of the joint graph's forward ops, by node name (recompute marks excluded)."""
     return {
-        n.name: n.meta["recompute"].name
+        n.name: _user_mark(n).name
         for n in joint.nodes
-        if isinstance(n.meta.get("recompute"), CheckpointPolicy) and n.meta["recompute"] in _PLANNED
+        if isinstance(_user_mark(n), CheckpointPolicy) and _user_mark(n) in _PLANNED
     }
 
 
 def save_offload_marks(joint: fx.Graph) -> None:
-    """Mark every op the user wants offloaded as ``MUST_SAVE``, so that the partitioner saves it."""
+    """Mark every op the user wants offloaded as ``MUST_SAVE``, so that the partitioner saves it.
+
+    The user's mark is kept beside it, so that partitioning the same graph again reads it unchanged.
+    """
     for n in joint.nodes:
         if n.meta.get("recompute") in _OFFLOAD:
+            n.meta[_USER_MARK] = n.meta["recompute"]
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 

@@ -117,7 +117,7 @@ def test_prefer_marks_are_hints_the_plan_overrides_and_says_so():
     model, x = Checkpointed(PREFER, blocks=2), torch.randn(64, 16)
     everything = decisions(run(model, x, min_bytes=0))  # no budget: offload all eligible, but PREFER_SAVE is kept
     assert everything["addmm"] == ("keep", "kept: selective checkpoint policy PREFER_SAVE")
-    assert everything["tanh"][0] == "offload"
+    assert everything["tanh"] == ("offload", "PREFER_CPU_OFFLOAD, offloaded (no budget)")
 
     holds = decisions(run(model, x, min_bytes=0, memory_budget=1.0))
     assert holds["tanh"] == ("keep", "kept: the budget holds without offloading it (overrides PREFER_CPU_OFFLOAD)")
@@ -209,3 +209,19 @@ def test_must_cpu_offload_total_peak_against_plain_compile():
     compiled = torch.compile(model, backend=fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.7))
     loss_and_grads(compiled, ids)
     assert fxoffload.measure_peak(loss_step, compiled, ids).total_peak <= plain_peak.total_peak
+
+
+def test_marks_survive_a_second_read_of_the_same_joint_graph():
+    from passes.policies import read_policies, save_offload_marks
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    offloaded, kept = graph.call_function(aten.tanh.default, (x,)), graph.call_function(aten.relu.default, (x,))
+    offloaded.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
+    kept.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    graph.output((offloaded, kept))
+    expected = {"tanh": "MUST_CPU_OFFLOAD", "relu": "MUST_SAVE"}
+    assert read_policies(graph) == expected
+    save_offload_marks(graph)
+    assert offloaded.meta["recompute"] == CheckpointPolicy.MUST_SAVE  # what the partitioner needs to save it
+    assert read_policies(graph) == expected
