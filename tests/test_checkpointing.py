@@ -63,7 +63,7 @@ class Checkpointed(torch.nn.Module):
 
 
 def run(model, x, **options):
-    """Compile and run one step with delayed copies; return the record and (loss, grads), checked against eager."""
+    """Compile and run one step with delayed copies, check loss and gradients against eager; return the record."""
     torch._dynamo.reset()
     expected = loss_and_grads(model, x)
     backend = fxoffload.offload_backend(inner="eager", **options)
@@ -123,7 +123,7 @@ def test_prefer_marks_are_hints_the_plan_overrides_and_says_so():
     assert holds["tanh"] == ("keep", "kept: the budget holds without offloading it (overrides PREFER_CPU_OFFLOAD)")
     assert holds["addmm"] == ("keep", "kept: the budget holds without offloading it")
 
-    tight = run(model, x, min_bytes=0, memory_budget=0.5)  # feasible, but only by offloading a PREFER_SAVE
+    tight = run(model, x, min_bytes=0, memory_budget=0.5)  # feasible; the solver pays PREFER_SAVE's penalty here
     assert tight.plan.feasible and tight.plan.activation_peak_after <= tight.plan.budget_bytes
     chosen = decisions(tight)
     assert chosen["tanh"] == ("offload", "PREFER_CPU_OFFLOAD, chosen to meet the budget")
