@@ -55,6 +55,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,6 @@ def analyse(fw, bw, num_outputs: int, profile, budget: "float | int", horizon: A
     options = PlanOptions(min_bytes=MIN_BYTES, budget=limit, solver="auto",
                           on_infeasible="warn", time_limit=10.0)
     start = time.perf_counter()
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an infeasible budget is reported in the row
         result = plan_pair(fw, bw, num_outputs, options=options, horizon=horizon, profile=profile)

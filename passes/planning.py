@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from passes.analysis import SavedActivation, SavedInterface, is_rng_state, output_storages, storage_key
 from passes.memory import Timeline, curve, intervals, peak
-from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE, group_policies
+from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.solvers import Candidate, choose_offloads, min_peak
 
 __all__ = [
@@ -208,8 +208,10 @@ def why_kept(
     return None
 
 
-def _group_names(group: Sequence[SavedActivation]) -> list[str]:
-    return [group[0].base.name] + [n.name for a in group for n in a.view_chain]
+def _group_marks(group: Sequence[SavedActivation], policies: Mapping[str, str]) -> frozenset[str]:
+    """The selective-checkpoint marks on a storage's base and on the aliases saved from it."""
+    names = [group[0].base.name] + [n.name for a in group for n in a.view_chain]
+    return frozenset(policies[n] for n in names if n in policies)
 
 
 _VIEW_WORDING = {"offloaded (>= min_bytes)": "offloaded through its base",
@@ -304,7 +306,7 @@ def plan_offloads(
     """
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
-    marks = {base: group_policies(_group_names(group), policies or {}) for base, group in groups.items()}
+    marks = {base: _group_marks(group, policies or {}) for base, group in groups.items()}
     reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base]) for base, group in groups.items()}
     candidates = [base for base, reason in reasons.items() if reason is None]
     missing = [b.name for b in candidates if b not in moves or b not in costs]

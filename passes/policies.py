@@ -32,8 +32,6 @@ one storage's aliases are combined (``MUST_SAVE`` wins over
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -49,7 +47,6 @@ _PLANNED = {CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, Checkpoint
             CheckpointPolicy.PREFER_CPU_OFFLOAD}
 _OFFLOAD = {CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD}
 
-
 _USER_MARK = "fxoffload_user_policy"  # the user's mark, where save_offload_marks replaced it
 
 
@@ -59,11 +56,8 @@ def _user_mark(node: fx.Node) -> object:
 
 def read_policies(joint: fx.Graph) -> dict[str, str]:
     """The save and offload marks of the joint graph's forward ops, by node name (recompute marks excluded)."""
-    return {
-        n.name: _user_mark(n).name
-        for n in joint.nodes
-        if isinstance(_user_mark(n), CheckpointPolicy) and _user_mark(n) in _PLANNED
-    }
+    marks = ((n.name, _user_mark(n)) for n in joint.nodes)
+    return {name: mark.name for name, mark in marks if mark in _PLANNED}
 
 
 def save_offload_marks(joint: fx.Graph) -> None:
@@ -76,7 +70,3 @@ def save_offload_marks(joint: fx.Graph) -> None:
             n.meta[_USER_MARK] = n.meta["recompute"]
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
-
-def group_policies(names: list[str], policies: Mapping[str, str]) -> frozenset[str]:
-    """The marks on any of ``names`` (a storage's base and the aliases saved from it)."""
-    return frozenset(policies[n] for n in names if n in policies)

@@ -27,11 +27,11 @@ Algorithm.
 The memory bound is the plan's budget, or without a budget the plan's own
 predicted activation peak (so scheduling never raises it). Moves also keep the
 predicted total peak (every tensor of the step) at or below the step's total
-peak without offloading (or the least-memory placement's, releases at last use
-and prefetches at their consumers, if that is higher): a release held past its
-last use may not raise it where temporaries or gradients pile up. A stricter
-bound (the least-memory placement's total peak) would give up hiding a copy
-behind a long op whose output meets the prefetched copy at the peak. Stalls are
+peak without offloading: a release held past its last use may not raise it
+where temporaries or gradients pile up. A stricter bound (the total peak of the
+least-memory placement, releases at last use and prefetches at their consumers)
+would give up hiding a copy behind a long op whose output meets the prefetched
+copy at the peak. Stalls are
 predicted by the simulator's replay (``passes.simulator``): each copy starts
 when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
@@ -246,10 +246,6 @@ def transfer_costs(
 # --------------------------------------------------------------------------- final schedule (after planning)
 
 
-def _total_peak(timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> int:
-    return max(curve(timeline.length, intervals(timeline, moves, residual_only=False)), default=0)
-
-
 def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: int, total_bound: int) -> list[int]:
     """One curve that a move's bytes must fit under ``bound``: the activation curve, or the total
     curve shifted so that ``total_bound`` lands on ``bound``, whichever is closer to its limit.
@@ -284,8 +280,9 @@ def schedule_transfers(
 
     moves = {lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)}
     # Moving a release later or a prefetch earlier never raises the total peak above the
-    # step's without offloading (nor above the least-memory placement's, if that is higher).
-    total_bound = max(plan.total_peak_before, _total_peak(timeline, moves))
+    # step's without offloading. (The least-memory placement's own total peak is never
+    # higher: its device intervals lie inside each storage's unoffloaded lifetime.)
+    total_bound = plan.total_peak_before
     releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
