@@ -1,31 +1,52 @@
-"""Solvers: which storages to offload so that the activation peak fits a budget.
+"""Solvers: for each item, keep it or take one of its options, so that a memory curve fits a budget.
 
 Plain numbers in, indices out; nothing here knows FX. Positions are points of
 a timeline; intervals are (start, end inclusive) pairs.
 
-A candidate occupies device memory over ``keep`` when kept, and only over its
-``offload`` intervals (a sub-set of ``keep``) when offloaded; its saving is
-``keep`` minus ``offload``. ``fixed`` intervals hold memory whatever we choose.
-The curve is monotone: offloading more never raises it anywhere, so if
-offloading every candidate does not fit, nothing does.
+The problem. ``base`` intervals hold memory unless an option changes them.
+Each item (a saved storage) is kept, or takes at most one of its
+:class:`Option` s (offload it, recompute it). An option changes the curve by
+signed amounts over intervals (negative: memory saved; positive: memory a
+recomputation needs), costs fixed seconds, and may put work on in-order
+engines (:class:`Queue`: the copy engines). Some option pairs conflict (a
+recomputation that reads a tensor rules out recomputing that tensor too).
+Minimise the total cost plus every queue's *lateness*, subject to the curve
+<= budget everywhere.
 
-* :func:`solve_greedy`: repeatedly take, at the current peak, the candidate
-  that saves there at the lowest cost per byte; then drop chosen candidates,
-  costliest first, while the budget still holds.
-* :func:`solve_milp`: the exact 0/1 program (minimise total cost subject to
-  the curve <= budget everywhere), with SciPy's HiGHS (``scipy.optimize.milp``)
-  under a time limit. The timeline is cut at the ends of the saving
-  intervals; within a segment the same candidates can save, so one row per
-  segment (at its highest point) states the whole constraint.
-* :func:`choose_offloads`: ``"auto"`` runs greedy, then the LP relaxation
-  (a lower bound on any answer's cost). If greedy is within 1% of it, greedy
-  is kept with that gap reported (optimal when within HiGHS's 0.01%): branch
-  and bound took 3 s on a 7B graph to confirm a greedy answer 0.13% above the
-  bound. Otherwise the exact program runs under its time limit and the
-  cheaper feasible answer is kept, so the answer is never worse than greedy.
+A queue's slots are ordered by deadline; ``capacity[k]`` is the engine time
+available to the work of slots ``0..k`` together. Work served in deadline
+order on one engine finishes ``max_k(sum of work in slots 0..k - capacity[k])``
+late at worst, and since a stall delays everything after it, that maximum is
+the step time the queue adds (a single-machine lateness bound). The planner
+fills the slots with copies ordered by their consumers (prefetches) or, from
+the forward's end backwards, by their births (offloads).
+
+* :func:`solve_greedy`: repeatedly take, at the current peak, the option that
+  saves there at the lowest cost per byte saved (engine work counted as if it
+  all stalled: greedy cannot see queues); then drop chosen options, costliest
+  first, while the budget still holds.
+* :func:`solve_milp`: the exact program with SciPy's HiGHS
+  (``scipy.optimize.milp``) under a time limit: one binary per option, one
+  continuous lateness per queue. The timeline is cut at the ends of every
+  option's intervals; within a segment the same options change the curve by
+  the same amounts, so one row per segment (at its highest point) states the
+  whole memory constraint; rows are kept where the base is over budget or
+  some option adds memory.
+* :func:`solve`: ``"auto"`` runs greedy, then the LP relaxation (a lower bound
+  on any answer's cost). If greedy is within 1% of it, greedy is kept with
+  that gap reported (optimal when within HiGHS's 0.01%): branch and bound took
+  3 s on a 7B graph to confirm a greedy answer 0.13% above the bound.
+  Otherwise the exact program runs under its time limit and the cheaper
+  feasible answer is kept, so the answer is never worse than greedy.
   ``"milp"`` always runs the exact program.
 
-Limits: costs are additive (no queueing between copies).
+:func:`choose_offloads` is the offload-only special case (each candidate
+saves ``keep`` minus its ``offload`` intervals), kept for its simpler form.
+
+Limits. Greedy may miss a feasible answer when options add memory or
+conflict (the exact program does not); the queue model lets every copy start
+as early as its slot's capacity says, ignoring the memory that an early
+prefetch holds.
 """
 
 from __future__ import annotations
@@ -38,15 +59,320 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Candidate", "SolverResult", "choose_offloads", "solve_greedy", "solve_milp", "evaluate"]
+__all__ = [
+    "Candidate", "Option", "Queue", "SolverResult", "Solution", "choose_offloads", "solve", "solve_greedy",
+    "solve_milp", "evaluate", "min_peak", "lateness",
+]
 
 Interval = tuple[int, int]
+Change = tuple[int, int, int]  # (start, end inclusive, bytes added; negative when saved)
 OPTIMALITY_GAP = 1e-4  # relative; HiGHS's default for mixed-integer programs
 ACCEPTED_GAP = 1e-2  # "auto" keeps greedy without branch and bound when this close to the LP bound
+SOLVERS = ("auto", "milp", "greedy")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One alternative to keeping an item."""
+
+    changes: tuple[Change, ...]
+    cost: float  # seconds, whatever else is chosen
+    work: tuple[tuple[int, int, float], ...] = ()  # (queue, slot, seconds) on in-order engines
+
+
+@dataclass(frozen=True)
+class Queue:
+    capacity: tuple[float, ...]  # engine seconds available to the work of slots 0..k
+
+
+@dataclass(frozen=True)
+class Solution:
+    chosen: tuple[tuple[int, int], ...]  # (item, option), sorted
+    peak: int  # curve peak with ``chosen``
+    cost: float  # option costs plus queue lateness
+    feasible: bool  # peak <= budget
+    solver: str  # "milp", "greedy", "greedy, LP-bounded", or "none"
+    optimal: bool  # proven optimal
+    gap: float  # relative optimality gap (0 when optimal; nan when unknown)
+    seconds: float
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _curve(length: int, intervals: Sequence[Change]) -> np.ndarray:
+    delta = np.zeros(length + 1, dtype=np.int64)
+    for start, end, nbytes in intervals:
+        delta[start] += nbytes
+        delta[end + 1] -= nbytes
+    return np.cumsum(delta[:-1])
+
+
+def _apply(cur: np.ndarray, option: Option, sign: int = 1) -> None:
+    for a, b, d in option.changes:
+        cur[a : b + 1] += sign * d
+
+
+def curve_with(length, base, items, chosen) -> np.ndarray:
+    """The curve with each chosen (item, option) applied."""
+    cur = _curve(length, base)
+    for i, o in chosen:
+        _apply(cur, items[i][o])
+    return cur
+
+
+def lateness(items, queues, chosen) -> float:
+    """Total lateness of the queues' work under ``chosen`` (see the module docstring)."""
+    total = 0.0
+    for q, queue in enumerate(queues):
+        load = np.zeros(len(queue.capacity))
+        for i, o in chosen:
+            for wq, slot, seconds in items[i][o].work:
+                if wq == q:
+                    load[slot] += seconds
+        if load.size:
+            total += max(0.0, float((np.cumsum(load) - np.asarray(queue.capacity)).max()))
+    return total
+
+
+def objective(items, queues, chosen) -> float:
+    return float(sum(items[i][o].cost for i, o in chosen)) + lateness(items, queues, chosen)
+
+
+def _solution(length, base, items, queues, chosen, budget, solver, optimal, gap, started) -> Solution:
+    chosen = tuple(sorted(chosen))
+    top = int(curve_with(length, base, items, chosen).max(initial=0))
+    return Solution(chosen, top, objective(items, queues, chosen), top <= budget, solver, optimal, gap,
+                    time.perf_counter() - started)
+
+
+def _conflicting(conflicts) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    out: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for a, b in conflicts:
+        out.setdefault(a, set()).add(b)
+        out.setdefault(b, set()).add(a)
+    return out
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def _saved_at(option: Option, t: int) -> int:
+    return -sum(d for a, b, d in option.changes if a <= t <= b)
+
+
+def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Solution:
+    started = time.perf_counter()
+    cur = _curve(length, base)
+    clash = _conflicting(conflicts)
+    chosen: dict[int, int] = {}
+    while cur.size and cur.max() > budget:
+        t = int(cur.argmax())
+        taken = set(chosen.items())
+        best, best_key = None, None
+        for i, options in enumerate(items):
+            if i in chosen:
+                continue
+            for o, option in enumerate(options):
+                saved = _saved_at(option, t)
+                if saved <= 0 or clash.get((i, o), set()) & taken:
+                    continue
+                cost = option.cost + sum(w[2] for w in option.work)
+                key = (cost / saved, -saved, i, o)
+                if best_key is None or key < best_key:
+                    best, best_key = (i, o), key
+        if best is None:
+            break  # nothing can lower this point: the budget is infeasible
+        chosen[best[0]] = best[1]
+        _apply(cur, items[best[0]][best[1]])
+    if cur.size and cur.max() <= budget:
+        by_cost = sorted(chosen.items(), key=lambda p: -(items[p[0]][p[1]].cost + sum(w[2] for w in items[p[0]][p[1]].work)))
+        for i, o in by_cost:  # undo what is not needed
+            _apply(cur, items[i][o], -1)
+            if cur.max() <= budget:
+                del chosen[i]
+            else:
+                _apply(cur, items[i][o])
+    return _solution(length, base, items, queues, chosen.items(), budget, "greedy", False, math.nan, started)
+
+
+# --------------------------------------------------------------------------- exact program
+
+
+@dataclass(frozen=True)
+class _Program:
+    """The program in matrix form, scaled to O(1): binaries per option, then one lateness per queue."""
+
+    pairs: tuple[tuple[int, int], ...]  # (item, option) of each binary column
+    cost: np.ndarray
+    cost_unit: float
+    rows: Any  # sparse constraint matrix
+    lower: np.ndarray
+    upper: np.ndarray
+
+
+def _memory_rows(length, base, options, budget):
+    """(row positions, entries, lower bounds) of the memory constraint, or None when it holds as is."""
+    cur = _curve(length, base)
+    cuts = sorted({0} | {p for opt in options for a, b, _ in opt.changes for p in (a, b + 1)} - {length})
+    highest = np.maximum.reduceat(cur, cuts) if length else np.zeros(0, dtype=np.int64)
+    adds = np.zeros(len(cuts), dtype=bool)
+    cut_pos = np.array(cuts)
+    for opt in options:
+        for a, b, d in opt.changes:
+            if d > 0:
+                adds[np.searchsorted(cut_pos, a) : np.searchsorted(cut_pos, b, "right")] = True
+    keep = [k for k in range(len(cuts)) if highest[k] > budget or adds[k]]
+    if not any(highest[k] > budget for k in keep):
+        return None  # costs are >= 0: taking nothing is optimal
+    row_pos = cut_pos[keep]
+    r, c, v = [], [], []
+    for col, opt in enumerate(options):
+        for a, b, d in opt.changes:
+            lo, hi = np.searchsorted(row_pos, a, "left"), np.searchsorted(row_pos, b, "right")
+            r.extend(range(lo, hi))
+            c.extend([col] * (hi - lo))
+            v.extend([-d] * (hi - lo))  # bytes this option saves in the segment
+    return keep, (r, c, v), np.array([highest[k] - budget for k in keep], dtype=float)
+
+
+def _program(length, base, items, budget, queues, conflicts) -> _Program | None:
+    """Rows of the program, or None when the budget holds with nothing taken."""
+    from scipy.sparse import coo_matrix, vstack
+
+    pairs = tuple((i, o) for i, options in enumerate(items) for o in range(len(options)))
+    options = [items[i][o] for i, o in pairs]
+    if not pairs:
+        return None
+    memory = _memory_rows(length, base, options, budget)
+    if memory is None:
+        return None
+    ncols = len(pairs) + len(queues)
+    unit = float(max((abs(d) for opt in options for _, _, d in opt.changes), default=1)) or 1.0
+    keep, (r, c, v), excess = memory  # sum(saved * x) >= excess, in units of the largest change
+    blocks = [coo_matrix((np.array(v, float) / unit, (r, c)), shape=(len(keep), ncols))]
+    lower, upper = [excess / unit], [np.full(len(keep), np.inf)]
+    column = {p: k for k, p in enumerate(pairs)}
+    rows = [[column[(i, o)] for o in range(len(opts))] for i, opts in enumerate(items) if len(opts) > 1]
+    rows += [[column[a], column[b]] for a, b in conflicts]
+    if rows:  # at most one option per item; conflicting options not together
+        r = [k for k, cols in enumerate(rows) for _ in cols]
+        c = [col for cols in rows for col in cols]
+        blocks.append(coo_matrix((np.ones(len(c)), (r, c)), shape=(len(rows), ncols)))
+        lower.append(np.full(len(rows), -np.inf))
+        upper.append(np.ones(len(rows)))
+    cost = np.array([opt.cost for opt in options] + [1.0] * len(queues), dtype=float)
+    work_max = max((w[2] for opt in options for w in opt.work), default=0.0)
+    cost_unit = max(float(cost[: len(pairs)].max(initial=0.0)), work_max) or 1.0
+    for q, queue in enumerate(queues):  # sum of work in slots 0..k - lateness <= capacity[k]
+        load: dict[int, dict[int, float]] = {}
+        for col, opt in enumerate(options):
+            for wq, slot, seconds in opt.work:
+                if wq == q:
+                    load.setdefault(slot, {})[col] = load.get(slot, {}).get(col, 0.0) + seconds
+        slots = sorted(load)
+        r, c, v, acc = [], [], [], {}
+        for k, slot in enumerate(slots):
+            for col, seconds in load[slot].items():
+                acc[col] = acc.get(col, 0.0) + seconds
+            for col, seconds in acc.items():
+                r.append(k), c.append(col), v.append(seconds / cost_unit)
+            r.append(k), c.append(len(pairs) + q), v.append(-1.0)
+        if slots:
+            blocks.append(coo_matrix((v, (r, c)), shape=(len(slots), ncols)))
+            lower.append(np.full(len(slots), -np.inf))
+            upper.append(np.array([queue.capacity[s] for s in slots]) / cost_unit)
+    return _Program(pairs, cost / np.array([cost_unit] * len(pairs) + [1.0] * len(queues)), cost_unit,
+                    vstack(blocks).tocsr(), np.concatenate(lower), np.concatenate(upper))
+
+
+def _integrality(program: _Program, nqueues: int) -> np.ndarray:
+    return np.array([1] * len(program.pairs) + [0] * nqueues)
+
+
+def _bounds(program: _Program, nqueues: int):
+    from scipy.optimize import Bounds
+
+    return Bounds(np.zeros(len(program.pairs) + nqueues), np.array([1.0] * len(program.pairs) + [np.inf] * nqueues))
+
+
+def lower_bound(length, base, items, budget, queues=(), conflicts=()) -> float:
+    """A lower bound on the least cost: the LP relaxation of the program (HiGHS)."""
+    from scipy.optimize import LinearConstraint, milp
+
+    program = _program(length, base, items, budget, queues, conflicts)
+    if program is None:
+        return 0.0
+    res = milp(program.cost, integrality=np.zeros(len(program.cost)), bounds=_bounds(program, len(queues)),
+               constraints=LinearConstraint(program.rows, program.lower, program.upper))
+    return float(res.fun) * program.cost_unit if res.status == 0 else 0.0  # no bound found: the trivial one
+
+
+def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, time_limit: float = 10.0) -> Solution | None:
+    """The exact program; None if HiGHS found no feasible answer in time."""
+    from scipy.optimize import LinearConstraint, milp
+
+    started = time.perf_counter()
+    program = _program(length, base, items, budget, queues, conflicts)
+    if program is None:  # nothing to choose, or nothing needed: the empty answer
+        return _solution(length, base, items, queues, (), budget, "milp", True, 0.0, started)
+    res = milp(
+        program.cost,
+        integrality=_integrality(program, len(queues)),
+        bounds=_bounds(program, len(queues)),
+        constraints=LinearConstraint(program.rows, program.lower, program.upper),
+        options={"time_limit": time_limit, "disp": False},
+    )
+    if res.x is None:
+        return None
+    chosen = [p for p, v in zip(program.pairs, res.x) if v > 0.5]
+    gap = float(getattr(res, "mip_gap", math.nan) or 0.0) if res.status == 0 else float(getattr(res, "mip_gap", math.nan))
+    return _solution(length, base, items, queues, chosen, budget, "milp", res.status == 0, gap, started)
+
+
+def min_peak(length, base, items) -> int:
+    """The peak with every item on its first option (callers list the least-memory option first)."""
+    return int(curve_with(length, base, items, [(i, 0) for i, opts in enumerate(items) if opts]).max(initial=0))
+
+
+def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str = "auto",
+          time_limit: float = 10.0) -> Solution:
+    """Options so the curve stays within ``budget`` at least cost (see the module docstring)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver: got {solver!r}; accepted: {', '.join(map(repr, SOLVERS))}")
+    greedy = solve_greedy(length, base, items, budget, queues, conflicts) if solver in ("auto", "greedy") else None
+    if solver == "greedy":
+        return greedy
+    if greedy is not None and not greedy.feasible and not conflicts and not _adds_memory(items):
+        return greedy  # monotone: no exact search can do better than "everything"
+    if greedy is not None and greedy.feasible and greedy.cost > 0:
+        # The LP relaxation bounds every answer from below: when greedy meets it,
+        # greedy is optimal and the (slower) branch and bound is not needed.
+        bound = lower_bound(length, base, items, budget, queues, conflicts)
+        gap = max((greedy.cost - bound) / greedy.cost, 0.0)
+        if gap <= ACCEPTED_GAP:
+            return dataclasses.replace(greedy, solver="greedy, LP-bounded", optimal=gap <= OPTIMALITY_GAP, gap=gap)
+    elif greedy is not None and greedy.feasible:
+        return dataclasses.replace(greedy, optimal=True, gap=0.0)  # zero cost cannot be beaten
+    exact = solve_milp(length, base, items, budget, queues, conflicts, time_limit=time_limit)
+    if greedy is None:
+        return exact if exact is not None else solve_greedy(length, base, items, budget, queues, conflicts)
+    if exact is not None and exact.feasible and (not greedy.feasible or exact.cost <= greedy.cost + 1e-12):
+        return exact
+    return greedy
+
+
+def _adds_memory(items) -> bool:
+    return any(d > 0 for options in items for opt in options for _, _, d in opt.changes)
+
+
+# --------------------------------------------------------------------------- offload-only form
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """Occupies ``keep`` when kept, only its ``offload`` intervals (inside ``keep``) when offloaded."""
+
     nbytes: int
     keep: Interval
     offload: tuple[Interval, ...]
@@ -78,157 +404,40 @@ def _savings(c: Candidate) -> list[Interval]:
     return [(a, b) for a, b in out if a <= b]
 
 
-def _base_curve(length: int, fixed: Sequence[tuple[int, int, int]], candidates: Sequence[Candidate]) -> np.ndarray:
-    delta = np.zeros(length + 1, dtype=np.int64)
-    for start, end, nbytes in fixed:
-        delta[start] += nbytes
-        delta[end + 1] -= nbytes
-    for c in candidates:
-        delta[c.keep[0]] += c.nbytes
-        delta[c.keep[1] + 1] -= c.nbytes
-    return np.cumsum(delta[:-1])
+def _general(fixed, candidates):
+    base = list(fixed) + [(c.keep[0], c.keep[1], c.nbytes) for c in candidates]
+    items = [(Option(tuple((a, b, -c.nbytes) for a, b in _savings(c)), c.cost),) for c in candidates]
+    return base, items
+
+
+def _offload_result(solution: Solution) -> SolverResult:
+    return SolverResult(tuple(i for i, _ in solution.chosen), solution.peak, solution.cost, solution.feasible,
+                        solution.solver, solution.optimal, solution.gap, solution.seconds)
 
 
 def evaluate(length, fixed, candidates, chosen) -> np.ndarray:
     """The curve with ``chosen`` candidates offloaded."""
-    cur = _base_curve(length, fixed, candidates)
-    for i in chosen:
-        for a, b in _savings(candidates[i]):
-            cur[a : b + 1] -= candidates[i].nbytes
-    return cur
-
-
-def _result(length, fixed, candidates, chosen, budget, solver, optimal, gap, started) -> SolverResult:
-    chosen = tuple(sorted(chosen))
-    top = int(evaluate(length, fixed, candidates, chosen).max(initial=0))
-    cost = float(sum(candidates[i].cost for i in chosen))
-    return SolverResult(chosen, top, cost, top <= budget, solver, optimal, gap, time.perf_counter() - started)
-
-
-def solve_greedy(length, fixed, candidates, budget) -> SolverResult:
-    started = time.perf_counter()
-    cur = _base_curve(length, fixed, candidates)
-    savings = [_savings(c) for c in candidates]
-    chosen: list[int] = []
-    free = set(range(len(candidates)))
-    while cur.size and cur.max() > budget:
-        t = int(cur.argmax())
-        options = [i for i in free if any(a <= t <= b for a, b in savings[i])]
-        if not options:
-            break  # nothing can lower this point: the budget is infeasible
-        best = min(options, key=lambda i: (candidates[i].cost / max(candidates[i].nbytes, 1), -candidates[i].nbytes, i))
-        free.discard(best)
-        chosen.append(best)
-        for a, b in savings[best]:
-            cur[a : b + 1] -= candidates[best].nbytes
-    if cur.size and cur.max() <= budget:
-        for i in sorted(chosen, key=lambda i: -candidates[i].cost):  # undo what is not needed
-            spans = savings[i]
-            if all(cur[a : b + 1].max() + candidates[i].nbytes <= budget for a, b in spans):
-                for a, b in spans:
-                    cur[a : b + 1] += candidates[i].nbytes
-                chosen.remove(i)
-    return _result(length, fixed, candidates, chosen, budget, "greedy", False, math.nan, started)
-
-
-@dataclass(frozen=True)
-class _Program:
-    """The 0/1 program in matrix form, scaled to O(1) (see :func:`_program`)."""
-
-    cost: np.ndarray  # per candidate, divided by ``cost_unit``
-    cost_unit: float
-    matrix: Any  # sparse rows x candidates: bytes saved per segment, divided by the largest candidate
-    excess: np.ndarray  # bytes over budget per segment, same unit
-
-
-def _program(length, fixed, candidates, budget) -> _Program | None:
-    """Rows of the program, or None when the budget holds with nothing offloaded."""
-    from scipy.sparse import coo_matrix
-
-    base = _base_curve(length, fixed, candidates)
-    # Between consecutive ends of saving intervals, the same candidates can
-    # save: one row per such segment, at the segment's highest point.
-    cuts = sorted({0} | {p for c in candidates for a, b in _savings(c) for p in (a, b + 1)} - {length})
-    highest = np.maximum.reduceat(base, cuts) if length else np.zeros(0)
-    rows = [t for t, top in zip(cuts, highest) if top > budget]
-    if not rows:
-        return None
-    row_pos = np.array(rows)
-    entries_r, entries_c, entries_v = [], [], []
-    for i, c in enumerate(candidates):
-        for a, b in _savings(c):
-            lo, hi = np.searchsorted(row_pos, a, "left"), np.searchsorted(row_pos, b, "right")
-            entries_r.extend(range(lo, hi))
-            entries_c.extend([i] * (hi - lo))
-            entries_v.extend([c.nbytes] * (hi - lo))
-    # Scale to O(1): costs are seconds (often microseconds) and HiGHS's absolute
-    # gap tolerance is 1e-6, which would call any answer optimal; bytes likewise.
-    unit = float(max(c.nbytes for c in candidates)) or 1.0
-    matrix = coo_matrix((np.array(entries_v, dtype=float) / unit, (entries_r, entries_c)),
-                        shape=(len(rows), len(candidates))).tocsr()
-    cost = np.array([c.cost for c in candidates], dtype=float)
-    cost_unit = float(cost.max()) if cost.max() > 0 else 1.0
-    excess = np.array([top - budget for top in highest if top > budget], dtype=float) / unit
-    return _Program(cost / cost_unit, cost_unit, matrix, excess)
-
-
-def lower_bound(length, fixed, candidates, budget) -> float:
-    """A lower bound on the least cost: the LP relaxation of the program (HiGHS)."""
-    from scipy.optimize import linprog
-
-    program = _program(length, fixed, candidates, budget) if candidates else None
-    if program is None:
-        return 0.0
-    res = linprog(program.cost, A_ub=-program.matrix, b_ub=-program.excess, bounds=(0, 1), method="highs")
-    return float(res.fun) * program.cost_unit if res.status == 0 else 0.0  # no bound found: the trivial one
-
-
-def solve_milp(length, fixed, candidates, budget, time_limit: float) -> SolverResult | None:
-    """The exact program; None if HiGHS found no feasible answer in time."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    started = time.perf_counter()
-    program = _program(length, fixed, candidates, budget) if candidates else None
-    if program is None:  # nothing to choose, or nothing needed: the empty answer
-        return _result(length, fixed, candidates, (), budget, "milp", True, 0.0, started)
-    res = milp(
-        program.cost,
-        integrality=np.ones(len(candidates)),
-        bounds=Bounds(0, 1),
-        constraints=LinearConstraint(program.matrix, lb=program.excess, ub=np.inf),
-        options={"time_limit": time_limit, "disp": False},
-    )
-    if res.x is None:
-        return None
-    chosen = [i for i, v in enumerate(res.x) if v > 0.5]
-    gap = float(getattr(res, "mip_gap", math.nan) or 0.0) if res.status == 0 else float(getattr(res, "mip_gap", math.nan))
-    return _result(length, fixed, candidates, chosen, budget, "milp", res.status == 0, gap, started)
-
-
-def min_peak(length, fixed, candidates) -> int:
-    """The lowest peak any choice reaches: everything offloaded."""
-    return int(evaluate(length, fixed, candidates, range(len(candidates))).max(initial=0))
+    base, items = _general(fixed, candidates)
+    return curve_with(length, base, items, [(i, 0) for i in chosen])
 
 
 def choose_offloads(length, fixed, candidates, budget, *, solver: str = "auto", time_limit: float = 10.0) -> SolverResult:
-    """Pick candidates so the curve stays within ``budget`` at least cost (see module docstring)."""
-    if solver not in ("auto", "milp", "greedy"):
-        raise ValueError(f"solver: got {solver!r}; accepted: 'auto', 'milp', 'greedy'")
-    greedy = solve_greedy(length, fixed, candidates, budget) if solver in ("auto", "greedy") else None
-    if solver == "greedy" or (greedy is not None and not greedy.feasible):
-        return greedy  # infeasible: no exact search can do better than "everything"
-    if greedy is not None and greedy.cost > 0:
-        # The LP relaxation bounds every answer from below: when greedy meets it,
-        # greedy is optimal and the (slower) branch and bound is not needed.
-        bound = lower_bound(length, fixed, candidates, budget)
-        gap = max((greedy.cost - bound) / greedy.cost, 0.0)
-        if gap <= ACCEPTED_GAP:
-            return dataclasses.replace(greedy, solver="greedy, LP-bounded", optimal=gap <= OPTIMALITY_GAP, gap=gap)
-    elif greedy is not None:
-        return dataclasses.replace(greedy, optimal=True, gap=0.0)  # zero cost cannot be beaten
-    exact = solve_milp(length, fixed, candidates, budget, time_limit)
-    if greedy is None:
-        return exact if exact is not None else solve_greedy(length, fixed, candidates, budget)
-    if exact is not None and exact.feasible and exact.cost <= greedy.cost + 1e-12:
-        return exact
-    return greedy
+    """Candidates to offload so the curve stays within ``budget`` at least cost."""
+    base, items = _general(fixed, candidates)
+    return _offload_result(solve(length, base, items, budget, solver=solver, time_limit=time_limit))
+
+
+def offload_greedy(length, fixed, candidates, budget) -> SolverResult:
+    base, items = _general(fixed, candidates)
+    return _offload_result(solve_greedy(length, base, items, budget))
+
+
+def offload_milp(length, fixed, candidates, budget, time_limit: float) -> SolverResult | None:
+    base, items = _general(fixed, candidates)
+    solution = solve_milp(length, base, items, budget, time_limit=time_limit)
+    return None if solution is None else _offload_result(solution)
+
+
+def offload_min_peak(length, fixed, candidates) -> int:
+    base, items = _general(fixed, candidates)
+    return min_peak(length, base, items)

@@ -1,10 +1,15 @@
 """Solvers on plain numbers: hand-computed cases and properties (hypothesis)."""
 
 
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from passes.solvers import Candidate, choose_offloads, evaluate, min_peak, solve_greedy, solve_milp
+from passes.solvers import (
+    Candidate, choose_offloads, evaluate, offload_greedy as solve_greedy, offload_milp as solve_milp,
+    offload_min_peak as min_peak,
+)
 
 
 def three_layer():
@@ -101,3 +106,104 @@ def test_no_candidates_with_the_exact_solver():
     # Nothing can be offloaded and the fixed memory is over budget: an infeasible empty answer.
     result = choose_offloads(4, [(0, 3, 10)], [], 5, solver="milp")
     assert result.chosen == () and not result.feasible and result.peak == 10
+
+
+# --------------------------------------------------------------------------- keep / offload / recompute form
+
+import itertools  # noqa: E402
+
+from passes.solvers import Option, Queue, curve_with, lateness, solve, solve_greedy as greedy_options  # noqa: E402
+from passes.solvers import solve_milp as milp_options  # noqa: E402
+
+
+def brute_force(length, base, items, budget, queues, conflicts):
+    """The least cost over every combination (keep = -1), or None when none fits."""
+    best = None
+    clash = {frozenset(c) for c in conflicts}
+    for combo in itertools.product(*[range(-1, len(opts)) for opts in items]):
+        chosen = [(i, o) for i, o in enumerate(combo) if o >= 0]
+        if any(frozenset(p) in clash for p in itertools.combinations(chosen, 2)):
+            continue
+        if curve_with(length, base, items, chosen).max(initial=0) > budget:
+            continue
+        cost = sum(items[i][o].cost for i, o in chosen) + lateness(items, queues, chosen)
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+def test_lateness_by_hand():
+    # One engine, two slots: 3 s of capacity for slot 0, 5 s for slots 0..1 together.
+    queue = Queue((3.0, 5.0))
+    items = [(Option((), 0.0, ((0, 0, 2.0),)),), (Option((), 0.0, ((0, 1, 2.0),)),), (Option((), 0.0, ((0, 0, 2.0),)),)]
+    assert lateness(items, [queue], [(0, 0), (1, 0)]) == 0.0  # 2 <= 3, 4 <= 5
+    assert lateness(items, [queue], [(0, 0), (2, 0)]) == 1.0  # 4 > 3 in slot 0
+    assert lateness(items, [queue], [(0, 0), (1, 0), (2, 0)]) == 1.0  # max(4 - 3, 6 - 5)
+
+
+def test_mixed_plan_beats_either_single_option_by_hand():
+    # Two tensors of 100 B over 0..9 and 200 B fixed over 3..6; budget 250: both must leave
+    # 1..8. Offloading one puts 4 s of copy on an engine with 5 s of room; offloading both
+    # is 3 s late. Recomputing costs 2 s and 30 B of temporaries at 7. Best: offload one,
+    # recompute the other (2 s); both offloaded cost 3 s, both recomputed 4 s.
+    base = [(0, 9, 100), (0, 9, 100), (3, 6, 200)]
+    offload = lambda: Option(((1, 8, -100),), 0.0, ((0, 0, 4.0),))
+    recompute = lambda: Option(((1, 8, -100), (7, 7, 30)), 2.0)
+    items = [(offload(), recompute()), (offload(), recompute())]
+    queues = [Queue((5.0,))]
+    result = solve(10, base, items, 250, queues, solver="milp")
+    assert result.feasible and sorted(o for _, o in result.chosen) == [0, 1] and result.cost == 2.0
+    only_offload = solve(10, base, [(offload(),), (offload(),)], 250, queues, solver="milp")
+    only_recompute = solve(10, base, [(recompute(),), (recompute(),)], 250, queues, solver="milp")
+    assert only_offload.cost == 3.0 and only_recompute.cost == 4.0
+    assert solve(10, base, items, 250, queues).cost == 2.0  # "auto" finds it too
+
+
+@st.composite
+def option_problems(draw):
+    length = draw(st.integers(4, 16))
+    n = draw(st.integers(1, 4))
+    base, items = [], []
+    for _ in range(n):
+        birth = draw(st.integers(0, length - 2))
+        death = draw(st.integers(birth + 1, length - 1))
+        nbytes = draw(st.integers(1, 100))
+        base.append((birth, death, nbytes))
+        options = []
+        for _ in range(draw(st.integers(1, 2))):
+            a = draw(st.integers(birth, death))
+            b = draw(st.integers(a, death))
+            changes = [(a, b, -nbytes)]
+            if draw(st.booleans()):
+                changes.append((b, b, draw(st.integers(1, 50))))  # a recomputation's temporaries
+            work = ((0, draw(st.integers(0, 2)), draw(st.floats(0, 3))),) if draw(st.booleans()) else ()
+            options.append(Option(tuple(changes), draw(st.floats(0, 5)), work))
+        items.append(tuple(options))
+    base.append((0, length - 1, draw(st.integers(0, 50))))
+    pairs = [(i, o) for i, opts in enumerate(items) for o in range(len(opts))]
+    conflicts = []
+    if len(pairs) >= 2 and draw(st.booleans()):
+        a, b = draw(st.sampled_from(list(itertools.combinations(pairs, 2))))
+        if a[0] != b[0]:
+            conflicts.append((a, b))
+    queues = [Queue(tuple(sorted(draw(st.lists(st.floats(0, 4), min_size=3, max_size=3)))))]
+    return length, base, items, draw(st.integers(0, 400)), queues, conflicts
+
+
+@settings(max_examples=80, deadline=None)
+@given(option_problems())
+def test_exact_program_matches_brute_force(problem):
+    length, base, items, budget, queues, conflicts = problem
+    best = brute_force(length, base, items, budget, queues, conflicts)
+    exact = milp_options(length, base, items, budget, queues, conflicts, time_limit=5)
+    if best is None:
+        assert exact is None or not exact.feasible
+        return
+    assert exact is not None and exact.feasible and exact.peak <= budget
+    assert abs(exact.cost - best) <= 1e-6 * max(1.0, best)
+    greedy = greedy_options(length, base, items, budget, queues, conflicts)
+    chosen = solve(length, base, items, budget, queues, conflicts)
+    assert chosen.feasible and chosen.cost <= (greedy.cost if greedy.feasible else math.inf) + 1e-9
+    assert chosen.cost <= best * (1 + 1e-2) + 1e-9  # within the accepted gap of the optimum
+    taken = {frozenset(p) for p in itertools.combinations(chosen.chosen, 2)}
+    assert not any(frozenset(c) in taken for c in conflicts)
+    assert len({i for i, _ in chosen.chosen}) == len(chosen.chosen)  # one option per item
