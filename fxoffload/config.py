@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from passes.cost_model import DeviceProfile
-from passes.planning import Budget, PlanOptions
+from passes.planning import STRATEGIES, Budget, PlanOptions
 
 __all__ = ["OffloadConfig", "config_from_options", "parse_budget"]
 
@@ -71,6 +71,13 @@ class OffloadConfig:
     inner: str = "inductor"
     """Compiler for the rewritten graphs: ``"inductor"`` or ``"eager"`` (run the FX graphs as they are)."""
 
+    strategy: str = "auto"
+    """What the planner may do to a saved tensor that does not fit the budget: ``"auto"`` (keep,
+    offload or recompute, whichever is predicted fastest), ``"offload"`` (keep or offload only) or
+    ``"recompute"`` (keep, or rebuild it in the backward from other saved tensors). Without a
+    budget, ``"auto"`` and ``"offload"`` offload every eligible tensor, ``"recompute"`` recomputes
+    every recomputable one."""
+
     solver: str = "auto"
     """``"auto"`` (exact MILP within the time limit, never worse than greedy), ``"milp"`` or ``"greedy"``."""
 
@@ -89,6 +96,7 @@ class OffloadConfig:
         _check_int("min_bytes", self.min_bytes)
         if self.horizon != "auto":
             _check_int("horizon", self.horizon, also="or 'auto'")
+        _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("solver", self.solver, SOLVERS)
         _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
@@ -103,7 +111,7 @@ class OffloadConfig:
     def plan_options(self) -> PlanOptions:
         return PlanOptions(
             min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
-            on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit),
+            on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit), strategy=self.strategy,
         )
 
     @property

@@ -29,7 +29,7 @@ from passes.planning import (
 )
 from passes.rewrite import rewrite_pair
 from passes.scheduling import (
-    AUTO, Placement, Schedule, place_candidates, schedule_transfers, timeline_moves, transfer_costs,
+    AUTO, Placement, Schedule, place_candidates, recompute_costs, schedule_transfers, timeline_moves, transfer_costs,
 )
 
 __all__ = [
@@ -93,7 +93,10 @@ def plan_pair(
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
-    plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies)
+    recomputes = {} if options.strategy == "offload" else recompute_costs(
+        timeline, list(candidates), placements, interface.fw_saved, times)
+    plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies, recomputes,
+                         queued=horizon == AUTO)
     watch.stamp("plan")
     schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile)
     plan = with_scheduled_peaks(plan, timeline, schedule)

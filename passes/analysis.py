@@ -16,6 +16,11 @@ partitioner save their generator state: the forward's ``getitem 0`` of
 ``run_and_save_rng_state`` arrives in the backward as a placeholder of
 another name; :func:`is_rng_state` recognises it by its producer.
 
+:func:`recompute_chain` finds the forward ops that rebuild a saved tensor
+from other saved values (the backward receives those), walking inputs back
+until each path reaches one; random, mutating, collective and higher-order
+ops end the search, as does a graph input the backward does not receive.
+
 Limits. Saved opaque objects and symints are passed through untouched. A view
 chain whose ops take other graph values as arguments (e.g. symbolic sizes) is
 reported as not replayable. Sizes are ``numel * itemsize`` of the traced
@@ -44,7 +49,11 @@ __all__ = [
     "is_anchored_compute",
     "is_rng_state",
     "tensor_nbytes",
+    "recompute_chain",
+    "MAX_CHAIN",
 ]
+
+MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the partitioner's own recomputation
 
 
 def _fake(node: Any) -> Any:
@@ -218,3 +227,52 @@ def output_storages(values: tuple[Any, ...]) -> frozenset[int]:
         if isinstance(v, fx.Node) and (k := storage_key(v)) is not None:
             keys.add(k)
     return frozenset(keys)
+
+
+_COLLECTIVES = ("_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def _why_not_recomputable(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return f"{node.name} is a graph input the backward does not receive"
+    target = node.target
+    if target in FXOFFLOAD_OPS or isinstance(target, torch._ops.HigherOrderOperator):
+        return f"{node.name} is a higher-order or fxoffload op"
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return f"{node.name} is a random op"
+        if target.namespace in _COLLECTIVES:
+            return f"{node.name} is a collective"
+        if target._schema.is_mutable:
+            return f"{node.name} mutates its inputs"
+    return None
+
+
+def recompute_chain(
+    node: fx.Node, available: Any, order: Any, max_ops: int = MAX_CHAIN,
+) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]] | str:
+    """The forward ops that recompute ``node`` from ``available`` values, in graph order, and
+    the available values they read; or why there is no such chain.
+
+    ``available``: the forward values the backward receives (saved tensors); ``order``: each
+    forward node's position.
+    """
+    chain: set[fx.Node] = set()
+    reads: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in chain:
+            continue
+        why = _why_not_recomputable(current)
+        if why is not None:
+            return why
+        chain.add(current)
+        if len(chain) > max_ops:
+            return f"needs more than {max_ops} ops"
+        for arg in current.all_input_nodes:
+            if arg in available and arg is not node:
+                reads.add(arg)
+            elif arg not in chain:
+                stack.append(arg)
+    return tuple(sorted(chain, key=order.__getitem__)), tuple(sorted(reads, key=order.__getitem__))

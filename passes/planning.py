@@ -42,18 +42,22 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, SavedInterface, is_rng_state, output_storages, storage_key
+from passes.analysis import SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key
 from passes.memory import Timeline, curve, intervals, peak
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from passes.solvers import Candidate, choose_offloads, min_peak
+from passes.solvers import Option, Queue, curve_with, solve
 
 __all__ = [
-    "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Transfer", "TransferCost",
+    "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost",
+    "STRATEGIES", "Transfer", "TransferCost",
     "group_by_base", "plan_offloads", "why_kept", "with_scheduled_peaks",
 ]
 
 OFFLOAD = "offload"
+RECOMPUTE = "recompute"
 KEEP = "keep"
+AUTO = "auto"
+STRATEGIES = (AUTO, OFFLOAD, RECOMPUTE)
 COPY_WEIGHT = 1e-3  # weight of hidden copy time next to stall time in the objective
 PREFER_SAVE_PENALTY = 10.0  # a PREFER_SAVE candidate costs this many times the costliest other one more
 
@@ -83,6 +87,7 @@ class PlanOptions:
     solver: str = "auto"
     on_infeasible: str = "error"
     time_limit: float = 10.0
+    strategy: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -108,9 +113,10 @@ class Decision:
     shape: tuple[Any, ...]
     dtype: torch.dtype
     nbytes: Any  # int, or a sympy expression when sizes are symbolic
-    action: str  # "offload" or "keep"
+    action: str  # "offload", "recompute" or "keep"
     reason: str
     transfer: int | None  # index into Plan.transfers when offloaded
+    recompute: int | None = None  # index into Plan.recomputes when recomputed
 
 
 @dataclass(frozen=True)
@@ -129,10 +135,41 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class RecomputeCost:
+    """How one storage would be recomputed in the backward, and what that costs (predicted)."""
+
+    chain: tuple[fx.Node, ...]  # forward ops, in order, ending at the storage's base
+    reads: tuple[fx.Node, ...]  # saved forward values the chain reads
+    consumer: fx.Node  # backward node the chain runs right before (the first consumer)
+    seconds: float  # compute time of the chain
+    transient: int  # bytes of the chain's other outputs, alive while it runs
+    read_bases: tuple[fx.Node, ...] = ()  # bases of the storages of ``reads`` (set by the planner)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """One storage rebuilt in the backward from saved values instead of being saved."""
+
+    base: fx.Node
+    nbytes: int
+    members: tuple[int, ...]  # indices of the saved activations that live in this storage
+    lifetime: int  # its index in Timeline.lifetimes
+    release: int  # timeline position of its last forward use (it is freed there)
+    at: int  # timeline position it is rebuilt before
+    cost: RecomputeCost
+
+    @property
+    def base_name(self) -> str:
+        return self.base.name
+
+
+@dataclass(frozen=True)
 class Plan:
     decisions: tuple[Decision, ...]
     transfers: tuple[Transfer, ...]
     min_bytes: int
+    recomputes: tuple[Recompute, ...] = ()
+    strategy: str = "offload"
     budget: str = "none"  # as the user gave it
     budget_bytes: int | None = None
     activation_peak_before: int = 0  # predicted, bytes
@@ -148,6 +185,23 @@ class Plan:
     @property
     def offloaded_bytes(self) -> int:
         return sum(int(t.nbytes) for t in self.transfers)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return sum(int(r.nbytes) for r in self.recomputes)
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Predicted compute time the recomputations add to the backward."""
+        return sum(r.cost.seconds for r in self.recomputes)
+
+    def recompute_moves(self) -> dict[int, tuple[int, int]]:
+        """Lifetime index -> (release, rebuild) positions: a recomputed storage's device intervals."""
+        return {r.lifetime: (r.release, r.at) for r in self.recomputes}
+
+    def recompute_temporaries(self) -> list[tuple[int, int, int]]:
+        """Device intervals of the recompute chains' other outputs (not activations)."""
+        return [(r.at, r.at, r.cost.transient) for r in self.recomputes if r.cost.transient]
 
     @property
     def estimated_stall(self) -> float:
@@ -226,7 +280,8 @@ def _offload_reason(act: SavedActivation, why: str) -> str:
 
 @dataclass(frozen=True)
 class _Choice:
-    chosen: tuple[fx.Node, ...]
+    offloaded: tuple[fx.Node, ...]
+    recomputed: tuple[fx.Node, ...] = ()
     solver: str = "none"
     optimal: bool = True
     gap: float = 0.0
@@ -234,58 +289,189 @@ class _Choice:
     note: str = ""
 
 
-def _solver_costs(
-    candidates: Sequence[fx.Node], costs: Mapping[fx.Node, TransferCost], marks: Mapping[fx.Node, frozenset[str]],
-) -> list[float]:
-    """Each candidate's objective weight; PREFER_CPU_OFFLOAD is free, PREFER_SAVE dearer than any other."""
-    base_cost = [costs[b].stall + COPY_WEIGHT * (costs[b].d2h + costs[b].h2d) for b in candidates]
-    scale = max(base_cost, default=0.0) or 1e-6
+@dataclass(frozen=True)
+class _Problem:
+    """What the planner knows about the candidates, in timeline positions."""
+
+    timeline: Timeline
+    moves: Mapping[fx.Node, tuple[int, int]]  # offloaded: (release, prefetch)
+    costs: Mapping[fx.Node, TransferCost]
+    recomputes: Mapping[fx.Node, RecomputeCost]  # the recomputable candidates
+    first_use: Mapping[fx.Node, int]  # first backward consumer of each group
+    marks: Mapping[fx.Node, frozenset[str]]
+    options: PlanOptions
+    queued: bool  # model the copy engines as queues (prefetches placed freely, horizon "auto")
+
+    def lifetime(self, base: fx.Node):
+        return self.timeline.forward_lifetime(base)
+
+    def rebuilt_at(self, base: fx.Node) -> int:
+        return self.timeline.positions[self.recomputes[base].consumer]
+
+    def moved(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> dict[int, tuple[int, int]]:
+        out = {self.lifetime(b).index: self.moves[b] for b in offloaded}
+        out.update({self.lifetime(b).index: (self.moves[b][0], self.rebuilt_at(b)) for b in recomputed})
+        return out
+
+    def peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node], residual_only: bool) -> int:
+        spans = intervals(self.timeline, self.moved(offloaded, recomputed), residual_only)
+        if not residual_only:  # a chain's other outputs are temporaries, not activations
+            spans += [(self.rebuilt_at(b),) * 2 + (self.recomputes[b].transient,) for b in recomputed]
+        return peak(curve(self.timeline.length, spans))
+
+
+def _saving(release: int, until: int, nbytes: int) -> tuple[tuple[int, int, int], ...]:
+    return ((release + 1, until - 1, -nbytes),) if release + 1 <= until - 1 else ()
+
+
+def _queues(problem: _Problem, offloadable: Sequence[fx.Node], forced: Sequence[fx.Node]):
+    """Copy-engine slots of every offloadable base, and the engines' capacities net of forced copies.
+
+    Offloads: slots from the forward's end backwards (latest born first), each with the compute
+    after its birth. Prefetches: slots by consumer, each with the backward's compute before it.
+    """
+    costs, pos = problem.costs, problem.timeline.positions
+    everything = list(offloadable) + list(forced)
+    down = sorted(everything, key=lambda b: -pos[b])
+    up = sorted(everything, key=lambda b: problem.first_use[b])
+    slots = {b: (down.index(b), up.index(b)) for b in everything}
+    capacity = []
+    for order, window, seconds in ((down, "forward_window", "d2h"), (up, "backward_window", "h2d")):
+        taken, caps = 0.0, []
+        for b in order:
+            taken += getattr(costs[b], seconds) if b in forced else 0.0
+            caps.append(getattr(costs[b], window) - taken)
+        capacity.append(Queue(tuple(caps)))
+    return slots, capacity
+
+
+def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]):
+    """Solver items (offload listed first: it needs the least memory), their owners and conflicts."""
+    strategy, costs, marks = problem.options.strategy, problem.costs, problem.marks
+    offloadable = list(free) if strategy in (OFFLOAD, AUTO) else []
+    recomputable = [b for b in free if b in problem.recomputes] if strategy in (RECOMPUTE, AUTO) else []
+    slots, queues = _queues(problem, offloadable, forced) if problem.queued else ({}, [])
+    raw: dict[tuple[fx.Node, str], tuple[float, tuple]] = {}
+    for b in offloadable:
+        c = costs[b]
+        stall = 0.0 if problem.queued else c.stall
+        work = ((0, slots[b][0], c.d2h), (1, slots[b][1], c.h2d)) if problem.queued else ()
+        raw[b, OFFLOAD] = (stall + COPY_WEIGHT * (c.d2h + c.h2d), work)
+    for b in recomputable:
+        raw[b, RECOMPUTE] = (problem.recomputes[b].seconds, ())
+    scale = max((cost + sum(w[2] for w in work) for cost, work in raw.values()), default=0.0) or 1e-6
+    items, owners = [], []
+    for b in free:
+        kinds = [k for k in (OFFLOAD, RECOMPUTE) if (b, k) in raw]
+        if not kinds:
+            continue
+        options = []
+        for kind in kinds:
+            cost, work = raw[b, kind]
+            if kind == OFFLOAD and PREFER_CPU_OFFLOAD in marks[b]:
+                cost = 0.0
+            elif PREFER_SAVE in marks[b] or PREFER_CPU_OFFLOAD in marks[b]:  # recomputing overrides the hint
+                cost += PREFER_SAVE_PENALTY * scale
+            release, prefetch = problem.moves[b]
+            until = prefetch if kind == OFFLOAD else problem.rebuilt_at(b)
+            options.append(Option(_saving(release, until, problem.lifetime(b).nbytes), cost, work))
+        items.append(tuple(options))
+        owners.append((b, tuple(kinds)))
+    return items, owners, queues, _conflicts(problem, owners)
+
+
+def _conflicts(problem: _Problem, owners) -> list:
+    """A recomputation reads saved values: those may not be recomputed too, nor waited for after it."""
+    where = {(b, kind): (i, o) for i, (b, kinds) in enumerate(owners) for o, kind in enumerate(kinds)}
     out = []
-    for b, cost in zip(candidates, base_cost):
-        if PREFER_CPU_OFFLOAD in marks.get(b, ()):
-            cost = 0.0
-        elif PREFER_SAVE in marks.get(b, ()):
-            cost += PREFER_SAVE_PENALTY * scale
-        out.append(cost)
+    for b, kinds in owners:
+        if RECOMPUTE not in kinds:
+            continue
+        for g in problem.recomputes[b].read_bases:
+            if (g, RECOMPUTE) in where and g is not b:
+                out.append((where[b, RECOMPUTE], where[g, RECOMPUTE]))
+            if (g, OFFLOAD) in where and problem.first_use[g] >= problem.rebuilt_at(b):
+                out.append((where[b, RECOMPUTE], where[g, OFFLOAD]))
     return out
 
 
-def _choose(
-    timeline: Timeline,
-    candidates: Sequence[fx.Node],
-    moves: Mapping[fx.Node, tuple[int, int]],
-    costs: Mapping[fx.Node, TransferCost],
-    budget: int,
-    options: PlanOptions,
-    forced: Sequence[fx.Node] = (),
-    marks: Mapping[fx.Node, frozenset[str]] | None = None,
-) -> _Choice:
-    """Candidates to offload, on top of the ``forced`` ones (always offloaded), so that the budget holds."""
-    lives = {base: timeline.forward_lifetime(base) for base in (*candidates, *forced)}
-    planned = {lt.index for lt in lives.values()}
-    fixed = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.index not in planned]
-    for base in forced:  # their offloaded intervals hold memory whatever is chosen
-        lt, (release, prefetch) = lives[base], moves[base]
-        fixed += [(lt.birth, release, lt.nbytes), (prefetch, lt.death, lt.nbytes)]
-    items = []
-    for base, cost in zip(candidates, _solver_costs(candidates, costs, marks or {})):
-        lt = lives[base]
-        release, prefetch = moves[base]
-        items.append(Candidate(lt.nbytes, (lt.birth, lt.death), ((lt.birth, release), (prefetch, lt.death)), cost))
-    result = choose_offloads(timeline.length, fixed, items, budget, solver=options.solver, time_limit=options.time_limit)
+def _everything(items, conflicts) -> list[tuple[int, int]]:
+    """Each item's first option that does not conflict with one already taken."""
+    clash = {frozenset(c) for c in conflicts}
+    taken: list[tuple[int, int]] = []
+    for i, options in enumerate(items):
+        for o in range(len(options)):
+            if not any(frozenset(((i, o), t)) in clash for t in taken):
+                taken.append((i, o))
+                break
+    return taken
+
+
+_ALL = {OFFLOAD: "offloading every eligible activation", RECOMPUTE: "recomputing every recomputable activation",
+        AUTO: "offloading or recomputing every eligible activation"}
+
+
+def _split(owners, chosen) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]]:
+    picked = [(owners[i][0], owners[i][1][o]) for i, o in chosen]
+    return tuple(b for b, k in picked if k == OFFLOAD), tuple(b for b, k in picked if k == RECOMPUTE)
+
+
+def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], budget: int) -> _Choice:
+    """What to offload or recompute, on top of the ``forced`` offloads, so that the budget holds."""
+    timeline, options = problem.timeline, problem.options
+    items, owners, queues, conflicts = _items(problem, free, forced)
+    planned = {problem.lifetime(b).index for b in (*free, *forced)}
+    base = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.index not in planned]
+    for b in forced:  # their offloaded intervals hold memory whatever is chosen
+        lt, (release, prefetch) = problem.lifetime(b), problem.moves[b]
+        base += [(lt.birth, release, lt.nbytes), (prefetch, lt.death, lt.nbytes)]
+    base += [(problem.lifetime(b).birth, problem.lifetime(b).death, problem.lifetime(b).nbytes) for b in free]
+    result = solve(timeline.length, base, items, budget, queues, conflicts,
+                   solver=options.solver, time_limit=options.time_limit)
     if result.feasible:
-        chosen = tuple(forced) + tuple(candidates[i] for i in result.chosen)
-        return _Choice(chosen, result.solver, result.optimal, result.gap)
-    smallest = min_peak(timeline.length, fixed, items)
+        offloaded, recomputed = _split(owners, result.chosen)
+        return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
+    everything = _everything(items, conflicts)
+    smallest = int(curve_with(timeline.length, base, items, everything).max(initial=0))
     given = "" if options.budget.nbytes is not None else f", {options.budget}"
     message = (
         f"memory_budget: the smallest achievable activation peak is {smallest} B ({smallest / 2**20:.1f} MiB, "
-        f"offloading every eligible activation), above the budget of {budget} B ({budget / 2**20:.1f} MiB{given})"
+        f"{_ALL[options.strategy]}), above the budget of {budget} B ({budget / 2**20:.1f} MiB{given})"
     )
     if options.on_infeasible == "error":
-        raise BudgetInfeasibleError(message + "; raise the budget, lower min_bytes, or pass on_infeasible='warn'")
-    warnings.warn(message + "; offloading every eligible activation", stacklevel=2)
-    return _Choice(tuple(forced) + tuple(candidates), result.solver, False, math.nan, False, message)
+        hint = "" if options.strategy == AUTO else ", try strategy='auto'"
+        raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
+    warnings.warn(message + f"; {_ALL[options.strategy]}", stacklevel=2)
+    offloaded, recomputed = _split(owners, everything)
+    return _Choice(tuple(forced) + offloaded, recomputed, result.solver, False, math.nan, False, message)
+
+
+def _unbudgeted(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]) -> _Choice:
+    """No budget: offload (or, under strategy "recompute", recompute) every candidate a PREFER_SAVE does not hold."""
+    wanted = [b for b in free if PREFER_SAVE not in problem.marks[b]]
+    if problem.options.strategy != RECOMPUTE:
+        return _Choice(tuple(forced) + tuple(wanted))
+    items, owners, _, conflicts = _items(problem, wanted, forced)
+    return _Choice(tuple(forced), _split(owners, _everything(items, conflicts))[1])
+
+
+def _recomputable(
+    timeline: Timeline, groups, recomputes: Mapping[fx.Node, RecomputeCost], candidates, forced, first_use,
+) -> dict[fx.Node, RecomputeCost]:
+    """The candidates whose chain reads only values alive where it runs (and not forced off the device then)."""
+    base_of = {a.fw_node: a.base for g in groups.values() for a in g}
+    pos = timeline.positions
+    out = {}
+    for b in candidates:
+        cost = recomputes.get(b)
+        if cost is None:
+            continue
+        at = pos[cost.consumer]
+        alive = all(r.op == "placeholder" or timeline.forward_lifetime(r).death >= at for r in cost.reads)
+        forced_late = any(base_of[r] in forced and first_use[base_of[r]] >= at for r in cost.reads)
+        if alive and not forced_late:
+            out[b] = dataclasses.replace(cost, read_bases=tuple(dict.fromkeys(base_of[r] for r in cost.reads)))
+    return out
 
 
 def plan_offloads(
@@ -296,13 +482,17 @@ def plan_offloads(
     costs: Mapping[fx.Node, TransferCost],
     options: PlanOptions,
     policies: Mapping[str, str] | None = None,
+    recomputes: Mapping[fx.Node, RecomputeCost] | None = None,
+    queued: bool = False,
 ) -> Plan:
-    """Keep or offload every saved activation (see the module docstring).
+    """Keep, offload or recompute every saved activation (see the module docstring).
 
     ``moves`` maps each candidate base to the (release, prefetch) timeline
     positions the scheduler gives it; ``costs`` to its predicted copy costs;
-    ``policies`` the user's selective-checkpoint marks by forward node name
-    (``passes.policies``).
+    ``recomputes`` to its recompute chain, where it has one; ``policies`` the
+    user's selective-checkpoint marks by forward node name (``passes.policies``);
+    ``queued``: price copies as queues on the copy engines (prefetches placed
+    freely, horizon ``"auto"``) rather than each alone on its link.
     """
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
@@ -315,52 +505,78 @@ def plan_offloads(
     forced = [b for b in candidates if MUST_CPU_OFFLOAD in marks[b]]
     free = [b for b in candidates if MUST_CPU_OFFLOAD not in marks[b]]
     _warn_unhonoured(reasons, marks)
+    pos = timeline.positions
+    first_use = {b: min(pos[u] for a in groups[b] for u in a.bw_node.users) for b in candidates}
+    problem = _Problem(timeline, moves, costs, _recomputable(timeline, groups, recomputes or {}, free, forced, first_use),
+                       first_use, marks, options, queued)
 
-    def evaluate(chosen: Sequence[fx.Node], residual_only: bool) -> int:
-        moved = {timeline.forward_lifetime(b).index: moves[b] for b in chosen}
-        return peak(curve(timeline.length, intervals(timeline, moved, residual_only)))
-
-    act_before = evaluate((), True)
+    act_before = problem.peak((), (), True)
     budget_bytes = options.budget.resolve(act_before) if options.budget is not None else None
-    if budget_bytes is None:  # offload everything eligible, but a PREFER_SAVE hint is honoured
-        choice = _Choice(tuple(forced) + tuple(b for b in free if PREFER_SAVE not in marks[b]))
-    elif evaluate(forced, True) <= budget_bytes:
+    if budget_bytes is None:
+        choice = _unbudgeted(problem, free, forced)
+    elif problem.peak(forced, (), True) <= budget_bytes:
         choice = _Choice(tuple(forced))
     else:
-        choice = _choose(timeline, free, moves, costs, budget_bytes, options, forced, marks)
-
-    chosen = set(choice.chosen)
-    transfers: list[Transfer] = []
-    decisions: dict[int, Decision] = {}
-    for base, group in groups.items():
-        transfer = None
-        if base in chosen:
-            transfer = len(transfers)
-            transfers.append(Transfer(base, group[0].base_nbytes, tuple(a.index for a in group),
-                                      timeline.forward_lifetime(base).index, costs.get(base)))
-        for act in group:
-            decisions[act.index] = Decision(
-                index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
-                action=OFFLOAD if transfer is not None else KEEP,
-                reason=_reason(act, reasons[base], transfer is not None, budget_bytes is not None, marks[base]),
-                transfer=transfer,
-            )
+        choice = _choose(problem, free, forced, budget_bytes)
+    transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, budget_bytes is not None)
     return Plan(
-        decisions=tuple(decisions[i] for i in sorted(decisions)),
-        transfers=tuple(transfers),
+        decisions=decisions,
+        transfers=transfers,
         min_bytes=options.min_bytes,
+        recomputes=rebuilt,
+        strategy=options.strategy,
         budget=str(options.budget) if options.budget is not None else "none",
         budget_bytes=budget_bytes,
         activation_peak_before=act_before,
-        activation_peak_after=evaluate(choice.chosen, True),
-        total_peak_before=evaluate((), False),
-        total_peak_after=evaluate(choice.chosen, False),
+        activation_peak_after=problem.peak(choice.offloaded, choice.recomputed, True),
+        total_peak_before=problem.peak((), (), False),
+        total_peak_after=problem.peak(choice.offloaded, choice.recomputed, False),
         solver=choice.solver,
         optimal=choice.optimal,
         gap=choice.gap,
         feasible=choice.feasible,
         note=choice.note,
     )
+
+
+def _decide(problem: _Problem, groups, reasons, choice: _Choice, budgeted: bool):
+    """Transfers, recomputations and per-activation decisions of a choice."""
+    offloaded, recomputed = set(choice.offloaded), set(choice.recomputed)
+    transfers: list[Transfer] = []
+    rebuilt: list[Recompute] = []
+    decisions: dict[int, Decision] = {}
+    for base, group in groups.items():
+        transfer = recompute = None
+        members = tuple(a.index for a in group)
+        lt = problem.lifetime(base) if base in offloaded or base in recomputed else None
+        if base in offloaded:
+            transfer = len(transfers)
+            transfers.append(Transfer(base, group[0].base_nbytes, members, lt.index, problem.costs.get(base)))
+        elif base in recomputed:
+            recompute = len(rebuilt)
+            rebuilt.append(Recompute(base, group[0].base_nbytes, members, lt.index, problem.moves[base][0],
+                                     problem.rebuilt_at(base), problem.recomputes[base]))
+        for act in group:
+            if recompute is not None:
+                action, reason = RECOMPUTE, _recompute_reason(act, problem.recomputes[base], budgeted,
+                                                              problem.marks[base])
+            else:
+                action = OFFLOAD if transfer is not None else KEEP
+                reason = _reason(act, reasons[base], transfer is not None, budgeted, problem.marks[base])
+            decisions[act.index] = Decision(
+                index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
+                action=action, reason=reason, transfer=transfer, recompute=recompute,
+            )
+    return tuple(transfers), tuple(rebuilt), tuple(decisions[i] for i in sorted(decisions))
+
+
+def _recompute_reason(act: SavedActivation, cost: RecomputeCost, budgeted: bool, marks: frozenset[str]) -> str:
+    ops = sum(1 for n in cost.chain if is_compute(n))
+    source = ", ".join(r.name for r in cost.reads) or "nothing saved"
+    why = (f"recomputed before {cost.consumer.name} from {source} ({ops} ops, {cost.seconds * 1e6:.1f} us predicted)"
+           + ("; chosen to meet the budget" if budgeted else "; no budget, strategy 'recompute'")
+           + (", overriding PREFER_SAVE" if PREFER_SAVE in marks else ""))
+    return why if not act.view_chain else f"view of {act.base.name}; base {why}; view rebuilt after it"
 
 
 def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, budgeted: bool,
@@ -397,12 +613,13 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
     if not schedule.placements:
         return plan
     pos = timeline.positions
-    moved = {
+    moved = plan.recompute_moves()
+    moved.update({
         plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
         for p in schedule.placements
-    }
+    })
     return dataclasses.replace(
         plan,
         activation_peak_after=peak(curve(timeline.length, intervals(timeline, moved, True))),
-        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False))),
+        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False) + plan.recompute_temporaries())),
     )

@@ -11,6 +11,10 @@ Backward, per transfer: a new input takes the host buffer;
 ``dev = prefetch(host, device, size, stride)`` before ``prefetch_before``,
 ``dev = wait(dev, host)`` before ``wait_before``, then each member's view
 chain is replayed on ``dev`` and replaces the member's old input.
+Recomputations (before the transfers, whose waits they may follow): each
+chain of forward ops is copied into the backward right before its consumer,
+reading the backward inputs of the saved values it needs; the members are
+rebuilt from it as after a prefetch, and leave the saved tensors.
 Both graphs keep AOTAutograd's calling convention (user outputs, saved
 tensors, saved symints; backward inputs in the matching order), then are
 linted; the caller regenerates their code (``module.recompile()``). Every new
@@ -82,6 +86,8 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
         hosts.append(inserter.after(place.free_after, WAIT, (host, transfer.base)))
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.fw_saved):
+        if decision.recompute is not None:
+            continue  # no longer saved: the backward rebuilds it
         if decision.transfer is None:
             saved.append(node)
         elif hosts[decision.transfer] not in saved:
@@ -113,6 +119,7 @@ def _rewrite_backward(
     fw_hosts: Sequence[fx.Node],
 ) -> None:
     placeholders = list(bw.find_nodes(op="placeholder"))
+    _insert_recomputes(bw, plan, interface, activations)  # first: an offloaded value they read is waited for earlier
     host_inputs = []
     for transfer, fw_host in zip(plan.transfers, fw_hosts):
         with bw.inserting_before(placeholders[0]):
@@ -132,11 +139,28 @@ def _rewrite_backward(
     _order_inputs(bw, placeholders, interface, plan, host_inputs)
 
 
+def _insert_recomputes(bw: fx.Graph, plan: Plan, interface: SavedInterface,
+                       activations: Sequence[SavedActivation]) -> None:
+    """Copy each recompute chain before its consumer, reading the saved values' backward inputs."""
+    received = dict(zip(interface.fw_saved, interface.bw_saved))
+    for r in plan.recomputes:
+        env = {read: received[read] for read in r.cost.reads}
+        for node in r.cost.chain:
+            with bw.inserting_before(r.cost.consumer):
+                env[node] = bw.node_copy(node, env.__getitem__)
+        for index in r.members:
+            act = activations[index]
+            act.bw_node.replace_all_uses_with(_replay(bw, r.cost.consumer, env[r.base], act))
+            bw.erase_node(act.bw_node)
+
+
 def _order_inputs(bw, old_placeholders, interface, plan, host_inputs) -> None:
     """Put backward inputs back in calling-convention order: symints, saved tensors, the rest."""
     first_saved = old_placeholders.index(interface.bw_saved[0])
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.bw_saved):
+        if decision.recompute is not None:
+            continue  # erased: the backward rebuilds it
         if decision.transfer is None:
             saved.append(node)
         elif host_inputs[decision.transfer] not in saved:
@@ -162,7 +186,7 @@ def rewrite_pair(
     (``module.recompile()``): whoever runs them does that once (the eager inner
     compiler does, Inductor reads the graph).
     """
-    if not plan.transfers:
+    if not plan.transfers and not plan.recomputes:
         return
     hosts = _rewrite_forward(fw_module.graph, plan, schedule, interface)
     _rewrite_backward(bw_module.graph, plan, schedule, interface, activations, hosts)

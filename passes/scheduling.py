@@ -52,16 +52,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, is_anchored_compute, last_storage_use, storage_key
+from passes.analysis import (
+    SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key, tensor_nbytes,
+)
 from passes.cost_model import DeviceProfile, transfer_time
-from passes.memory import Timeline, curve, intervals
-from passes.planning import Plan, TransferCost
+from passes.memory import Timeline, concrete, curve, intervals
+from passes.planning import Plan, RecomputeCost, TransferCost
 from passes.simulator import Copy, replay
 
 __all__ = [
     "Placement", "Schedule", "place_candidates", "schedule_transfers", "prefetch_index", "free_index",
+    "recompute_costs",
     "latest_starts", "issue_index", "bounded_start", "fifo_finish", "AUTO",
 ]
 
@@ -243,17 +247,68 @@ def transfer_costs(
     return costs
 
 
+def _temporaries(chain: Sequence[fx.Node], base: fx.Node) -> int:
+    """Most bytes a chain holds at once besides ``base``: its other outputs, each freed after its last use."""
+    owner: dict[fx.Node, fx.Node] = {}
+    for node in chain:  # views and getitems live in their source's storage
+        source = node.all_input_nodes[0] if not is_compute(node) and node.all_input_nodes else None
+        owner[node] = owner.get(source, node) if source in owner else node
+    last = {}
+    for i, node in enumerate(chain):
+        for arg in node.all_input_nodes:
+            if arg in owner:
+                last[owner[arg]] = i
+    live = top = 0
+    sizes = {}
+    for i, node in enumerate(chain):
+        if is_compute(node) and node is not base:
+            val = node.meta.get("val")
+            sizes[node] = sum(concrete(tensor_nbytes(v), v)
+                              for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor))
+            if owner.get(base) is node:  # a multi-output op: the base is one of its outputs
+                sizes[node] -= concrete(tensor_nbytes(base.meta["val"]), base.meta["val"])
+            live += sizes[node]
+        top = max(top, live)
+        for arg in set(node.all_input_nodes):
+            if arg in sizes and last.get(arg) == i and arg is not owner.get(base):
+                live -= sizes[arg]
+    return max(top, 0)
+
+
+def recompute_costs(
+    timeline: Timeline,
+    bases: Sequence[fx.Node],
+    placements: Mapping[fx.Node, Placement],
+    available: Sequence[fx.Node],
+    times: Sequence[float],
+) -> dict[fx.Node, RecomputeCost]:
+    """Each base's recompute chain from the ``available`` (saved) values, run right before its
+    first consumer, with the chain's predicted compute time; bases without a chain are left out."""
+    pos = timeline.positions
+    saved = set(available)
+    out = {}
+    for base in bases:
+        found = recompute_chain(base, saved, pos)
+        if isinstance(found, str):
+            continue
+        chain, reads = found
+        seconds = sum(times[pos[n]] for n in chain)
+        out[base] = RecomputeCost(chain, reads, placements[base].wait_before, seconds, _temporaries(chain, base))
+    return out
+
+
 # --------------------------------------------------------------------------- final schedule (after planning)
 
 
-def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: int, total_bound: int) -> list[int]:
+def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: int, total_bound: int,
+              temporaries: Sequence[tuple[int, int, int]] = ()) -> list[int]:
     """One curve that a move's bytes must fit under ``bound``: the activation curve, or the total
     curve shifted so that ``total_bound`` lands on ``bound``, whichever is closer to its limit.
 
     Both curves rise by the same bytes when a copy is held longer, so one curve states both limits.
     """
     saved = curve(timeline.length, intervals(timeline, moves, residual_only=True))
-    total = curve(timeline.length, intervals(timeline, moves, residual_only=False))
+    total = curve(timeline.length, intervals(timeline, moves, residual_only=False) + list(temporaries))
     return [max(s, t - total_bound + bound) for s, t in zip(saved, total)]
 
 
@@ -278,29 +333,34 @@ def schedule_transfers(
     d2h = [transfer_time(s, profile.d2h_bandwidth, profile.copy_latency) for s in sizes]
     h2d = [transfer_time(s, profile.h2d_bandwidth, profile.copy_latency) for s in sizes]
 
-    moves = {lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)}
+    moves = plan.recompute_moves()  # recomputed storages stay where the plan put them
+    moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
+    temporaries = plan.recompute_temporaries()
     # Moving a release later or a prefetch earlier never raises the total peak above the
     # step's without offloading. (The least-memory placement's own total peak is never
     # higher: its device intervals lie inside each storage's unoffloaded lifetime.)
     total_bound = plan.total_peak_before
-    releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound)
+    releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
+                               temporaries)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
     if horizon == AUTO:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound)
+        prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound,
+                                       temporaries)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
     return _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon)
 
 
-def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound) -> list[int]:
+def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
+                    temporaries) -> list[int]:
     forward_end = len(timeline.fw_nodes) - 2  # the last node before the output
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
     ready = [starts[pos[chosen[k].offload_after] + 1] for k in order]
     done = dict(zip(order, fifo_finish(ready, [d2h[k] for k in order])))
-    occupied = _occupied(timeline, moves, bound, total_bound)
+    occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
     releases = [0] * len(chosen)
     for k in order:
         earliest = pos[chosen[k].free_after]
@@ -315,12 +375,13 @@ def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bou
     return releases
 
 
-def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound) -> list[int]:
+def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound,
+                      temporaries) -> list[int]:
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
     consumers = [pos[chosen[k].wait_before] for k in order]
     latest = latest_starts([starts[c] for c in consumers], [h2d[k] for k in order])
-    occupied = _occupied(timeline, moves, bound, total_bound)  # prefetches at their consumers: the least memory
+    occupied = _occupied(timeline, moves, bound, total_bound, temporaries)  # prefetches at their consumers: the least memory
     prefetches = [0] * len(chosen)
     for j in range(len(order) - 1, -1, -1):
         k, consumer = order[j], consumers[j]

@@ -97,7 +97,7 @@ class Simulation:
     """A predicted step; times in seconds from its start, memory in bytes."""
 
     step_time: float  # forward + backward
-    compute_time: float  # the same without any stall: the step without offloading
+    compute_time: float  # the step without offloading or recomputing, and without stalls
     floor: float  # the least any schedule of this plan could take
     backward_start: float  # when the backward's first op starts
     ops: tuple[tuple[float, float], ...]  # (start, seconds) per op, forward then backward
@@ -108,10 +108,11 @@ class Simulation:
     baseline_activations: tuple[tuple[float, int], ...]
     peak: int  # device bytes under the plan
     activation_peak: int
+    recompute_time: float = 0.0  # compute the plan's recomputations add
 
     @property
     def overhead(self) -> float:
-        """Step time over the step without offloading, minus one."""
+        """Step time over the step without offloading or recomputing, minus one."""
         return self.step_time / self.compute_time - 1.0 if self.compute_time else 0.0
 
     @property
@@ -121,7 +122,8 @@ class Simulation:
     @property
     def bound(self) -> str:
         """What limits this plan's floor: "compute" or "link"."""
-        return "compute" if self.floor <= self.compute_time * (1 + 1e-9) else "link"  # sums in another order
+        compute = self.compute_time + self.recompute_time
+        return "compute" if self.floor <= compute * (1 + 1e-9) else "link"  # sums in another order
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
                  p.d2h_seconds, p.h2d_seconds)
         for p in schedule.placements
     ]
-    return simulate_movements(timeline, record.work, profile, movements, schedule.prefetch_order or None)
+    return simulate_movements(timeline, record.work, profile, movements, schedule.prefetch_order or None,
+                              recomputes=plan.recomputes)
 
 
 def simulate_movements(
@@ -160,30 +163,39 @@ def simulate_movements(
     profile: DeviceProfile,
     movements: Sequence[Movement],
     prefetch_order: Sequence[int] | None = None,
+    recomputes: Sequence[Any] = (),
 ) -> Simulation:
     """Replay ``movements`` on the timeline: any strategy's copies, not only a plan's.
 
     ``work`` is each timeline node's (FLOPs, bytes, dtype) from the cost model;
     prefetches issued at the same position go in ``prefetch_order`` (default:
-    the order of ``movements``).
+    the order of ``movements``). ``recomputes`` (``passes.planning.Recompute``)
+    run their chains right before their rebuild position: the op before it
+    takes their time (profile-independent: the planner's prediction).
     """
-    times = [roofline(w, profile) for w in work]
+    base_times = [roofline(w, profile) for w in work]
+    times = list(base_times)
+    for r in recomputes:
+        times[r.at - 1] += r.cost.seconds
     engines = ("d2h", "h2d") if profile.duplex else ("link", "link")
     down = [Copy(m.offload_at, m.offload_wait_at, m.d2h_seconds, engines[0]) for m in movements]
     order = list(prefetch_order) if prefetch_order is not None else range(len(movements))
     up = [Copy(movements[k].prefetch_at, movements[k].wait_at, movements[k].h2d_seconds, engines[1]) for k in order]
     names = [(m.name, "forward") for m in movements] + [(movements[k].name, "backward") for k in order]
-    moved = {m.lifetime: (m.free_at - 1, m.prefetch_at) for m in movements}
+    moved = {r.lifetime: (r.release, r.at) for r in recomputes}
+    moved.update({m.lifetime: (m.free_at - 1, m.prefetch_at) for m in movements})
+    temporaries = [(r.at, r.at, r.cost.transient) for r in recomputes if r.cost.transient]
     run = replay(times, down + up)
     forward = len(timeline.fw_nodes)
-    plan_clock, free_clock = run.starts[:-1], _prefix_sums(times)
+    plan_clock, free_clock = run.starts[:-1], _prefix_sums(base_times)
     plan_total, plan_saved, base_total, base_saved = (
-        curve(timeline.length, intervals(timeline, m, residual_only=r))
+        curve(timeline.length, intervals(timeline, m, residual_only=r) + (temporaries if m and not r else []))
         for m, r in ((moved, False), (moved, True), ({}, False), ({}, True))
     )
     return Simulation(
         step_time=run.step_time,
-        compute_time=sum(times),
+        compute_time=sum(base_times),
+        recompute_time=sum(times) - sum(base_times),
         floor=_floor(times[:forward], times[forward:], down, up),
         backward_start=run.starts[forward],
         ops=tuple(zip(plan_clock, times)),

@@ -35,7 +35,9 @@ def check_budget_held(report: dict, fraction: float) -> None:
     for graph in report["graphs"]:
         assert graph["budget_bytes"] == int(fraction * graph["activation_peak_before"])
         assert graph["within_budget"] and graph["activation_peak_after"] <= graph["budget_bytes"]
-        assert graph["step_time"] >= graph["floor"] > 0 and graph["step_time"] >= graph["step_time_without_offload"]
+        close_below = 1 - 1e-12  # the same seconds summed in another order
+        assert graph["step_time"] >= graph["floor"] * close_below and graph["floor"] > 0
+        assert graph["step_time"] >= graph["step_time_without_offload"] * close_below
         assert graph["bound"] in ("compute", "link")
 
 
