@@ -85,7 +85,8 @@ class OffloadConfig:
     """Seconds the exact solver may take per graph."""
 
     on_infeasible: str = "error"
-    """When no plan meets the budget: ``"error"`` raises, ``"warn"`` offloads everything eligible and warns."""
+    """When no plan meets the budget: ``"error"`` raises, ``"warn"`` warns and plans for the smallest
+    achievable activation peak instead (at least cost)."""
 
     device_profile: Any = "auto"
     """The GPU the cost model predicts for: a name from ``fxoffload.PROFILES``, ``"auto"`` (the current

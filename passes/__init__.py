@@ -93,8 +93,10 @@ def plan_pair(
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
+    # A chain may read saved values, and graph inputs (saved for it if they were not).
+    readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
     recomputes = {} if options.strategy == "offload" else recompute_costs(
-        timeline, list(candidates), placements, interface.fw_saved, times)
+        timeline, list(candidates), placements, readable, times)
     plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies, recomputes,
                          queued=horizon == AUTO)
     watch.stamp("plan")

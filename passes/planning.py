@@ -1,34 +1,47 @@
-"""Planning: decide, for every saved activation, whether to keep it or offload it.
+"""Planning: decide, for every saved activation, whether to keep, offload or recompute it.
 
 Algorithm. Saved tensors are grouped by the storage they live in (their
-*base*, see ``passes.analysis``): a view is never copied on its own; its base
-is offloaded once and the view is rebuilt on the device after the prefetch.
-:func:`why_kept` says why a group must stay (one rule per early return); the
-rest are candidates.
+*base*, see ``passes.analysis``): a view is never moved on its own; its base
+is offloaded (or recomputed) once and the view is rebuilt on the device after
+it. :func:`why_kept` says why a group must stay (one rule per early return);
+the rest are candidates.
 
-* Without a budget, every candidate is offloaded.
+* Options per candidate (``strategy``): *offload* (device copy until its
+  release, prefetched copy from its prefetch to its last use, at the positions
+  the scheduler would give it) and *recompute* (freed at its last forward use;
+  its chain of forward ops, found by ``passes.analysis.recompute_chain`` from
+  saved values and graph inputs, runs again right before its first backward
+  consumer, and the storage lives from there to its last use). A recomputed
+  storage counts as activation memory from its rebuild on, like a prefetched
+  copy; the chain's other outputs count towards the total only.
+* Without a budget, every candidate is offloaded (``"recompute"``: every
+  recomputable one is recomputed).
 * With a budget (bytes, or a fraction of the activation peak without
-  offloading), the activation curve of ``passes.memory`` is handed to
-  ``passes.solvers`` as plain intervals: each candidate's device interval if
-  kept, and its two intervals if offloaded (device copy until release,
-  prefetched copy from prefetch to last use, at the positions the scheduler
-  would give it). The solver picks the candidates to offload at the least
-  predicted cost: copy time that compute cannot hide (from
-  ``passes.cost_model``), plus a small weight on all copy time so that no copy
-  is made for nothing.
+  offloading), the activation curve of ``passes.memory`` and each option's
+  saving are handed to ``passes.solvers`` as plain intervals. The objective is
+  predicted step time: a recomputation costs its chain's compute time (from
+  ``passes.cost_model``); copies are work on the copy engines, priced by the
+  solvers' queue lateness under horizon ``"auto"`` (where prefetches may start
+  anywhere in the backward), else by the stall each copy alone would cause;
+  plus a small weight on all copy time so that no copy is made for nothing.
+  A recomputation reads saved values: those may not be recomputed too, nor
+  offloaded unless they are waited for before it (conflicts for the solver).
 * Selective-checkpoint marks (``passes.policies``): ``MUST_SAVE`` keeps a
   storage; ``MUST_CPU_OFFLOAD`` offloads it whatever the budget and
   ``min_bytes`` (its offloaded intervals are fixed memory for the solver);
-  ``PREFER_CPU_OFFLOAD`` costs nothing in the objective and ``PREFER_SAVE``
-  more than any unmarked candidate, so the budget takes them first and last.
+  ``PREFER_CPU_OFFLOAD`` makes its offload cost nothing and its
+  recomputation, like any option of a ``PREFER_SAVE`` one, dearer than any
+  unmarked option, so the budget takes them first and last.
   Every reason names the mark it honours or overrides.
-* If even offloading every candidate misses the budget, ``on_infeasible``
-  decides: ``"error"`` raises :class:`BudgetInfeasibleError` with the smallest
-  achievable peak; ``"warn"`` offloads every candidate and says so.
+* If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
+  raises :class:`BudgetInfeasibleError` with the smallest achievable peak;
+  ``"warn"`` plans the cheapest choice at that smallest peak and says so.
 
 The result is an immutable :class:`Plan`; nothing here edits a graph.
-Limits: the cost of a copy assumes it has its link to itself (no queueing
-behind other copies); symbolic sizes are evaluated at their hints.
+Limits: queue lateness lets a prefetch start wherever compute allows,
+ignoring the memory it then holds (the schedule's stall is the prediction);
+chains with random ops are not recomputed (their generator state is not
+saved); symbolic sizes are evaluated at their hints.
 """
 
 from __future__ import annotations
@@ -441,9 +454,13 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     if options.on_infeasible == "error":
         hint = "" if options.strategy == AUTO else ", try strategy='auto'"
         raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
-    warnings.warn(message + f"; {_ALL[options.strategy]}", stacklevel=2)
-    offloaded, recomputed = _split(owners, everything)
-    return _Choice(tuple(forced) + offloaded, recomputed, result.solver, False, math.nan, False, message)
+    # The cheapest plan that reaches the smallest peak (not just "everything").
+    lowest = solve(timeline.length, base, items, smallest, queues, conflicts,
+                   solver=options.solver, time_limit=options.time_limit)
+    chosen = lowest.chosen if lowest.feasible else everything
+    warnings.warn(message + "; planning for that peak instead", stacklevel=2)
+    offloaded, recomputed = _split(owners, chosen)
+    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message)
 
 
 def _unbudgeted(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]) -> _Choice:
@@ -468,9 +485,10 @@ def _recomputable(
             continue
         at = pos[cost.consumer]
         alive = all(r.op == "placeholder" or timeline.forward_lifetime(r).death >= at for r in cost.reads)
-        forced_late = any(base_of[r] in forced and first_use[base_of[r]] >= at for r in cost.reads)
+        read_bases = tuple(dict.fromkeys(base_of[r] for r in cost.reads if r in base_of))  # saved ones
+        forced_late = any(g in forced and first_use[g] >= at for g in read_bases)
         if alive and not forced_late:
-            out[b] = dataclasses.replace(cost, read_bases=tuple(dict.fromkeys(base_of[r] for r in cost.reads)))
+            out[b] = dataclasses.replace(cost, read_bases=read_bases)
     return out
 
 

@@ -92,6 +92,7 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
             saved.append(node)
         elif hosts[decision.transfer] not in saved:
             saved.append(hosts[decision.transfer])
+    saved += _inputs_to_save(plan, interface)
     out = fw.output_node()
     old = tuple(out.args[0])
     rest = old[interface.num_user_outputs + len(interface.fw_saved) :]
@@ -119,7 +120,8 @@ def _rewrite_backward(
     fw_hosts: Sequence[fx.Node],
 ) -> None:
     placeholders = list(bw.find_nodes(op="placeholder"))
-    _insert_recomputes(bw, plan, interface, activations)  # first: an offloaded value they read is waited for earlier
+    # Recomputations first: an offloaded value they read is then waited for before them.
+    received = _insert_recomputes(bw, plan, interface, activations, placeholders[0])
     host_inputs = []
     for transfer, fw_host in zip(plan.transfers, fw_hosts):
         with bw.inserting_before(placeholders[0]):
@@ -136,13 +138,25 @@ def _rewrite_backward(
             act = activations[index]
             act.bw_node.replace_all_uses_with(_replay(bw, place.wait_before, ready, act))
             bw.erase_node(act.bw_node)
-    _order_inputs(bw, placeholders, interface, plan, host_inputs)
+    extra = [received[node] for node in _inputs_to_save(plan, interface)]
+    _order_inputs(bw, placeholders, interface, plan, host_inputs, extra)
+
+
+def _inputs_to_save(plan: Plan, interface: SavedInterface) -> list[fx.Node]:
+    """Forward graph inputs a recomputation reads that the forward did not save (parameters, mostly)."""
+    saved = set(interface.fw_saved)
+    return list(dict.fromkeys(n for r in plan.recomputes for n in r.cost.reads if n not in saved))
 
 
 def _insert_recomputes(bw: fx.Graph, plan: Plan, interface: SavedInterface,
-                       activations: Sequence[SavedActivation]) -> None:
-    """Copy each recompute chain before its consumer, reading the saved values' backward inputs."""
+                       activations: Sequence[SavedActivation], first_input: fx.Node) -> dict[fx.Node, fx.Node]:
+    """Copy each recompute chain before its consumer, reading the saved values' backward inputs
+    (new inputs for graph inputs not saved before); return the backward input of each value read."""
     received = dict(zip(interface.fw_saved, interface.bw_saved))
+    for node in _inputs_to_save(plan, interface):
+        with bw.inserting_before(first_input):
+            received[node] = bw.placeholder(f"{node.name}_for_recompute")
+        received[node].meta["val"] = node.meta["val"]
     for r in plan.recomputes:
         env = {read: received[read] for read in r.cost.reads}
         for node in r.cost.chain:
@@ -152,10 +166,12 @@ def _insert_recomputes(bw: fx.Graph, plan: Plan, interface: SavedInterface,
             act = activations[index]
             act.bw_node.replace_all_uses_with(_replay(bw, r.cost.consumer, env[r.base], act))
             bw.erase_node(act.bw_node)
+    return received
 
 
-def _order_inputs(bw, old_placeholders, interface, plan, host_inputs) -> None:
-    """Put backward inputs back in calling-convention order: symints, saved tensors, the rest."""
+def _order_inputs(bw, old_placeholders, interface, plan, host_inputs, extra) -> None:
+    """Put backward inputs back in calling-convention order: symints, saved tensors (then the
+    graph inputs recomputations read, as the forward returns them), the rest."""
     first_saved = old_placeholders.index(interface.bw_saved[0])
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.bw_saved):
@@ -166,7 +182,7 @@ def _order_inputs(bw, old_placeholders, interface, plan, host_inputs) -> None:
         elif host_inputs[decision.transfer] not in saved:
             saved.append(host_inputs[decision.transfer])
     rest = old_placeholders[first_saved + len(interface.bw_saved) :]
-    desired = old_placeholders[:first_saved] + saved + rest
+    desired = old_placeholders[:first_saved] + saved + list(extra) + rest
     first_other = next(n for n in bw.nodes if n.op != "placeholder")
     for node in desired:
         first_other.prepend(node)
