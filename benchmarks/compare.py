@@ -24,8 +24,15 @@ partitioner; every strategy below works from that joint graph:
   made and waited for at the end of its layer (or its last forward use, if
   later), prefetched when the backward enters the layer two layers ahead of
   its consumer's (SageMaker model parallel's activation loading horizon).
-* ``fxoffload``: the default plan (``horizon="auto"``, ``solver="auto"``,
-  ``min_bytes`` 64 KiB, ``on_infeasible="warn"``).
+* ``fxoffload-offload``: fxoffload with ``strategy="offload"`` (``horizon="auto"``,
+  ``solver="auto"``, ``min_bytes`` 64 KiB, ``on_infeasible="warn"``); the
+  rows above that offload use its selection.
+* ``fxoffload-recompute``: the same with ``strategy="recompute"`` (fxoffload's
+  own recompute chains from saved values, no copies).
+* ``fxoffload-auto``: the default, ``strategy="auto"``: keep, offload or
+  recompute per storage, and PyTorch's recompute-only partition at the budget
+  planned as well when the first plan has a predicted cost
+  (``passes.plan_best_partition``, as the backend does).
 
 Budgets are fractions of ``none``'s activation peak (the residual bytes), as
 ``memory_budget`` defines them. Per row: predicted activation peak (and
@@ -70,13 +77,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from fxoffload import models  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
 from fxoffload.profiles import PROFILES  # noqa: E402
-from passes import plan_pair  # noqa: E402
+from passes import plan_best_partition, plan_pair  # noqa: E402
 from passes.analysis import last_storage_use, storage_key  # noqa: E402
 from passes.cost_model import node_work, roofline, transfer_time  # noqa: E402
 from passes.planning import Budget, PlanOptions  # noqa: E402
 from passes.simulator import Movement, Simulation, simulate, simulate_movements  # noqa: E402
 
-STRATEGIES = ("none", "sync", "torch-native", "recompute", "layer-horizon-2", "fxoffload")
+OFFLOAD, RECOMPUTE, AUTO = "fxoffload-offload", "fxoffload-recompute", "fxoffload-auto"
+STRATEGIES = ("none", "sync", "torch-native", "recompute", "layer-horizon-2", OFFLOAD, RECOMPUTE, AUTO)
 BUDGETS = (1.0, 0.7, 0.5, 0.3)
 PROFILE_NAMES = ("h100-pcie5", "a100-pcie4")
 # (preset, layers or None for all, sequence length or image size, batch)
@@ -144,16 +152,37 @@ def _boxed(gm, example_inputs):
 # ----------------------------------------------------------------------------- strategies
 
 
-def analyse(fw, bw, num_outputs: int, profile, budget: "float | int", horizon: Any = "auto"):
-    """fxoffload's passes on a pair (the graphs are not changed); a fraction, or an int of bytes; 1.0 plans nothing."""
+def _options(budget: "float | int", strategy: str) -> PlanOptions:
     limit = Budget(nbytes=budget) if isinstance(budget, int) else Budget(fraction=budget)
-    options = PlanOptions(min_bytes=MIN_BYTES, budget=limit, solver="auto",
-                          on_infeasible="warn", time_limit=10.0)
+    return PlanOptions(min_bytes=MIN_BYTES, budget=limit, solver="auto", on_infeasible="warn", time_limit=10.0,
+                       strategy=strategy)
+
+
+def analyse(fw, bw, num_outputs: int, profile, budget: "float | int", horizon: Any = "auto", strategy="offload"):
+    """fxoffload's passes on a pair (the graphs are not changed); a fraction, or an int of bytes; 1.0 plans nothing."""
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an infeasible budget is reported in the row
-        result = plan_pair(fw, bw, num_outputs, options=options, horizon=horizon, profile=profile)
+        result = plan_pair(fw, bw, num_outputs, options=_options(budget, strategy), horizon=horizon, profile=profile)
     return result, time.perf_counter() - start
+
+
+def analyse_auto(joint: "Joint", profile, budget: float):
+    """strategy="auto" as the backend runs it: the min-cut pair, and PyTorch's recompute-only one if worth it."""
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, result = plan_best_partition(
+            joint.fw, joint.bw, joint.num_outputs, lambda fraction: joint.partition(activation_memory_budget=fraction)[0],
+            options=_options(budget, "auto"), horizon="auto", profile=profile)
+    return result, time.perf_counter() - start
+
+
+def planned_recompute_flops(base, result) -> float:
+    """FLOPs the backward runs again: the partition's recomputation beyond ``base``'s, and the plan's chains."""
+    pos = result.timeline.positions
+    chains = sum(result.work[pos[n]][0] for r in result.plan.recomputes for n in r.cost.chain if result.work[pos[n]])
+    return recomputed(base, result)[1] + float(chains)
 
 
 def sync_movements(result, profile) -> list[Movement]:
@@ -369,7 +398,7 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
             fx, fx_seconds = analyse(joint.fw, joint.bw, joint.num_outputs, profile, budget)
             fx_sim = simulate(fx, profile)
             moved = fx.plan.offloaded_bytes
-            note = "" if fx.plan.feasible else "infeasible: offloads everything eligible"
+            note = "" if fx.plan.feasible else "infeasible: planned for the smallest peak"
             for strategy, movements in (("sync", sync_movements(fx, profile)),
                                         ("layer-horizon-2", layer_horizon_movements(fx, profile))):
                 sim = simulate_movements(fx.timeline, fx.work, profile, movements)
@@ -390,11 +419,28 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
             else:
                 rows.append(row(name, profile_name, budget, "recompute", none_sim, peak0, limit, none_sim.step_time,
                                 0, 0.0, joint.partition_seconds, "budget 1.0: the plain partition"))
-            rows.append(row(name, profile_name, budget, "fxoffload", fx_sim, fx.plan.activation_peak_after, limit,
+            rows.append(row(name, profile_name, budget, OFFLOAD, fx_sim, fx.plan.activation_peak_after, limit,
                             none_sim.step_time, moved, 0.0, fx_seconds, note))
             for r in rows[-6:-1]:
                 r["fxoffload_at_this_peak"] = at_peak(r["activation_peak"])
+            for strategy, (result, seconds) in (
+                    (RECOMPUTE, analyse(joint.fw, joint.bw, joint.num_outputs, profile, budget, strategy="recompute")),
+                    (AUTO, analyse_auto(joint, profile, budget))):
+                sim = simulate(result, profile)
+                plan = result.plan
+                rows.append(row(name, profile_name, budget, strategy, sim, plan.activation_peak_after, limit,
+                                none_sim.step_time, plan.offloaded_bytes, planned_recompute_flops(base, result),
+                                seconds, _plan_note(plan)))
     return rows
+
+
+def _plan_note(plan) -> str:
+    parts = [f"{len(plan.transfers)} offloaded, {len(plan.recomputes)} recomputed"]
+    if "PyTorch's recompute-only partition" in plan.note:
+        parts.append("on PyTorch's recompute-only partition")
+    if not plan.feasible:
+        parts.append("infeasible: planned for the smallest peak")
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- output
@@ -432,7 +478,7 @@ def headline(rows: list[dict], profile: str = "h100-pcie5") -> str:
 
 
 def _at_peak(r: dict) -> str:
-    if r["strategy"] == "fxoffload":
+    if r["fxoffload_at_this_peak"] is None and r["strategy"] in (OFFLOAD, RECOMPUTE, AUTO):
         return ""
     mine = r["fxoffload_at_this_peak"]
     return "cannot reach it" if mine is None else f"{mine * 1e3:.1f} ms"
@@ -446,7 +492,7 @@ def targets(rows: list[dict]) -> list[str]:
     for r in rows:
         by.setdefault(key(r), {})[r["strategy"]] = r
     for k, group in sorted(by.items()):
-        fx = group["fxoffload"]
+        fx = group[OFFLOAD]
         for rival in ("torch-native", "sync"):
             other = group[rival]
             mine = other["fxoffload_at_this_peak"]  # fxoffload planned to the rival's peak
@@ -458,6 +504,37 @@ def targets(rows: list[dict]) -> list[str]:
             out.append(f"MISS {k}: copies can be hidden (floor = compute) but overhead is {fx['overhead']:.1%}")
         if fx["step_over_floor"] > 1.10:
             out.append(f"MISS {k}: fxoffload step is {fx['step_over_floor']:.3f}x its floor")
+        out += _auto_misses(k, group)
+    return out
+
+
+def _auto_misses(k, group: dict) -> list[str]:
+    """Issue 7: within the budget, auto is no slower than offload-only or recompute-only (ours, PyTorch's)."""
+    auto, out = group[AUTO], []
+    for rival in (OFFLOAD, RECOMPUTE, "recompute"):
+        other = group[rival]
+        if other["over_budget"]:
+            continue  # not a plan at this budget
+        if auto["over_budget"]:
+            out.append(f"MISS {k}: auto is over budget where {rival} is not")
+        elif auto["step_time"] > other["step_time"] * (1 + 1e-9):
+            out.append(f"MISS {k}: auto {auto['step_time'] * 1e3:.2f} ms, {rival} {other['step_time'] * 1e3:.2f} ms")
+    return out
+
+
+def auto_wins(rows: list[dict]) -> list[str]:
+    """Budgets where auto meets the budget strictly faster than every single strategy that does."""
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        by.setdefault((r["model"], r["profile"], r["budget"]), {})[r["strategy"]] = r
+    out = []
+    for k, group in sorted(by.items()):
+        auto = group[AUTO]
+        rivals = [group[s] for s in (OFFLOAD, RECOMPUTE, "recompute") if not group[s]["over_budget"]]
+        if k[2] < 1.0 and not auto["over_budget"] and all(auto["step_time"] < r["step_time"] * (1 - 1e-9) for r in rivals):
+            best = min((r["step_time"] for r in rivals), default=None)
+            against = "no single strategy meets it" if best is None else f"best single {best * 1e3:.2f} ms"
+            out.append(f"{k}: auto {auto['step_time'] * 1e3:.2f} ms, {against}")
     return out
 
 
@@ -506,12 +583,15 @@ def main(argv=None) -> int:
             "note": "activation peaks predicted, step times simulated; decision seconds measured on this machine"}
     (out / "compare.md").write_text(table + "\n")
     (out / "headline.md").write_text(headline(rows) + "\n")
-    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows, "misses": misses}, indent=1))
+    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows, "misses": misses,
+                                                  "auto_wins": auto_wins(rows)}, indent=1))
     plot(rows, out / "compare.png")
     print(table)
     print("\nheadline, h100-pcie5 (activation peak predicted, overhead over none simulated, floor bound):")
     print(headline(rows))
     print(f"\ntargets: {len(misses)} missed" + "".join(f"\n  {m}" for m in misses))
+    wins = auto_wins(rows)
+    print(f"auto strictly faster than every single strategy within budget: {len(wins)}" + "".join(f"\n  {w}" for w in wins))
     print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'compare.json'}, {out / 'compare.png'} in {meta['seconds']:.0f} s")
     return 0
 

@@ -2,9 +2,11 @@
 
 ``offload_backend(**options)`` returns an :class:`OffloadBackend`. For every
 graph dynamo hands it, AOTAutograd traces the joint forward/backward graph,
-PyTorch's min-cut partitioner splits it, and our partition hook runs
-``passes.offload_pair`` on the pair as one timeline before the inner compiler
-sees either graph:
+PyTorch's min-cut partitioner splits it, and our partition hook plans the
+pair as one timeline (``passes.plan_best_partition``: under strategy
+``"auto"``, PyTorch's recompute-only partition at the budget is planned too
+when the first plan has a predicted cost, and the faster one kept) and
+rewrites it before the inner compiler sees either graph:
 
 * ``inner="inductor"``: ``compile_fx`` with our hook as Inductor's
   ``custom_partitioner_fn`` (so Inductor's joint-graph passes and
@@ -39,7 +41,7 @@ import fxoffload.runtime  # noqa: F401  (op kernels)
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
-from passes import DeviceProfile, PassResult, Plan, Schedule, Timeline, offload_pair
+from passes import DeviceProfile, PassResult, Plan, Schedule, Timeline, plan_best_partition, rewrite_planned
 from passes.policies import read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class GraphRecord:
 class _Partitioner(CustomPartitionerFn):
     """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
 
-    def __init__(self, on_pair: Callable[[fx.GraphModule, fx.GraphModule, int, dict[str, str]], None]) -> None:
+    def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]]) -> None:
         self._on_pair = on_pair
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
@@ -74,8 +76,12 @@ class _Partitioner(CustomPartitionerFn):
         policies = read_policies(gm.graph)
         save_offload_marks(gm.graph)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies)
-        return fw, bw
+
+        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        return self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies, recompute_only)
 
     def uuid(self) -> None:
         return None  # no caching: a cache hit would skip the passes and the record
@@ -117,8 +123,10 @@ class _Compilation:
         self.backend = backend
         self.record: GraphRecord | None = None
 
-    def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str]) -> None:
-        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies)
+    def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
+                repartition: Any = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition)
+        return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
         if self.record is not None:
@@ -148,12 +156,14 @@ class OffloadBackend:
 
     def _plan_pair(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
+        repartition: Any = None,
     ) -> GraphRecord:
-        result: PassResult = offload_pair(
-            fw, bw, num_user_outputs,
+        fw, bw, planned = plan_best_partition(
+            fw, bw, num_user_outputs, repartition,
             options=self.config.plan_options, horizon=self.config.horizon, profile=self.config.profile,
             policies=policies,
         )
+        result: PassResult = rewrite_planned(fw, bw, planned)
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
             result.timeline, self.config.profile, result.work,

@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch.fx as fx
 
@@ -35,6 +35,7 @@ from passes.scheduling import (
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
     "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "offload_pair", "plan_pair",
+    "plan_best_partition", "rewrite_planned",
 ]
 
 
@@ -124,6 +125,74 @@ def offload_pair(
         rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
         watch.stamp("rewrite")
     return dataclasses.replace(result, seconds=tuple(watch.times))
+
+
+Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
+PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION = 1e-3
+
+
+def _predicted_step(result: PassResult, profile: DeviceProfile) -> float:
+    from passes.simulator import simulate
+
+    return simulate(result, profile).step_time
+
+
+def plan_best_partition(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_user_outputs: int,
+    repartition: Repartition | None,
+    *,
+    options: PlanOptions,
+    horizon: int | str,
+    profile: DeviceProfile,
+    policies: Mapping[str, str] | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
+    """Plan the min-cut pair; under strategy ``"auto"`` with a budget the plan does not meet at
+    no predicted cost, also plan the pair PyTorch's recompute-only partitioner makes at that budget
+    (``repartition(fraction)``, ``activation_memory_budget``), held to the same bytes. Return the
+    pair (not rewritten) and plan predicted fastest among those that meet the budget, without a
+    predicted total peak above the min-cut pair's.
+
+    The second partition recomputes what our chains cannot: it may save a value's inputs instead
+    of the value. Peaks "before" stay the min-cut pair's, which the budget fraction refers to.
+    """
+    with _gc_paused():
+        first = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon,
+                          profile=profile, policies=policies)
+    plan = first.plan
+    if repartition is None or options.strategy != "auto" or plan.budget_bytes is None:
+        return fw_module, bw_module, first
+    step = _predicted_step(first, profile)
+    plain = sum(roofline(w, profile) for w in first.work)
+    if plan.feasible and step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
+        return fw_module, bw_module, first
+    start = time.perf_counter()
+    fw2, bw2 = repartition(min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1)))
+    held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes))
+    with _gc_paused():
+        second = plan_pair(fw2, bw2, num_user_outputs, options=held, horizon=horizon, profile=profile,
+                           policies=policies)
+    seconds = (("repartition", time.perf_counter() - start),)
+    # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
+    raises_total = second.plan.total_peak_after > plan.total_peak_before
+    if raises_total or (not second.plan.feasible, _predicted_step(second, profile)) >= (not plan.feasible, step):
+        return fw_module, bw_module, dataclasses.replace(first, seconds=first.seconds + seconds)
+    relabelled = dataclasses.replace(
+        second.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
+        total_peak_before=plan.total_peak_before,
+        note=(second.plan.note + "; " if second.plan.note else "")
+        + "on PyTorch's recompute-only partition (activation_memory_budget), predicted faster",
+    )
+    return fw2, bw2, dataclasses.replace(second, plan=relabelled, seconds=first.seconds + seconds + second.seconds)
+
+
+def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:
+    """Rewrite a planned pair in place (see :func:`offload_pair`)."""
+    start = time.perf_counter()
+    with _gc_paused():
+        rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
+    return dataclasses.replace(result, seconds=result.seconds + (("rewrite", time.perf_counter() - start),))
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ def test_quick_comparison_table(tmp_path, capsys):
             assert r["bound"] in ("compute", "link")
             assert r["total_peak"] >= r["activation_peak"] > 0
             assert r["step_time"] >= r["floor"] * (1 - 1e-9) and r["floor"] >= r["compute_time"] * (1 - 1e-9)
-        fx = group["fxoffload"]
+        fx = group[compare.OFFLOAD]
         assert not fx["over_budget"] or fx["note"].startswith("infeasible"), (model, profile, budget)
         assert none["overhead"] == 0.0 and none["offloaded_bytes"] == 0
     table = (tmp_path / "compare.md").read_text().strip().splitlines()
