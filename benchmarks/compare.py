@@ -436,8 +436,8 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
 
 def _plan_note(plan) -> str:
     parts = [f"{len(plan.transfers)} offloaded, {len(plan.recomputes)} recomputed"]
-    if "PyTorch's recompute-only partition" in plan.note:
-        parts.append("on PyTorch's recompute-only partition")
+    if plan.partition != "min-cut":
+        parts.append(plan.partition)
     if not plan.feasible:
         parts.append("infeasible: planned for the smallest peak")
     return "; ".join(parts)

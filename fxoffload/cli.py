@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
     plan.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")
     plan.add_argument("--solver", default="auto", help="auto, milp or greedy")
+    plan.add_argument("--strategy", default="auto",
+                      help="auto (keep, offload or recompute), offload or recompute (default auto)")
     plan.add_argument("--output", default="fxoffload-plan.png", help="plot path, .png/.svg/.pdf (default fxoffload-plan.png)")
     plan.add_argument("--no-plot", action="store_true", help="do not write the plot")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of tables")
@@ -101,7 +103,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         except (ValueError, AttributeError):
             raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
-                   solver=args.solver, inner="eager")
+                   solver=args.solver, strategy=args.strategy, inner="eager")
     try:
         OffloadConfig(**options)
     except ValueError as e:
@@ -244,6 +246,10 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
             "saved_activations": len(plan.decisions),
             "transfers": len(plan.transfers),
             "offloaded_bytes": plan.offloaded_bytes,
+            "recomputes": len(plan.recomputes),
+            "partition": plan.partition,
+            "recomputed_bytes": plan.recomputed_bytes,
+            "recompute_time": plan.recompute_seconds,
             "step_time": sim.step_time,
             "step_time_without_offload": sim.compute_time,
             "overhead": sim.overhead,
@@ -290,6 +296,8 @@ def _print_report(report: dict, records: list) -> None:
         print(f"  graph inputs     {format_bytes(graph['input_bytes'])} (parameters, buffers, batch: resident "
               "throughout; optimizer state not modelled)")
         print(f"  offloaded        {format_bytes(graph['offloaded_bytes'])} in {graph['transfers']} transfers")
+        print(f"  recomputed       {format_bytes(graph['recomputed_bytes'])} in {graph['recomputes']} chains "
+              f"({format_seconds(graph['recompute_time'])} of compute, predicted)")
         print(f"  step time        {format_seconds(graph['step_time'])} (without offload "
               f"{format_seconds(graph['step_time_without_offload'])}: overhead {graph['overhead']:+.1%})")
         print(f"  floor            {format_seconds(graph['floor'])} ({graph['bound']}-bound); step is "

@@ -33,8 +33,11 @@ def _summary(record: Any) -> str:
     budget = "none" if plan.budget_bytes is None else f"{format_bytes(plan.budget_bytes)} ({plan.budget})"
     lines = [
         f"graph {record.index}: {len(plan.decisions)} saved activations, {len(plan.transfers)} transfers, "
-        f"{format_bytes(plan.offloaded_bytes)} offloaded",
-        f"options: budget {budget}, min_bytes={plan.min_bytes}, horizon={schedule.horizon}, inner={record.inner}",
+        f"{format_bytes(plan.offloaded_bytes)} offloaded, {len(plan.recomputes)} recomputed "
+        f"({format_bytes(plan.recomputed_bytes)}, {plan.recompute_seconds * 1e6:.1f} us of compute predicted)",
+        f"options: budget {budget}, strategy={plan.strategy}, min_bytes={plan.min_bytes}, "
+        f"horizon={schedule.horizon}, inner={record.inner}",
+        f"partition: {plan.partition}",
         f"solver: {plan.solver}" + ("" if plan.solver == "none" else f", optimal={plan.optimal}, gap {gap}"),
         f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
         f"{format_bytes(plan.activation_peak_after)}",
@@ -48,7 +51,8 @@ def _summary(record: Any) -> str:
 
 
 def explain(record: Any) -> str:
-    """Per graph: budget, predicted peaks, solver; per saved activation: decision, bytes, reason; per transfer: placement."""
+    """Per graph: budget, predicted peaks, solver; per saved activation: decision, bytes, reason; per
+    recomputation: its chain; per transfer: placement."""
     plan, schedule = record.plan, record.schedule
     rows = [
         [d.name, "x".join(map(str, d.shape)) or "()", str(d.dtype).replace("torch.", ""), format_bytes(d.nbytes),
@@ -56,6 +60,13 @@ def explain(record: Any) -> str:
         for d in plan.decisions
     ]
     text = [_summary(record), _table(["activation", "shape", "dtype", "bytes", "decision", "reason"], rows)]
+    if plan.recomputes:
+        text.append(_table(
+            ["recomputed", "bytes", "before", "ops", "reads", "compute us", "temporaries"],
+            [[r.base_name, format_bytes(r.nbytes), r.cost.consumer.name, str(len(r.cost.chain)),
+              ", ".join(n.name for n in r.cost.reads), f"{r.cost.seconds * 1e6:.1f}", format_bytes(r.cost.transient)]
+             for r in plan.recomputes],
+        ))
     if schedule.placements:
         place_rows = []
         for p in schedule.placements:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -148,43 +149,59 @@ def plan_best_partition(
     profile: DeviceProfile,
     policies: Mapping[str, str] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
-    """Plan the min-cut pair; under strategy ``"auto"`` with a budget the plan does not meet at
-    no predicted cost, also plan the pair PyTorch's recompute-only partitioner makes at that budget
-    (``repartition(fraction)``, ``activation_memory_budget``), held to the same bytes. Return the
-    pair (not rewritten) and plan predicted fastest among those that meet the budget, without a
-    predicted total peak above the min-cut pair's.
+    """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
+    predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
+    PyTorch's recompute-only partitioner makes at that budget (``repartition(fraction)``, its
+    ``activation_memory_budget``), held to the same bytes. Return the pair (not rewritten) and the
+    plan predicted fastest (simulator) among those that meet the budget without a predicted total
+    peak above the min-cut pair's unoffloaded one.
 
-    The second partition recomputes what our chains cannot: it may save a value's inputs instead
-    of the value. Peaks "before" stay the min-cut pair's, which the budget fraction refers to.
+    (1) guards the joint program's queue model, which is optimistic about copies under tight
+    memory; (2) recomputes what our chains cannot: it may save a value's inputs instead of the
+    value. Peaks "before" stay the min-cut pair's, which the budget fraction refers to.
     """
-    with _gc_paused():
-        first = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon,
-                          profile=profile, policies=policies)
+    def planned(fw, bw, opts):
+        with _gc_paused():
+            return plan_pair(fw, bw, num_user_outputs, options=opts, horizon=horizon, profile=profile,
+                             policies=policies)
+
+    def alternative(fw, bw, opts):
+        with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
+            warnings.simplefilter("ignore")
+            return planned(fw, bw, dataclasses.replace(opts, on_infeasible="warn"))
+
+    first = planned(fw_module, bw_module, options)
     plan = first.plan
-    if repartition is None or options.strategy != "auto" or plan.budget_bytes is None:
+    if options.strategy != "auto" or plan.budget_bytes is None:
         return fw_module, bw_module, first
-    step = _predicted_step(first, profile)
     plain = sum(roofline(w, profile) for w in first.work)
-    if plan.feasible and step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
+    if plan.feasible and _predicted_step(first, profile) <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
         return fw_module, bw_module, first
     start = time.perf_counter()
-    fw2, bw2 = repartition(min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1)))
     held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes))
-    with _gc_paused():
-        second = plan_pair(fw2, bw2, num_user_outputs, options=held, horizon=horizon, profile=profile,
-                           policies=policies)
-    seconds = (("repartition", time.perf_counter() - start),)
-    # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
-    raises_total = second.plan.total_peak_after > plan.total_peak_before
-    if raises_total or (not second.plan.feasible, _predicted_step(second, profile)) >= (not plan.feasible, step):
-        return fw_module, bw_module, dataclasses.replace(first, seconds=first.seconds + seconds)
+    tried = [(fw_module, bw_module, first, "min-cut")]
+    for single in ("offload", "recompute"):
+        result = alternative(fw_module, bw_module, dataclasses.replace(held, strategy=single))
+        tried.append((fw_module, bw_module, result, f"min-cut, {single} only predicted fastest"))
+    if repartition is not None:
+        fraction = min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1))
+        fw2, bw2 = repartition(fraction)
+        tried.append((fw2, bw2, alternative(fw2, bw2, held),
+                      f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest"))
+
+    def rank(entry):
+        result = entry[2]
+        # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
+        over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
+        return (not result.plan.feasible, over_total, _predicted_step(result, profile))
+
+    fw, bw, best, label = min(tried, key=rank)
+    seconds = (("alternatives", time.perf_counter() - start),)
     relabelled = dataclasses.replace(
-        second.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
-        total_peak_before=plan.total_peak_before,
-        note=(second.plan.note + "; " if second.plan.note else "")
-        + "on PyTorch's recompute-only partition (activation_memory_budget), predicted faster",
+        best.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
+        total_peak_before=plan.total_peak_before, strategy="auto", partition=label,
     )
-    return fw2, bw2, dataclasses.replace(second, plan=relabelled, seconds=first.seconds + seconds + second.seconds)
+    return fw, bw, dataclasses.replace(best, plan=relabelled, seconds=first.seconds + seconds)
 
 
 def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:

@@ -183,6 +183,7 @@ class Plan:
     min_bytes: int
     recomputes: tuple[Recompute, ...] = ()
     strategy: str = "offload"
+    partition: str = "min-cut"  # the partition planned: PyTorch's min-cut, or its recompute-only one at a budget
     budget: str = "none"  # as the user gave it
     budget_bytes: int | None = None
     activation_peak_before: int = 0  # predicted, bytes
@@ -484,7 +485,9 @@ def _recomputable(
         if cost is None:
             continue
         at = pos[cost.consumer]
-        alive = all(r.op == "placeholder" or timeline.forward_lifetime(r).death >= at for r in cost.reads)
+        # Graph inputs (and views of them) live through the step; anything else must outlive the chain.
+        alive = all(base_of.get(r, r).op == "placeholder" or timeline.forward_lifetime(r).death >= at
+                    for r in cost.reads)
         read_bases = tuple(dict.fromkeys(base_of[r] for r in cost.reads if r in base_of))  # saved ones
         forced_late = any(g in forced and first_use[g] >= at for g in read_bases)
         if alive and not forced_late:

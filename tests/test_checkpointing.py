@@ -127,7 +127,8 @@ def test_prefer_marks_are_hints_the_plan_overrides_and_says_so():
     assert tight.plan.feasible and tight.plan.activation_peak_after <= tight.plan.budget_bytes
     chosen = decisions(tight)
     assert chosen["tanh"] == ("offload", "PREFER_CPU_OFFLOAD, chosen to meet the budget")
-    assert chosen["addmm"] == ("offload", "chosen to meet the budget, overriding PREFER_SAVE")
+    # Strategy "auto" may recompute addmm instead; either way the reason names the override.
+    assert chosen["addmm"][0] in ("offload", "recompute") and chosen["addmm"][1].endswith("overriding PREFER_SAVE")
 
 
 def test_a_prefer_cpu_offload_mark_is_offloaded_before_other_candidates():
@@ -145,14 +146,16 @@ def decoder_layer_class(lm):
 def checkpointed_lm(name, how):
     """A transformers LM + loss with each decoder layer checkpointed: "hf" (its own gradient
     checkpointing), "wrapper" (apply_activation_checkpointing + checkpoint_wrapper) or "sac"
-    (the wrapper with a selective policy using each MUST mark)."""
+    (the wrapper with a selective policy using each MUST mark); "none": not checkpointed."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing, checkpoint_wrapper,
     )
 
     torch.manual_seed(0)
     lm = MODELS[name]().train()
-    if how == "hf":
+    if how == "none":
+        pass
+    elif how == "hf":
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         marks = {aten.mm.default: CheckpointPolicy.MUST_SAVE, aten.addmm.default: CheckpointPolicy.MUST_SAVE,
@@ -165,9 +168,11 @@ def checkpointed_lm(name, how):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["hf", "wrapper", "sac"])
+@pytest.mark.parametrize("how", ["none", "hf", "wrapper", "sac"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_checkpointed_transformers_match_eager_within_budget(name, how):
+    """strategy="auto" (the default): loss and gradients equal eager; measured peaks within the
+    budget and never above plain compile's total."""
     model, ids = checkpointed_lm(name, how)
     expected = loss_and_grads(model, ids)
     plain = torch.compile(model, backend="aot_eager_decomp_partition")  # plain compile, same partitioner
@@ -186,9 +191,11 @@ def test_checkpointed_transformers_match_eager_within_budget(name, how):
         record = backend.records[0]
         if record.plan.feasible:
             assert measured.activation_peak <= record.plan.budget_bytes, (budget, measured, fxoffload.explain(record))
+        assert record.plan.strategy == "auto"
         if how != "sac":  # see test_must_cpu_offload_total_peak_against_plain_compile
             assert measured.total_peak <= plain_peak.total_peak, (budget, measured, plain_peak)
-        assert record.plan.transfers, fxoffload.explain(record)  # checkpoint boundaries are offloaded too
+        # Checkpoint boundaries are offloaded or recomputed too.
+        assert record.plan.transfers or record.plan.recomputes, fxoffload.explain(record)
     if how == "sac":  # the MUST marks reached the plan
         reasons = {d.reason for d in record.plan.decisions}
         assert "selective checkpoint policy MUST_SAVE" in reasons, fxoffload.explain(record)
@@ -197,9 +204,10 @@ def test_checkpointed_transformers_match_eager_within_budget(name, how):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "known gap: plain compile ignores MUST_CPU_OFFLOAD and recomputes those tensors; fxoffload saves, "
-    "offloads and prefetches them early (within the activation budget and the step's own unoffloaded total "
-    "peak), so its measured total peak is higher (GPT-2, budget 0.7: 706,696 B against 663,688 B)"))
+    "known gap, inherent to honouring the mark: plain compile ignores MUST_CPU_OFFLOAD and recomputes "
+    "those tensors (here every mul of GPT-2's gelu, from the saved addmm); fxoffload must save them, so the "
+    "partition it gets holds them in the backward: predicted total 970.9 KiB before any offloading, measured "
+    "994,184 B against plain compile's 863,112 B (GPT-2, budget 0.7, strategy auto)"))
 def test_must_cpu_offload_total_peak_against_plain_compile():
     model, ids = checkpointed_lm("gpt2", "sac")
     plain = torch.compile(model, backend="aot_eager_decomp_partition")

@@ -59,7 +59,8 @@ def test_every_preset_plans_a_slice_within_the_budget(capsys, tmp_path, preset):
                       "--output", str(tmp_path / "plan.svg"))
     assert report["model"] == preset and report["layers"] == layers and report["seq"] == size
     check_budget_held(report, 0.7)
-    assert sum(g["transfers"] for g in report["graphs"]) > 0
+    # Offloaded, recomputed, or planned on PyTorch's recompute-only partition (strategy "auto").
+    assert any(g["transfers"] + g["recomputes"] or g["partition"] != "min-cut" for g in report["graphs"])
     assert report["plots"] == [str(tmp_path / "plan.svg")]
     assert (tmp_path / "plan.svg").read_text().lstrip().startswith("<?xml")
 

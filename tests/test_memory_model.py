@@ -52,7 +52,8 @@ def test_budget_fraction_resolves_against_the_unoffloaded_peak():
     # (tanh_1 is read by the mm that makes mm_2), so no plan goes below 1024 B.
     plan = plan_deep(0.7)
     assert plan.activation_peak_before == 1536 and plan.budget_bytes == int(0.7 * 1536)
-    assert len(plan.transfers) == 1 and plan.transfers[0].base_name in ("tanh", "tanh_1")
+    moved = [t.base_name for t in plan.transfers] + [r.base_name for r in plan.recomputes]  # strategy "auto"
+    assert len(moved) == 1 and moved[0] in ("tanh", "tanh_1")
     assert plan.activation_peak_after == 1024
 
 
