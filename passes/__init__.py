@@ -28,6 +28,7 @@ from passes.planning import (
     Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
     with_scheduled_peaks,
 )
+from passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.rewrite import rewrite_pair
 from passes.scheduling import (
     AUTO, Placement, Schedule, place_candidates, recompute_costs, schedule_transfers, timeline_moves, transfer_costs,
@@ -158,7 +159,9 @@ def plan_best_partition(
 
     (1) guards the joint program's queue model, which is optimistic about copies under tight
     memory; (2) recomputes what our chains cannot: it may save a value's inputs instead of the
-    value. Peaks "before" stay the min-cut pair's, which the budget fraction refers to.
+    value. Peaks "before" stay the min-cut pair's, which the budget fraction refers to. With
+    ``PREFER_*`` selective-checkpoint hints, the joint program's plan stands: it weighs the
+    hints, which the simulator's step time does not.
     """
     def planned(fw, bw, opts):
         with _gc_paused():
@@ -172,7 +175,8 @@ def plan_best_partition(
 
     first = planned(fw_module, bw_module, options)
     plan = first.plan
-    if options.strategy != "auto" or plan.budget_bytes is None:
+    hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
+    if options.strategy != "auto" or plan.budget_bytes is None or hinted:  # the user's hints outrank predictions
         return fw_module, bw_module, first
     plain = sum(roofline(w, profile) for w in first.work)
     if plan.feasible and _predicted_step(first, profile) <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):

@@ -194,8 +194,9 @@ def test_checkpointed_transformers_match_eager_within_budget(name, how):
         assert record.plan.strategy == "auto"
         if how != "sac":  # see test_must_cpu_offload_total_peak_against_plain_compile
             assert measured.total_peak <= plain_peak.total_peak, (budget, measured, plain_peak)
-        # Checkpoint boundaries are offloaded or recomputed too.
-        assert record.plan.transfers or record.plan.recomputes, fxoffload.explain(record)
+        # Memory is saved: boundaries offloaded or recomputed, or PyTorch's recompute-only partition.
+        plan = record.plan
+        assert plan.transfers or plan.recomputes or plan.partition != "min-cut", fxoffload.explain(record)
     if how == "sac":  # the MUST marks reached the plan
         reasons = {d.reason for d in record.plan.decisions}
         assert "selective checkpoint policy MUST_SAVE" in reasons, fxoffload.explain(record)
