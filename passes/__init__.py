@@ -3,10 +3,14 @@
 Stages, one module each: ``analysis`` (saved tensors, aliasing), ``memory``
 (device bytes over the joint timeline), ``cost_model`` (predicted op and copy
 times), ``scheduling`` (where each op goes), ``planning`` with ``solvers``
-(keep or offload under a budget -> Plan), ``policies`` (the user's
-selective-checkpoint marks), ``rewrite`` (insert the ops).
-:func:`offload_pair` runs them in order. This package knows FX and PyTorch
-graphs, nothing of torch.compile or of the copy engines.
+(keep, offload or recompute under a budget -> Plan), ``policies`` (the user's
+selective-checkpoint marks), ``rewrite`` (insert the ops and recompute chains),
+``simulator`` (replay a plan). :func:`offload_pair` runs them in order on one
+pair; :func:`plan_best_partition` also weighs alternatives under strategy
+``"auto"`` (see its docstring), and :func:`rewrite_planned` applies the
+winner. This package knows FX and PyTorch graphs (and calls PyTorch's
+partitioner only through a callback), nothing of torch.compile or of the copy
+engines.
 """
 
 from __future__ import annotations

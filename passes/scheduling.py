@@ -23,6 +23,10 @@ Algorithm.
   the memory bound (a prefetched copy occupies the device from its prefetch),
   it starts as early as the bound allows and the stall is recorded.
 * Wait: right before the first backward consumer.
+* Recompute (priced for the planner by :func:`recompute_costs`): the chain
+  runs right before the first backward consumer, for the predicted compute
+  time of its ops; its storage and the chain's temporaries are fixed memory
+  for the moves above.
 
 The memory bound is the plan's budget, or without a budget the plan's own
 predicted activation peak (so scheduling never raises it). Moves also keep the

@@ -6,7 +6,8 @@ Copies run on copy engines: one per direction, or one shared engine when the
 profile's link is not full duplex; an engine serves copies in the order they
 are issued, each starting when it is issued and the engine is free. A wait
 stalls the compute stream until its copy has ended, and a stall delays
-everything after it. Device memory follows the memory model's intervals
+everything after it. A plan's recompute chains run on the compute stream right before their
+consumers. Device memory follows the memory model's intervals
 (``passes.memory``) under the plan, placed on the simulated clock, so the
 simulated peak is the planner's predicted total peak.
 
