@@ -175,7 +175,14 @@ class OffloadBackend:
                 pin_offload_order(module)
         return record
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                 **unknown: Any) -> Callable:
+        if mode not in (None, "default") or unknown:
+            given = f"mode={mode!r}" if mode not in (None, "default") else ", ".join(map(repr, unknown))
+            raise ValueError(
+                f"fxoffload: torch.compile({given}) is not supported; accepted: no mode (or 'default'). "
+                "CUDA graphs ('reduce-overhead') replay fixed addresses and cannot follow host copies and "
+                "releases; pass fxoffload options through offload_backend(...) or options={...}")
         # AOTAutograd's cache would return compiled graphs without running the
         # partitioner, so without our passes' record: keep it off for our graphs.
         # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs.)

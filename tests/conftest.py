@@ -104,9 +104,9 @@ def loss_step(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor):
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, *more: torch.Tensor):
     model.zero_grad(set_to_none=True)
-    loss = model(ids)
+    loss = model(ids, *more)
     loss.backward()
     grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}

@@ -1,0 +1,159 @@
+"""What users try beyond one clean training step (issue 8): inference, double backward, integer
+and boolean saved tensors, channels-last and transposed tensors, in-place updates, compile modes,
+and an exception in the middle of a step. Numerics are compared with eager PyTorch."""
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from tests.conftest import assert_same_step, loss_and_grads
+
+
+def compiled(model, **options):
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(**{"inner": "eager", "min_bytes": 0, **options})
+    return torch.compile(model, backend=backend), backend
+
+
+def check_step(model, x, **options):
+    """One compiled step (copies delayed) equals eager; return the backend for its records."""
+    expected = loss_and_grads(model, x)
+    step, backend = compiled(model, **options)
+    with runtime.copy_delay(0.001):
+        assert_same_step(expected, loss_and_grads(step, x))
+    assert runtime.pending_transfers() == 0
+    return backend
+
+
+class Tanh(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).sum()
+
+
+def test_inference_under_no_grad_offloads_nothing():
+    torch.manual_seed(0)
+    model, x = Tanh(), torch.randn(8, 16)
+    step, backend = compiled(model)
+    with torch.no_grad():
+        assert torch.allclose(step(x), model(x), rtol=1e-5, atol=1e-6)
+    assert backend.records == []  # no plan, no fxoffload op: the graph runs as compiled for inference
+
+
+def test_double_backward_is_refused_clearly():
+    torch.manual_seed(0)
+    model, x = Tanh(), torch.randn(8, 16, requires_grad=True)
+    step, _ = compiled(model)
+    (grad,) = torch.autograd.grad(step(x), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes_are_refused_by_name(mode):
+    step = torch.compile(Tanh(), backend=fxoffload.offload_backend(), mode=mode)
+    with pytest.raises(Exception, match=f"torch.compile\\(mode='{mode}'\\) is not supported; accepted: no mode"):
+        step(torch.randn(2, 16))
+
+
+class IntBoolSaved(torch.nn.Module):
+    """Saves a random bool mask (where's backward) and a random int64 index (gather's backward):
+    random, so the partitioner cannot recompute them and saves them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.a(x)
+        mask = torch.rand_like(h) > 0.5
+        index = torch.randint(0, 64, h.shape)
+        picked = torch.gather(torch.where(mask, h, 0.1 * h), 1, index)
+        return (picked * picked).sum()
+
+
+def test_integer_and_boolean_saved_tensors_round_trip():
+    model, x = IntBoolSaved(), torch.randn(256, 64)
+    torch.manual_seed(0)  # the same random draws in eager and in the eagerly run graphs
+    expected = loss_and_grads(model, x)
+    step, backend = compiled(model)
+    torch.manual_seed(0)
+    with runtime.copy_delay(0.001):
+        assert_same_step(expected, loss_and_grads(step, x))
+    moved = {d.dtype for d in backend.records[0].plan.decisions if d.action == "offload"}
+    assert torch.bool in moved and torch.int64 in moved, fxoffload.explain(backend.records[0])
+
+
+class ConvNet(torch.nn.Module):
+    """Channels-last convolutions and a transposed (non-contiguous) saved activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.c1(x))
+        h = torch.tanh(self.c2(h))
+        t = h.transpose(2, 3)
+        return (t.sin() * t).sum()
+
+
+def test_channels_last_and_transposed_tensors():
+    torch.manual_seed(0)
+    model = ConvNet().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last)
+    for inner in ("eager", "inductor"):
+        backend = check_step(model, x, inner=inner)
+        assert backend.records[0].plan.transfers
+
+
+class InPlace(torch.nn.Module):
+    """A saved tensor's base is updated in place after the save (functionalised by AOTAutograd)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.a(x)
+        z = torch.tanh(y)
+        y.mul_(2.0)
+        w = y.view(-1)[: y.numel() // 2]
+        w.add_(1.0)
+        return (z * y).sum()
+
+
+def test_in_place_update_of_a_saved_tensors_base():
+    torch.manual_seed(0)
+    for strategy in ("offload", "auto"):
+        check_step(InPlace(), torch.randn(64, 32), strategy=strategy)
+
+
+class Fails(Exception):
+    pass
+
+
+def test_an_exception_in_the_middle_of_a_step_leaves_the_next_step_correct():
+    torch.manual_seed(0)
+    model, x = Tanh(), torch.randn(64, 16)
+    step, _ = compiled(model)
+    expected = loss_and_grads(model, x)
+    for p in model.parameters():
+        p.grad = None
+
+    def explode(grad):
+        raise Fails("raised by a gradient hook in the backward")
+
+    handle = model.a.weight.register_hook(explode)
+    with runtime.copy_delay(0.001), pytest.raises(Fails):
+        step(x).backward()
+    handle.remove()
+    for p in model.parameters():
+        p.grad = None
+    assert runtime.pending_transfers() == 0  # no stale transfer in the CPU engine's registry
+    with runtime.copy_delay(0.001):
+        assert_same_step(expected, loss_and_grads(step, x))
