@@ -27,6 +27,7 @@ by the rewritten graphs) stays on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,7 +42,11 @@ import fxoffload.runtime  # noqa: F401  (op kernels)
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
-from passes import DeviceProfile, PassResult, Plan, Schedule, Timeline, plan_best_partition, rewrite_planned
+from passes import (
+    Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
+    plan_best_partition, rewrite_planned,
+)
+from passes.planning import held_after_forward
 from passes.policies import read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,9 @@ class GraphRecord:
     timeline: Timeline  # the memory model's lifetimes (before the rewrite)
     profile: DeviceProfile  # the device profile the predictions are for
     work: tuple = ()  # per timeline node (FLOPs, bytes, dtype), measured before the rewrite
+    region: int = 0  # position among the step's compiled regions (first compile order)
+    held_before: int = 0  # predicted activation bytes earlier regions leave on the device for the backward
+    held_after: int = 0  # the same, this region's included (the running total)
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -119,13 +127,14 @@ class _Compilation:
     between the two), so ``record.forward`` / ``record.backward`` are what runs.
     """
 
-    def __init__(self, backend: "OffloadBackend") -> None:
+    def __init__(self, backend: "OffloadBackend", region: tuple) -> None:
         self.backend = backend
+        self.region = region
         self.record: GraphRecord | None = None
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None) -> tuple[fx.GraphModule, fx.GraphModule]:
-        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition)
+        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -153,20 +162,55 @@ class OffloadBackend:
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
         self.records: list[GraphRecord] = []
+        # Activation bytes each compiled region leaves on the device after its forward (predicted),
+        # by region, in the order regions were first compiled (the forward's order).
+        self._held: dict[tuple, int] = {}
+        self._compile_count: dict[Any, int] = {}
+
+    def _region_key(self) -> tuple:
+        """The compiled region being compiled: its frame, and its place among the graphs of one
+        compile (DDP splits one frame's graph into several). A recompiled frame replaces its regions."""
+        context = torch._guards.TracingContext.try_get()
+        compile_id = getattr(context, "compile_id", None) if context is not None else None
+        frame = getattr(compile_id, "frame_id", None)
+        count = self._compile_count.get(compile_id, 0)
+        self._compile_count[compile_id] = count + 1
+        return (frame, count) if frame is not None else ("graph", len(self.records))
+
+    def _options_for(self, region: tuple) -> tuple[PlanOptions, int]:
+        """The plan options of a region, and the bytes earlier regions hold: an absolute budget
+        is for the whole step, so a region gets what earlier regions leave of it."""
+        options = self.config.plan_options
+        earlier = list(self._held)[: list(self._held).index(region)] if region in self._held else list(self._held)
+        held = sum(self._held[k] for k in earlier)
+        if options.budget is None or options.budget.nbytes is None or not held:
+            return options, held
+        return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
 
     def _plan_pair(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
-        repartition: Any = None,
+        repartition: Any = None, region: tuple = ("graph", 0),
     ) -> GraphRecord:
-        fw, bw, planned = plan_best_partition(
-            fw, bw, num_user_outputs, repartition,
-            options=self.config.plan_options, horizon=self.config.horizon, profile=self.config.profile,
-            policies=policies,
-        )
+        options, held_before = self._options_for(region)
+        try:
+            fw, bw, planned = plan_best_partition(
+                fw, bw, num_user_outputs, repartition,
+                options=options, horizon=self.config.horizon, profile=self.config.profile, policies=policies,
+            )
+        except BudgetInfeasibleError as error:
+            if not held_before or options.budget.nbytes is None:
+                raise
+            raise BudgetInfeasibleError(
+                f"compiled region {list(self._held).index(region) if region in self._held else len(self._held)}: "
+                f"earlier regions of the step hold {held_before} B of activations after their forward "
+                f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
+                f"for this one; {error}") from None
         result: PassResult = rewrite_planned(fw, bw, planned)
+        self._held[region] = held_after_forward(result.plan, result.timeline, result.schedule)
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
-            result.timeline, self.config.profile, result.work,
+            result.timeline, self.config.profile, result.work, list(self._held).index(region), held_before,
+            held_before + self._held[region],
         )
         self.records.append(record)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
@@ -190,7 +234,7 @@ class OffloadBackend:
             return self._compile(gm, example_inputs)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        compilation = _Compilation(self)
+        compilation = _Compilation(self, self._region_key())
         partitioner = _Partitioner(compilation.on_pair)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx

@@ -45,6 +45,11 @@ def _summary(record: Any) -> str:
         f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
         "(copies served in order per direction; see the placements)",
     ]
+    if getattr(record, "region", 0) or getattr(record, "held_before", 0):
+        lines.append(
+            f"region {record.region} of the step: earlier regions hold {format_bytes(record.held_before)} of "
+            f"activations after their forward; running total with this one {format_bytes(record.held_after)} "
+            "(predicted; an absolute budget covers them all)")
     if plan.note:
         lines.append(f"note: {plan.note}")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import torch
 import torch.fx as fx
 
 from passes.analysis import SavedActivation, SavedInterface, saved_activations, saved_interface
@@ -163,7 +164,8 @@ def plan_best_partition(
 
     (1) guards the joint program's queue model, which is optimistic about copies under tight
     memory; (2) recomputes what our chains cannot: it may save a value's inputs instead of the
-    value. Peaks "before" stay the min-cut pair's, which the budget fraction refers to. With
+    value; it is skipped when its backward draws random numbers (see :func:`_draws_random_numbers`).
+    Peaks "before" stay the min-cut pair's, which the budget fraction refers to. With
     ``PREFER_*`` selective-checkpoint hints, the joint program's plan stands: it weighs the
     hints, which the simulator's step time does not.
     """
@@ -177,14 +179,27 @@ def plan_best_partition(
             warnings.simplefilter("ignore")
             return planned(fw, bw, dataclasses.replace(opts, on_infeasible="warn"))
 
-    first = planned(fw_module, bw_module, options)
-    plan = first.plan
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
-    if options.strategy != "auto" or plan.budget_bytes is None or hinted:  # the user's hints outrank predictions
-        return fw_module, bw_module, first
+    if options.strategy != "auto" or options.budget is None or hinted:  # the user's hints outrank predictions
+        return fw_module, bw_module, planned(fw_module, bw_module, options)
+    # An alternative may meet a budget the joint plan misses: judge infeasibility at the end.
+    first = alternative(fw_module, bw_module, options)
+    plan = first.plan
     plain = sum(roofline(w, profile) for w in first.work)
     if plan.feasible and _predicted_step(first, profile) <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
         return fw_module, bw_module, first
+    fw, bw, best = _best_alternative(fw_module, bw_module, first, repartition, alternative, options, profile)
+    if not best.plan.feasible:
+        message = f"{best.plan.note}; with every alternative of strategy 'auto'"
+        if options.on_infeasible == "error":
+            raise BudgetInfeasibleError(message + "; raise the budget, lower min_bytes, or pass on_infeasible='warn'")
+        warnings.warn(message + "; planning for that peak instead", stacklevel=3)
+    return fw, bw, best
+
+
+def _best_alternative(fw_module, bw_module, first, repartition, alternative, options, profile):
+    """The fastest predicted of the joint plan and its alternatives (see :func:`plan_best_partition`)."""
+    plan = first.plan
     start = time.perf_counter()
     held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes))
     tried = [(fw_module, bw_module, first, "min-cut")]
@@ -194,8 +209,9 @@ def plan_best_partition(
     if repartition is not None:
         fraction = min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1))
         fw2, bw2 = repartition(fraction)
-        tried.append((fw2, bw2, alternative(fw2, bw2, held),
-                      f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest"))
+        if not _draws_random_numbers(bw2):
+            tried.append((fw2, bw2, alternative(fw2, bw2, held),
+                          f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest"))
 
     def rank(entry):
         result = entry[2]
@@ -210,6 +226,15 @@ def plan_best_partition(
         total_peak_before=plan.total_peak_before, strategy="auto", partition=label,
     )
     return fw, bw, dataclasses.replace(best, plan=relabelled, seconds=first.seconds + seconds)
+
+
+def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:
+    """A backward that runs a random op. At small budgets PyTorch's recompute-only partitioner
+    recomputes ``rand`` in the backward (no saved generator state): new numbers, wrong gradients."""
+    return any(
+        isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+        for n in bw_module.graph.nodes if n.op == "call_function"
+    )
 
 
 def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:

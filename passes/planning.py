@@ -62,7 +62,7 @@ from passes.solvers import Option, Queue, curve_with, solve
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost",
-    "STRATEGIES", "Transfer", "TransferCost",
+    "STRATEGIES", "Transfer", "TransferCost", "held_after_forward",
     "group_by_base", "plan_offloads", "why_kept", "with_scheduled_peaks",
 ]
 
@@ -629,18 +629,29 @@ def _warn_unhonoured(reasons: Mapping[fx.Node, str | None], marks: Mapping[fx.No
                           stacklevel=3)
 
 
-def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
-    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
-    if not schedule.placements:
-        return plan
+def _scheduled_moves(plan: Plan, timeline: Timeline, schedule: Any) -> dict[int, tuple[int, int]]:
     pos = timeline.positions
     moved = plan.recompute_moves()
     moved.update({
         plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
         for p in schedule.placements
     })
+    return moved
+
+
+def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
+    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
+    if not schedule.placements:
+        return plan
+    moved = _scheduled_moves(plan, timeline, schedule)
     return dataclasses.replace(
         plan,
         activation_peak_after=peak(curve(timeline.length, intervals(timeline, moved, True))),
         total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False) + plan.recompute_temporaries())),
     )
+
+
+def held_after_forward(plan: Plan, timeline: Timeline, schedule: Any) -> int:
+    """Predicted activation bytes the pair's forward leaves on the device for its backward."""
+    activations = curve(timeline.length, intervals(timeline, _scheduled_moves(plan, timeline, schedule), True))
+    return activations[len(timeline.fw_nodes) - 1] if activations else 0

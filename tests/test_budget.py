@@ -70,7 +70,9 @@ def test_budget_as_bytes_string_and_int_agree():
 def test_infeasible_budget_errors_with_the_smallest_peak():
     model, ids = build("llama")
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000)
+    # Offloading only: under "auto", PyTorch's recompute-only partition recomputes nearly
+    # everything and does meet 1000 B on this model.
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, strategy="offload")
     with pytest.raises(Exception, match=r"smallest achievable activation peak is \d+ B .* above the budget of 1000 B"):
         loss_step(torch.compile(model, backend=backend), ids)
 
@@ -78,7 +80,8 @@ def test_infeasible_budget_errors_with_the_smallest_peak():
 def test_infeasible_budget_can_warn_and_plan_for_the_smallest_peak():
     model, ids = build("llama")
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, on_infeasible="warn")
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, on_infeasible="warn",
+                                        strategy="offload")  # see above
     with pytest.warns(UserWarning, match="smallest achievable activation peak"):
         loss_step(torch.compile(model, backend=backend), ids)
     plan = backend.records[0].plan
