@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
 from passes import (
     Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
-    plan_best_partition, rewrite_planned,
+    plan_best_partition, rewrite_planned, unbounded_size_warning,
 )
 from passes.planning import held_after_forward
 from passes.policies import read_policies, save_offload_marks
@@ -170,8 +171,7 @@ class OffloadBackend:
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
         compile (DDP splits one frame's graph into several). A recompiled frame replaces its regions."""
-        context = torch._guards.TracingContext.try_get()
-        compile_id = getattr(context, "compile_id", None) if context is not None else None
+        compile_id = torch._guards.CompileContext.current_compile_id()
         frame = getattr(compile_id, "frame_id", None)
         count = self._compile_count.get(compile_id, 0)
         self._compile_count[compile_id] = count + 1
@@ -206,6 +206,8 @@ class OffloadBackend:
                 f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
                 f"for this one; {error}") from None
         result: PassResult = rewrite_planned(fw, bw, planned)
+        if (warning := unbounded_size_warning(result)) is not None:
+            warnings.warn(warning, stacklevel=2)
         self._held[region] = held_after_forward(result.plan, result.timeline, result.schedule)
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,

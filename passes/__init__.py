@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from passes.analysis import SavedActivation, SavedInterface, saved_activations, saved_interface
 from passes.cost_model import DeviceProfile, node_work, roofline
-from passes.memory import Timeline, build_timeline
+from passes.memory import Timeline, build_timeline, unbounded_symbols
 from passes.planning import (
     Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
     with_scheduled_peaks,
@@ -42,7 +42,7 @@ from passes.scheduling import (
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
     "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "offload_pair", "plan_pair",
-    "plan_best_partition", "rewrite_planned",
+    "plan_best_partition", "rewrite_planned", "unbounded_size_warning",
 ]
 
 
@@ -226,6 +226,20 @@ def _best_alternative(fw_module, bw_module, first, repartition, alternative, opt
         total_peak_before=plan.total_peak_before, strategy="auto", partition=label,
     )
     return fw, bw, dataclasses.replace(best, plan=relabelled, seconds=first.seconds + seconds)
+
+
+def unbounded_size_warning(result: PassResult) -> str | None:
+    """What a budgeted plan cannot promise when its graph serves sizes above the traced ones."""
+    val = next((n.meta["val"] for n in result.timeline.fw_nodes if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    symbols = unbounded_symbols(result.timeline, val)
+    if not symbols or result.plan.budget_bytes is None:
+        return None
+    traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
+    return (f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
+            f"meets memory_budget={result.plan.budget} ({result.plan.budget_bytes} B) with a predicted activation "
+            f"peak of {result.plan.activation_peak_after} B at the traced sizes only, and larger inputs may exceed "
+            "it. Bound the dimension with torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans "
+            "for the largest size the guards allow.")
 
 
 def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:

@@ -64,9 +64,12 @@ def _flops(node: fx.Node) -> int:
         return 0
     args, kwargs = fx.map_arg((node.args, node.kwargs), _fake)
     try:
-        return int(counter(*args, **kwargs, out_val=node.meta.get("val")))
+        flops = counter(*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # an unusual overload the counter does not handle: bandwidth-only estimate
         return 0
+    if isinstance(flops, torch.SymInt):  # int() would add a guard and specialise the graph's sizes
+        return concrete(flops.node.expr, node.meta.get("val"))
+    return int(flops)
 
 
 Work = tuple  # (FLOPs, bytes moved, dtype) of one node, or None for a node that runs no kernel

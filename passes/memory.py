@@ -17,7 +17,10 @@ buffers are not device memory. Curves are prefix sums of a difference array,
 so evaluating a plan costs O(nodes + storages).
 
 Symbolic sizes are kept as sympy expressions in ``Lifetime.expr`` and
-evaluated with the shape environment's hints into ``Lifetime.nbytes``.
+evaluated into ``Lifetime.nbytes`` at the largest size the guards allow
+(``torch._dynamo.mark_dynamic(t, dim, max=N)``), so that a plan made once
+holds for every size its graph serves; unbounded symbols are evaluated at the
+traced size, and the planner warns with the numbers.
 
 Limits. Device memory as the graphs' own tensors see it: allocator rounding
 and fragmentation, workspace buffers and Inductor's buffer reuse and fusion
@@ -37,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes.analysis import SavedInterface, _aliased_input, tensor_nbytes
 
-__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete"]
+__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols"]
 
 
 @dataclass(frozen=True)
@@ -83,14 +86,45 @@ class Timeline:
 
 
 def concrete(expr: Any, val: Any = None) -> int:
-    """An int for ``expr``, evaluating symbols at the shape environment's hints."""
+    """An int for ``expr``: each symbol at the largest value its guards allow when that is finite
+    (the compiled graph serves every size up to it), else at the shape environment's hint (the
+    traced size; :func:`unbounded_symbols` tells which)."""
     if isinstance(expr, int):
         return expr
     shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
     if shape_env is None:
         return int(expr)
     hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
-    return int(expr.xreplace(hints))
+    values = {}
+    for symbol in expr.free_symbols:
+        upper = _largest(shape_env, symbol)
+        values[symbol] = upper if upper is not None else hints[symbol]
+    return int(expr.xreplace(values))
+
+
+def _largest(shape_env: Any, symbol: Any) -> int | None:
+    """The largest value the guards allow ``symbol``, or None when unbounded."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
+    upper = getattr(shape_env.var_to_range.get(symbol), "upper", None)
+    if upper is None or upper in (int_oo, sympy.oo) or not getattr(upper, "is_Integer", False):
+        return None
+    return int(upper)
+
+
+def unbounded_symbols(timeline: "Timeline", val: Any) -> dict[Any, int]:
+    """Symbols in the timeline's sizes whose guards allow any size above the traced one (symbol -> hint)."""
+    shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
+    if shape_env is None:
+        return {}
+    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    out = {}
+    for lt in timeline.lifetimes:
+        for symbol in getattr(lt.expr, "free_symbols", ()):
+            if _largest(shape_env, symbol) is None:
+                out[symbol] = int(hints[symbol])
+    return out
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:

@@ -1,0 +1,56 @@
+"""Dynamic shapes: a plan is made for the largest size its graph serves, or says it cannot be."""
+
+import warnings
+
+import pytest
+import torch
+
+import fxoffload
+from tests.conftest import MLP, assert_same_step, loss_and_grads
+
+
+def compile_marked(mark, **options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(16, 8)
+    mark(x)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
+    compiled = torch.compile(model, backend=backend)
+    assert_same_step(loss_and_grads(model, x), loss_and_grads(compiled, x))
+    return model, compiled, backend
+
+
+def static_peak(batch):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1.0)
+    loss_and_grads(torch.compile(MLP(), backend=backend, dynamic=False), torch.randn(batch, 8))
+    return backend.records[0].plan.activation_peak_before
+
+
+def test_bounded_sizes_are_planned_at_the_largest_size_the_guards_allow():
+    at_64, at_16 = static_peak(64), static_peak(16)  # (each resets dynamo: before the dynamic compile)
+    model, compiled, backend = compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64),
+                                              memory_budget=0.5)
+    plan = backend.records[0].plan
+    assert plan.activation_peak_before == at_64 == 4 * at_16  # traced at 16, planned at 64
+    big = torch.randn(48, 8)
+    assert_same_step(loss_and_grads(model, big), loss_and_grads(compiled, big))
+    measured = fxoffload.measure_peak(lambda: compiled(big).backward())
+    assert len(backend.records) == 1  # the same graph served batch 48
+    assert measured.activation_peak <= plan.budget_bytes, (measured, fxoffload.explain(backend.records[0]))
+
+
+def test_unbounded_sizes_with_a_budget_warn_with_the_numbers():
+    with pytest.warns(UserWarning, match=r"serves sizes above the traced ones \(s\d+=16, no upper bound\): its plan "
+                                         r"meets memory_budget=0.5 .* \(\d+ B\)"):
+        compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=0.5)
+
+
+def test_no_budget_no_warning_and_no_specialisation():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model, compiled, backend = compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0))
+    other = torch.randn(40, 8)
+    assert_same_step(loss_and_grads(model, other), loss_and_grads(compiled, other))
+    assert len(backend.records) == 1  # the cost model evaluated symbolic FLOPs without guarding on them
