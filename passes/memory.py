@@ -94,7 +94,7 @@ def concrete(expr: Any, val: Any = None) -> int:
     shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
     if shape_env is None:
         return int(expr)
-    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    hints = _hints(shape_env)
     values = {}
     for symbol in expr.free_symbols:
         upper = _largest(shape_env, symbol)
@@ -116,15 +116,16 @@ def _largest(shape_env: Any, symbol: Any) -> int | None:
 def unbounded_symbols(timeline: "Timeline", val: Any) -> dict[Any, int]:
     """Symbols in the timeline's sizes whose guards allow any size above the traced one (symbol -> hint)."""
     shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
-    if shape_env is None:
+    symbols = {symbol for lt in timeline.lifetimes for symbol in getattr(lt.expr, "free_symbols", ())}
+    if shape_env is None or not symbols:
         return {}
-    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
-    out = {}
-    for lt in timeline.lifetimes:
-        for symbol in getattr(lt.expr, "free_symbols", ()):
-            if _largest(shape_env, symbol) is None:
-                out[symbol] = int(hints[symbol])
-    return out
+    hints = _hints(shape_env)
+    return {symbol: int(hints[symbol]) for symbol in symbols if _largest(shape_env, symbol) is None}
+
+
+def _hints(shape_env: Any) -> dict:
+    """The traced value of each symbol (``var_to_val`` was renamed ``backed_var_to_val``)."""
+    return shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
