@@ -9,8 +9,9 @@ which the storage is gone. Outputs of ``fxoffload.offload`` are host memory;
 everything else counts as device memory. After the step:
 
 * a storage is an *activation* (saved for backward) if it was born in the
-  forward, was alive when the backward started (the first op dispatched from
-  the autograd engine), and was gone when the step returned; copies made by
+  forward, was alive when the backward started (the call of
+  ``torch.autograd.backward``, or else the first op dispatched from the
+  autograd engine), and was gone when the step returned; copies made by
   ``fxoffload.prefetch`` are activations too. Return the loss from ``fn`` so
   that it is not counted as an activation;
 * the total is every tracked device storage.
@@ -133,8 +134,21 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     tracker = _Tracker()
-    with tracker:
-        returned = fn(*args, **kwargs)
+    original = torch.autograd.backward
+
+    def backward(*a: Any, **k: Any) -> Any:
+        # The backward starts here: the seed gradient (ones for a scalar loss) is made
+        # before the autograd engine dispatches anything, and is not an activation.
+        if tracker.backward_start is None:
+            tracker.backward_start = tracker.step + 1
+        return original(*a, **k)
+
+    torch.autograd.backward = backward
+    try:
+        with tracker:
+            returned = fn(*args, **kwargs)
+    finally:
+        torch.autograd.backward = original
     tracker.step += 1
     tracker.sweep()  # what the step freed on return; what it returned (e.g. the loss) is still alive
     del returned

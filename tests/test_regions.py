@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fxoffload
-from tests.conftest import assert_same_step, loss_and_grads
+from tests.conftest import assert_same_step, loss_and_grads, loss_step
 
 
 class TwoRegions(torch.nn.Module):
@@ -27,7 +27,7 @@ def run(model, x, **options):
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
     compiled = torch.compile(model, backend=backend)
     assert_same_step(loss_and_grads(model, x), loss_and_grads(compiled, x))
-    measured = fxoffload.measure_peak(lambda: compiled(x).backward())
+    measured = fxoffload.measure_peak(loss_step, compiled, x)
     assert len(backend.records) == 2
     return backend.records, measured
 
@@ -38,7 +38,7 @@ def test_an_absolute_budget_covers_every_compiled_region(strategy):
     model, x = TwoRegions(), torch.randn(512, 128)
     _, unplanned = run(model, x, memory_budget=1.0)
     # Regions are planned in compile order: the first keeps what fits, the second gets the rest.
-    budget = 1300 * 1024
+    budget = 1280 * 1024
     assert unplanned.activation_peak > budget  # each region alone fits, the step does not
     records, measured = run(model, x, memory_budget=budget, strategy=strategy)
     first, second = records
