@@ -26,7 +26,7 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, SavedInterface, saved_activations, saved_interface
+from passes.analysis import SavedActivation, SavedInterface, is_random, saved_activations, saved_interface
 from passes.cost_model import DeviceProfile, node_work, roofline
 from passes.memory import Timeline, build_timeline, unbounded_symbols
 from passes.planning import (
@@ -217,7 +217,8 @@ def _best_alternative(fw_module, bw_module, first, repartition, alternative, opt
         result = entry[2]
         # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
         over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
-        return (not result.plan.feasible, over_total, _predicted_step(result, profile))
+        missed = 0 if result.plan.feasible else result.plan.activation_peak_after  # else the lowest peak
+        return (not result.plan.feasible, missed, over_total, _predicted_step(result, profile))
 
     fw, bw, best, label = min(tried, key=rank)
     seconds = (("alternatives", time.perf_counter() - start),)
@@ -245,10 +246,7 @@ def unbounded_size_warning(result: PassResult) -> str | None:
 def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:
     """A backward that runs a random op. At small budgets PyTorch's recompute-only partitioner
     recomputes ``rand`` in the backward (no saved generator state): new numbers, wrong gradients."""
-    return any(
-        isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-        for n in bw_module.graph.nodes if n.op == "call_function"
-    )
+    return any(is_random(n) for n in bw_module.graph.nodes)
 
 
 def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:

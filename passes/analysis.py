@@ -50,6 +50,7 @@ __all__ = [
     "is_rng_state",
     "tensor_nbytes",
     "recompute_chain",
+    "is_random",
     "MAX_CHAIN",
 ]
 
@@ -232,15 +233,30 @@ def output_storages(values: tuple[Any, ...]) -> frozenset[int]:
 _COLLECTIVES = ("_c10d_functional", "c10d_functional", "_dtensor")
 
 
+def is_random(node: fx.Node) -> bool:
+    """A call that draws random numbers: an op tagged ``nondeterministic_seeded``, unless its
+    ``dropout_p`` argument is 0 (attention kernels carry the tag for their dropout)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, argument in enumerate(target._schema.arguments):
+        if argument.name == "dropout_p":
+            value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else argument.default_value)
+            return value != 0
+    return True
+
+
 def _why_not_recomputable(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return f"{node.name} is a graph input the backward does not receive"
     target = node.target
     if target in FXOFFLOAD_OPS or isinstance(target, torch._ops.HigherOrderOperator):
         return f"{node.name} is a higher-order or fxoffload op"
+    if is_random(node):
+        return f"{node.name} is a random op"
     if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags:
-            return f"{node.name} is a random op"
         if target.namespace in _COLLECTIVES:
             return f"{node.name} is a collective"
         if target._schema.is_mutable:
