@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--budget", default="0.5", help="memory_budget (fraction, or a size like 6GiB)")
     parser.add_argument("--profile", default="h100-pcie5")
     parser.add_argument("--solver", default="auto")
+    parser.add_argument("--strategy", default="offload",
+                        help="offload (default: the planning-speed figures in the README), recompute or auto "
+                             "(auto also plans its alternatives, PyTorch's recompute-only partition included)")
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
 
@@ -70,6 +73,7 @@ def main() -> None:
     partition_seconds = timed_partitioner()
     backend = fxoffload.offload_backend(
         memory_budget=budget, inner="eager", device_profile=args.profile, solver=args.solver, min_bytes=1 << 20,
+        strategy=args.strategy,
     )
     with FakeTensorMode(allow_non_fake_inputs=True):
         start = time.perf_counter()
