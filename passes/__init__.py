@@ -176,7 +176,7 @@ def plan_best_partition(
 
     def alternative(fw, bw, opts):
         with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
-            warnings.simplefilter("ignore")
+            warnings.filterwarnings("ignore", message="memory_budget: the smallest achievable")
             return planned(fw, bw, dataclasses.replace(opts, on_infeasible="warn"))
 
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
