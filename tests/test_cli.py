@@ -167,7 +167,8 @@ def test_malformed_config_file(capsys, tmp_path, text, message):
 
 def test_impossible_budget(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
-    err = run_error(capsys, "--config", str(tmp_path), "--seq", "64", "--budget", "1KiB")
+    # Offloading only: under "auto", PyTorch's recompute-only partition reaches 1 KiB on this model.
+    err = run_error(capsys, "--config", str(tmp_path), "--seq", "64", "--budget", "1KiB", "--strategy", "offload")
     assert "impossible budget" in err and "smallest achievable activation peak" in err and "above the budget of 1024 B" in err
 
 
