@@ -55,7 +55,8 @@ def parse_budget(value: Any) -> Budget | None:
 @dataclass(frozen=True)
 class OffloadConfig:
     memory_budget: Any = None
-    """Bound on the peak of activation memory (saved tensors on the device, per compiled graph).
+    """Bound on the peak of activation memory (saved tensors on the device): a fraction per compiled
+    graph, bytes for the whole step (later graphs get what earlier ones leave).
     None offloads every eligible saved tensor; see ``BUDGET_FORMS`` for the accepted values."""
 
     min_bytes: int = 64 * 1024
