@@ -4,9 +4,10 @@
 graph dynamo hands it, AOTAutograd traces the joint forward/backward graph,
 PyTorch's min-cut partitioner splits it, and our partition hook plans the
 pair as one timeline (``passes.plan_best_partition``: under strategy
-``"auto"``, PyTorch's recompute-only partition at the budget is planned too
-when the first plan has a predicted cost, and the faster one kept) and
-rewrites it before the inner compiler sees either graph:
+``"auto"``, alternatives are planned too when the first plan has a predicted
+cost, PyTorch's recompute-only partition at the budget among them, and the
+fastest predicted kept) and rewrites it before the inner compiler sees either
+graph:
 
 * ``inner="inductor"``: ``compile_fx`` with our hook as Inductor's
   ``custom_partitioner_fn`` (so Inductor's joint-graph passes and
@@ -177,12 +178,16 @@ class OffloadBackend:
         self._compile_count[compile_id] = count + 1
         return (frame, count) if frame is not None else ("graph", len(self.records))
 
-    def _options_for(self, region: tuple) -> tuple[PlanOptions, int]:
-        """The plan options of a region, and the bytes earlier regions hold: an absolute budget
-        is for the whole step, so a region gets what earlier regions leave of it."""
+    def _place(self, region: tuple) -> int:
+        """A region's position in the step: where it was first compiled, or next if it is new."""
+        regions = list(self._held)
+        return regions.index(region) if region in self._held else len(regions)
+
+    def _options_for(self, place: int) -> tuple[PlanOptions, int]:
+        """The plan options of the region at ``place``, and the bytes earlier regions hold: an
+        absolute budget is for the whole step, so a region gets what earlier regions leave of it."""
         options = self.config.plan_options
-        earlier = list(self._held)[: list(self._held).index(region)] if region in self._held else list(self._held)
-        held = sum(self._held[k] for k in earlier)
+        held = sum(list(self._held.values())[:place])
         if options.budget is None or options.budget.nbytes is None or not held:
             return options, held
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
@@ -191,7 +196,8 @@ class OffloadBackend:
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
         repartition: Any = None, region: tuple = ("graph", 0),
     ) -> GraphRecord:
-        options, held_before = self._options_for(region)
+        place = self._place(region)
+        options, held_before = self._options_for(place)
         try:
             fw, bw, planned = plan_best_partition(
                 fw, bw, num_user_outputs, repartition,
@@ -201,7 +207,7 @@ class OffloadBackend:
             if not held_before or options.budget.nbytes is None:
                 raise
             raise BudgetInfeasibleError(
-                f"compiled region {list(self._held).index(region) if region in self._held else len(self._held)}: "
+                f"compiled region {place}: "
                 f"earlier regions of the step hold {held_before} B of activations after their forward "
                 f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
                 f"for this one; {error}") from None
@@ -211,7 +217,7 @@ class OffloadBackend:
         self._held[region] = held_after_forward(result.plan, result.timeline, result.schedule)
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
-            result.timeline, self.config.profile, result.work, list(self._held).index(region), held_before,
+            result.timeline, self.config.profile, result.work, place, held_before,
             held_before + self._held[region],
         )
         self.records.append(record)

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 from passes.analysis import is_compute, tensor_nbytes
 from passes.memory import concrete
 
-__all__ = ["DeviceProfile", "node_time", "node_times", "node_work", "roofline", "transfer_time"]
+__all__ = ["DeviceProfile", "node_time", "node_times", "node_work", "roofline", "transfer_time", "value_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,12 @@ def _fake(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
-def _nbytes(val: Any) -> int:
+def value_nbytes(val: Any) -> int:
+    """Bytes of a traced value: a tensor, or the tensors of a list or tuple (0 for anything else)."""
     if isinstance(val, torch.Tensor):
         return concrete(tensor_nbytes(val), val)
     if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
+        return sum(value_nbytes(v) for v in val)
     return 0
 
 
@@ -81,7 +82,7 @@ def node_work(node: fx.Node) -> Work | None:
         return None
     out = node.meta.get("val")
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
-    moved = _nbytes(out) + sum(_nbytes(_fake(a)) for a in node.all_input_nodes)
+    moved = value_nbytes(out) + sum(value_nbytes(_fake(a)) for a in node.all_input_nodes)
     return (_flops(node), moved, dtype)
 
 

@@ -245,14 +245,17 @@ def intervals(
     timeline: Timeline,
     moved: dict[int, tuple[int, int]],
     residual_only: bool,
+    temporaries: Sequence[tuple[int, int, int]] = (),
 ) -> list[tuple[int, int, int]]:
     """Device intervals of the timeline's storages under a plan.
 
-    ``moved`` maps an offloaded storage's lifetime index to (release
-    position, prefetch position): its device copy lives until the release,
-    its prefetched copy from the prefetch to its last use.
+    ``moved`` maps an offloaded (or recomputed) storage's lifetime index to
+    (release position, prefetch or rebuild position): its device copy lives
+    until the release, its returned copy from then to its last use.
+    ``temporaries`` (recompute chains' other outputs) count in the total only:
+    they are not activations.
     """
-    out = []
+    out = [] if residual_only else list(temporaries)
     for lt in timeline.lifetimes:
         if residual_only and not lt.residual:
             continue

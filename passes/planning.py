@@ -62,7 +62,7 @@ from passes.solvers import Option, Queue, curve_with, solve
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost",
-    "STRATEGIES", "Transfer", "TransferCost", "held_after_forward",
+    "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
     "group_by_base", "plan_offloads", "why_kept", "with_scheduled_peaks",
 ]
 
@@ -210,17 +210,25 @@ class Plan:
         return sum(r.cost.seconds for r in self.recomputes)
 
     def recompute_moves(self) -> dict[int, tuple[int, int]]:
-        """Lifetime index -> (release, rebuild) positions: a recomputed storage's device intervals."""
-        return {r.lifetime: (r.release, r.at) for r in self.recomputes}
+        return recompute_moves(self.recomputes)
 
     def recompute_temporaries(self) -> list[tuple[int, int, int]]:
-        """Device intervals of the recompute chains' other outputs (not activations)."""
-        return [(r.at, r.at, r.cost.transient) for r in self.recomputes if r.cost.transient]
+        return recompute_temporaries(self.recomputes)
 
     @property
     def estimated_stall(self) -> float:
         """The planner's estimate (each copy alone on its link); ``Schedule.predicted_stall`` is the prediction."""
         return sum(t.cost.stall for t in self.transfers if t.cost is not None)
+
+
+def recompute_moves(recomputes: Sequence[Recompute]) -> dict[int, tuple[int, int]]:
+    """Lifetime index -> (release, rebuild) positions: recomputed storages' device intervals."""
+    return {r.lifetime: (r.release, r.at) for r in recomputes}
+
+
+def recompute_temporaries(recomputes: Sequence[Recompute]) -> list[tuple[int, int, int]]:
+    """Device intervals of the recompute chains' other outputs (not activations)."""
+    return [(r.at, r.at, r.cost.transient) for r in recomputes if r.cost.transient]
 
 
 def group_by_base(activations: Sequence[SavedActivation]) -> dict[fx.Node, list[SavedActivation]]:
@@ -328,9 +336,8 @@ class _Problem:
         return out
 
     def peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node], residual_only: bool) -> int:
-        spans = intervals(self.timeline, self.moved(offloaded, recomputed), residual_only)
-        if not residual_only:  # a chain's other outputs are temporaries, not activations
-            spans += [(self.rebuilt_at(b),) * 2 + (self.recomputes[b].transient,) for b in recomputed]
+        temporaries = [(self.rebuilt_at(b), self.rebuilt_at(b), self.recomputes[b].transient) for b in recomputed]
+        spans = intervals(self.timeline, self.moved(offloaded, recomputed), residual_only, temporaries)
         return peak(curve(self.timeline.length, spans))
 
 
@@ -647,7 +654,7 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
     return dataclasses.replace(
         plan,
         activation_peak_after=peak(curve(timeline.length, intervals(timeline, moved, True))),
-        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False) + plan.recompute_temporaries())),
+        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
     )
 
 

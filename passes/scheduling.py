@@ -56,14 +56,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import torch
 import torch.fx as fx
 
 from passes.analysis import (
-    SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key, tensor_nbytes,
+    SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
 )
-from passes.cost_model import DeviceProfile, transfer_time
-from passes.memory import Timeline, concrete, curve, intervals
+from passes.cost_model import DeviceProfile, transfer_time, value_nbytes
+from passes.memory import Timeline, curve, intervals
 from passes.planning import Plan, RecomputeCost, TransferCost
 from passes.simulator import Copy, replay
 
@@ -266,11 +265,9 @@ def _temporaries(chain: Sequence[fx.Node], base: fx.Node) -> int:
     sizes = {}
     for i, node in enumerate(chain):
         if is_compute(node) and node is not base:
-            val = node.meta.get("val")
-            sizes[node] = sum(concrete(tensor_nbytes(v), v)
-                              for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor))
+            sizes[node] = value_nbytes(node.meta.get("val"))
             if owner.get(base) is node:  # a multi-output op: the base is one of its outputs
-                sizes[node] -= concrete(tensor_nbytes(base.meta["val"]), base.meta["val"])
+                sizes[node] -= value_nbytes(base.meta["val"])
             live += sizes[node]
         top = max(top, live)
         for arg in set(node.all_input_nodes):
@@ -312,7 +309,7 @@ def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: i
     Both curves rise by the same bytes when a copy is held longer, so one curve states both limits.
     """
     saved = curve(timeline.length, intervals(timeline, moves, residual_only=True))
-    total = curve(timeline.length, intervals(timeline, moves, residual_only=False) + list(temporaries))
+    total = curve(timeline.length, intervals(timeline, moves, residual_only=False, temporaries=temporaries))
     return [max(s, t - total_bound + bound) for s, t in zip(saved, total)]
 
 

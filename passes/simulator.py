@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
+from passes.planning import recompute_moves, recompute_temporaries
 
 __all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "replay", "simulate", "simulate_movements"]
 
@@ -183,15 +184,15 @@ def simulate_movements(
     order = list(prefetch_order) if prefetch_order is not None else range(len(movements))
     up = [Copy(movements[k].prefetch_at, movements[k].wait_at, movements[k].h2d_seconds, engines[1]) for k in order]
     names = [(m.name, "forward") for m in movements] + [(movements[k].name, "backward") for k in order]
-    moved = {r.lifetime: (r.release, r.at) for r in recomputes}
+    moved = recompute_moves(recomputes)
     moved.update({m.lifetime: (m.free_at - 1, m.prefetch_at) for m in movements})
-    temporaries = [(r.at, r.at, r.cost.transient) for r in recomputes if r.cost.transient]
+    temporaries = recompute_temporaries(recomputes)
     run = replay(times, down + up)
     forward = len(timeline.fw_nodes)
     plan_clock, free_clock = run.starts[:-1], _prefix_sums(base_times)
     plan_total, plan_saved, base_total, base_saved = (
-        curve(timeline.length, intervals(timeline, m, residual_only=r) + (temporaries if m and not r else []))
-        for m, r in ((moved, False), (moved, True), ({}, False), ({}, True))
+        curve(timeline.length, intervals(timeline, m, residual_only=r, temporaries=t))
+        for m, r, t in ((moved, False, temporaries), (moved, True, ()), ({}, False, ()), ({}, True, ()))
     )
     return Simulation(
         step_time=run.step_time,
