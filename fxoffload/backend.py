@@ -168,6 +168,9 @@ class OffloadBackend:
         # by region, in the order regions were first compiled (the forward's order).
         self._held: dict[tuple, int] = {}
         self._compile_count: dict[Any, int] = {}
+        # Forwards of each region since the last backward began (see _count_forwards).
+        self._forwards: dict[tuple, int] = {}
+        self._warned: set[tuple] = set()
 
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
@@ -242,7 +245,53 @@ class OffloadBackend:
             return self._compile(gm, example_inputs)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        compilation = _Compilation(self, self._region_key())
+        region = self._region_key()
+        compiled = self._compile_region(gm, example_inputs, region)
+        budget = self.config.plan_options.budget
+        if budget is None or budget.nbytes is None:
+            return compiled  # fractions are per region: nothing to add up at run time
+        return self._count_forwards(region, compiled)
+
+    def _count_forwards(self, region: tuple, compiled: Callable) -> Callable:
+        """Run-time check of an absolute budget: a region is planned as if its forward ran once per
+        step, but one compiled graph may serve several layers (per-layer ``compile``, as FSDP2
+        recipes do). Count its forwards until a backward begins and warn, with the numbers, when
+        the activations they leave add up past the budget."""
+
+        def run(*args: Any) -> Any:
+            out = compiled(*args)
+            # Forwards run inside a backward (checkpoint recomputation) are not the step's.
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+                             if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+                if node is not None:
+                    node.register_prehook(self._on_backward)
+                    self._forwards[region] = self._forwards.get(region, 0) + 1
+                    self._check_held(region)
+            return out
+
+        return run
+
+    def _on_backward(self, grad_outputs: Any) -> None:
+        self._forwards.clear()
+
+    def _check_held(self, region: tuple) -> None:
+        budget = self.config.plan_options.budget.nbytes
+        runs = self._forwards[region]
+        held = sum(self._held.get(r, 0) * n for r, n in self._forwards.items())
+        if runs < 2 or held <= budget or region in self._warned:
+            return
+        self._warned.add(region)
+        warnings.warn(
+            f"fxoffload: compiled region {self._place(region)} has run {runs} times in this forward (one "
+            f"compiled graph serving several layers, e.g. per-layer compile), but its plan counted its "
+            f"activations once ({self._held.get(region, 0)} B, predicted): the forwards so far leave {held} B of "
+            f"activations on the device for the backward, above memory_budget={self.config.memory_budget!r} "
+            f"({budget} B). Give memory_budget as a fraction (per region), or divide the absolute budget by "
+            f"the number of layers the graph serves.", stacklevel=2)
+
+    def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple) -> Callable:
+        compilation = _Compilation(self, region)
         partitioner = _Partitioner(compilation.on_pair)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx

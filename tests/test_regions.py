@@ -1,7 +1,11 @@
 """A step compiled into several regions (graph breaks): an absolute budget covers the whole step."""
 
+import warnings
+from typing import Any
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import fxoffload
 from tests.conftest import assert_same_step, loss_and_grads, loss_step
@@ -90,3 +94,65 @@ def test_auto_reports_a_budget_no_alternative_meets():
     step = torch.compile(RandomMask(), backend=backend)
     with pytest.raises(Exception, match="smallest achievable .* with every alternative of strategy 'auto'"):
         step(torch.randn(256, 64)).backward()
+
+
+class Block(torch.nn.Module):
+    """A user-defined layer: compiled on its own with ``layer.compile``, one graph serves every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def per_layer_step(budget, layers: int = 3, steps: int = 2, reentrant: bool | None = None) -> tuple[list, Any]:
+    """``steps`` training steps of ``layers`` blocks, each block compiled with one fxoffload backend
+    (and run under activation checkpointing, reentrant or not, unless ``reentrant`` is None)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(layers)]
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=budget, strategy="offload")
+    for block in blocks:
+        block.compile(backend=backend)
+    x = torch.randn(256, 128, requires_grad=True)  # so the first block's graph is the others'
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            y = x
+            for block in blocks:
+                y = block(y) if reentrant is None else checkpoint(block, y, use_reentrant=reentrant)
+            y.sum().backward()
+    return [w for w in caught if "has run" in str(w.message)], backend
+
+
+def test_an_absolute_budget_warns_when_one_graph_serves_several_layers():
+    _, unplanned = per_layer_step(budget=10 ** 9)
+    one_layer = unplanned.records[0].plan.activation_peak_before
+    budget = int(1.5 * one_layer)  # one layer's activations fit it; two layers' do not
+    caught, backend = per_layer_step(budget=budget)
+    assert len(backend.records) == 1  # the same graph for the three blocks, planned once
+    held = backend.records[0].held_after
+    assert 0 < held <= budget < 2 * held
+    assert len(caught) == 1, [str(w.message) for w in caught]  # once, not at every step
+    message = str(caught[0].message)
+    assert "compiled region 0 has run 2 times in this forward" in message
+    assert f"leave {2 * held} B of activations" in message and f"({budget} B)" in message
+
+
+def test_no_warning_when_each_graph_runs_once_per_step_or_the_budget_holds():
+    caught, _ = per_layer_step(budget=10 ** 9)  # three layers, but far below the budget
+    assert caught == []
+    caught, _ = per_layer_step(budget=10 ** 9, layers=1, steps=3)  # a backward between forwards
+    assert caught == []
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_forwards_recomputed_in_the_backward_are_not_counted(reentrant):
+    _, unplanned = per_layer_step(budget=10 ** 9, layers=1)
+    one_layer = unplanned.records[0].plan.activation_peak_before
+    # Checkpointing reruns the block's forward in the backward (reentrant: through the compiled
+    # graph); that must not count with the next step's forward as a second layer.
+    caught, _ = per_layer_step(budget=int(1.5 * one_layer), layers=1, steps=3, reentrant=reentrant)
+    assert caught == [], [str(w.message) for w in caught]
