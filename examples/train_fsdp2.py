@@ -73,15 +73,21 @@ def train(model: torch.nn.Module, steps: int, batch: int, seq: int, rank: int):
     return losses, grads
 
 
+def say(line: str) -> None:
+    """One write per line, so that the ranks' lines do not interleave on a shared stdout."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def report(rank: int, backend) -> int:
     """Print each region's plan on this rank; the number of storages offloaded or recomputed."""
     moved = 0
     for record in backend.records:
         plan = record.plan
         moved += len(plan.transfers) + len(plan.recomputes)
-        print(f"rank {rank}: region {record.region} graph {record.index}: offloaded {len(plan.transfers)}, "
-              f"recomputed {len(plan.recomputes)}; activation peak {format_bytes(plan.activation_peak_before)} "
-              f"-> {format_bytes(plan.activation_peak_after)} (predicted)", flush=True)
+        say(f"rank {rank}: region {record.region} graph {record.index}: offloaded {len(plan.transfers)}, "
+            f"recomputed {len(plan.recomputes)}; activation peak {format_bytes(plan.activation_peak_before)} "
+            f"-> {format_bytes(plan.activation_peak_after)} (predicted)")
     return moved
 
 
@@ -102,7 +108,7 @@ def main() -> int:
     backend = fxoffload.offload_backend(
         memory_budget=args.budget, strategy=args.strategy, inner=args.inner, min_bytes=0)
     losses, grads = train(shard(build_model(args.layers), backend), args.steps, args.batch, args.seq, rank)
-    print(f"rank {rank}: losses " + " ".join(f"{loss.item():.4f}" for loss in losses), flush=True)
+    say(f"rank {rank}: losses " + " ".join(f"{loss.item():.4f}" for loss in losses))
     moved = report(rank, backend)
     ok = True
     if args.check:
@@ -110,7 +116,7 @@ def main() -> int:
         same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(losses, expected_losses)) and all(
             torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads, expected_grads))
         ok = same and moved > 0
-        print(f"rank {rank}: same as FSDP2 without fxoffload: {same}; storages moved {moved}", flush=True)
+        say(f"rank {rank}: same as FSDP2 without fxoffload: {same}; storages moved {moved}")
     dist.destroy_process_group()
     return 0 if ok else 1
 

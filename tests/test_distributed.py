@@ -1,5 +1,6 @@
 """DDP and FSDP2 through fxoffload: two processes under torchrun (gloo, CPU)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,10 @@ def test_ddp_two_processes_match_eager_ddp_and_offload_on_each_rank():
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
     )
-    lines = [line for line in run.stdout.splitlines() if line.startswith("rank ")]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert sorted(line.split(":")[0] for line in lines) == ["rank 0", "rank 1"], run.stdout
-    assert all("same as eager DDP: True" in line and "transfers 0" not in line for line in lines), lines
+    ranks = re.findall(r"rank (\d): graphs \d+, transfers (\d+), same as eager DDP: (\w+)", run.stdout)
+    assert sorted(rank for rank, _, _ in ranks) == ["0", "1"], run.stdout
+    assert all(int(transfers) > 0 and same == "True" for _, transfers, same in ranks), run.stdout
 
 
 @pytest.mark.slow
@@ -31,9 +32,9 @@ def test_fsdp2_example_matches_fsdp2_without_fxoffload_and_offloads_on_each_rank
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    verdicts = [line for line in run.stdout.splitlines() if "same as FSDP2 without fxoffload" in line]
-    assert sorted(line.split(":")[0] for line in verdicts) == ["rank 0", "rank 1"], run.stdout
-    assert all("without fxoffload: True" in line for line in verdicts), verdicts
-    offloads = [line for line in run.stdout.splitlines() if "offloaded" in line and "region" in line]
-    assert {line.split(":")[0] for line in offloads} == {"rank 0", "rank 1"}, run.stdout
-    assert all("offloaded 0," not in line for line in offloads), offloads
+    # Each rank writes whole lines, but search the text rather than trust the line breaks.
+    verdicts = dict(re.findall(r"rank (\d): same as FSDP2 without fxoffload: (\w+)", run.stdout))
+    assert verdicts == {"0": "True", "1": "True"}, run.stdout
+    offloaded = re.findall(r"rank (\d): region \d+ graph \d+: offloaded (\d+)", run.stdout)
+    assert {rank for rank, _ in offloaded} == {"0", "1"}, run.stdout
+    assert all(int(count) > 0 for _, count in offloaded), run.stdout

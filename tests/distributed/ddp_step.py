@@ -37,7 +37,9 @@ def main() -> int:
     transfers = sum(len(r.plan.transfers) for r in backend.records)
     same = torch.allclose(expected[0], actual[0]) and all(
         torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(expected[1], actual[1]))
-    print(f"rank {rank}: graphs {len(backend.records)}, transfers {transfers}, same as eager DDP: {same}", flush=True)
+    # One write, so that the ranks' lines do not interleave on a shared stdout.
+    sys.stdout.write(f"rank {rank}: graphs {len(backend.records)}, transfers {transfers}, same as eager DDP: {same}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     return 0 if same and transfers > 0 else 1
 
