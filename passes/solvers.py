@@ -37,14 +37,18 @@ the forward's end backwards, by their births (offloads).
   that gap reported (optimal when within HiGHS's 0.01%): branch and bound took
   3 s on a 7B graph to confirm a greedy answer 0.13% above the bound.
   Otherwise the exact program runs under its time limit and the cheaper
-  feasible answer is kept, so the answer is never worse than greedy.
-  ``"milp"`` always runs the exact program.
+  feasible answer is kept, so the answer is never worse than greedy. When
+  greedy misses the budget, the exact program runs too unless a point stays
+  above the budget under every item's largest saving there (proven
+  infeasible). ``"milp"`` always runs the exact program.
 
 :func:`choose_offloads` is the offload-only special case (each candidate
 saves ``keep`` minus its ``offload`` intervals), kept for its simpler form.
 
 Limits. Greedy may miss a feasible answer when options add memory or
-conflict (the exact program does not); the queue model lets every copy start
+conflict, or when an item has several options (it takes the cheapest per
+byte saved at the current peak, which may free less at the next one); the
+exact program does not; the queue model lets every copy start
 as early as its slot's capacity says, ignoring the memory that an early
 prefetch holds.
 """
@@ -343,8 +347,8 @@ def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str =
     greedy = solve_greedy(length, base, items, budget, queues, conflicts) if solver in ("auto", "greedy") else None
     if solver == "greedy":
         return greedy
-    if greedy is not None and not greedy.feasible and not conflicts and not _adds_memory(items):
-        return greedy  # monotone: no exact search can do better than "everything"
+    if greedy is not None and not greedy.feasible and _proven_infeasible(length, base, items, budget):
+        return greedy  # no exact search can meet the budget either
     if greedy is not None and greedy.feasible and greedy.cost > 0:
         # The LP relaxation bounds every answer from below: when greedy meets it,
         # greedy is optimal and the (slower) branch and bound is not needed.
@@ -362,8 +366,20 @@ def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str =
     return greedy
 
 
-def _adds_memory(items) -> bool:
-    return any(d > 0 for options in items for opt in options for _, _, d in opt.changes)
+def _proven_infeasible(length, base, items, budget) -> bool:
+    """Whether some point stays above ``budget`` whatever is chosen: the base curve there less each
+    item's largest saving at that point. A lower bound on every choice's curve, conflicts or not.
+    (Greedy failing proves nothing when an item has several options: it may have taken one that
+    frees less where the curve is still too high.)"""
+    lowest = _curve(length, base)
+    for options in items:
+        if not options:
+            continue
+        savings = np.zeros((len(options), length), dtype=np.int64)
+        for row, option in zip(savings, options):
+            _apply(row, option)
+        lowest += np.minimum(savings.min(axis=0), 0)
+    return bool(lowest.size) and int(lowest.max()) > budget
 
 
 # --------------------------------------------------------------------------- offload-only form

@@ -207,3 +207,15 @@ def test_exact_program_matches_brute_force(problem):
     taken = {frozenset(p) for p in itertools.combinations(chosen.chosen, 2)}
     assert not any(frozenset(c) in taken for c in conflicts)
     assert len({i for i, _ in chosen.chosen}) == len(chosen.chosen)  # one option per item
+
+
+def test_greedy_failing_with_several_options_is_not_taken_as_proof_of_infeasibility():
+    """Hypothesis found it: greedy frees point 8 with the option that stops there, then cannot
+    lower point 9; the item's other option frees both, and meets a budget of 0."""
+    base = [(8, 9, 1), (0, 9, 0)]
+    items = [(Option(((8, 8, -1),), 0.0), Option(((8, 9, -1),), 0.0))]
+    assert not greedy_options(10, base, items, 0).feasible
+    chosen = solve(10, base, items, 0, [Queue((0.0, 0.0, 0.0))])
+    assert chosen.feasible and chosen.chosen == ((0, 1),) and chosen.peak == 0
+    # A budget below what every choice leaves is still reported at once, without the exact search.
+    assert solve(10, [(8, 9, 2)], items, 0).solver == "greedy"
