@@ -46,10 +46,10 @@ from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
 from passes import (
     Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
-    plan_best_partition, rewrite_planned, unbounded_size_warning,
+    plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
 from passes.planning import held_after_forward
-from passes.policies import read_policies, save_offload_marks
+from passes.policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,12 @@ class _Partitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         # The user's selective-checkpoint marks, before the partitioner writes its own.
         policies = read_policies(gm.graph)
+        plain_total = None
+        if any(mark in (MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD) for mark in policies.values()):
+            # Plain compile would recompute what the marks make us save: its total peak caps
+            # how far our copies may stretch the tensors' device time.
+            plain_fw, plain_bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"])
         save_offload_marks(gm.graph)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
@@ -91,7 +97,7 @@ class _Partitioner(CustomPartitionerFn):
             with torch._functorch.config.patch(activation_memory_budget=fraction):
                 return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
-        return self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies, recompute_only)
+        return self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies, recompute_only, plain_total)
 
     def uuid(self) -> None:
         return None  # no caching: a cache hit would skip the passes and the record
@@ -135,8 +141,9 @@ class _Compilation:
         self.record: GraphRecord | None = None
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
-                repartition: Any = None) -> tuple[fx.GraphModule, fx.GraphModule]:
-        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region)
+                repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region,
+                                              plain_total)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -197,10 +204,11 @@ class OffloadBackend:
 
     def _plan_pair(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
-        repartition: Any = None, region: tuple = ("graph", 0),
+        repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
     ) -> GraphRecord:
         place = self._place(region)
         options, held_before = self._options_for(place)
+        options = dataclasses.replace(options, total_cap=plain_total)
         try:
             fw, bw, planned = plan_best_partition(
                 fw, bw, num_user_outputs, repartition,

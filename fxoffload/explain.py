@@ -41,7 +41,10 @@ def _summary(record: Any) -> str:
         f"solver: {plan.solver}" + ("" if plan.solver == "none" else f", optimal={plan.optimal}, gap {gap}"),
         f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
         f"{format_bytes(plan.activation_peak_after)}",
-        f"predicted total peak:      {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}",
+        f"predicted total peak:      {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}"
+        + (f" (copies placed under plain compile's {format_bytes(plan.total_cap)}: the CPU-offload marks make "
+           "the partition save more)" if plan.total_cap is not None and plan.total_cap < plan.total_peak_before
+           else ""),
         f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
         "(copies served in order per direction; see the placements)",
     ]

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from passes.analysis import SavedActivation, SavedInterface, is_random, saved_activations, saved_interface
 from passes.cost_model import DeviceProfile, node_work, roofline
-from passes.memory import Timeline, build_timeline, unbounded_symbols
+from passes.memory import Timeline, build_timeline, curve, intervals, peak, unbounded_symbols
 from passes.planning import (
     Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
     with_scheduled_peaks,
@@ -42,7 +42,7 @@ from passes.scheduling import (
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
     "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "offload_pair", "plan_pair",
-    "plan_best_partition", "rewrite_planned", "unbounded_size_warning",
+    "plan_best_partition", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
 ]
 
 
@@ -112,6 +112,13 @@ def plan_pair(
     plan = with_scheduled_peaks(plan, timeline, schedule)
     watch.stamp("schedule")
     return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times), work)
+
+
+def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int) -> int:
+    """Predicted total peak (every tensor of the step, bytes) of a pair run as it is."""
+    interface = saved_interface(fw_module.graph, bw_module.graph, num_user_outputs)
+    timeline = build_timeline(fw_module.graph, bw_module.graph, interface)
+    return peak(curve(timeline.length, intervals(timeline, {}, residual_only=False)))
 
 
 def offload_pair(

@@ -101,6 +101,10 @@ class PlanOptions:
     on_infeasible: str = "error"
     time_limit: float = 10.0
     strategy: str = "auto"
+    # A total peak (every tensor of the step, bytes) the copies' placement may not raise the total
+    # above, when lower than the pair's own unoffloaded total: plain compile's, when the user's
+    # CPU-offload marks made the partitioner save more than plain compile does.
+    total_cap: int | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ class Plan:
     activation_peak_after: int = 0
     total_peak_before: int = 0
     total_peak_after: int = 0
+    total_cap: int | None = None  # PlanOptions.total_cap
     solver: str = "none"
     optimal: bool = True
     gap: float = 0.0
@@ -559,6 +564,7 @@ def plan_offloads(
         activation_peak_after=problem.peak(choice.offloaded, choice.recomputed, True),
         total_peak_before=problem.peak((), (), False),
         total_peak_after=problem.peak(choice.offloaded, choice.recomputed, False),
+        total_cap=options.total_cap,
         solver=choice.solver,
         optimal=choice.optimal,
         gap=choice.gap,

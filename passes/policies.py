@@ -16,7 +16,9 @@ it runs:
 * ``MUST_CPU_OFFLOAD``: the partitioner has no offloading of its own and would
   treat the op as unmarked (free to recompute), so :func:`save_offload_marks`
   turns the mark into ``MUST_SAVE`` for it; the planner then offloads it
-  whatever the budget.
+  whatever the budget. Saving it can raise the step's total peak above plain
+  compile's; the backend caps the copies' placement at plain compile's total
+  (``PlanOptions.total_cap``).
 * ``PREFER_CPU_OFFLOAD``: also saved (``MUST_SAVE``), so that the planner can
   decide; offloaded first when the budget needs memory, kept otherwise, and
   the plan says when it overrode the hint.

@@ -31,8 +31,10 @@ Algorithm.
 The memory bound is the plan's budget, or without a budget the plan's own
 predicted activation peak (so scheduling never raises it). Moves also keep the
 predicted total peak (every tensor of the step) at or below the step's total
-peak without offloading: a release held past its last use may not raise it
-where temporaries or gradients pile up. A stricter bound (the total peak of the
+peak without offloading, or at or below a lower cap (``PlanOptions.total_cap``:
+plain compile's total, when the user's CPU-offload marks made the partition
+save more): a release held past its last use may not raise it where
+temporaries or gradients pile up. A stricter bound (the total peak of the
 least-memory placement, releases at last use and prefetches at their consumers)
 would give up hiding a copy behind a long op whose output meets the prefetched
 copy at the peak. Stalls are
@@ -338,9 +340,10 @@ def schedule_transfers(
     moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
     temporaries = plan.recompute_temporaries()
     # Moving a release later or a prefetch earlier never raises the total peak above the
-    # step's without offloading. (The least-memory placement's own total peak is never
-    # higher: its device intervals lie inside each storage's unoffloaded lifetime.)
-    total_bound = plan.total_peak_before
+    # step's without offloading (or a lower cap). (The least-memory placement's own total peak
+    # is never above the former: its device intervals lie inside each storage's unoffloaded
+    # lifetime. Where a cap is below even that, copies stay at their least-memory placement.)
+    total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
     releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
                                temporaries)
     for k, r in enumerate(releases):
