@@ -49,7 +49,7 @@ from passes import (
     plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
 from passes.planning import held_after_forward
-from passes.policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, read_policies, save_offload_marks
+from passes.policies import offload_marked, read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class _Partitioner(CustomPartitionerFn):
         # The user's selective-checkpoint marks, before the partitioner writes its own.
         policies = read_policies(gm.graph)
         plain_total = None
-        if any(mark in (MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD) for mark in policies.values()):
+        if offload_marked(policies):
             # Plain compile would recompute what the marks make us save: its total peak caps
             # how far our copies may stretch the tensors' device time.
             plain_fw, plain_bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)

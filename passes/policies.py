@@ -34,11 +34,14 @@ one storage's aliases are combined (``MUST_SAVE`` wins over
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
-    "MUST_SAVE", "PREFER_SAVE", "MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "read_policies", "save_offload_marks",
+    "MUST_SAVE", "PREFER_SAVE", "MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "offload_marked", "read_policies",
+    "save_offload_marks",
 ]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE.name
@@ -60,6 +63,12 @@ def read_policies(joint: fx.Graph) -> dict[str, str]:
     """The save and offload marks of the joint graph's forward ops, by node name (recompute marks excluded)."""
     marks = ((n.name, _user_mark(n)) for n in joint.nodes)
     return {name: mark.name for name, mark in marks if mark in _PLANNED}
+
+
+def offload_marked(policies: Mapping[str, str]) -> bool:
+    """Whether :func:`read_policies` found a CPU-offload mark, i.e. :func:`save_offload_marks` will
+    make the partitioner save something plain compile would not."""
+    return any(mark in {m.name for m in _OFFLOAD} for mark in policies.values())
 
 
 def save_offload_marks(joint: fx.Graph) -> None:
