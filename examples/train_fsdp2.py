@@ -8,8 +8,9 @@ The setup is the one PyTorch's own FSDP2 recipes use: ``fully_shard`` on every
 decoder layer and on the root, then ``layer.compile(backend=...)`` on every
 decoder layer. FSDP2's hooks (all-gather before a layer, reduce-scatter after
 its backward) run outside the compiled graphs, dynamo skips them, so each
-layer's forward and backward are one region that fxoffload plans on its own.
-Budgets are therefore best given as fractions (per region).
+layer's forward and backward are one compiled graph that every layer runs.
+The backend is told so (``runs_per_step``, the number of layers): the budget
+bounds the whole step, and copies cross layer boundaries.
 
 Each rank trains on its own random tokens (nothing is downloaded). ``--check``
 also runs the same FSDP2 job without fxoffload, eagerly, and exits 1 unless
@@ -87,7 +88,8 @@ def report(rank: int, backend) -> int:
         moved += len(plan.transfers) + len(plan.recomputes)
         say(f"rank {rank}: region {record.region} graph {record.index}: offloaded {len(plan.transfers)}, "
             f"recomputed {len(plan.recomputes)}; activation peak {format_bytes(plan.activation_peak_before)} "
-            f"-> {format_bytes(plan.activation_peak_after)} (predicted)")
+            f"-> {format_bytes(plan.activation_peak_after)} per run, {format_bytes(plan.step_peak_before)} -> "
+            f"{format_bytes(plan.step_peak_after)} over its {plan.runs} runs (predicted)")
     return moved
 
 
@@ -97,7 +99,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--budget", type=float, default=0.5, help="memory_budget, a fraction per compiled layer")
+    parser.add_argument("--budget", type=float, default=0.5,
+                        help="memory_budget: a fraction of the step's activation peak (every layer's runs)")
     parser.add_argument("--strategy", default="auto", choices=["auto", "offload", "recompute"])
     parser.add_argument("--inner", default="eager", choices=["inductor", "eager"])
     parser.add_argument("--check", action="store_true", help="compare with the same FSDP2 job without fxoffload")
@@ -105,8 +108,9 @@ def main() -> int:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # One compiled graph serves every layer: plan it for the step's runs of it.
     backend = fxoffload.offload_backend(
-        memory_budget=args.budget, strategy=args.strategy, inner=args.inner, min_bytes=0)
+        memory_budget=args.budget, strategy=args.strategy, inner=args.inner, min_bytes=0, runs_per_step=args.layers)
     losses, grads = train(shard(build_model(args.layers), backend), args.steps, args.batch, args.seq, rank)
     say(f"rank {rank}: losses " + " ".join(f"{loss.item():.4f}" for loss in losses))
     moved = report(rank, backend)

@@ -6,6 +6,7 @@
     ...
     print(fxoffload.explain(backend.records[0]))
     fxoffload.plot(backend.records[0], "plan.png")  # the predicted step, simulated on the device profile
+    fxoffload.plot_step(backend.step_invocations(), "step.png")  # several graph runs (one per layer)
 """
 
 from fxoffload import runtime
@@ -13,13 +14,14 @@ from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offloa
 from fxoffload.config import OffloadConfig
 from fxoffload.explain import explain
 from fxoffload.measure import MemoryMeasurement, measure_peak
-from fxoffload.plot import plot
+from fxoffload.plot import plot, plot_step
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate
 from passes.planning import BudgetInfeasibleError
 from passes.simulator import Simulation, simulate
+from passes.step import StepSimulation, simulate_step
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
-    "MemoryMeasurement", "OffloadConfig", "Simulation", "explain", "measure_peak", "named_backend", "offload_backend", "plot",
-    "runtime", "simulate",
+    "MemoryMeasurement", "OffloadConfig", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
+    "offload_backend", "plot", "plot_step", "runtime", "simulate", "simulate_step",
 ]

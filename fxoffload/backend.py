@@ -29,6 +29,7 @@ by the rewritten graphs) stays on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-import fxoffload.runtime  # noqa: F401  (op kernels)
+import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
@@ -178,6 +179,15 @@ class OffloadBackend:
         # Forwards of each region since the last backward began (see _count_forwards).
         self._forwards: dict[tuple, int] = {}
         self._warned: set[tuple] = set()
+        # The regions of the latest step's forwards, in the order they ran (see step_invocations).
+        self._step_regions: list[tuple] = []
+        self._backward_seen = False
+        self._record_of: dict[tuple, GraphRecord] = {}
+
+    def step_invocations(self) -> list[GraphRecord]:
+        """The latest step's forward invocations, in the order they ran: a region's record once per
+        run (one graph serving 32 layers appears 32 times). ``passes.step.simulate_step`` replays it."""
+        return [self._record_of[r] for r in self._step_regions if r in self._record_of]
 
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
@@ -197,7 +207,7 @@ class OffloadBackend:
         """The plan options of the region at ``place``, and the bytes earlier regions hold: an
         absolute budget is for the whole step, so a region gets what earlier regions leave of it."""
         options = self.config.plan_options
-        held = sum(list(self._held.values())[:place])
+        held = sum(list(self._held.values())[:place]) * self.config.runs_per_step  # each region, every run
         if options.budget is None or options.budget.nbytes is None or not held:
             return options, held
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
@@ -232,6 +242,7 @@ class OffloadBackend:
             held_before + self._held[region],
         )
         self.records.append(record)
+        self._record_of[region] = record
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if self.config.inner == "inductor":
             for module in (fw, bw):
@@ -256,38 +267,50 @@ class OffloadBackend:
         region = self._region_key()
         compiled = self._compile_region(gm, example_inputs, region)
         budget = self.config.plan_options.budget
-        if budget is None or budget.nbytes is None:
-            return compiled  # fractions are per region: nothing to add up at run time
-        return self._count_forwards(region, compiled)
+        count = budget is not None and budget.nbytes is not None  # fractions are per region: nothing to add up
+        return self._track(region, compiled, count)
 
-    def _count_forwards(self, region: tuple, compiled: Callable) -> Callable:
-        """Run-time check of an absolute budget: a region is planned as if its forward ran once per
-        step, but one compiled graph may serve several layers (per-layer ``compile``, as FSDP2
-        recipes do). Count its forwards until a backward begins and warn, with the numbers, when
-        the activations they leave add up past the budget."""
+    def _track(self, region: tuple, compiled: Callable, count: bool) -> Callable:
+        """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the
+        backward that runs next (``fxoffload.runtime``), and tell the runtime when its backward begins.
+
+        With ``count`` (an absolute budget), also check it at run time: a region is planned as if its
+        forward ran once per step, but one compiled graph may serve several layers (per-layer
+        ``compile``, as FSDP2 recipes do). Count its forwards until a backward begins and warn, with
+        the numbers, when the activations they leave add up past the budget."""
 
         def run(*args: Any) -> Any:
-            out = compiled(*args)
+            with fxoffload.runtime.forward_invocation() as invocation:
+                out = compiled(*args)
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
                 node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
                              if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
                 if node is not None:
-                    node.register_prehook(self._on_backward)
-                    self._forwards[region] = self._forwards.get(region, 0) + 1
-                    self._check_held(region)
+                    self._note_forward(region)
+                    node.register_prehook(functools.partial(self._on_backward, invocation))
+                    if count:
+                        self._forwards[region] = self._forwards.get(region, 0) + 1
+                        self._check_held(region)
             return out
 
         return run
 
-    def _on_backward(self, grad_outputs: Any) -> None:
+    def _note_forward(self, region: tuple) -> None:
+        if self._backward_seen:  # the first forward of a new step
+            self._step_regions, self._backward_seen = [], False
+        self._step_regions.append(region)
+
+    def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
+        self._backward_seen = True
         self._forwards.clear()
+        fxoffload.runtime.backward_begins(invocation)
 
     def _check_held(self, region: tuple) -> None:
         budget = self.config.plan_options.budget.nbytes
         runs = self._forwards[region]
         held = sum(self._held.get(r, 0) * n for r, n in self._forwards.items())
-        if runs < 2 or held <= budget or region in self._warned:
+        if runs <= self.config.runs_per_step or held <= budget or region in self._warned:
             return
         self._warned.add(region)
         warnings.warn(
@@ -295,8 +318,8 @@ class OffloadBackend:
             f"compiled graph serving several layers, e.g. per-layer compile), but its plan counted its "
             f"activations once ({self._held.get(region, 0)} B, predicted): the forwards so far leave {held} B of "
             f"activations on the device for the backward, above memory_budget={self.config.memory_budget!r} "
-            f"({budget} B). Give memory_budget as a fraction (per region), or divide the absolute budget by "
-            f"the number of layers the graph serves.", stacklevel=2)
+            f"({budget} B). Pass runs_per_step=<the number of layers the graph serves> so that the plan "
+            f"covers the whole step.", stacklevel=2)
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple) -> Callable:
         compilation = _Compilation(self, region)

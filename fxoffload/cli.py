@@ -2,6 +2,7 @@
 
     fxoffload plan --preset llama-2-7b --seq 4096 --batch 1 --dtype bf16 --profile h100-pcie5 --budget 0.5
     python -m fxoffload plan --config path/to/config.json --layers 4 --json
+    fxoffload plan --preset llama-2-7b --per-layer     # each decoder layer compiled on its own
 
 ``plan`` builds the model under ``FakeTensorMode`` (shapes only: no weights,
 nothing allocated), compiles one training step with the fxoffload backend
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--image-size", type=int, help="image side in pixels, for vision models (default: the model's)")
     plan.add_argument("--dtype", default="bf16", help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
     plan.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
+    plan.add_argument("--per-layer", action="store_true",
+                      help="compile each layer on its own, as FSDP2 and torchtitan do (layer.compile on every "
+                           "block of the model's layer list), instead of the whole step as one graph")
     plan.add_argument("--budget", default="0.5",
                       help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
                            "offloads everything eligible (default 0.5)")
@@ -70,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", default="auto", help="auto, milp or greedy")
     plan.add_argument("--strategy", default="auto",
                       help="auto (keep, offload or recompute), offload or recompute (default auto)")
+    plan.add_argument("--no-cross-graphs", action="store_true",
+                      help="keep every copy inside its own compiled graph (cross_graphs=False)")
     plan.add_argument("--output", default="fxoffload-plan.png", help="plot path, .png/.svg/.pdf (default fxoffload-plan.png)")
     plan.add_argument("--no-plot", action="store_true", help="do not write the plot")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of tables")
@@ -103,7 +109,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         except (ValueError, AttributeError):
             raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
-                   solver=args.solver, strategy=args.strategy, inner="eager")
+                   solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs)
     try:
         OffloadConfig(**options)
     except ValueError as e:
@@ -154,17 +160,31 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         source = _source(args)
         seq = args.image_size or args.seq or source.default_seq
-        records, seconds = _trace(source, args.batch, seq, DTYPES[args.dtype], options, progress)
+        records, invocations, seconds = _trace(source, args.batch, seq, DTYPES[args.dtype], options, progress,
+                                               per_layer=args.per_layer)
     except ModelError as e:
         raise UsageError(str(e)) from None
-    progress(f"simulating {len(records)} graph(s) on {options['device_profile']}")
+    progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
+             f"{len(invocations)} invocation(s)")
     report = _report(source, args, seq, records)
+    report["step"] = _step_report(invocations, options)
     if not args.no_plot:
         for path, record in zip(_plot_paths(Path(args.output), len(records)), records):
             from fxoffload.plot import plot
 
             plot(record, path, title=f"{source.name}, batch {args.batch} x {seq}, {args.dtype}, graph {record.index}: "
                                      f"predicted on {record.profile.name} (simulated, not measured)")
+            report["plots"].append(str(path))
+            progress(f"wrote {path}")
+        if len(invocations) > 1:  # the whole step: every run, copies crossing run boundaries
+            from fxoffload.plot import plot_step
+
+            path = Path(args.output)
+            path = path.with_name(f"{path.stem}-step{path.suffix}")
+            plot_step(invocations, path, budget=report["step"]["budget_bytes"],
+                      title=f"{source.name}, batch {args.batch} x {seq}, {args.dtype}: the step of "
+                            f"{len(invocations)} graph runs, predicted on {invocations[0].profile.name} "
+                            "(simulated, not measured)")
             report["plots"].append(str(path))
             progress(f"wrote {path}")
     report["seconds"] = seconds
@@ -175,8 +195,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict, progress: _Progress):
-    """Build and compile one fake training step; return the backend's records and wall times (measured)."""
+def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict, progress: _Progress,
+           per_layer: bool = False):
+    """Build and compile one fake training step; return the backend's records, the step's forward
+    invocations (records in the order they ran) and wall times (measured)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fxoffload
@@ -184,7 +206,6 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
     from passes.planning import BudgetInfeasibleError
 
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(**options)
     seconds = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
         progress(f"building {source.name} with fake tensors (batch {batch}, size {seq}, {dtype})")
@@ -193,8 +214,20 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
         seconds["build"] = time.perf_counter() - start
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
         start = time.perf_counter()
+        blocks = repeated_layers(step) if per_layer else []
+        if per_layer and not blocks:
+            raise UsageError(f"--per-layer: {source.name} has no list of repeated layers (an nn.ModuleList "
+                             "of one layer class) to compile one at a time")
+        # One graph serves every layer: plan it for the step's runs of it.
+        backend = fxoffload.offload_backend(**options, **({"runs_per_step": len(blocks)} if per_layer else {}))
         try:
-            torch.compile(step, backend=backend)(*inputs, **kwargs)
+            if per_layer:
+                progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
+                for block in blocks:
+                    block.compile(backend=backend)
+                step(*inputs, **kwargs)  # the rest of the step runs eagerly, on fake tensors
+            else:
+                torch.compile(step, backend=backend)(*inputs, **kwargs)
         except Exception as e:
             cause = _cause(e, (BudgetInfeasibleError, ModelError))
             if isinstance(cause, BudgetInfeasibleError):
@@ -204,12 +237,33 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
             raise
         seconds["trace_and_plan"] = time.perf_counter() - start
     torch._dynamo.reset()
+    if per_layer and not backend.records:
+        kind = type(blocks[0])
+        raise UsageError(
+            f"--per-layer: compiling each {kind.__name__} layer of {source.name} on its own gave no graph"
+            + (f": dynamo does not compile torch.nn's own modules ({kind.__module__}.{kind.__name__}) one at a time; "
+               "put each layer in a module class of your own" if kind.__module__.startswith("torch.nn") else ""))
     if not backend.records:
         raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
     seconds["fxoffload_passes"] = sum(s for r in backend.records for _, s in r.pass_seconds)
     progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
              f"(fxoffload passes {seconds['fxoffload_passes']:.1f} s)")
-    return backend.records, seconds
+    return backend.records, backend.step_invocations() or list(backend.records), seconds
+
+
+def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's layers as FSDP2 and torchtitan compile them: of the ``nn.ModuleList``s whose
+    children share one class, the one holding the most parameters (empty if there is none)."""
+    best, best_size = [], 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = list(module), size
+    return best
 
 
 def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
@@ -237,7 +291,10 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
         graphs.append({
             "index": record.index,
             "budget_bytes": plan.budget_bytes,
-            "within_budget": plan.budget_bytes is None or plan.activation_peak_after <= plan.budget_bytes,
+            "within_budget": plan.budget_bytes is None or plan.step_peak_after <= plan.budget_bytes,
+            "runs_per_step": plan.runs,
+            "step_peak_before": plan.step_peak_before,
+            "step_peak_after": plan.step_peak_after,
             "activation_peak_before": plan.activation_peak_before,
             "activation_peak_after": plan.activation_peak_after,
             "total_peak_before": plan.total_peak_before,
@@ -268,6 +325,34 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
     }
 
 
+def _step_report(invocations: list, options: dict) -> dict:
+    """The step's figures: every compiled-graph invocation replayed as one step (simulated)."""
+    from fxoffload.config import parse_budget
+    from passes.step import simulate_step
+
+    sim = simulate_step(invocations)
+    budget = parse_budget(options["memory_budget"])
+    if budget is None:
+        budget_bytes = None
+    elif budget.nbytes is not None:
+        budget_bytes = budget.nbytes
+    else:  # a fraction of the step's activation peak without offloading
+        budget_bytes = int(budget.fraction * sim.activation_peak_before)
+    return {
+        "invocations": sim.invocations,
+        "graphs": len({id(r) for r in invocations}),
+        "budget_bytes": budget_bytes,
+        "within_budget": budget_bytes is None or sim.activation_peak <= budget_bytes,
+        "activation_peak_before": sim.activation_peak_before,
+        "activation_peak_after": sim.activation_peak,
+        "step_time": sim.step_time,
+        "step_time_without_offload": sim.compute_time,
+        "overhead": sim.overhead,
+        "stall": sim.stall,
+        "crossing_copies": sim.crossing,
+    }
+
+
 def _input_bytes(record: Any) -> int:
     """Bytes of the forward graph's tensor inputs: parameters, buffers and batch (not in the peaks)."""
     from passes.analysis import tensor_nbytes
@@ -288,9 +373,15 @@ def _print_report(report: dict, records: list) -> None:
         layers = "" if report["layers"] is None else f"{report['layers']} layers, "
         print(f"summary, graph {graph['index']} ({report['model']}, {layers}batch {report['batch']} x "
               f"{report['seq']}, {report['dtype']}; predicted on {report['profile']}, simulated, not measured):")
-        print(f"  activation peak  {format_bytes(graph['activation_peak_before'])} -> "
-              f"{format_bytes(graph['activation_peak_after'])} (budget {budget}: "
-              f"{'within' if graph['within_budget'] else 'OVER'})")
+        if graph["runs_per_step"] == 1:
+            print(f"  activation peak  {format_bytes(graph['activation_peak_before'])} -> "
+                  f"{format_bytes(graph['activation_peak_after'])} (budget {budget}: "
+                  f"{'within' if graph['within_budget'] else 'OVER'})")
+        else:
+            print(f"  activation peak  {format_bytes(graph['activation_peak_before'])} -> "
+                  f"{format_bytes(graph['activation_peak_after'])} per run; over its {graph['runs_per_step']} runs "
+                  f"{format_bytes(graph['step_peak_before'])} -> {format_bytes(graph['step_peak_after'])} "
+                  f"(budget {budget} of the step: {'within' if graph['within_budget'] else 'OVER'})")
         print(f"  total peak       {format_bytes(graph['total_peak_before'])} -> {format_bytes(graph['total_peak_after'])} "
               "(tensors the step creates: activations, gradients, temporaries)")
         print(f"  graph inputs     {format_bytes(graph['input_bytes'])} (parameters, buffers, batch: resident "
@@ -302,6 +393,16 @@ def _print_report(report: dict, records: list) -> None:
               f"{format_seconds(graph['step_time_without_offload'])}: overhead {graph['overhead']:+.1%})")
         print(f"  floor            {format_seconds(graph['floor'])} ({graph['bound']}-bound); step is "
               f"{graph['step_over_floor']:.3f}x the floor")
+    step = report["step"]
+    budget = "none" if step["budget_bytes"] is None else format_bytes(step["budget_bytes"])
+    print(f"summary, the whole step: {step['invocations']} invocation(s) of {step['graphs']} compiled graph(s), "
+          "replayed as one (simulated, not measured; compute outside the compiled graphs not included):")
+    print(f"  activation peak  {format_bytes(step['activation_peak_before'])} -> "
+          f"{format_bytes(step['activation_peak_after'])} (budget {budget} of the step: "
+          f"{'within' if step['within_budget'] else 'OVER'}; a fraction is of the step's peak)")
+    print(f"  step time        {format_seconds(step['step_time'])} (without offload "
+          f"{format_seconds(step['step_time_without_offload'])}: overhead {step['overhead']:+.1%}); "
+          f"{step['crossing_copies']} copies crossed a graph boundary")
     seconds = report["seconds"]
     print(f"measured here: build {seconds['build']:.1f} s, trace and plan {seconds['trace_and_plan']:.1f} s "
           f"(fxoffload passes {seconds['fxoffload_passes']:.1f} s)")

@@ -93,6 +93,20 @@ class OffloadConfig:
     """The GPU the cost model predicts for: a name from ``fxoffload.PROFILES``, ``"auto"`` (the current
     CUDA device, else the default profile), or a ``DeviceProfile``."""
 
+    cross_graphs: bool = True
+    """Let copies cross compiled-graph boundaries (one graph per layer, graph breaks): a forward may
+    return with device-to-host copies in flight (the device copy is freed once the copy has landed,
+    at the latest when a backward begins), and a backward starts the first host-to-device copies of
+    the backward that runs after it. ``False`` waits for every copy inside its own graph."""
+
+    runs_per_step: int = 1
+    """How many times each compiled graph runs in one training step: with one graph per layer
+    (``layer.compile`` on identical layers, as FSDP2 and torchtitan do), the number of layers. The
+    budget then bounds the whole step (each run's activations on top of what the earlier runs hold
+    for their backward), and a fractional budget is a fraction of the step's activation peak. It
+    applies to every graph this backend compiles: use one backend for the layers, another for
+    graphs that run once (or let those run eagerly)."""
+
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
         _check_int("min_bytes", self.min_bytes)
@@ -102,6 +116,11 @@ class OffloadConfig:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("solver", self.solver, SOLVERS)
         _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
+        if isinstance(self.runs_per_step, bool) or not isinstance(self.runs_per_step, int) or self.runs_per_step < 1:
+            raise ValueError(f"runs_per_step: got {self.runs_per_step!r}; accepted: an int >= 1 (the number of "
+                             "layers one compiled graph serves)")
+        if not isinstance(self.cross_graphs, bool):
+            raise ValueError(f"cross_graphs: got {self.cross_graphs!r}; accepted: True or False")
         limit = self.solver_time_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
             raise ValueError(f"solver_time_limit: got {limit!r}; accepted: a number of seconds > 0")
@@ -114,6 +133,7 @@ class OffloadConfig:
         return PlanOptions(
             min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
             on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit), strategy=self.strategy,
+            cross_graphs=self.cross_graphs, runs=self.runs_per_step,
         )
 
     @property

@@ -48,6 +48,11 @@ def _summary(record: Any) -> str:
         f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
         "(copies served in order per direction; see the placements)",
     ]
+    if plan.runs > 1:
+        lines.append(
+            f"runs per step: {plan.runs} (one graph serving {plan.runs} layers); predicted activation peak of the "
+            f"step: {format_bytes(plan.step_peak_before)} -> {format_bytes(plan.step_peak_after)}"
+            + (f" (budget {format_bytes(plan.budget_bytes)} bounds the step)" if plan.budget_bytes is not None else ""))
     if getattr(record, "region", 0) or getattr(record, "held_before", 0):
         lines.append(
             f"region {record.region} of the step: earlier regions hold {format_bytes(record.held_before)} of "
@@ -80,7 +85,8 @@ def explain(record: Any) -> str:
         for p in schedule.placements:
             t = plan.transfers[p.transfer]
             place_rows.append([
-                t.base_name, format_bytes(t.nbytes), p.offload_after.name, p.free_after.name,
+                t.base_name, format_bytes(t.nbytes), p.offload_after.name,
+                p.free_after.name + (" (deferred)" if p.deferred else ""),
                 p.prefetch_before.name, p.wait_before.name, str(p.ops_ahead),
                 f"{p.d2h_seconds * 1e6:.1f}", f"{p.h2d_seconds * 1e6:.1f}",
                 f"{p.forward_stall * 1e6:.1f}", f"{p.backward_stall * 1e6:.1f}",
@@ -90,4 +96,22 @@ def explain(record: Any) -> str:
              "d2h us", "h2d us", "fw stall us", "bw stall us"],
             place_rows,
         ))
+        text.append(_crossing(plan, schedule))
     return "\n\n".join(text)
+
+
+def _crossing(plan: Any, schedule: Any) -> str:
+    """What crosses the graph's boundaries (deferred releases, copies started ahead)."""
+    deferred = [plan.transfers[p.transfer].base_name for p in schedule.placements if p.deferred]
+    lines = [
+        "deferred releases (the forward returns with these copies in flight; freed once landed, at the latest "
+        "when a backward begins): " + (", ".join(deferred) or "none"),
+    ]
+    if schedule.ahead_bytes:
+        names = ", ".join(plan.transfers[k].base_name for k in schedule.ahead)
+        lines.append(
+            f"started ahead: the backward before this one starts this graph's first {format_bytes(schedule.ahead_bytes)} "
+            f"of copies ({names}, when one graph serves every layer), issued here before {schedule.ahead_before.name}")
+    else:
+        lines.append("started ahead: none (every copy is hidden inside this backward, or none fits the bound)")
+    return "\n".join(lines)

@@ -7,7 +7,7 @@ PyTorch's ``control_deps`` higher-order op
 (``torch/_inductor/fx_passes/control_dependencies.py``):
 
 * the op depends on the nearest compute op before it (it cannot rise), and
-  a ``wait`` also on every earlier reader of the storage it releases (a fused
+  a ``wait`` or ``defer`` also on every earlier reader of the storage it releases (a fused
   reader moved later, or a view's reader, must not outlive the release);
 * the nearest compute op after it depends on the op (it cannot sink);
 * it depends on the fxoffload op before it, so ours keep their planned order
@@ -29,7 +29,7 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.utils._ordered_set import OrderedSet
 
 from passes.analysis import is_anchored_compute, storage_key
-from passes.ops import FXOFFLOAD_OPS, WAIT
+from passes.ops import FXOFFLOAD_OPS, RELEASES
 
 __all__ = ["pin_offload_order"]
 
@@ -44,7 +44,7 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         if node.op == "call_function" and node.target in FXOFFLOAD_OPS:
             deps = OrderedSet(d for d in (previous_compute, previous_op) if d is not None)
             previous_op = node
-            if node.target is WAIT:
+            if node.target in RELEASES:
                 # A wait releases its keepalive: it must follow every reader of
                 # that storage, even one Inductor fuses or moves earlier.
                 deps.update(readers.get(storage_key(node.args[1]), []))

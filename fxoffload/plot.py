@@ -1,4 +1,5 @@
-"""``plot(record, path)``: a picture of one planned step, as the simulator predicts it.
+"""``plot(record, path)``: a picture of one planned step, as the simulator predicts it;
+``plot_step(invocations, path)``: the same for a step of several compiled-graph runs.
 
 Top panel: saved-activation bytes on the device over the step, without
 offloading (on its own, stall-free clock) and under the plan, with the budget
@@ -18,7 +19,7 @@ from fxoffload.explain import format_bytes
 from passes.cost_model import DeviceProfile
 from passes.simulator import Simulation, simulate
 
-__all__ = ["format_seconds", "plot"]
+__all__ = ["format_seconds", "plot", "plot_step"]
 
 FORMATS = (".png", ".svg", ".pdf")
 COLORS = {"compute": "#4c72b0", "stall": "#d62728", "forward": "#55a868", "backward": "#8172b2",
@@ -51,6 +52,38 @@ def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, 
     return sim
 
 
+def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DeviceProfile | None = None,
+              title: str | None = None, budget: int | None = None) -> Any:
+    """Replay a step of several compiled-graph runs (``passes.step.simulate_step``: records in the
+    order they ran) and draw it to ``path``: every run, copies crossing run boundaries included."""
+    from passes.step import simulate_step
+
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    from matplotlib.figure import Figure
+
+    sim = simulate_step(invocations, profile)
+    profile = profile or invocations[0].profile
+    figure = Figure(figsize=(13, 6.5), layout="constrained")
+    memory_ax, lanes_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1.6))
+    unit, scale = _unit(max(sim.activation_peak_before, sim.activation_peak))
+    clock = (1e3, "ms") if sim.step_time >= 1e-3 else (1e6, "us")
+    _draw_memory(memory_ax, sim, budget, (unit, scale), clock[0])
+    for at in sim.boundaries:  # where each run's forward or backward graph begins
+        memory_ax.axvline(at * clock[0], color="black", linewidth=0.3, alpha=0.25)
+    _draw_lanes(lanes_ax, sim, profile.duplex, clock[0])
+    figure.suptitle(title or f"step of {sim.invocations} graph runs: predicted on {profile.name} "
+                             "(simulated, not measured)")
+    lanes_ax.set_xlabel(
+        f"time ({clock[1]}): step {format_seconds(sim.step_time)}, without offload "
+        f"{format_seconds(sim.compute_time)} ({sim.overhead:+.1%}); {sim.crossing} copies crossed a run "
+        "boundary (thin lines: each run's forward and backward)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return sim
+
+
 def _unit(nbytes: int) -> tuple[str, float]:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= size:
@@ -71,7 +104,7 @@ def _steps(points: Sequence[tuple[float, int]], end: float, scale: float, ticks:
     return times, values + values[-1:]
 
 
-def _draw_memory(ax: Any, sim: Simulation, budget: int | None, units: tuple[str, float], ticks: float) -> None:
+def _draw_memory(ax: Any, sim: Any, budget: int | None, units: tuple[str, float], ticks: float) -> None:
     unit, scale = units
     for points, end, color, label, width in (
         (sim.baseline_activations, sim.compute_time, COLORS["baseline"], "saved activations, no offload", 1.8),
@@ -93,7 +126,7 @@ def _draw_memory(ax: Any, sim: Simulation, budget: int | None, units: tuple[str,
     ax.grid(alpha=0.3)
 
 
-def _draw_lanes(ax: Any, sim: Simulation, duplex: bool, ticks: float) -> None:
+def _draw_lanes(ax: Any, sim: Any, duplex: bool, ticks: float) -> None:
     lanes = ["compute", "device to host", "host to device"] if duplex else ["compute", "link (shared)"]
     row = {"d2h": 1, "h2d": 2, "link": 1}
     ax.broken_barh(_merged(sim.ops, ticks), (-0.4, 0.8), color=COLORS["compute"])

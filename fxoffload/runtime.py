@@ -35,35 +35,69 @@ Dropping references can never free memory an alias still uses.
 Every transfer is registered by the data pointer of the tensor ``offload`` or
 ``prefetch`` returned; ``wait`` pops it. Protocol errors raise
 ``RuntimeError``: a ``wait`` with no pending transfer, and a ``prefetch`` of a
-host buffer whose offload was never waited. A record left behind by a step that
-raised is completed and replaced when its address is reused; :func:`reset`
-drains all of them.
+host buffer whose offload was never waited (or deferred). A record left behind
+by a step that raised is completed and replaced when its address is reused;
+:func:`reset` drains all of them.
+
+Copies that cross graph boundaries (one compiled graph per layer). The backend
+runs every compiled forward inside :func:`forward_invocation` and tells
+:func:`backward_begins` when autograd is about to run that invocation's
+backward. The runtime keeps, per forward invocation of the step, its offloads
+(weak references to the host buffers, with the order their graph prefetches
+them in) until its backward begins.
+
+* ``defer(host, source)`` marks the offload's record deferred and returns: the
+  record keeps ``source`` until the copy is known to be done, and goes (with
+  its references) then (CPU: when the worker finishes; CUDA: when the copy's event has
+  completed, polled at every fxoffload op and at each forward's entry and
+  exit). A copy crosses one boundary at most: the forward after next, or the
+  first backward, completes it (compute waits for it there), so sources do
+  not pile up behind a link that cannot keep up. A ``prefetch`` of ``host``
+  completes it first.
+* ``prefetch_ahead(after, nbytes)`` starts the first copies (by that order, while
+  they fit in ``nbytes``) of the latest forward invocation whose backward has
+  not begun: the backward that runs next. Its graph's own ``prefetch`` of such
+  a host returns the copy in flight (if the layout matches; otherwise it
+  copies again), and its ``wait`` waits for it as usual. Copies started ahead
+  and never claimed (a step that raised) are completed and dropped when the
+  next forward outside a backward begins, or by :func:`reset`.
+
+:func:`trace` records these events (forward and backward boundaries, copies
+issued and landed, per invocation) for tests and debugging.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from passes.ops import LIB as _lib
 
-__all__ = ["copy_delay", "pending_transfers", "reset"]
+__all__ = [
+    "Invocation", "backward_begins", "copy_delay", "forward_invocation", "pending_transfers", "reset", "trace",
+]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Transfer:
     """One copy in flight: ``finish`` orders compute after it; ``keep`` outlives it."""
 
     finish: Callable[[], None]
     keep: tuple[torch.Tensor, ...]
     direction: str  # "d2h" or "h2d"
+    done: Callable[[], bool] = lambda: True  # whether the copy has landed (without waiting)
+    deferred: bool = False  # a d2h copy the forward returned without waiting for
+    invocation: int | None = None  # the forward invocation it belongs to (a prefetch's: while tracing)
+    key: int = 0  # its key in the registry: the data pointer of the tensor the op returned
 
 
 _pending: dict[int, _Transfer] = {}
@@ -79,8 +113,24 @@ def _register(result: torch.Tensor, transfer: _Transfer) -> None:
         stale = _pending.pop(key, None)
     if stale is not None:  # left over from a step that raised before its wait
         stale.finish()
+    transfer.key = key
     with _registry_lock:
         _pending[key] = transfer
+
+
+def _retire(transfer: _Transfer, complete: bool) -> None:
+    """A deferred copy is over: compute is ordered after it (``complete``), or it has landed. Its
+    references and its record go (a prefetch of its host buffer then has nothing to wait for)."""
+    if complete:
+        transfer.finish()
+    with _registry_lock:
+        if transfer in _deferred:
+            _deferred.remove(transfer)
+        if _pending.get(transfer.key) is transfer:
+            del _pending[transfer.key]
+    if transfer.keep:
+        transfer.keep = ()
+        _event("release", transfer.invocation)
 
 
 def _pop(t: torch.Tensor) -> _Transfer | None:
@@ -98,8 +148,153 @@ def reset() -> None:
     with _registry_lock:
         transfers = list(_pending.values())
         _pending.clear()
+        _deferred.clear()
+        _ahead.clear()
+        _waiting.clear()
     for transfer in transfers:
         transfer.finish()
+
+
+# --------------------------------------------------------------------------- invocations and tracing
+
+
+@dataclass(frozen=True)
+class _Offloaded:
+    """What a copy started ahead needs of one offload: its host buffer (weakly) and layout."""
+
+    host: weakref.ref
+    order: int  # its place among its graph's prefetches
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: torch.device
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Invocation:
+    """One run of a compiled forward; ``index`` counts the forwards of the step from 0."""
+
+    index: int
+    offloads: list[_Offloaded] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return any(o.host() is not None for o in self.offloads)
+
+
+_deferred: list[_Transfer] = []  # deferred d2h copies still holding their sources
+_ahead: dict[int, torch.Tensor] = {}  # host data_ptr -> device buffer of a copy started ahead
+_waiting: list[Invocation] = []  # forwards of this step whose backward has not begun, in order
+_open: list[Invocation] = []  # forwards running now (innermost last)
+_counter = itertools.count()
+_trace: list[tuple] | None = None
+_owner: dict[int, int] = {}  # host data_ptr -> invocation index (only while tracing)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _event(*what) -> None:
+    if _trace is not None:
+        _trace.append(what)
+
+
+@contextlib.contextmanager
+def trace() -> Iterator[list[tuple]]:
+    """Record runtime events into the yielded list, in the order they happen:
+    ``("forward_begin", i)``, ``("forward_end", i, d2h copies of i still in flight)``,
+    ``("backward_begin", i)``, ``("d2h_issue", i)``, ``("d2h_done", i)``, ``("defer", i)``,
+    ``("release", i)`` (a deferred source dropped), ``("h2d_issue", i, ahead)``, ``("h2d_done", i)``,
+    ``("claim", i)`` (a prefetch found its copy started ahead); ``i`` is the forward invocation."""
+    global _trace
+    previous, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = previous
+        _owner.clear()
+
+
+def _reap() -> None:
+    """Drop the sources of deferred copies that have landed."""
+    if not _deferred:
+        return
+    with _registry_lock:
+        landed = [t for t in _deferred if t.done()]
+    for t in landed:
+        _retire(t, complete=False)
+
+
+def _drop_ahead() -> None:
+    """Complete and forget copies started ahead that no backward claimed (a step that raised)."""
+    with _registry_lock:
+        devs = list(_ahead.values())
+        _ahead.clear()
+    for dev in devs:
+        transfer = _pop(dev)
+        if transfer is not None:
+            transfer.finish()
+            transfer.keep = ()
+
+
+@contextlib.contextmanager
+def forward_invocation() -> Iterator[Invocation]:
+    """Group the offloads of one compiled forward (the backend runs each forward inside this)."""
+    outer = _in_backward()  # a forward recomputed inside a backward (checkpointing) is not the step's
+    if not outer and not _open:
+        _drop_ahead()
+        if not _waiting:  # a new step
+            global _counter
+            _counter = itertools.count()
+    invocation = Invocation(next(_counter) if not outer else -1)
+    _event("forward_begin", invocation.index)
+    if not outer:
+        _complete_deferred_before(invocation.index - 1)
+    _open.append(invocation)
+    _reap()
+    try:
+        yield invocation
+    finally:
+        _open.remove(invocation)
+    _reap()
+    if _trace is not None:
+        in_flight = sum(1 for t in list(_pending.values())
+                        if t.direction == "d2h" and t.invocation == invocation.index and not t.done())
+        _event("forward_end", invocation.index, in_flight)
+    if not outer and invocation.offloads:
+        with _registry_lock:
+            _waiting[:] = [i for i in _waiting if i.alive()] + [invocation]
+
+
+def _complete_deferred_before(index: int) -> None:
+    """Complete the deferred copies of forward invocations before ``index``: a copy crosses one
+    boundary at most, so a link that cannot keep up stalls compute instead of piling up sources."""
+    with _registry_lock:
+        due = [t for t in _deferred if t.invocation is not None and 0 <= t.invocation < index]
+    for transfer in due:
+        _retire(transfer, complete=True)
+
+
+def backward_begins(invocation: Invocation) -> None:
+    """Autograd is about to run ``invocation``'s backward: copies ahead now target the one before,
+    and deferred copies still in flight are completed (the forward is over: their sources go now)."""
+    _event("backward_begin", invocation.index)
+    with _registry_lock:
+        if invocation in _waiting:
+            _waiting.remove(invocation)
+        deferred = list(_deferred)
+    for transfer in deferred:
+        _retire(transfer, complete=True)
+
+
+def _note_offload(host: torch.Tensor, x: torch.Tensor, order: int) -> None:
+    if not _open or order < 0 or host.numel() == 0:
+        return
+    invocation = _open[-1]
+    invocation.offloads.append(_Offloaded(weakref.ref(host), order, tuple(x.shape), tuple(x.stride()), x.device,
+                                          host.numel() * host.element_size()))
+    if _trace is not None:
+        _owner[host.data_ptr()] = invocation.index
 
 
 # --------------------------------------------------------------------------- CPU engine
@@ -122,30 +317,50 @@ class CpuEngine:
             "h2d": ThreadPoolExecutor(1, thread_name_prefix="fxoffload-h2d"),
         }
 
-    def _submit(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Future:
+    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, invocation: int | None) -> _Transfer:
         delay = self.delay_s
+        # The same memory under a version counter of its own: a deferred copy lands after autograd
+        # has saved ``dst`` (the forward returned it), and must not look like an in-place change.
+        target = torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage(), dst.storage_offset(), dst.shape,
+                                                       dst.stride())
+        # The worker lets go of both tensors before the future completes: once a wait returns, only
+        # the transfer record holds the source (the executor drops its work item a moment later).
+        tensors = [target, src]
 
         def run() -> None:
             if delay:
                 time.sleep(delay)
-            dst.copy_(src)
+            tensors[0].copy_(tensors[1])
+            tensors.clear()
+            _event(f"{direction}_done", invocation)
 
-        return self._workers[direction].submit(run)
+        future = self._workers[direction].submit(run)
+        transfer = _Transfer(future.result, (src,), direction, future.done, invocation=invocation)
+        # Weakly: the future keeps its callbacks, and the transfer holds the future (a cycle would
+        # keep every source alive until the garbage collector ran).
+        weak = weakref.ref(transfer)
 
-    def offload(self, x: torch.Tensor) -> torch.Tensor:
+        def landed(_: Future) -> None:  # a deferred source is dropped as soon as its copy lands
+            transfer = weak()
+            if transfer is not None and transfer.deferred:
+                _retire(transfer, complete=False)
+
+        future.add_done_callback(landed)
+        return transfer
+
+    def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype)  # contiguous, as the fake kernel says
         _poison(host)
-        future = self._submit("d2h", host, x)
-        _register(host, _Transfer(future.result, (x,), "d2h"))
+        _register(host, self._copy("d2h", host, x, invocation))
         return host
 
     def prefetch(
-        self, host: torch.Tensor, device: torch.device, size: Sequence[int], stride: Sequence[int]
+        self, host: torch.Tensor, device: torch.device, size: Sequence[int], stride: Sequence[int],
+        invocation: int | None = None,
     ) -> torch.Tensor:
         dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
         _poison(dev)
-        future = self._submit("h2d", dev, host)
-        _register(dev, _Transfer(future.result, (host,), "h2d"))
+        _register(dev, self._copy("h2d", dev, host, invocation))
         return dev
 
 
@@ -168,7 +383,7 @@ class CudaEngine:
             self._streams[key] = torch.cuda.Stream(device=device)
         return self._streams[key]
 
-    def _copy(self, direction: str, device: torch.device, dst, src) -> _Transfer:
+    def _copy(self, direction: str, device: torch.device, dst, src, invocation: int | None) -> _Transfer:
         compute = torch.cuda.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
@@ -182,18 +397,20 @@ class CudaEngine:
         def finish() -> None:
             torch.cuda.current_stream(device).wait_event(event)
 
-        return _Transfer(finish, (src, dst), direction)
+        # ``event.query()`` is true once the copy has run on the device: a deferred source
+        # may then be freed without ordering compute after the event.
+        return _Transfer(finish, (src, dst), direction, event.query, invocation=invocation)
 
-    def offload(self, x: torch.Tensor) -> torch.Tensor:
+    def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
-        _register(host, self._copy("d2h", x.device, host, x))
+        _register(host, self._copy("d2h", x.device, host, x, invocation))
         return host
 
-    def prefetch(self, host, device, size, stride) -> torch.Tensor:
+    def prefetch(self, host, device, size, stride, invocation: int | None = None) -> torch.Tensor:
         # Allocated on the compute stream, so freeing it later needs no
         # cross-stream bookkeeping once compute has waited for the copy.
         dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
-        _register(dev, self._copy("h2d", dev.device, dev, host))
+        _register(dev, self._copy("h2d", dev.device, dev, host, invocation))
         return dev
 
 
@@ -226,22 +443,62 @@ def copy_delay(seconds: float) -> Iterator[None]:
 
 
 @torch.library.impl(_lib, "offload", "CompositeExplicitAutograd")
-def _offload(x: torch.Tensor) -> torch.Tensor:
-    return _engine_for(x.device).offload(x)
+def _offload(x: torch.Tensor, order: int = -1) -> torch.Tensor:
+    _reap()
+    invocation = _open[-1].index if _open else None
+    _event("d2h_issue", invocation)
+    host = _engine_for(x.device).offload(x, invocation)
+    _note_offload(host, x, order)
+    return host
 
 
-@torch.library.impl(_lib, "prefetch", "CompositeExplicitAutograd")
-def _prefetch(host, device, size, stride) -> torch.Tensor:
-    if host.numel() and host.data_ptr() in _pending:
+def _complete_deferred(host: torch.Tensor) -> None:
+    """A prefetch reads ``host``: its offload must have been waited for or deferred (then finish it)."""
+    record = _pending.get(host.data_ptr()) if host.numel() else None
+    if record is None:
+        return
+    if not record.deferred:
         raise RuntimeError(
             "fxoffload.prefetch: the host buffer's offload was never waited "
             "(missing fxoffload.wait after fxoffload.offload)"
         )
-    return _engine_for(torch.device(device)).prefetch(host, device, size, stride)
+    _retire(record, complete=True)
+
+
+def _claim_ahead(host: torch.Tensor, device, size, stride) -> torch.Tensor | None:
+    """The copy of ``host`` started ahead, if there is one with the layout asked for."""
+    if not _ahead or not host.numel():
+        return None
+    with _registry_lock:
+        dev = _ahead.pop(host.data_ptr(), None)
+    if dev is None:
+        return None
+    if dev.device == torch.device(device) and list(dev.shape) == list(size) and list(dev.stride()) == list(stride):
+        _event("claim", _owner.get(host.data_ptr()))
+        return dev
+    transfer = _pop(dev)  # laid out otherwise (a compiler chose other strides): copy again
+    if transfer is not None:
+        transfer.finish()
+    return None
+
+
+def _start_prefetch(host, device, size, stride, ahead: bool) -> torch.Tensor:
+    _complete_deferred(host)
+    invocation = _owner.get(host.data_ptr()) if _trace is not None else None
+    _event("h2d_issue", invocation, ahead)
+    return _engine_for(torch.device(device)).prefetch(host, device, size, stride, invocation)
+
+
+@torch.library.impl(_lib, "prefetch", "CompositeExplicitAutograd")
+def _prefetch(host, device, size, stride) -> torch.Tensor:
+    _reap()
+    claimed = _claim_ahead(host, device, size, stride)
+    return claimed if claimed is not None else _start_prefetch(host, device, size, stride, ahead=False)
 
 
 @torch.library.impl(_lib, "wait", "CompositeExplicitAutograd")
 def _wait(t: torch.Tensor, keepalive: torch.Tensor) -> torch.Tensor:
+    _reap()
     transfer = _pop(t)
     if transfer is None:
         if t.numel() == 0:
@@ -251,5 +508,45 @@ def _wait(t: torch.Tensor, keepalive: torch.Tensor) -> torch.Tensor:
             "follow the offload or prefetch that produced it, exactly once"
         )
     transfer.finish()
-    # Dropping ``transfer`` here releases its references to the copy's source.
+    transfer.keep = ()  # the copy's source (and, on CUDA, its destination) may go now
     return t
+
+
+@torch.library.impl(_lib, "defer", "CompositeExplicitAutograd")
+def _defer(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    if host.numel() == 0:
+        return host
+    with _registry_lock:
+        transfer = _pending.get(host.data_ptr())
+        if transfer is None or transfer.direction != "d2h" or transfer.deferred:
+            raise RuntimeError(
+                "fxoffload.defer: no pending offload for this host buffer; every defer must "
+                "follow the offload that produced it, exactly once, instead of its wait"
+            )
+        transfer.deferred = True
+        _deferred.append(transfer)
+    _event("defer", transfer.invocation)
+    if transfer.done():  # landed already (the CPU worker's callback ran before it was deferred)
+        _retire(transfer, complete=False)
+    _reap()
+    return host
+
+
+@torch.library.impl(_lib, "prefetch_ahead", "CompositeExplicitAutograd")
+def _prefetch_ahead(after: torch.Tensor, nbytes: int) -> None:
+    _reap()
+    with _registry_lock:
+        target = next((i for i in reversed(_waiting) if i.alive()), None)
+    if target is None:
+        return
+    left = nbytes
+    for offloaded in sorted(target.offloads, key=lambda o: o.order):
+        host = offloaded.host()
+        if host is None or host.data_ptr() in _ahead:
+            continue
+        if offloaded.nbytes > left:
+            break  # in order: a later copy must not overtake the one its graph needs first
+        left -= offloaded.nbytes
+        dev = _start_prefetch(host, offloaded.device, offloaded.size, offloaded.stride, ahead=True)
+        with _registry_lock:
+            _ahead[host.data_ptr()] = dev

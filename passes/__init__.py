@@ -5,7 +5,8 @@ Stages, one module each: ``analysis`` (saved tensors, aliasing), ``memory``
 times), ``scheduling`` (where each op goes), ``planning`` with ``solvers``
 (keep, offload or recompute under a budget -> Plan), ``policies`` (the user's
 selective-checkpoint marks), ``rewrite`` (insert the ops and recompute chains),
-``simulator`` (replay a plan). :func:`offload_pair` runs them in order on one
+``simulator`` (replay a plan), ``step`` (replay a step of several graph
+invocations: one graph per layer). :func:`offload_pair` runs them in order on one
 pair; :func:`plan_best_partition` also weighs alternatives under strategy
 ``"auto"`` (see its docstring), and :func:`rewrite_planned` applies the
 winner. This package knows FX and PyTorch graphs (and calls PyTorch's
@@ -108,7 +109,8 @@ def plan_pair(
     plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies, recomputes,
                          queued=horizon == AUTO)
     watch.stamp("plan")
-    schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile)
+    schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile,
+                                  cross_graphs=options.cross_graphs)
     plan = with_scheduled_peaks(plan, timeline, schedule)
     watch.stamp("schedule")
     return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times), work)

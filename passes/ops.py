@@ -4,13 +4,31 @@ The passes insert these ops; ``fxoffload.runtime`` gives them their real
 implementations (copy engines). Defining the schemas here keeps ``passes``
 free of any engine while letting it trace and type the nodes it creates.
 
-    offload(Tensor x) -> Tensor                                  contiguous host buffer
+    offload(Tensor x, int order=-1) -> Tensor                    contiguous host buffer
     prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor
     wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)             returns t once its copy is done
+    defer(Tensor(a) host, Tensor source) -> Tensor(a)            returns host at once; see below
+    prefetch_ahead(Tensor after, int nbytes) -> ()               see below
 
 ``wait`` aliases its first argument, so consumers read the waited value through
-a data edge from the wait itself. All three are marked side-effecting so that
-no pass eliminates them.
+a data edge from the wait itself.
+
+Copies that cross graph boundaries (one compiled graph per layer):
+
+* ``defer`` ends the forward's hold on ``source`` without waiting for its
+  device-to-host copy: the engine keeps ``source`` alive until the copy is
+  known to be done, and a ``prefetch`` of ``host`` waits for it first. The
+  graph can return while the copy is still in flight.
+* ``prefetch_ahead`` starts, from inside one backward graph, the host-to-device
+  copies that the next backward to run (the forward invocation before this
+  one) issues first, up to ``nbytes``: those in the ``order`` their offloads
+  were given (the transfer's place among its graph's prefetches). That graph's
+  own ``prefetch`` then finds its copy in flight. ``after`` (the value computed
+  right before it) is there for order only: a data edge keeps a compiler from
+  running the op before that value, even when it fuses the value's op with a
+  later one (an ordering edge alone did not, under Inductor).
+
+All five are marked side-effecting so that no pass eliminates them.
 """
 
 import torch
@@ -21,13 +39,15 @@ from torch.fx.node import has_side_effect
 # wait on a transfer that never happened).
 _TAGS = (torch.Tag.flexible_layout,)
 LIB = torch.library.Library("fxoffload", "DEF")
-LIB.define("offload(Tensor x) -> Tensor", tags=_TAGS)
+LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_TAGS)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)
 LIB.define("wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)", tags=_TAGS)
+LIB.define("defer(Tensor(a) host, Tensor source) -> Tensor(a)", tags=_TAGS)
+LIB.define("prefetch_ahead(Tensor after, int nbytes) -> ()")
 
 
 @torch.library.register_fake("fxoffload::offload", lib=LIB)
-def _offload_fake(x):
+def _offload_fake(x, order=-1):
     # Contiguous whatever x's strides: a compiler may lay x out differently from
     # the traced strides (Inductor does), and the host buffer leaves the forward
     # graph, whose output strides must match the trace. The prefetch restores
@@ -45,9 +65,22 @@ def _wait_fake(t, keepalive):
     return t
 
 
+@torch.library.register_fake("fxoffload::defer", lib=LIB)
+def _defer_fake(host, source):
+    return host
+
+
+@torch.library.register_fake("fxoffload::prefetch_ahead", lib=LIB)
+def _prefetch_ahead_fake(after, nbytes):
+    return None
+
+
 OFFLOAD = torch.ops.fxoffload.offload.default
 PREFETCH = torch.ops.fxoffload.prefetch.default
 WAIT = torch.ops.fxoffload.wait.default
-FXOFFLOAD_OPS = frozenset({OFFLOAD, PREFETCH, WAIT})
+DEFER = torch.ops.fxoffload.defer.default
+PREFETCH_AHEAD = torch.ops.fxoffload.prefetch_ahead.default
+RELEASES = frozenset({WAIT, DEFER})  # ops that end the graph's hold on their second argument
+FXOFFLOAD_OPS = frozenset({OFFLOAD, PREFETCH, WAIT, DEFER, PREFETCH_AHEAD})
 for _op in FXOFFLOAD_OPS:
     has_side_effect(_op)

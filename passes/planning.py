@@ -63,7 +63,7 @@ from passes.solvers import Option, Queue, curve_with, solve
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost",
     "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
-    "group_by_base", "plan_offloads", "why_kept", "with_scheduled_peaks",
+    "group_by_base", "over_runs", "plan_offloads", "step_peak", "why_kept", "with_scheduled_peaks",
 ]
 
 OFFLOAD = "offload"
@@ -105,6 +105,13 @@ class PlanOptions:
     # above, when lower than the pair's own unoffloaded total: plain compile's, when the user's
     # CPU-offload marks made the partitioner save more than plain compile does.
     total_cap: int | None = None
+    # Copies may cross the graph's boundaries (``passes.scheduling``): deferred releases at the
+    # forward's end, and copies started ahead by the backward that runs before this one.
+    cross_graphs: bool = True
+    # How many times the graph runs in one training step (one compiled graph serving that many
+    # layers). Above 1, the budget bounds the step: this graph's activation curve plus the bytes
+    # every earlier run still holds for its backward, and a fraction is of the step's peak.
+    runs: int = 1
 
 
 @dataclass(frozen=True)
@@ -195,6 +202,11 @@ class Plan:
     total_peak_before: int = 0
     total_peak_after: int = 0
     total_cap: int | None = None  # PlanOptions.total_cap
+    runs: int = 1  # PlanOptions.runs: the graph's runs per step
+    # The step's activation peak over ``runs`` runs (each run's curve on top of what the earlier
+    # ones hold for their backward); equal to the activation peaks for one run. The budget bounds it.
+    step_peak_before: int = 0
+    step_peak_after: int = 0
     solver: str = "none"
     optimal: bool = True
     gap: float = 0.0
@@ -341,9 +353,35 @@ class _Problem:
         return out
 
     def peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node], residual_only: bool) -> int:
+        return peak(self.curve(offloaded, recomputed, residual_only))
+
+    def curve(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node], residual_only: bool) -> list[int]:
         temporaries = [(self.rebuilt_at(b), self.rebuilt_at(b), self.recomputes[b].transient) for b in recomputed]
         spans = intervals(self.timeline, self.moved(offloaded, recomputed), residual_only, temporaries)
-        return peak(curve(self.timeline.length, spans))
+        return curve(self.timeline.length, spans)
+
+    def step_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
+        """Activation peak of the step's ``runs`` runs: the last run's curve on top of what the
+        earlier runs hold for their backward (the curve at the forward's end, each)."""
+        activations = self.curve(offloaded, recomputed, True)
+        return step_peak(activations, len(self.timeline.fw_nodes), self.options.runs)
+
+
+def step_peak(activations: Sequence[int], forward: int, runs: int) -> int:
+    """The step's activation peak when a graph with this activation curve runs ``runs`` times."""
+    if not activations:
+        return 0
+    return max(activations) + (runs - 1) * activations[forward - 1]
+
+
+def over_runs(spans: Sequence[tuple[int, int, int]], forward: int, length: int,
+              runs: int) -> list[tuple[int, int, int]]:
+    """Intervals whose curve is the step's for ``runs`` runs: each interval alive at the forward's
+    end (what a run leaves for its backward) also counts ``runs - 1`` times at every position."""
+    if runs == 1:
+        return list(spans)
+    held = [(0, length - 1, (runs - 1) * b) for start, end, b in spans if start <= forward - 1 <= end]
+    return list(spans) + held
 
 
 def _saving(release: int, until: int, nbytes: int) -> tuple[tuple[int, int, int], ...]:
@@ -452,6 +490,11 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         lt, (release, prefetch) = problem.lifetime(b), problem.moves[b]
         base += [(lt.birth, release, lt.nbytes), (prefetch, lt.death, lt.nbytes)]
     base += [(problem.lifetime(b).birth, problem.lifetime(b).death, problem.lifetime(b).nbytes) for b in free]
+    if options.runs > 1:  # bound the step: what the earlier runs hold is added at every position
+        forward, length = len(timeline.fw_nodes), timeline.length
+        base = over_runs(base, forward, length, options.runs)
+        items = [tuple(dataclasses.replace(o, changes=tuple(over_runs(o.changes, forward, length, options.runs)))
+                       for o in item) for item in items]
     result = solve(timeline.length, base, items, budget, queues, conflicts,
                    solver=options.solver, time_limit=options.time_limit)
     if result.feasible:
@@ -460,8 +503,9 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     everything = _everything(items, conflicts)
     smallest = int(curve_with(timeline.length, base, items, everything).max(initial=0))
     given = "" if options.budget.nbytes is not None else f", {options.budget}"
+    runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
     message = (
-        f"memory_budget: the smallest achievable activation peak is {smallest} B ({smallest / 2**20:.1f} MiB, "
+        f"memory_budget: the smallest achievable activation peak{runs} is {smallest} B ({smallest / 2**20:.1f} MiB, "
         f"{_ALL[options.strategy]}), above the budget of {budget} B ({budget / 2**20:.1f} MiB{given})"
     )
     if options.on_infeasible == "error":
@@ -544,10 +588,11 @@ def plan_offloads(
                        first_use, marks, options, queued)
 
     act_before = problem.peak((), (), True)
-    budget_bytes = options.budget.resolve(act_before) if options.budget is not None else None
+    step_before = problem.step_peak((), ())
+    budget_bytes = options.budget.resolve(step_before) if options.budget is not None else None
     if budget_bytes is None:
         choice = _unbudgeted(problem, free, forced)
-    elif problem.peak(forced, (), True) <= budget_bytes:
+    elif problem.step_peak(forced, ()) <= budget_bytes:
         choice = _Choice(tuple(forced))
     else:
         choice = _choose(problem, free, forced, budget_bytes)
@@ -565,6 +610,9 @@ def plan_offloads(
         total_peak_before=problem.peak((), (), False),
         total_peak_after=problem.peak(choice.offloaded, choice.recomputed, False),
         total_cap=options.total_cap,
+        runs=options.runs,
+        step_peak_before=step_before,
+        step_peak_after=problem.step_peak(choice.offloaded, choice.recomputed),
         solver=choice.solver,
         optimal=choice.optimal,
         gap=choice.gap,
@@ -657,9 +705,11 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
     if not schedule.placements:
         return plan
     moved = _scheduled_moves(plan, timeline, schedule)
+    activations = curve(timeline.length, intervals(timeline, moved, True))
     return dataclasses.replace(
         plan,
-        activation_peak_after=peak(curve(timeline.length, intervals(timeline, moved, True))),
+        activation_peak_after=peak(activations),
+        step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
         total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
     )
 

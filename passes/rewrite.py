@@ -4,13 +4,17 @@ Reads a :class:`~passes.planning.Plan` and a :class:`~passes.scheduling.Schedule
 and edits the pair in place; it decides nothing. Nodes are found through the
 plan and schedule (which hold the nodes themselves), never by name or position.
 
-Forward, per transfer: ``host = offload(base)`` after ``offload_after``,
-``host = wait(host, base)`` after ``free_after``; the saved outputs of the
-transfer's members are replaced by the one waited host buffer.
+Forward, per transfer: ``host = offload(base, order)`` after ``offload_after``
+(``order``: its place among the backward's prefetches),
+``host = wait(host, base)`` after ``free_after`` (``defer`` instead when the
+schedule lets the copy cross the graph's end); the saved outputs of the
+transfer's members are replaced by the one released host buffer.
 Backward, per transfer: a new input takes the host buffer;
 ``dev = prefetch(host, device, size, stride)`` before ``prefetch_before``,
 ``dev = wait(dev, host)`` before ``wait_before``, then each member's view
-chain is replayed on ``dev`` and replaces the member's old input.
+chain is replayed on ``dev`` and replaces the member's old input; one
+``prefetch_ahead(after, bytes)`` before ``Schedule.ahead_before`` when the schedule
+starts copies for the backward that runs next.
 Recomputations (before the transfers, whose waits they may follow): each
 chain of forward ops is copied into the backward right before its consumer,
 reading the backward inputs of the saved values it needs; the members are
@@ -30,7 +34,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from passes.analysis import SavedActivation, SavedInterface
-from passes.ops import OFFLOAD, PREFETCH, WAIT
+from passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
 from passes.planning import Plan
 from passes.scheduling import Schedule
 
@@ -50,7 +54,7 @@ def _trace(target: Callable, args: tuple, kwargs: dict | None = None) -> Any:
 
 def _value(target: Callable, args: tuple, kwargs: dict | None = None) -> Any:
     """The fake value of a new node: a wait returns its input; other ops are traced."""
-    if target is WAIT:
+    if target in (WAIT, DEFER):
         return args[0].meta["val"]
     return _trace(target, args, kwargs)
 
@@ -81,9 +85,12 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     """Insert offloads and their waits; return the waited host buffer of each transfer."""
     inserter = _Inserter(fw)
     hosts = []
-    for transfer, place in zip(plan.transfers, schedule.placements):
-        host = inserter.after(place.offload_after, OFFLOAD, (transfer.base,))
-        hosts.append(inserter.after(place.free_after, WAIT, (host, transfer.base)))
+    # Each offload carries its place among the backward's prefetches, for copies started ahead.
+    order = {k: i for i, k in enumerate(schedule.prefetch_order or range(len(plan.transfers)))}
+    for k, (transfer, place) in enumerate(zip(plan.transfers, schedule.placements)):
+        host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k]))
+        release = DEFER if place.deferred else WAIT
+        hosts.append(inserter.after(place.free_after, release, (host, transfer.base)))
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.fw_saved):
         if decision.recompute is not None:
@@ -138,8 +145,19 @@ def _rewrite_backward(
             act = activations[index]
             act.bw_node.replace_all_uses_with(_replay(bw, place.wait_before, ready, act))
             bw.erase_node(act.bw_node)
+    if schedule.ahead_bytes:
+        _insert_ahead(bw, schedule.ahead_before, schedule.ahead_bytes)
     extra = [received[node] for node in _inputs_to_save(plan, interface)]
     _order_inputs(bw, placeholders, interface, plan, host_inputs, extra)
+
+
+def _insert_ahead(bw: fx.Graph, before: fx.Node, nbytes: int) -> None:
+    """``prefetch_ahead(after, nbytes)`` before ``before``, reading the last tensor computed ahead of it."""
+    after = before.prev
+    while not isinstance(after.meta.get("val"), torch.Tensor):
+        after = after.prev
+    with bw.inserting_before(before):
+        bw.call_function(PREFETCH_AHEAD, (after, nbytes)).meta["val"] = None
 
 
 def _inputs_to_save(plan: Plan, interface: SavedInterface) -> list[fx.Node]:

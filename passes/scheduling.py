@@ -23,6 +23,20 @@ Algorithm.
   the memory bound (a prefetched copy occupies the device from its prefetch),
   it starts as early as the bound allows and the stall is recorded.
 * Wait: right before the first backward consumer.
+* Across graph boundaries (``cross_graphs``, on by default). A release that
+  would stall at the forward's end (the copy is predicted to land after the
+  forward's last op, and the memory bound let it wait that long) is deferred
+  instead: the graph returns with the copy in flight, and the runtime drops the
+  device copy once it has landed, at the latest when a backward begins (so
+  the memory model's curve, which holds it to the forward's end, stays true
+  within the graph). Under ``horizon="auto"``, the transfers whose latest start
+  lies before the backward's first op (their copies cannot be hidden inside
+  this graph) are started ahead by the backward that runs before this one (the
+  next layer's, when one graph serves every layer): one ``prefetch_ahead`` of
+  their bytes goes at the node that gives the first of them the same lead
+  before this graph's end, or later, as far as the memory bound over the rest
+  of this backward requires. The graph's own prefetch of such a transfer then
+  finds its copy in flight.
 * Recompute (priced for the planner by :func:`recompute_costs`): the chain
   runs right before the first backward consumer, for the predicted compute
   time of its ops; its storage and the chain's temporaries are fixed memory
@@ -91,6 +105,7 @@ class Placement:
     h2d_seconds: float = 0.0
     forward_stall: float = 0.0  # predicted compute stall at the release
     backward_stall: float = 0.0  # predicted compute stall at the wait
+    deferred: bool = False  # the release does not wait: the graph returns with the copy in flight
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,12 @@ class Schedule:
     horizon: int | str
     placements: tuple[Placement, ...]  # aligned with Plan.transfers
     prefetch_order: tuple[int, ...] = ()  # transfer indices in the order their prefetches are issued
+    # The copies the backward before this one should start ahead: the first ``ahead_bytes`` of this
+    # graph's transfers in prefetch order (``ahead`` names them), issued before ``ahead_before``
+    # (a backward node). The op starts them for whichever invocation runs its backward next.
+    ahead_before: fx.Node | None = None
+    ahead_bytes: int = 0
+    ahead: tuple[int, ...] = ()
 
     @property
     def predicted_stall(self) -> float:
@@ -323,12 +344,12 @@ def schedule_transfers(
     timeline: Timeline,
     times: Sequence[float],
     profile: DeviceProfile,
+    cross_graphs: bool = True,
 ) -> Schedule:
     """Final placements of the transfers the plan chose (see the module docstring)."""
     chosen = [dataclasses.replace(placements[t.base], transfer=k) for k, t in enumerate(plan.transfers)]
     if not chosen:
         return Schedule(horizon, ())
-    bound = plan.budget_bytes if plan.budget_bytes is not None else plan.activation_peak_after
     starts = _prefix(times)  # predicted start time of each timeline position, before stalls
     pos = timeline.positions
     sizes = [int(t.nbytes) for t in plan.transfers]
@@ -339,33 +360,73 @@ def schedule_transfers(
     moves = plan.recompute_moves()  # recomputed storages stay where the plan put them
     moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
     temporaries = plan.recompute_temporaries()
+    bound = _own_bound(plan, timeline, moves)
     # Moving a release later or a prefetch earlier never raises the total peak above the
     # step's without offloading (or a lower cap). (The least-memory placement's own total peak
     # is never above the former: its device intervals lie inside each storage's unoffloaded
     # lifetime. Where a cap is below even that, copies stay at their least-memory placement.)
     total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
-    releases = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
-                               temporaries)
+    releases, late = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
+                                     temporaries)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
+    deferred = _deferrable(late, plan.runs, sizes, timeline, moves, bound, total_bound, temporaries) \
+        if cross_graphs else set()
+    deferred = [k in deferred for k in range(len(chosen))]
+    ahead: tuple[int, int, list[int]] | None = None
     if horizon == AUTO:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound,
-                                       temporaries)
+        prefetches, ahead = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound,
+                                              total_bound, temporaries, cross_graphs)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
-    return _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon)
+    schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon)
+    if ahead is None:
+        return schedule
+    at, nbytes, which = ahead
+    return dataclasses.replace(schedule, ahead_before=timeline.nodes[at], ahead_bytes=nbytes, ahead=tuple(which))
+
+
+def _own_bound(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> int:
+    """The bound on this graph's own activation curve: the plan's budget, less what the step's
+    earlier runs hold for their backward when the graph runs several times; without a budget,
+    the plan's own predicted peak (so that scheduling never raises it)."""
+    if plan.budget_bytes is None:
+        return plan.activation_peak_after
+    if plan.runs == 1:
+        return plan.budget_bytes
+    held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
+    return plan.budget_bytes - (plan.runs - 1) * held
+
+
+def _deferrable(late, runs, sizes, timeline, moves, bound, total_bound, temporaries) -> set[int]:
+    """The late releases that may cross the forward's end. When the graph runs several times per
+    step, a deferred source lives on into the next run's forward: the sources deferred together
+    must fit under the bound on top of the forward's own peak."""
+    if runs == 1 or not late:
+        return set(late)
+    occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
+    room = bound - max(occupied[:len(timeline.fw_nodes)])
+    chosen = set()
+    for k in sorted(late, key=lambda k: sizes[k]):
+        if sizes[k] <= room:
+            chosen.add(k)
+            room -= sizes[k]
+    return chosen
 
 
 def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
-                    temporaries) -> list[int]:
+                    temporaries) -> tuple[list[int], set[int]]:
+    """Each release's position, and the transfers released at the forward's end before their copy
+    is predicted to land (not held there by the memory bound): those a graph boundary may cross."""
     forward_end = len(timeline.fw_nodes) - 2  # the last node before the output
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
     ready = [starts[pos[chosen[k].offload_after] + 1] for k in order]
     done = dict(zip(order, fifo_finish(ready, [d2h[k] for k in order])))
     occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
     releases = [0] * len(chosen)
+    late = set()
     for k in order:
         earliest = pos[chosen[k].free_after]
         wanted = max(earliest, min(forward_end, issue_index(starts, done[k], earliest, forward_end)))
@@ -376,11 +437,15 @@ def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bou
         for i in range(earliest + 1, index + 1):
             occupied[i] += sizes[k]
         releases[k] = index
-    return releases
+        if index == forward_end and done[k] > starts[forward_end + 1]:
+            late.add(k)
+    return releases, late
 
 
 def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound,
-                      temporaries) -> list[int]:
+                      temporaries, cross_graphs) -> tuple[list[int], tuple[int, int, list[int]] | None]:
+    """Each prefetch's position, and the copies to start ahead in the backward before this one:
+    (position, bytes, transfers), or None."""
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
     consumers = [pos[chosen[k].wait_before] for k in order]
@@ -394,15 +459,37 @@ def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, b
         for i in range(start, consumer):
             occupied[i] += sizes[k]
         prefetches[k] = start
-    return prefetches
+    if not cross_graphs:
+        return prefetches, None
+    early = [j for j in range(len(order)) if latest[j] < starts[first]]  # a prefix: latest starts ascend
+    return prefetches, _place_ahead(occupied, starts, first, latest, [order[j] for j in early], sizes, bound)
 
 
-def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, horizon) -> Schedule:
+def _place_ahead(occupied, starts, first, latest, early, sizes, bound) -> tuple[int, int, list[int]] | None:
+    """Where the backward before this one starts the copies of ``early`` (transfers in prefetch
+    order, each with a latest start before this backward's first op): the node giving the first of
+    them the same lead before the end of this backward, or later as the bound requires. Copies that
+    do not fit are dropped from the end of the list."""
+    end = len(occupied) - 1  # the backward's output node
+    lead = starts[first] - latest[0] if early else 0.0
+    while early:
+        nbytes = sum(sizes[k] for k in early)
+        desired = issue_index(starts, starts[end] - lead, first, end)
+        at = bounded_start(occupied, desired, end, nbytes, bound)
+        if at < end:
+            return at, nbytes, early
+        early = early[:-1]
+    return None
+
+
+def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon) -> Schedule:
     """Predict each wait's stall with the simulator's replay (one engine per direction)."""
     nodes = timeline.nodes
     # Prefetches issued at the same node go in the order of their consumers.
     order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before], k))
-    copies = [Copy(pos[p.offload_after] + 1, releases[k] + 1, d2h[k], "d2h") for k, p in enumerate(chosen)]
+    backward = len(timeline.fw_nodes)  # a deferred copy is waited for when the backward begins, at the latest
+    copies = [Copy(pos[p.offload_after] + 1, backward if deferred[k] else releases[k] + 1, d2h[k], "d2h")
+              for k, p in enumerate(chosen)]
     copies += [Copy(prefetches[k], pos[chosen[k].wait_before], h2d[k], "h2d") for k in order]
     run = replay(times, copies)
     backward_stall = {k: run.stalls[len(chosen) + j] for j, k in enumerate(order)}
@@ -419,5 +506,6 @@ def _with_stalls(timeline, chosen, releases, prefetches, d2h, h2d, times, pos, h
             h2d_seconds=h2d[k],
             forward_stall=run.stalls[k],
             backward_stall=backward_stall[k],
+            deferred=deferred[k],
         ))
     return Schedule(horizon, tuple(result), tuple(order))

@@ -148,10 +148,11 @@ def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
     profile = profile or record.profile
     timeline, plan, schedule = record.timeline, record.plan, record.schedule
     pos = timeline.positions
+    backward = len(timeline.fw_nodes)  # a deferred offload is waited for when the backward begins
     movements = [
         Movement(plan.transfers[p.transfer].base_name, plan.transfers[p.transfer].lifetime,
-                 pos[p.offload_after] + 1, pos[p.free_after] + 1, pos[p.free_after] + 1, pos[p.prefetch_before],
-                 pos[p.wait_before],
+                 pos[p.offload_after] + 1, backward if p.deferred else pos[p.free_after] + 1,
+                 pos[p.free_after] + 1, pos[p.prefetch_before], pos[p.wait_before],
                  p.d2h_seconds, p.h2d_seconds)
         for p in schedule.placements
     ]

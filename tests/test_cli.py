@@ -214,3 +214,46 @@ def test_a_model_that_returns_no_loss_is_refused(capsys, tmp_path):
     path = tmp_path / "m.py"
     path.write_text(MODEL_FILE.replace(".square().mean()", ""))
     assert "must return a scalar loss" in run_error(capsys, "--model", str(path), "--seq", "8")
+
+
+def test_per_layer_compiles_each_layer_and_reports_the_step(capsys):
+    argv = ["--preset", "llama-2-7b", "--layers", "4", "--seq", "1024", "--per-layer", "--strategy", "offload",
+            "--no-plot"]
+    crossing = run_json(capsys, *argv)
+    waiting = run_json(capsys, *argv, "--no-cross-graphs")
+    for report in (crossing, waiting):
+        assert len(report["graphs"]) == 1  # one decoder-layer graph ...
+        graph, step = report["graphs"][0], report["step"]
+        assert step["invocations"] == 4 and step["graphs"] == 1  # ... run once per layer
+        assert graph["runs_per_step"] == 4  # and planned for the four runs
+        assert step["budget_bytes"] == int(0.5 * step["activation_peak_before"])  # a fraction of the step's peak
+        assert graph["budget_bytes"] == step["budget_bytes"] and graph["step_peak_before"] == step["activation_peak_before"]
+        assert graph["within_budget"] and step["within_budget"], (graph, step)  # copies crossing layers included
+        assert step["activation_peak_after"] < step["activation_peak_before"]
+        assert step["step_time"] > step["step_time_without_offload"] > 0
+    # Letting copies cross layer boundaries hides more of them (simulated).
+    assert crossing["step"]["crossing_copies"] > 0 and waiting["step"]["crossing_copies"] == 0
+    assert crossing["step"]["step_time"] < waiting["step"]["step_time"]
+    assert crossing["step"]["step_time_without_offload"] == waiting["step"]["step_time_without_offload"]
+
+
+def test_the_whole_graph_step_is_its_one_invocation(capsys):
+    report = run_json(capsys, "--preset", "llama-2-7b", "--layers", "2", "--seq", "128", "--budget", "0.7",
+                      "--no-plot")
+    graph, step = report["graphs"][0], report["step"]
+    assert step["invocations"] == 1
+    assert step["step_time"] == pytest.approx(graph["step_time"], rel=1e-12)
+    assert step["activation_peak_after"] == graph["activation_peak_after"]
+
+
+def test_per_layer_needs_a_list_of_repeated_layers_dynamo_compiles(capsys, tmp_path):
+    path = tmp_path / "net.py"
+    path.write_text(MODEL_FILE)  # its layers are torch.nn.Linear: dynamo skips torch.nn's own frames
+    message = run_error(capsys, "--model", str(path), "--seq", "8", "--per-layer")
+    assert "--per-layer: compiling each Linear layer of net on its own gave no graph" in message
+    assert "put each layer in a module class of your own" in message
+    path.write_text(MODEL_FILE.replace("torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))",
+                                       "torch.nn.Linear(256, 256)").replace("for layer in self.layers:",
+                                                                            "for layer in [self.layers]:"))
+    message = run_error(capsys, "--model", str(path), "--seq", "8", "--per-layer")
+    assert "--per-layer: net has no list of repeated layers" in message

@@ -18,6 +18,8 @@ from fxoffload.config import OffloadConfig
         ({"min_bytes": -5}, "min_bytes: got -5; accepted: an int >= 0"),
         ({"min_bytes": "1MB"}, "min_bytes: got '1MB'"),
         ({"inner": "tvm"}, "inner: got 'tvm'; accepted: 'inductor', 'eager'"),
+        ({"cross_graphs": 1}, "cross_graphs: got 1; accepted: True or False"),
+        ({"cross_graphs": "yes"}, "cross_graphs: got 'yes'; accepted: True or False"),
     ],
 )
 def test_bad_options_name_the_option(options, message):
@@ -29,6 +31,7 @@ def test_config_is_frozen_and_defaults_are_valid():
     config = OffloadConfig()
     assert (config.min_bytes, config.horizon, config.inner) == (64 * 1024, "auto", "inductor")
     assert config.memory_budget is None and config.solver == "auto" and config.on_infeasible == "error"
+    assert config.cross_graphs is True and config.plan_options.cross_graphs is True
     with pytest.raises(Exception):
         config.horizon = 3
 

@@ -51,20 +51,30 @@ def test_mlp_forward_golden():
         # so the release waits as long as the memory bound (the plan's own activation peak,
         # 1920 B here) allows: until le (240 B) is born on top of relu and tanh.
         "le",
-        "wait",  # relu released after le, which reads it through alias -> alias; the forward's end
-        "offload", "wait",  # le: no forward reader and nothing after it
+        # relu released after le, which reads it through alias -> alias: the forward's end. Its
+        # copy is still predicted in flight there and the bound allows holding it, so the release
+        # is deferred: the graph returns with the copy running (cross_graphs, the default).
+        "defer",
+        "offload", "defer",  # le: no forward reader and nothing after it; deferred likewise
     ]
     assert fxoffload_args(fw) == [
         ("offload", ["relu"]),
         ("offload", ["tanh"]),
         ("wait", ["offload_default_1", "tanh"]),
-        ("wait", ["offload_default", "relu"]),
+        ("defer", ["offload_default", "relu"]),
         ("offload", ["le"]),
-        ("wait", ["offload_default_2", "le"]),
+        ("defer", ["offload_default_2", "le"]),
     ]
     # Saved for backward: two parameters, a view of the input, then three host buffers.
     saved = [a.name for a in fw.graph.output_node().args[0][1:]]
-    assert saved == ["primals_4", "primals_6", "view", "wait_default", "wait_default_1", "wait_default_2"]
+    assert saved == ["primals_4", "primals_6", "view", "defer_default", "wait_default", "defer_default_1"]
+
+
+def test_mlp_forward_golden_without_crossing_graphs():
+    fw = compile_mlp(horizon=2, cross_graphs=False).forward
+    # Every release waits inside the graph: the two deferred above become waits at the end.
+    assert op_sequence(fw)[-4:] == ["le", "wait", "offload", "wait"]
+    assert torch.ops.fxoffload.defer.default not in {n.target for n in fw.graph.nodes}
 
 
 def test_mlp_backward_golden():

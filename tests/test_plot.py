@@ -28,3 +28,20 @@ def test_png_and_svg_are_written(record, tmp_path):
 def test_an_unknown_image_format_is_refused(record, tmp_path):
     with pytest.raises(ValueError, match=r"cannot tell the image format of .*plan\.jpg.*\.png, \.svg, \.pdf"):
         fxoffload.plot(record, tmp_path / "plan.jpg")
+
+
+def test_the_step_of_several_runs_is_drawn(tmp_path):
+    from fxoffload.plot import plot_step
+    from tests.test_cross_graphs import per_layer_llama
+
+    _, model, backend = per_layer_llama(layers=3, inner="eager", memory_budget=0.5, runs_per_step=3)
+    lm_step(model, torch.randint(0, 256, (2, 32)))
+    invocations = backend.step_invocations()
+    sim = plot_step(invocations, tmp_path / "step.svg", budget=invocations[0].plan.budget_bytes)
+    text = (tmp_path / "step.svg").read_text()
+    assert "3 graph runs" in text and "simulated" in text and "budget" in text
+    # A boundary where each run's forward begins, then each backward (the last run's first).
+    assert len(sim.boundaries) == 6 and list(sim.boundaries) == sorted(sim.boundaries)
+    assert sim.boundaries[3] == sim.backward_start
+    with pytest.raises(ValueError, match="cannot tell the image format"):
+        plot_step(invocations, tmp_path / "step.gif")

@@ -1,0 +1,275 @@
+"""Step simulator: a training step made of several compiled-graph invocations, replayed as one.
+
+With per-layer compile (FSDP2, torchtitan) one compiled graph runs once per
+layer: the step is k forward invocations, then their backwards in reverse
+order. :func:`simulate_step` replays such a step from the graphs' records,
+in the order the invocations ran:
+
+* Compute: one stream runs every invocation's forward nodes, then every
+  backward, last invocation first, each node for its predicted time (the
+  roofline cost model, recompute chains included).
+* Copies: the copy engines carry over from one invocation to the next (one per
+  direction, or one shared engine when the link is not full duplex), so a
+  deferred device-to-host copy (``Placement.deferred``) runs under the next
+  invocation's forward. The runtime completes it when the forward after
+  next begins, or the first backward (whichever comes first): compute waits
+  there for a copy still in flight.
+  Host-to-device copies start at their own prefetch, except those a
+  backward starts ahead for the backward that runs after it
+  (``Schedule.ahead_bytes``): the runtime starts the next invocation's
+  first transfers, in prefetch order, while they fit in those bytes.
+* Memory (saved activations, what a budget bounds): each invocation's own
+  curve under its plan, plus the bytes every earlier invocation still holds
+  for its backward (``passes.planning.held_after_forward``), plus copies
+  started ahead (from their start to the end of the backward that started
+  them), plus deferred sources until their copy has landed on the simulated
+  clock. The baseline is the same step without offloading or recomputing.
+
+Every figure is a prediction. Limits: compute outside the compiled graphs
+(embeddings, the loss) is not in the records and not simulated; the
+activations one invocation hands to the next are graph inputs and counted
+by neither curve; total memory (gradients, temporaries) is left to the
+per-graph simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from passes.cost_model import DeviceProfile, roofline
+from passes.memory import curve, intervals
+from passes.planning import held_after_forward, recompute_moves
+from passes.simulator import Copy, SimulatedCopy, replay
+
+__all__ = ["StepSimulation", "simulate_step"]
+
+
+@dataclass(frozen=True)
+class StepSimulation:
+    """A predicted step of several invocations; times in seconds, memory in bytes."""
+
+    invocations: int
+    step_time: float
+    compute_time: float  # the same invocations without offloading or recomputing, without stalls
+    backward_start: float
+    activation_peak: int  # saved activations over the whole step, under the plans
+    activation_peak_before: int  # the same without offloading or recomputing
+    activations: tuple[tuple[float, int], ...]  # (time, bytes) at each op's start, under the plans
+    baseline_activations: tuple[tuple[float, int], ...]  # the same on the baseline's own clock
+    stall: float  # compute stalled on copies, over the step
+    crossing: int  # copies that ran across an invocation boundary (deferred or started ahead)
+    ops: tuple[tuple[float, float], ...] = ()  # (start, seconds) per op, every run's forward then backward
+    copies: tuple[SimulatedCopy, ...] = ()  # in issue order; ``name`` is "run j"
+    boundaries: tuple[float, ...] = ()  # when each run's forward and each run's backward begins
+
+    @property
+    def overhead(self) -> float:
+        return self.step_time / self.compute_time - 1.0 if self.compute_time else 0.0
+
+    @property
+    def memory(self) -> tuple:
+        return ()  # the step is replayed for saved activations only (see the module docstring)
+
+    baseline_memory = memory
+
+
+@dataclass(frozen=True)
+class _Move:
+    """One transfer of a graph, in its timeline positions (a copy "at" p is issued or waited before p)."""
+
+    offload: int
+    release: int
+    prefetch: int
+    wait: int
+    nbytes: int
+    d2h: float  # seconds
+    h2d: float
+    deferred: bool
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """What the step needs of one record, computed once however many times it runs."""
+
+    forward: int  # timeline positions of the forward
+    times: list[float]  # per position, under the plan (recompute chains included)
+    base_times: list[float]
+    own: list[int]  # saved-activation curve under the plan
+    base: list[int]  # the same without offloading
+    held: int  # saved bytes left for the backward after the forward, under the plan
+    base_held: int
+    transfers: list[_Move]  # in prefetch order
+    ahead_at: int | None  # backward position of prefetch_ahead
+    ahead_bytes: int
+
+
+def _graph(record: Any, profile: DeviceProfile) -> _Graph:
+    timeline, plan, schedule = record.timeline, record.plan, record.schedule
+    pos, forward = timeline.positions, len(timeline.fw_nodes)
+    base_times = [roofline(w, profile) for w in record.work]
+    times = list(base_times)
+    for r in plan.recomputes:
+        times[r.at - 1] += r.cost.seconds
+    order = schedule.prefetch_order or tuple(range(len(schedule.placements)))
+    transfers = []
+    for k in order:
+        p = schedule.placements[k]
+        transfers.append(_Move(pos[p.offload_after] + 1, pos[p.free_after] + 1, pos[p.prefetch_before],
+                               pos[p.wait_before], int(plan.transfers[k].nbytes), p.d2h_seconds, p.h2d_seconds,
+                               p.deferred))
+    moved = recompute_moves(plan.recomputes)
+    moved.update({plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
+                  for p in schedule.placements})
+    own = curve(timeline.length, intervals(timeline, moved, residual_only=True))
+    base = curve(timeline.length, intervals(timeline, {}, residual_only=True))
+    return _Graph(
+        forward, times, base_times, own, base, held_after_forward(plan, timeline, schedule),
+        base[forward - 1] if base else 0, transfers,
+        pos[schedule.ahead_before] if schedule.ahead_bytes else None, schedule.ahead_bytes,
+    )
+
+
+def _ahead_of(graph: _Graph, nbytes: int) -> list[int]:
+    """The transfers (indices into ``graph.transfers``) a ``prefetch_ahead`` of ``nbytes`` starts."""
+    chosen, left = [], nbytes
+    for i, move in enumerate(graph.transfers):
+        if move.nbytes > left:
+            break
+        left -= move.nbytes
+        chosen.append(i)
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Issued:
+    copy: Copy
+    rank: int  # issue order at one position: 0 offload, 1 own prefetch, 2 started ahead
+    invocation: int
+    nbytes: int
+    deferred: bool = False
+
+
+def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = None) -> StepSimulation:
+    """Replay a step whose compiled-graph invocations ran in the order of ``invocations`` (records;
+    a record appears once per run: ``[record] * 32`` for one graph serving 32 layers)."""
+    if not invocations:
+        raise ValueError("simulate_step: no invocations")
+    profile = profile or invocations[0].profile
+    cache: dict[int, _Graph] = {}
+    for r in invocations:
+        if id(r) not in cache:
+            cache[id(r)] = _graph(r, profile)
+    graphs = [cache[id(r)] for r in invocations]
+    fw_off, bw_off, length = _offsets(graphs)
+    first_backward = bw_off[-1]
+    times, base_times = _step_times(graphs, fw_off, bw_off, length)
+    issued = _copies(graphs, fw_off, bw_off, first_backward, profile)
+    run = replay(times, [c.copy for c in issued])
+    act, base = _activations(graphs, fw_off, bw_off, length)
+    for c, finish in zip(issued, run.finishes):
+        if c.rank == 2:  # started ahead: held from its start until its own backward's first op
+            for q in range(c.copy.issue, bw_off[c.invocation]):
+                act[q] += c.nbytes
+        elif c.deferred:  # the own curve holds it to the forward's end; then until it lands
+            q = fw_off[c.invocation] + graphs[c.invocation].forward
+            while q < c.copy.wait and run.starts[q] < finish:
+                act[q] += c.nbytes
+                q += 1
+    return StepSimulation(
+        invocations=len(graphs),
+        step_time=run.step_time,
+        compute_time=sum(base_times),
+        backward_start=run.starts[first_backward],
+        activation_peak=max(act, default=0),
+        activation_peak_before=max(base, default=0),
+        activations=tuple(zip(run.starts[:-1], act)),
+        baseline_activations=tuple(zip(_prefix(base_times), base)),
+        stall=sum(run.stalls),
+        crossing=sum(1 for c in issued if c.rank == 2 or c.deferred),
+        ops=tuple(zip(run.starts[:-1], times)),
+        copies=tuple(
+            SimulatedCopy(f"run {c.invocation}", "forward" if c.rank == 0 else "backward", c.copy.engine,
+                          end - c.copy.seconds, end, at, stall)
+            for c, end, at, stall in zip(issued, run.finishes, run.waited_at, run.stalls)),
+        boundaries=tuple(sorted(run.starts[q] for q in (*fw_off, *bw_off))),
+    )
+
+
+def _offsets(graphs: Sequence[_Graph]) -> tuple[list[int], list[int], int]:
+    """Global position of each invocation's forward and backward: forwards in order, then
+    backwards last invocation first; and the step's length."""
+    fw_off, at = [], 0
+    for g in graphs:
+        fw_off.append(at)
+        at += g.forward
+    bw_off = [0] * len(graphs)
+    for j in range(len(graphs) - 1, -1, -1):
+        bw_off[j] = at
+        at += len(graphs[j].times) - graphs[j].forward
+    return fw_off, bw_off, at
+
+
+def _step_times(graphs, fw_off, bw_off, length) -> tuple[list[float], list[float]]:
+    times, base_times = [0.0] * length, [0.0] * length
+    for j, g in enumerate(graphs):
+        f, b = fw_off[j], bw_off[j]
+        times[f:f + g.forward], base_times[f:f + g.forward] = g.times[:g.forward], g.base_times[:g.forward]
+        end = b + len(g.times) - g.forward
+        times[b:end], base_times[b:end] = g.times[g.forward:], g.base_times[g.forward:]
+    return times, base_times
+
+
+def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
+    """Every copy of the step, in issue order (at one position: offloads, own prefetches, then
+    copies started ahead, as the rewritten graphs issue them)."""
+    engines = ("d2h", "h2d") if profile.duplex else ("link", "link")
+
+    def bw(j: int, p: int) -> int:
+        return bw_off[j] + p - graphs[j].forward
+
+    ahead = {}  # (invocation, transfer position) -> where the backward before it starts the copy
+    for j in range(len(graphs) - 1):
+        later = graphs[j + 1]
+        if later.ahead_at is not None:
+            for i in _ahead_of(graphs[j], later.ahead_bytes):
+                ahead[(j, i)] = bw(j + 1, later.ahead_at)
+    issued = []
+    for j, g in enumerate(graphs):
+        # A deferred copy is completed when the forward after next begins, or the first backward.
+        deadline = fw_off[j + 2] if j + 2 < len(graphs) else first_backward
+        for m in sorted(g.transfers, key=lambda m: m.offload):
+            release = deadline if m.deferred else fw_off[j] + m.release
+            issued.append(_Issued(Copy(fw_off[j] + m.offload, release, m.d2h, engines[0]), 0, j, m.nbytes, m.deferred))
+        for i, m in enumerate(g.transfers):
+            start = ahead.get((j, i), bw(j, m.prefetch))
+            rank = 2 if (j, i) in ahead else 1
+            issued.append(_Issued(Copy(start, bw(j, m.wait), m.h2d, engines[1]), rank, j, m.nbytes))
+    issued.sort(key=lambda c: (c.copy.issue, c.rank))
+    return issued
+
+
+def _activations(graphs, fw_off, bw_off, length) -> tuple[list[int], list[int]]:
+    """Saved activations per position, under the plans and without offloading: each invocation's
+    own curve plus what the invocations before it hold for their backward."""
+    act, base = [0] * length, [0] * length
+    held = base_held = 0
+    for j, g in enumerate(graphs):
+        for p in range(g.forward):
+            act[fw_off[j] + p], base[fw_off[j] + p] = g.own[p] + held, g.base[p] + base_held
+        held, base_held = held + g.held, base_held + g.base_held
+    for j in range(len(graphs) - 1, -1, -1):
+        g = graphs[j]
+        held, base_held = held - g.held, base_held - g.base_held
+        for p in range(g.forward, len(g.times)):
+            q = bw_off[j] + p - g.forward
+            act[q], base[q] = g.own[p] + held, g.base[p] + base_held
+    return act, base
+
+
+def _prefix(times: Sequence[float]) -> list[float]:
+    out, now = [], 0.0
+    for t in times:
+        out.append(now)
+        now += t
+    return out

@@ -1,0 +1,222 @@
+"""Copies that cross compiled-graph boundaries (one graph per layer, as FSDP2 and torchtitan compile).
+
+A forward may return with its device-to-host copies in flight (``defer``); a backward starts the first
+host-to-device copies of the backward that runs after it (``prefetch_ahead``), which then finds them
+in flight. Shown on the CPU engine, whose copies run on background threads, land late under
+``copy_delay`` and leave poison (NaN) until they land.
+"""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from tests.conftest import assert_same_step, lm_step
+
+ops = torch.ops.fxoffload
+CPU = torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- the runtime protocol
+
+
+def offload_deferred(x: torch.Tensor, order: int = 0) -> torch.Tensor:
+    return ops.defer(ops.offload(x, order), x)
+
+
+def test_a_deferred_offload_returns_before_its_copy_lands_and_a_prefetch_completes_it():
+    x = torch.randn(64, 64)
+    with runtime.copy_delay(0.2):
+        host = offload_deferred(x)
+        assert host.isnan().all()  # the forward has returned; the copy has not landed
+        dev = ops.wait(ops.prefetch(host, CPU, [64, 64], [64, 1]), host)
+    assert torch.equal(dev, x)
+    assert runtime.pending_transfers() == 0
+
+
+def test_a_deferred_source_is_dropped_once_its_copy_lands_without_the_garbage_collector():
+    x = torch.randn(256, 256)
+    source = weakref.ref(x)
+    gc.disable()  # a reference cycle would keep the source until a collection: none may run
+    try:
+        with runtime.copy_delay(0.05):
+            host = offload_deferred(x)
+            del x
+            assert source() is not None, "held by the engine while the copy is in flight"
+            runtime._cpu_engine._workers["d2h"].submit(lambda: None).result()  # the copy has landed
+        assert source() is None
+        assert torch.isfinite(host).all()
+    finally:
+        gc.enable()
+    runtime.reset()
+
+
+def test_a_waited_source_is_dropped_at_its_wait_without_the_garbage_collector():
+    x = torch.randn(256, 256)
+    source = weakref.ref(x)
+    gc.disable()
+    try:
+        host = ops.offload(x)
+        ops.wait(host, x)
+        del x
+        assert source() is None
+    finally:
+        gc.enable()
+
+
+def test_defer_is_a_protocol_error_without_a_pending_offload_or_twice():
+    x = torch.randn(8)
+    with pytest.raises(RuntimeError, match="no pending offload"):
+        ops.defer(x, x)
+    host = offload_deferred(x)
+    with pytest.raises(RuntimeError, match="no pending offload"):
+        ops.defer(host, x)
+    runtime.reset()
+
+
+def offloaded_invocation(xs, orders):
+    """One forward invocation, as the backend runs one, that offloads ``xs`` (deferred)."""
+    with runtime.forward_invocation() as invocation:
+        hosts = [offload_deferred(x, k) for x, k in zip(xs, orders)]
+    return invocation, hosts
+
+
+def test_prefetch_ahead_starts_the_next_backwards_first_copies_which_its_prefetch_claims():
+    xs = [torch.randn(32, 32) for _ in range(3)]  # 4 KiB each
+    with runtime.trace() as events, runtime.copy_delay(0.05):
+        first, first_hosts = offloaded_invocation(xs, orders=[2, 0, 1])  # its backward prefetches xs[1] first
+        second, _ = offloaded_invocation([torch.randn(32, 32)], orders=[0])
+        runtime.backward_begins(second)  # the second layer's backward runs first ...
+        ops.prefetch_ahead(torch.empty(()), 2 * 4096)  # ... and starts the first layer's first two copies
+        runtime.backward_begins(first)
+        devs = {}
+        for k in (1, 2, 0):  # the first layer's backward, in its prefetch order
+            dev = ops.prefetch(first_hosts[k], CPU, [32, 32], [32, 1])
+            if k == 1:
+                assert dev.isnan().all()  # started ahead, still in flight: poison until its wait
+            devs[k] = ops.wait(dev, first_hosts[k])
+    for k, x in enumerate(xs):
+        assert torch.equal(devs[k], x)
+    issued = [e for e in events if e[0] == "h2d_issue"]
+    assert [e[2] for e in issued] == [True, True, False]  # xs[1] and xs[2] ahead; xs[0] did not fit
+    assert sum(e[0] == "claim" for e in events) == 2
+    assert events.index(issued[0]) < events.index(("backward_begin", first.index))
+    runtime.reset()
+
+
+def test_prefetch_ahead_without_a_waiting_forward_does_nothing():
+    with runtime.trace() as events:
+        ops.prefetch_ahead(torch.empty(()), 1 << 30)
+    assert events == [] and runtime.pending_transfers() == 0
+
+
+def test_copies_started_ahead_and_never_claimed_are_dropped_when_the_next_step_begins():
+    xs = [torch.randn(16, 16) for _ in range(2)]
+    _, hosts = offloaded_invocation(xs, orders=[0, 1])
+    ops.prefetch_ahead(torch.empty(()), 1 << 20)  # the backward raised before claiming them
+    assert runtime.pending_transfers() == 2  # the two copies ahead (they completed the deferred offloads)
+    with runtime.forward_invocation():
+        pass  # the next step's first forward
+    assert runtime.pending_transfers() == 0
+    assert all(torch.isfinite(h).all() for h in hosts)
+
+
+# --------------------------------------------------------------------------- layers compiled one at a time
+
+
+def tiny_llama(layers: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def per_layer_llama(layers: int = 8, **options):
+    """A Llama of ``layers`` decoder layers, each compiled on its own (torchtitan's and FSDP2's recipe),
+    and the same model in eager."""
+    torch.manual_seed(0)
+    eager = tiny_llama(layers).train()
+    model = copy.deepcopy(eager)
+    backend = fxoffload.offload_backend(min_bytes=0, strategy="offload", **options)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    return eager, model, backend
+
+
+def traced_steps(inner: str, cross_graphs: bool, steps: int = 2):
+    eager, model, backend = per_layer_llama(inner=inner, cross_graphs=cross_graphs)
+    ids = torch.randint(0, 256, (2, 32))
+    expected = lm_step(eager, ids)
+    with runtime.copy_delay(0.002), runtime.trace() as events:  # every copy lands late
+        for _ in range(steps):
+            assert_same_step(expected, lm_step(model, ids))
+    assert runtime.pending_transfers() == 0
+    assert backend.records and all(r.plan.transfers for r in backend.records)
+    last_step = max(i for i, e in enumerate(events) if e == ("forward_begin", 0))
+    return backend, events[last_step:]
+
+
+def returned_in_flight(events) -> list[int]:
+    """Invocations whose forward returned while one of its device-to-host copies was still running."""
+    return [e[1] for e in events if e[0] == "forward_end" and e[2] > 0]
+
+
+def started_before_own_backward(events) -> list[int]:
+    """Invocations with a host-to-device copy issued (ahead) before their own backward began."""
+    begun = {e[1]: i for i, e in enumerate(events) if e[0] == "backward_begin"}
+    return sorted({e[1] for i, e in enumerate(events) if e[0] == "h2d_issue" and i < begun[e[1]]})
+
+
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_per_layer_copies_cross_layer_boundaries_and_match_eager(inner):
+    backend, events = traced_steps(inner, cross_graphs=True)
+    # Each layer's forward returns with its last copies running; the next layer's forward hides them.
+    assert returned_in_flight(events), events
+    assert any(p.deferred for r in backend.records for p in r.schedule.placements)
+    # Layer i's first copies start in layer i+1's backward, before layer i's backward graph begins
+    # (the last layer's backward runs first, so only layers 0..6 can be started ahead).
+    assert started_before_own_backward(events) == list(range(7)), events
+    assert sum(e[0] == "claim" for e in events) >= 7
+
+
+def test_without_crossing_every_copy_waits_inside_its_own_graph():
+    backend, events = traced_steps("eager", cross_graphs=False, steps=1)
+    assert returned_in_flight(events) == []
+    assert started_before_own_backward(events) == []
+    assert not any(p.deferred for r in backend.records for p in r.schedule.placements)
+    assert all(r.schedule.ahead_bytes == 0 for r in backend.records)
+
+
+def test_an_exception_in_the_backward_after_copies_started_ahead_leaves_nothing_behind():
+    eager, model, _ = per_layer_llama(layers=4, inner="eager")
+    ids = torch.randint(0, 256, (2, 32))
+    expected = lm_step(eager, ids)
+
+    def fail(grad):
+        raise RuntimeError("raised in the middle of the backward")
+
+    with runtime.copy_delay(0.002), runtime.trace() as events:
+        loss = model(input_ids=ids, labels=ids).loss
+        # Raised when layer 1's weight gradient arrives: layers 3, 2 and 1 have run their backward
+        # graphs, and layer 1's has started layer 0's first copies ahead.
+        handle = model.model.layers[1].mlp.down_proj.weight.register_hook(fail)
+        with pytest.raises(RuntimeError, match="middle of the backward"):
+            loss.backward()
+        # Left: only layer 0's copies started ahead and never claimed (its deferred offloads were
+        # completed when the first backward began, and their records went then).
+        ahead = sum(1 for e in events if e == ("h2d_issue", 0, True))
+        assert ahead > 0 and runtime.pending_transfers() == ahead
+        handle.remove()
+        del loss
+        model.zero_grad(set_to_none=True)
+        for _ in range(2):  # the next steps start clean and match eager
+            assert_same_step(expected, lm_step(model, ids))
+    assert runtime.pending_transfers() == 0
