@@ -74,6 +74,7 @@ class GraphRecord:
     region: int = 0  # position among the step's compiled regions (first compile order)
     held_before: int = 0  # predicted activation bytes earlier regions leave on the device for the backward
     held_after: int = 0  # the same, this region's included (the running total)
+    runs_learned: bool = False  # re-planned for ``plan.runs`` runs per step, counted in the first step
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -113,6 +114,27 @@ class _Partitioner(CustomPartitionerFn):
         # Inductor deep-copies its config (which holds us) for repro strings;
         # our records hold fake tensors, which cannot be copied.
         return self
+
+
+@dataclass
+class _Replan:
+    """What compiling a region again needs: a copy of dynamo's graph (the first compile may edit
+    the one it is handed) and its example inputs."""
+
+    module: fx.GraphModule
+    example_inputs: list[Any]
+    done: bool = False
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, example_inputs: list[Any]) -> "_Replan | None":
+        """None for graphs with symbolic sizes: compiling them again outside dynamo would add
+        guards dynamo never checks."""
+        sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
+        if any(isinstance(s, torch.SymInt) for s in (*sizes, *example_inputs)):
+            return None
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        return cls(fx.GraphModule(gm, graph), list(example_inputs))
 
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -183,6 +205,13 @@ class OffloadBackend:
         self._step_regions: list[tuple] = []
         self._backward_seen = False
         self._record_of: dict[tuple, GraphRecord] = {}
+        # Runs per step: planned for, by region, and the most counted in one step (runs_per_step="auto").
+        self._runs: dict[tuple, int] = {}
+        self._counted: dict[tuple, int] = {}
+
+    def _runs_of(self, region: tuple) -> int:
+        default = self.config.runs_per_step
+        return self._runs.get(region, 1 if default == "auto" else default)
 
     def step_invocations(self) -> list[GraphRecord]:
         """The latest step's forward invocations, in the order they ran: a region's record once per
@@ -203,11 +232,11 @@ class OffloadBackend:
         regions = list(self._held)
         return regions.index(region) if region in self._held else len(regions)
 
-    def _options_for(self, place: int) -> tuple[PlanOptions, int]:
+    def _options_for(self, place: int, region: tuple) -> tuple[PlanOptions, int]:
         """The plan options of the region at ``place``, and the bytes earlier regions hold: an
         absolute budget is for the whole step, so a region gets what earlier regions leave of it."""
-        options = self.config.plan_options
-        held = sum(list(self._held.values())[:place]) * self.config.runs_per_step  # each region, every run
+        options = dataclasses.replace(self.config.plan_options, runs=self._runs_of(region))
+        held = sum(nbytes * self._runs_of(r) for r, nbytes in list(self._held.items())[:place])  # every run
         if options.budget is None or options.budget.nbytes is None or not held:
             return options, held
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
@@ -217,7 +246,7 @@ class OffloadBackend:
         repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
     ) -> GraphRecord:
         place = self._place(region)
-        options, held_before = self._options_for(place)
+        options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total)
         try:
             fw, bw, planned = plan_best_partition(
@@ -265,23 +294,29 @@ class OffloadBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         region = self._region_key()
+        replan = _Replan.of(gm, example_inputs) if self.config.runs_per_step == "auto" else None
         compiled = self._compile_region(gm, example_inputs, region)
         budget = self.config.plan_options.budget
-        count = budget is not None and budget.nbytes is not None  # fractions are per region: nothing to add up
-        return self._track(region, compiled, count)
+        # Fractions are per region and re-planned regions get their count: nothing to warn about.
+        warn = budget is not None and budget.nbytes is not None and replan is None
+        return self._track(region, compiled, warn, replan)
 
-    def _track(self, region: tuple, compiled: Callable, count: bool) -> Callable:
+    def _track(self, region: tuple, compiled: Callable, warn: bool, replan: "_Replan | None") -> Callable:
         """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the
         backward that runs next (``fxoffload.runtime``), and tell the runtime when its backward begins.
 
-        With ``count`` (an absolute budget), also check it at run time: a region is planned as if its
-        forward ran once per step, but one compiled graph may serve several layers (per-layer
-        ``compile``, as FSDP2 recipes do). Count its forwards until a backward begins and warn, with
-        the numbers, when the activations they leave add up past the budget."""
+        Count the region's forwards until a backward begins: one compiled graph may serve several
+        layers (per-layer ``compile``, as FSDP2 recipes do). With ``replan`` (runs_per_step="auto"),
+        a region that ran more often than its plan counted is re-planned and recompiled, once, before
+        its next forward. With ``warn`` (an absolute budget, no re-plan), say with the numbers when the
+        activations of its runs add up past the budget."""
+        current = [compiled]
 
         def run(*args: Any) -> Any:
+            if replan is not None and not replan.done and self._counted.get(region, 1) > self._runs_of(region):
+                current[0] = self._replan(region, replan)
             with fxoffload.runtime.forward_invocation() as invocation:
-                out = compiled(*args)
+                out = current[0](*args)
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
                 node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
@@ -289,12 +324,24 @@ class OffloadBackend:
                 if node is not None:
                     self._note_forward(region)
                     node.register_prehook(functools.partial(self._on_backward, invocation))
-                    if count:
-                        self._forwards[region] = self._forwards.get(region, 0) + 1
+                    self._forwards[region] = self._forwards.get(region, 0) + 1
+                    if warn:
                         self._check_held(region)
             return out
 
         return run
+
+    def _replan(self, region: tuple, replan: "_Replan") -> Callable:
+        """Plan and compile ``region`` again for the runs counted in a step (see ``_track``)."""
+        runs = self._counted[region]
+        self._runs[region] = runs
+        replan.done = True
+        log.info("fxoffload: compiled region %d ran %d times in one step (one graph serving several layers): "
+                 "re-planning it for the whole step and recompiling it, once", self._place(region), runs)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = self._compile_region(replan.module, replan.example_inputs, region)
+        self._record_of[region].runs_learned = True
+        return compiled
 
     def _note_forward(self, region: tuple) -> None:
         if self._backward_seen:  # the first forward of a new step
@@ -303,6 +350,8 @@ class OffloadBackend:
 
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
         self._backward_seen = True
+        for region, runs in self._forwards.items():
+            self._counted[region] = max(self._counted.get(region, 1), runs)
         self._forwards.clear()
         fxoffload.runtime.backward_begins(invocation)
 
@@ -310,7 +359,7 @@ class OffloadBackend:
         budget = self.config.plan_options.budget.nbytes
         runs = self._forwards[region]
         held = sum(self._held.get(r, 0) * n for r, n in self._forwards.items())
-        if runs <= self.config.runs_per_step or held <= budget or region in self._warned:
+        if runs <= self._runs_of(region) or held <= budget or region in self._warned:
             return
         self._warned.add(region)
         warnings.warn(

@@ -99,13 +99,15 @@ class OffloadConfig:
     at the latest when a backward begins), and a backward starts the first host-to-device copies of
     the backward that runs after it. ``False`` waits for every copy inside its own graph."""
 
-    runs_per_step: int = 1
+    runs_per_step: Any = "auto"
     """How many times each compiled graph runs in one training step: with one graph per layer
     (``layer.compile`` on identical layers, as FSDP2 and torchtitan do), the number of layers. The
     budget then bounds the whole step (each run's activations on top of what the earlier runs hold
-    for their backward), and a fractional budget is a fraction of the step's activation peak. It
-    applies to every graph this backend compiles: use one backend for the layers, another for
-    graphs that run once (or let those run eagerly)."""
+    for their backward), and a fractional budget is a fraction of the step's activation peak.
+    ``"auto"``: plan each graph for one run, count its runs in the first step, and where it ran
+    more often, re-plan and recompile it once for that count (logged, and shown by ``explain``;
+    graphs with symbolic sizes are not re-planned). An int applies to every graph this backend
+    compiles: use one backend for the layers, another for graphs that run once."""
 
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
@@ -116,8 +118,9 @@ class OffloadConfig:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("solver", self.solver, SOLVERS)
         _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
-        if isinstance(self.runs_per_step, bool) or not isinstance(self.runs_per_step, int) or self.runs_per_step < 1:
-            raise ValueError(f"runs_per_step: got {self.runs_per_step!r}; accepted: an int >= 1 (the number of "
+        runs = self.runs_per_step
+        if runs != "auto" and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
+            raise ValueError(f"runs_per_step: got {runs!r}; accepted: 'auto', or an int >= 1 (the number of "
                              "layers one compiled graph serves)")
         if not isinstance(self.cross_graphs, bool):
             raise ValueError(f"cross_graphs: got {self.cross_graphs!r}; accepted: True or False")
@@ -133,7 +136,7 @@ class OffloadConfig:
         return PlanOptions(
             min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
             on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit), strategy=self.strategy,
-            cross_graphs=self.cross_graphs, runs=self.runs_per_step,
+            cross_graphs=self.cross_graphs, runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
         )
 
     @property

@@ -50,7 +50,9 @@ def _summary(record: Any) -> str:
     ]
     if plan.runs > 1:
         lines.append(
-            f"runs per step: {plan.runs} (one graph serving {plan.runs} layers); predicted activation peak of the "
+            f"runs per step: {plan.runs} (one graph serving {plan.runs} layers"
+            + ("; counted in the first step: re-planned and recompiled once" if getattr(record, "runs_learned", False)
+               else "") + f"); predicted activation peak of the "
             f"step: {format_bytes(plan.step_peak_before)} -> {format_bytes(plan.step_peak_after)}"
             + (f" (budget {format_bytes(plan.budget_bytes)} bounds the step)" if plan.budget_bytes is not None else ""))
     if getattr(record, "region", 0) or getattr(record, "held_before", 0):

@@ -370,7 +370,7 @@ def schedule_transfers(
                                      temporaries)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
-    deferred = _deferrable(late, plan.runs, sizes, timeline, moves, bound, total_bound, temporaries) \
+    deferred = _deferrable(late, plan.runs, sizes, starts, timeline, moves, bound, total_bound, temporaries) \
         if cross_graphs else set()
     deferred = [k in deferred for k in range(len(chosen))]
     ahead: tuple[int, int, list[int]] | None = None
@@ -400,33 +400,38 @@ def _own_bound(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, in
     return plan.budget_bytes - (plan.runs - 1) * held
 
 
-def _deferrable(late, runs, sizes, timeline, moves, bound, total_bound, temporaries) -> set[int]:
-    """The late releases that may cross the forward's end. When the graph runs several times per
-    step, a deferred source lives on into the next run's forward: the sources deferred together
-    must fit under the bound on top of the forward's own peak."""
+def _deferrable(late, runs, sizes, starts, timeline, moves, bound, total_bound, temporaries) -> set[int]:
+    """The late releases that may cross the forward's end (``late``: transfer -> seconds its copy is
+    predicted to run past the forward's last op). When the graph runs several times per step, a
+    deferred source lives on into the next run's forward until its copy lands: it must fit under
+    the bound there, on top of that forward's own curve (smallest first)."""
     if runs == 1 or not late:
         return set(late)
     occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
-    room = bound - max(occupied[:len(timeline.fw_nodes)])
+    forward = len(timeline.fw_nodes)
     chosen = set()
     for k in sorted(late, key=lambda k: sizes[k]):
-        if sizes[k] <= room:
+        # The next run's forward positions that start before this copy has landed.
+        until = min(forward, bisect.bisect_left(starts, late[k], 0, forward) + 1)
+        if max(occupied[:until]) + sizes[k] <= bound:
             chosen.add(k)
-            room -= sizes[k]
+            for q in range(until):
+                occupied[q] += sizes[k]
     return chosen
 
 
 def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
-                    temporaries) -> tuple[list[int], set[int]]:
+                    temporaries) -> tuple[list[int], dict[int, float]]:
     """Each release's position, and the transfers released at the forward's end before their copy
-    is predicted to land (not held there by the memory bound): those a graph boundary may cross."""
+    is predicted to land (not held there by the memory bound): those a graph boundary may cross,
+    with the seconds their copy runs past the forward's last op."""
     forward_end = len(timeline.fw_nodes) - 2  # the last node before the output
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
     ready = [starts[pos[chosen[k].offload_after] + 1] for k in order]
     done = dict(zip(order, fifo_finish(ready, [d2h[k] for k in order])))
     occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
     releases = [0] * len(chosen)
-    late = set()
+    late = {}
     for k in order:
         earliest = pos[chosen[k].free_after]
         wanted = max(earliest, min(forward_end, issue_index(starts, done[k], earliest, forward_end)))
@@ -438,7 +443,7 @@ def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bou
             occupied[i] += sizes[k]
         releases[k] = index
         if index == forward_end and done[k] > starts[forward_end + 1]:
-            late.add(k)
+            late[k] = done[k] - starts[forward_end + 1]
     return releases, late
 
 

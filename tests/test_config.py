@@ -19,6 +19,9 @@ from fxoffload.config import OffloadConfig
         ({"min_bytes": "1MB"}, "min_bytes: got '1MB'"),
         ({"inner": "tvm"}, "inner: got 'tvm'; accepted: 'inductor', 'eager'"),
         ({"cross_graphs": 1}, "cross_graphs: got 1; accepted: True or False"),
+        ({"runs_per_step": 0}, "runs_per_step: got 0; accepted: 'auto', or an int >= 1"),
+        ({"runs_per_step": "many"}, "runs_per_step: got 'many'; accepted: 'auto', or an int >= 1"),
+        ({"runs_per_step": True}, "runs_per_step: got True"),
         ({"cross_graphs": "yes"}, "cross_graphs: got 'yes'; accepted: True or False"),
     ],
 )
@@ -32,6 +35,7 @@ def test_config_is_frozen_and_defaults_are_valid():
     assert (config.min_bytes, config.horizon, config.inner) == (64 * 1024, "auto", "inductor")
     assert config.memory_budget is None and config.solver == "auto" and config.on_infeasible == "error"
     assert config.cross_graphs is True and config.plan_options.cross_graphs is True
+    assert config.runs_per_step == "auto" and config.plan_options.runs == 1  # counted in the first step
     with pytest.raises(Exception):
         config.horizon = 3
 

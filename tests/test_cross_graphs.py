@@ -152,7 +152,10 @@ def per_layer_llama(layers: int = 8, **options):
 
 
 def traced_steps(inner: str, cross_graphs: bool, steps: int = 2):
-    eager, model, backend = per_layer_llama(inner=inner, cross_graphs=cross_graphs)
+    # Planned per run (runs_per_step=1): planned for the step, this toy's copies (latency-bound:
+    # 10 us each against a forward of a few us) would outlast the next layer's whole forward and
+    # raise the step's peak, so the scheduler would keep them inside their graph (see test_step).
+    eager, model, backend = per_layer_llama(inner=inner, cross_graphs=cross_graphs, runs_per_step=1)
     ids = torch.randint(0, 256, (2, 32))
     expected = lm_step(eager, ids)
     with runtime.copy_delay(0.002), runtime.trace() as events:  # every copy lands late

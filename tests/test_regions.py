@@ -107,15 +107,18 @@ class Block(torch.nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
-def per_layer_step(budget, layers: int = 3, steps: int = 2, reentrant: bool | None = None) -> tuple[list, Any]:
+def per_layer_step(budget, layers: int = 3, steps: int = 2, reentrant: bool | None = None,
+                   runs_per_step: Any = 1, dynamic: bool | None = None) -> tuple[list, Any]:
     """``steps`` training steps of ``layers`` blocks, each block compiled with one fxoffload backend
-    (and run under activation checkpointing, reentrant or not, unless ``reentrant`` is None)."""
+    (and run under activation checkpointing, reentrant or not, unless ``reentrant`` is None).
+    ``runs_per_step=1``: each graph planned for one run, so that the run-time count is what warns."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     blocks = [Block() for _ in range(layers)]
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=budget, strategy="offload")
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=budget, strategy="offload",
+                                        runs_per_step=runs_per_step)
     for block in blocks:
-        block.compile(backend=backend)
+        block.compile(backend=backend, dynamic=dynamic)
     x = torch.randn(256, 128, requires_grad=True)  # so the first block's graph is the others'
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -156,3 +159,29 @@ def test_forwards_recomputed_in_the_backward_are_not_counted(reentrant):
     # graph); that must not count with the next step's forward as a second layer.
     caught, _ = per_layer_step(budget=int(1.5 * one_layer), layers=1, steps=3, reentrant=reentrant)
     assert caught == [], [str(w.message) for w in caught]
+
+
+def test_runs_per_step_auto_replans_a_graph_that_serves_several_layers_once(caplog):
+    _, unplanned = per_layer_step(budget=10 ** 9, steps=1)
+    one_layer = unplanned.records[0].plan.activation_peak_before
+    budget = int(1.5 * one_layer)  # one layer's activations fit; three layers' do not
+    with caplog.at_level("INFO", logger="fxoffload.backend"):
+        caught, backend = per_layer_step(budget=budget, layers=3, steps=3, runs_per_step="auto")
+    assert caught == []  # nothing to warn about: the count is planned for from the second step on
+    first, replanned = backend.records  # the first step's plan, and one re-plan (not one per step)
+    assert (first.plan.runs, replanned.plan.runs) == (1, 3) and replanned.runs_learned
+    # Three runs of the first plan leave the budget behind; the re-plan holds it (simulated).
+    from passes.step import simulate_step
+
+    assert simulate_step([first] * 3).activation_peak > budget >= simulate_step([replanned] * 3).activation_peak
+    assert backend.step_invocations() == [replanned] * 3
+    assert "re-planning it for the whole step" in caplog.text
+    assert "counted in the first step: re-planned and recompiled once" in fxoffload.explain(replanned)
+
+
+def test_graphs_with_symbolic_sizes_are_not_replanned_and_still_warn():
+    _, unplanned = per_layer_step(budget=10 ** 9, steps=1)
+    budget = int(1.5 * unplanned.records[0].plan.activation_peak_before)
+    caught, backend = per_layer_step(budget=budget, steps=2, runs_per_step="auto", dynamic=True)
+    assert len(backend.records) == 1 and backend.records[0].plan.runs == 1
+    assert len(caught) == 1 and "runs_per_step" in str(caught[0].message)

@@ -100,3 +100,18 @@ def test_an_absolute_budget_is_planned_for_every_run_of_the_graph():
     assert steps[1].activation_peak > budget
     assert len(warned[1]) == 1 and "has run 5 times" in warned[1][0] and "runs_per_step" in warned[1][0]
     assert steps[8].activation_peak <= budget and warned[8] == []
+
+
+def test_planned_for_the_step_a_copy_that_would_raise_its_peak_stays_in_its_graph():
+    # This toy's copies are latency-bound (10 us against a forward of a few us): a source deferred
+    # past a layer's end would live through the whole next layer's forward, on top of its peak.
+    ids = torch.randint(0, 256, (2, 32))
+    records = {}
+    for runs in (1, 8):
+        _, model, backend = per_layer_llama(layers=8, inner="eager", runs_per_step=runs)
+        lm_step(model, ids)
+        records[runs] = backend.records[-1]
+    assert any(p.deferred for p in records[1].schedule.placements)  # planned per run: deferred
+    assert not any(p.deferred for p in records[8].schedule.placements)  # planned for the step: kept
+    per_run, per_step = (simulate_step([records[r]] * 8) for r in (1, 8))
+    assert per_run.activation_peak > per_step.activation_peak == records[8].plan.step_peak_after
