@@ -237,6 +237,8 @@ class OffloadBackend:
         absolute budget is for the whole step, so a region gets what earlier regions leave of it."""
         options = dataclasses.replace(self.config.plan_options, runs=self._runs_of(region))
         held = sum(nbytes * self._runs_of(r) for r, nbytes in list(self._held.items())[:place])  # every run
+        if options.device_bytes is not None and held:
+            return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
         if options.budget is None or options.budget.nbytes is None or not held:
             return options, held
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held

@@ -99,6 +99,16 @@ class OffloadConfig:
     at the latest when a backward begins), and a backward starts the first host-to-device copies of
     the backward that runs after it. ``False`` waits for every copy inside its own graph."""
 
+    device_budget: Any = None
+    """Bound on the step's predicted device peak: the graph's inputs (parameters, buffers, batch)
+    plus every tensor the step creates (activations, gradients, temporaries) plus ``reserved``.
+    Bytes or a size string (no fraction). Instead of ``memory_budget``, not with it."""
+
+    reserved: Any = 0
+    """Device bytes the graphs cannot see, counted against ``device_budget``: optimizer state, the
+    allocator's slack, other layers' parameters when each layer is its own graph. Bytes or a size
+    string."""
+
     runs_per_step: Any = "auto"
     """How many times each compiled graph runs in one training step: with one graph per layer
     (``layer.compile`` on identical layers, as FSDP2 and torchtitan do), the number of layers. The
@@ -111,6 +121,13 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
+        _device_bytes("device_budget", self.device_budget)
+        _device_bytes("reserved", self.reserved, allow_zero=True)
+        if self.device_budget is not None and self.memory_budget is not None:
+            raise ValueError(f"memory_budget={self.memory_budget!r} and device_budget={self.device_budget!r}: give "
+                             "one; accepted: memory_budget (saved activations) or device_budget (the device peak)")
+        if self.reserved and self.device_budget is None:
+            raise ValueError(f"reserved={self.reserved!r}: counts against device_budget, which is not given")
         _check_int("min_bytes", self.min_bytes)
         if self.horizon != "auto":
             _check_int("horizon", self.horizon, also="or 'auto'")
@@ -137,6 +154,9 @@ class OffloadConfig:
             min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
             on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit), strategy=self.strategy,
             cross_graphs=self.cross_graphs, runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
+            device_bytes=(None if self.device_budget is None else
+                          _device_bytes("device_budget", self.device_budget) - _device_bytes("reserved", self.reserved,
+                                                                                              allow_zero=True)),
         )
 
     @property
@@ -144,6 +164,22 @@ class OffloadConfig:
         from fxoffload.profiles import resolve_profile
 
         return resolve_profile(self.device_profile)
+
+
+def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None:
+    """Bytes of a device_budget or reserved value: an int, or a size string; no fraction."""
+    if value is None or (allow_zero and value == 0 and not isinstance(value, bool)):
+        return None if value is None else 0
+    accepted = ("an int number of bytes > 0, or a size string such as '70GiB' or '512MB' (KB/MB/GB are powers "
+                "of 10, KiB/MiB/GiB of 2)")
+    try:
+        budget = parse_budget(value)
+    except ValueError:
+        budget = None
+    if budget is None or budget.nbytes is None:
+        raise ValueError(f"{name}: got {value!r}; accepted: " + ("None, " if name == "device_budget" else "0, ")
+                         + accepted)
+    return budget.nbytes
 
 
 def _check_int(name: str, value: Any, also: str = "") -> None:

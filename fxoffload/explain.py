@@ -48,6 +48,12 @@ def _summary(record: Any) -> str:
         f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
         "(copies served in order per direction; see the placements)",
     ]
+    if plan.device_bytes is not None:
+        lines.append(
+            f"predicted device peak: {format_bytes(plan.device_peak_before)} -> {format_bytes(plan.device_peak_after)} "
+            f"(graph inputs {format_bytes(plan.input_bytes)} and every tensor the step creates; device_budget less "
+            f"reserved: {format_bytes(plan.device_bytes)}, "
+            f"{'within' if plan.device_peak_after <= plan.device_bytes else 'OVER'})")
     if plan.runs > 1:
         lines.append(
             f"runs per step: {plan.runs} (one graph serving {plan.runs} layers"

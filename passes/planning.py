@@ -112,6 +112,9 @@ class PlanOptions:
     # layers). Above 1, the budget bounds the step: this graph's activation curve plus the bytes
     # every earlier run still holds for its backward, and a fraction is of the step's peak.
     runs: int = 1
+    # A bound on the device peak instead of ``budget``: bytes for the graph's inputs and every
+    # tensor the step creates (``device_budget`` less ``reserved``).
+    device_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,12 @@ class Plan:
     # ones hold for their backward); equal to the activation peaks for one run. The budget bounds it.
     step_peak_before: int = 0
     step_peak_after: int = 0
+    # Under a device budget (PlanOptions.device_bytes): the graph's input bytes, the budget, and the
+    # predicted device peak: inputs plus the step's total peak (over ``runs`` runs).
+    input_bytes: int = 0
+    device_bytes: int | None = None
+    device_peak_before: int = 0
+    device_peak_after: int = 0
     solver: str = "none"
     optimal: bool = True
     gap: float = 0.0
@@ -360,11 +369,34 @@ class _Problem:
         spans = intervals(self.timeline, self.moved(offloaded, recomputed), residual_only, temporaries)
         return curve(self.timeline.length, spans)
 
+    @property
+    def device(self) -> bool:
+        """Whether the budget bounds the device peak (every tensor) rather than saved activations."""
+        return self.options.device_bytes is not None
+
+    def device_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
+        """The step's total peak over its runs (each run on top of what earlier runs hold), inputs excluded."""
+        held = self.curve(offloaded, recomputed, True)[len(self.timeline.fw_nodes) - 1]
+        return peak(self.curve(offloaded, recomputed, False)) + (self.options.runs - 1) * held
+
+    def bounded_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
+        """The peak the budget bounds: the device peak's step tensors, or the step's activation peak."""
+        return self.device_peak(offloaded, recomputed) if self.device else self.step_peak(offloaded, recomputed)
+
     def step_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
         """Activation peak of the step's ``runs`` runs: the last run's curve on top of what the
         earlier runs hold for their backward (the curve at the forward's end, each)."""
         activations = self.curve(offloaded, recomputed, True)
         return step_peak(activations, len(self.timeline.fw_nodes), self.options.runs)
+
+
+def graph_input_bytes(timeline: Timeline) -> int:
+    """Bytes of the forward graph's tensor inputs (parameters, buffers, batch): resident all step."""
+    from passes.analysis import tensor_nbytes
+    from passes.memory import concrete
+
+    vals = [n.meta.get("val") for n in timeline.fw_nodes if n.op == "placeholder"]
+    return sum(concrete(tensor_nbytes(v), v) for v in vals if isinstance(v, torch.Tensor))
 
 
 def step_peak(activations: Sequence[int], forward: int, runs: int) -> int:
@@ -438,7 +470,11 @@ def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
                 cost += PREFER_SAVE_PENALTY * scale
             release, prefetch = problem.moves[b]
             until = prefetch if kind == OFFLOAD else problem.rebuilt_at(b)
-            options.append(Option(_saving(release, until, problem.lifetime(b).nbytes), cost, work))
+            changes = _saving(release, until, problem.lifetime(b).nbytes)
+            if kind == RECOMPUTE and problem.device and problem.recomputes[b].transient:
+                at = problem.rebuilt_at(b)  # the chain's other outputs, alive while it runs
+                changes += ((at, at, problem.recomputes[b].transient),)
+            options.append(Option(changes, cost, work))
         items.append(tuple(options))
         owners.append((b, tuple(kinds)))
     return items, owners, queues, _conflicts(problem, owners)
@@ -495,6 +531,8 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         base = over_runs(base, forward, length, options.runs)
         items = [tuple(dataclasses.replace(o, changes=tuple(over_runs(o.changes, forward, length, options.runs)))
                        for o in item) for item in items]
+    if problem.device:  # a device budget bounds every tensor the step creates, not only saved ones
+        base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.residual]
     result = solve(timeline.length, base, items, budget, queues, conflicts,
                    solver=options.solver, time_limit=options.time_limit)
     if result.feasible:
@@ -502,12 +540,22 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
     everything = _everything(items, conflicts)
     smallest = int(curve_with(timeline.length, base, items, everything).max(initial=0))
-    given = "" if options.budget.nbytes is not None else f", {options.budget}"
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
-    message = (
-        f"memory_budget: the smallest achievable activation peak{runs} is {smallest} B ({smallest / 2**20:.1f} MiB, "
-        f"{_ALL[options.strategy]}), above the budget of {budget} B ({budget / 2**20:.1f} MiB{given})"
-    )
+    if problem.device:
+        inputs = options.device_bytes - budget
+        message = (
+            f"device_budget: the smallest achievable device peak{runs} is {smallest + inputs} B "
+            f"({(smallest + inputs) / 2**20:.1f} MiB: graph inputs {inputs} B + the step's tensors {smallest} B, "
+            f"{_ALL[options.strategy]}), {smallest - budget} B above the {options.device_bytes} B the budget "
+            f"leaves after reserved"
+        )
+    else:
+        given = "" if options.budget.nbytes is not None else f", {options.budget}"
+        message = (
+            f"memory_budget: the smallest achievable activation peak{runs} is {smallest} B "
+            f"({smallest / 2**20:.1f} MiB, {_ALL[options.strategy]}), above the budget of {budget} B "
+            f"({budget / 2**20:.1f} MiB{given})"
+        )
     if options.on_infeasible == "error":
         hint = "" if options.strategy == AUTO else ", try strategy='auto'"
         raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
@@ -589,14 +637,19 @@ def plan_offloads(
 
     act_before = problem.peak((), (), True)
     step_before = problem.step_peak((), ())
-    budget_bytes = options.budget.resolve(step_before) if options.budget is not None else None
-    if budget_bytes is None:
+    inputs = graph_input_bytes(timeline)
+    if problem.device:  # the bytes the step's own tensors may take
+        limit = options.device_bytes - inputs
+    else:
+        limit = options.budget.resolve(step_before) if options.budget is not None else None
+    if limit is None:
         choice = _unbudgeted(problem, free, forced)
-    elif problem.step_peak(forced, ()) <= budget_bytes:
+    elif problem.bounded_peak(forced, ()) <= limit:
         choice = _Choice(tuple(forced))
     else:
-        choice = _choose(problem, free, forced, budget_bytes)
-    transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, budget_bytes is not None)
+        choice = _choose(problem, free, forced, limit)
+    transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, limit is not None)
+    budget_bytes = None if problem.device else limit
     return Plan(
         decisions=decisions,
         transfers=transfers,
@@ -613,6 +666,10 @@ def plan_offloads(
         runs=options.runs,
         step_peak_before=step_before,
         step_peak_after=problem.step_peak(choice.offloaded, choice.recomputed),
+        input_bytes=inputs,
+        device_bytes=options.device_bytes,
+        device_peak_before=inputs + problem.device_peak((), ()),
+        device_peak_after=inputs + problem.device_peak(choice.offloaded, choice.recomputed),
         solver=choice.solver,
         optimal=choice.optimal,
         gap=choice.gap,
@@ -706,10 +763,13 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
         return plan
     moved = _scheduled_moves(plan, timeline, schedule)
     activations = curve(timeline.length, intervals(timeline, moved, True))
+    total = peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries())))
+    held = activations[len(timeline.fw_nodes) - 1] if activations else 0
     return dataclasses.replace(
         plan,
         activation_peak_after=peak(activations),
         step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
+        device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
         total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
     )
 

@@ -43,7 +43,9 @@ Algorithm.
   for the moves above.
 
 The memory bound is the plan's budget, or without a budget the plan's own
-predicted activation peak (so scheduling never raises it). Moves also keep the
+predicted activation peak (so scheduling never raises it); under a device
+budget, the total curve is bounded instead, by what the budget leaves after the
+graph's inputs. Moves also keep the
 predicted total peak (every tensor of the step) at or below the step's total
 peak without offloading, or at or below a lower cap (``PlanOptions.total_cap``:
 plain compile's total, when the user's CPU-offload marks made the partition
@@ -366,6 +368,10 @@ def schedule_transfers(
     # is never above the former: its device intervals lie inside each storage's unoffloaded
     # lifetime. Where a cap is below even that, copies stay at their least-memory placement.)
     total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
+    if plan.device_bytes is not None:  # a device budget bounds every tensor: the total curve is the one
+        held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
+        total_bound = min(total_bound, plan.device_bytes - plan.input_bytes - (plan.runs - 1) * held)
+        bound = total_bound  # then max(saved, total - total_bound + bound) is the total curve
     releases, late = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
                                      temporaries)
     for k, r in enumerate(releases):

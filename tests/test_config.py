@@ -22,6 +22,11 @@ from fxoffload.config import OffloadConfig
         ({"runs_per_step": 0}, "runs_per_step: got 0; accepted: 'auto', or an int >= 1"),
         ({"runs_per_step": "many"}, "runs_per_step: got 'many'; accepted: 'auto', or an int >= 1"),
         ({"runs_per_step": True}, "runs_per_step: got True"),
+        ({"device_budget": 0.5}, "device_budget: got 0.5; accepted: None, an int number of bytes > 0, or a size"),
+        ({"device_budget": "lots"}, "device_budget: got 'lots'; accepted"),
+        ({"device_budget": "1GiB", "memory_budget": 0.5}, "give one; accepted: memory_budget .* or device_budget"),
+        ({"reserved": "1GiB"}, "reserved='1GiB': counts against device_budget, which is not given"),
+        ({"device_budget": "1GiB", "reserved": -3}, "reserved: got -3; accepted: 0, an int number of bytes"),
         ({"cross_graphs": "yes"}, "cross_graphs: got 'yes'; accepted: True or False"),
     ],
 )
@@ -104,3 +109,10 @@ def test_profiles_are_complete_and_cited():
 def test_calibrate_without_cuda_says_why():
     with pytest.raises(RuntimeError, match="needs a CUDA device.*use a named profile instead: a100-pcie4"):
         fxoffload.calibrate()
+
+
+def test_device_budget_less_reserved_is_what_the_planner_bounds():
+    config = OffloadConfig(device_budget="1GiB", reserved="100MiB")
+    assert config.plan_options.device_bytes == (1 << 30) - 100 * (1 << 20)
+    assert config.plan_options.budget is None
+    assert OffloadConfig().plan_options.device_bytes is None
