@@ -32,7 +32,8 @@ from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
 from passes.planning import recompute_moves, recompute_temporaries
 
-__all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "replay", "simulate", "simulate_movements"]
+__all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "op_starts", "replay", "simulate",
+           "simulate_movements"]
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ def simulate_movements(
     temporaries = recompute_temporaries(recomputes)
     run = replay(times, down + up)
     forward = len(timeline.fw_nodes)
-    plan_clock, free_clock = run.starts[:-1], _prefix_sums(base_times)
+    plan_clock, free_clock = run.starts[:-1], op_starts(base_times)
     plan_total, plan_saved, base_total, base_saved = (
         curve(timeline.length, intervals(timeline, m, residual_only=r, temporaries=t))
         for m, r, t in ((moved, False, temporaries), (moved, True, ()), ({}, False, ()), ({}, True, ()))
@@ -215,7 +216,8 @@ def simulate_movements(
     )
 
 
-def _prefix_sums(times: Sequence[float]) -> list[float]:
+def op_starts(times: Sequence[float]) -> list[float]:
+    """When each op starts when ops of these times run back to back from 0 (no stalls)."""
     out, now = [], 0.0
     for t in times:
         out.append(now)

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
 from passes.planning import held_after_forward, recompute_moves
-from passes.simulator import Copy, SimulatedCopy, replay
+from passes.simulator import Copy, SimulatedCopy, op_starts, replay
 
 __all__ = ["StepSimulation", "simulate_step"]
 
@@ -184,7 +184,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
         activation_peak=max(act, default=0),
         activation_peak_before=max(base, default=0),
         activations=tuple(zip(run.starts[:-1], act)),
-        baseline_activations=tuple(zip(_prefix(base_times), base)),
+        baseline_activations=tuple(zip(op_starts(base_times), base)),
         stall=sum(run.stalls),
         crossing=sum(1 for c in issued if c.rank == 2 or c.deferred),
         ops=tuple(zip(run.starts[:-1], times)),
@@ -266,10 +266,3 @@ def _activations(graphs, fw_off, bw_off, length) -> tuple[list[int], list[int]]:
             act[q], base[q] = g.own[p] + held, g.base[p] + base_held
     return act, base
 
-
-def _prefix(times: Sequence[float]) -> list[float]:
-    out, now = [], 0.0
-    for t in times:
-        out.append(now)
-        now += t
-    return out
