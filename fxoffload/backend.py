@@ -116,6 +116,15 @@ class _Partitioner(CustomPartitionerFn):
         return self
 
 
+def _backward_node(out: Any) -> Any:
+    """The autograd node of a compiled forward's outputs: the compiled backward itself, rather than
+    the view an aliased output gets (a loss that ignores that output would never reach its hook)."""
+    nodes = [t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    compiled = [n for n in nodes if "CompiledFunction" in type(n).__name__]
+    return (compiled or nodes or [None])[0]
+
+
 @dataclass
 class _Replan:
     """What compiling a region again needs: a copy of dynamo's graph (the first compile may edit
@@ -123,7 +132,6 @@ class _Replan:
 
     module: fx.GraphModule
     example_inputs: list[Any]
-    done: bool = False
 
     @classmethod
     def of(cls, gm: fx.GraphModule, example_inputs: list[Any]) -> "_Replan | None":
@@ -134,6 +142,14 @@ class _Replan:
             return None
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
+        # Fake copies: the inputs dynamo hands over may be the real tensors of the first call (its
+        # activations and batch), which must not live as long as the compiled function.
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+        if not all(isinstance(t, FakeTensor) for t in example_inputs if isinstance(t, torch.Tensor)):
+            mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+            example_inputs = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) if isinstance(t, torch.Tensor)
+                              else t for t in example_inputs]
         return cls(fx.GraphModule(gm, graph), list(example_inputs))
 
 
@@ -312,17 +328,18 @@ class OffloadBackend:
         a region that ran more often than its plan counted is re-planned and recompiled, once, before
         its next forward. With ``warn`` (an absolute budget, no re-plan), say with the numbers when the
         activations of its runs add up past the budget."""
-        current = [compiled]
+        current, pending = [compiled], [replan]
 
         def run(*args: Any) -> Any:
-            if replan is not None and not replan.done and self._counted.get(region, 1) > self._runs_of(region):
-                current[0] = self._replan(region, replan)
+            if pending[0] is not None and region in self._counted:  # a step has shown how often it runs
+                if self._counted[region] > self._runs_of(region):
+                    current[0] = self._replan(region, pending[0])
+                pending[0] = None  # once: the graph copy and its inputs go
             with fxoffload.runtime.forward_invocation() as invocation:
                 out = current[0](*args)
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-                node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
-                             if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+                node = _backward_node(out)
                 if node is not None:
                     self._note_forward(region)
                     node.register_prehook(functools.partial(self._on_backward, invocation))
@@ -337,7 +354,6 @@ class OffloadBackend:
         """Plan and compile ``region`` again for the runs counted in a step (see ``_track``)."""
         runs = self._counted[region]
         self._runs[region] = runs
-        replan.done = True
         log.info("fxoffload: compiled region %d ran %d times in one step (one graph serving several layers): "
                  "re-planning it for the whole step and recompiling it, once", self._place(region), runs)
         with torch._functorch.config.patch(enable_autograd_cache=False):

@@ -106,8 +106,8 @@ class OffloadConfig:
 
     reserved: Any = 0
     """Device bytes the graphs cannot see, counted against ``device_budget``: optimizer state, the
-    allocator's slack, other layers' parameters when each layer is its own graph. Bytes or a size
-    string."""
+    allocator's slack, and when one graph serves several layers, the other layers' parameters and
+    gradients (a graph's plan counts its own inputs and one run's gradients). Bytes or a size string."""
 
     runs_per_step: Any = "auto"
     """How many times each compiled graph runs in one training step: with one graph per layer

@@ -95,6 +95,7 @@ class _Transfer:
     keep: tuple[torch.Tensor, ...]
     direction: str  # "d2h" or "h2d"
     done: Callable[[], bool] = lambda: True  # whether the copy has landed (without waiting)
+    failed: Callable[[], bool] = lambda: False  # whether it raised (finish() raises it then)
     deferred: bool = False  # a d2h copy the forward returned without waiting for
     invocation: int | None = None  # the forward invocation it belongs to (a prefetch's: while tracing)
     key: int = 0  # its key in the registry: the data pointer of the tensor the op returned
@@ -121,16 +122,18 @@ def _register(result: torch.Tensor, transfer: _Transfer) -> None:
 def _retire(transfer: _Transfer, complete: bool) -> None:
     """A deferred copy is over: compute is ordered after it (``complete``), or it has landed. Its
     references and its record go (a prefetch of its host buffer then has nothing to wait for)."""
-    if complete:
-        transfer.finish()
     with _registry_lock:
         if transfer in _deferred:
             _deferred.remove(transfer)
         if _pending.get(transfer.key) is transfer:
             del _pending[transfer.key]
-    if transfer.keep:
-        transfer.keep = ()
-        _event("release", transfer.invocation)
+    try:
+        if complete:
+            transfer.finish()  # raises what the copy raised, once: the record is gone
+    finally:
+        if transfer.keep:
+            transfer.keep = ()
+            _event("release", transfer.invocation)
 
 
 def _pop(t: torch.Tensor) -> _Transfer | None:
@@ -152,7 +155,8 @@ def reset() -> None:
         _ahead.clear()
         _waiting.clear()
     for transfer in transfers:
-        transfer.finish()
+        with contextlib.suppress(Exception):  # a copy of a step that failed may have failed too
+            transfer.finish()
 
 
 # --------------------------------------------------------------------------- invocations and tracing
@@ -186,6 +190,7 @@ _ahead: dict[int, torch.Tensor] = {}  # host data_ptr -> device buffer of a copy
 _waiting: list[Invocation] = []  # forwards of this step whose backward has not begun, in order
 _open: list[Invocation] = []  # forwards running now (innermost last)
 _counter = itertools.count()
+_WAITING_KEPT = 1024  # forwards whose backward never began (outputs no loss used) are forgotten past this
 _trace: list[tuple] | None = None
 _owner: dict[int, int] = {}  # host data_ptr -> invocation index (only while tracing)
 
@@ -220,8 +225,8 @@ def _reap() -> None:
     if not _deferred:
         return
     with _registry_lock:
-        landed = [t for t in _deferred if t.done()]
-    for t in landed:
+        landed = [t for t in _deferred if t.done() and not t.failed()]
+    for t in landed:  # a copy that raised stays, so that completing it raises (prefetch, backward)
         _retire(t, complete=False)
 
 
@@ -261,9 +266,9 @@ def forward_invocation() -> Iterator[Invocation]:
         in_flight = sum(1 for t in list(_pending.values())
                         if t.direction == "d2h" and t.invocation == invocation.index and not t.done())
         _event("forward_end", invocation.index, in_flight)
-    if not outer and invocation.offloads:
+    if not outer:  # every forward, offloads or not: prefetch_ahead targets the one right before
         with _registry_lock:
-            _waiting[:] = [i for i in _waiting if i.alive()] + [invocation]
+            _waiting[:] = [i for i in _waiting if i.alive() or not i.offloads][-_WAITING_KEPT:] + [invocation]
 
 
 def _complete_deferred_before(index: int) -> None:
@@ -335,14 +340,15 @@ class CpuEngine:
             _event(f"{direction}_done", invocation)
 
         future = self._workers[direction].submit(run)
-        transfer = _Transfer(future.result, (src,), direction, future.done, invocation=invocation)
+        transfer = _Transfer(future.result, (src,), direction, future.done,
+                             lambda: future.done() and future.exception() is not None, invocation=invocation)
         # Weakly: the future keeps its callbacks, and the transfer holds the future (a cycle would
         # keep every source alive until the garbage collector ran).
         weak = weakref.ref(transfer)
 
         def landed(_: Future) -> None:  # a deferred source is dropped as soon as its copy lands
             transfer = weak()
-            if transfer is not None and transfer.deferred:
+            if transfer is not None and transfer.deferred and not transfer.failed():
                 _retire(transfer, complete=False)
 
         future.add_done_callback(landed)
@@ -526,7 +532,7 @@ def _defer(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         transfer.deferred = True
         _deferred.append(transfer)
     _event("defer", transfer.invocation)
-    if transfer.done():  # landed already (the CPU worker's callback ran before it was deferred)
+    if transfer.done() and not transfer.failed():  # landed already (the worker's callback ran first)
         _retire(transfer, complete=False)
     _reap()
     return host
@@ -536,13 +542,16 @@ def _defer(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 def _prefetch_ahead(after: torch.Tensor, nbytes: int) -> None:
     _reap()
     with _registry_lock:
-        target = next((i for i in reversed(_waiting) if i.alive()), None)
+        target = _waiting[-1] if _waiting else None  # the forward before the one whose backward runs
     if target is None:
         return
     left = nbytes
     for offloaded in sorted(target.offloads, key=lambda o: o.order):
         host = offloaded.host()
-        if host is None or host.data_ptr() in _ahead:
+        if host is None:
+            continue
+        if host.data_ptr() in _ahead:  # started by an earlier prefetch_ahead: its bytes count too
+            left -= offloaded.nbytes
             continue
         if offloaded.nbytes > left:
             break  # in order: a later copy must not overtake the one its graph needs first

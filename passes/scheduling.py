@@ -472,8 +472,15 @@ def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, b
         prefetches[k] = start
     if not cross_graphs:
         return prefetches, None
-    early = [j for j in range(len(order)) if latest[j] < starts[first]]  # a prefix: latest starts ascend
-    return prefetches, _place_ahead(occupied, starts, first, latest, [order[j] for j in early], sizes, bound)
+    # The copies that cannot be hidden in this backward: their latest start lies before its first op,
+    # and the bound let their prefetch start there (one it held back stays held back). A prefix of
+    # the issue order: latest starts ascend with the consumers.
+    early = []
+    for j, k in enumerate(order):
+        if latest[j] >= starts[first] or prefetches[k] != first:
+            break
+        early.append(k)
+    return prefetches, _place_ahead(occupied, starts, first, latest, early, sizes, bound)
 
 
 def _place_ahead(occupied, starts, first, latest, early, sizes, bound) -> tuple[int, int, list[int]] | None:

@@ -223,3 +223,19 @@ def test_an_exception_in_the_backward_after_copies_started_ahead_leaves_nothing_
         for _ in range(2):  # the next steps start clean and match eager
             assert_same_step(expected, lm_step(model, ids))
     assert runtime.pending_transfers() == 0
+
+
+def test_a_deferred_copy_that_failed_raises_where_it_is_completed(monkeypatch):
+    x = torch.randn(8, 8)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("the copy engine failed")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", broken)
+    host = offload_deferred(x)
+    runtime._cpu_engine._workers["d2h"].submit(lambda: None).result()  # the copy has run (and raised)
+    monkeypatch.undo()
+    ops.wait(ops.offload(torch.randn(2)), torch.randn(2))  # later ops do not drop the failed copy ...
+    with pytest.raises(RuntimeError, match="the copy engine failed"):
+        ops.prefetch(host, CPU, [8, 8], [8, 1])  # ... which raises where the backward needs its data
+    assert runtime.pending_transfers() == 0

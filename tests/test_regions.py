@@ -185,3 +185,20 @@ def test_graphs_with_symbolic_sizes_are_not_replanned_and_still_warn():
     caught, backend = per_layer_step(budget=budget, steps=2, runs_per_step="auto", dynamic=True)
     assert len(backend.records) == 1 and backend.records[0].plan.runs == 1
     assert len(caught) == 1 and "runs_per_step" in str(caught[0].message)
+
+
+def test_the_first_calls_tensors_are_not_kept_for_a_replan():
+    # runs_per_step="auto" keeps what compiling a region again needs: not the first call's tensors.
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    block = Block()
+    block.compile(backend=fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload"))
+    x = torch.randn(256, 128, requires_grad=True)
+    hidden = x * 2  # an activation of an earlier layer, as the block's input
+    alive = weakref.ref(hidden)
+    block(hidden).sum().backward()
+    del hidden
+    gc.collect()
+    assert alive() is None
