@@ -15,7 +15,10 @@ bounds the whole step, and copies cross layer boundaries.
 Each rank trains on its own random tokens (nothing is downloaded). ``--check``
 also runs the same FSDP2 job without fxoffload, eagerly, and exits 1 unless
 every loss and every local gradient shard match and each rank's graphs offload
-or recompute something. Timings are CPU timings: device and host are the same
+or recompute something. ``--measure`` measures one whole step's activation
+peak with and without fxoffload (``fxoffload.measure_peak``, everything the
+step keeps for its backward: embeddings, hidden states and FSDP2's buffers
+included) and exits 1 if the first is above ``--budget`` of the second. Timings are CPU timings: device and host are the same
 memory here.
 """
 
@@ -74,6 +77,22 @@ def train(model: torch.nn.Module, steps: int, batch: int, seq: int, rank: int):
     return losses, grads
 
 
+def measured_step_peak(model: torch.nn.Module, batch: int, seq: int, rank: int) -> int:
+    """The measured activation peak of one whole training step (forward and backward), after two
+    steps that compile (and re-plan) the layers."""
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(rank))
+
+    def step(m: torch.nn.Module) -> torch.Tensor:
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        step(model)
+        model.zero_grad(set_to_none=True)
+    return fxoffload.measure_peak(step, model).activation_peak
+
+
 def say(line: str) -> None:
     """One write per line, so that the ranks' lines do not interleave on a shared stdout."""
     sys.stdout.write(line + "\n")
@@ -104,13 +123,13 @@ def main() -> int:
     parser.add_argument("--strategy", default="auto", choices=["auto", "offload", "recompute"])
     parser.add_argument("--inner", default="eager", choices=["inductor", "eager"])
     parser.add_argument("--check", action="store_true", help="compare with the same FSDP2 job without fxoffload")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure one step's activation peak with and without fxoffload (exit 1 if above the budget)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    # One compiled graph serves every layer: plan it for the step's runs of it.
-    backend = fxoffload.offload_backend(
-        memory_budget=args.budget, strategy=args.strategy, inner=args.inner, min_bytes=0, runs_per_step=args.layers)
+    backend = make_backend(args)
     losses, grads = train(shard(build_model(args.layers), backend), args.steps, args.batch, args.seq, rank)
     say(f"rank {rank}: losses " + " ".join(f"{loss.item():.4f}" for loss in losses))
     moved = report(rank, backend)
@@ -121,8 +140,22 @@ def main() -> int:
             torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads, expected_grads))
         ok = same and moved > 0
         say(f"rank {rank}: same as FSDP2 without fxoffload: {same}; storages moved {moved}")
+    if args.measure:
+        offloaded = measured_step_peak(shard(build_model(args.layers), make_backend(args)), args.batch, args.seq, rank)
+        plain = measured_step_peak(shard(build_model(args.layers)), args.batch, args.seq, rank)
+        within = offloaded <= args.budget * plain
+        ok = ok and within
+        say(f"rank {rank}: measured step activation peak {format_bytes(offloaded)} with fxoffload, "
+            f"{format_bytes(plain)} without ({offloaded / plain:.3f}): {'within' if within else 'OVER'} "
+            f"budget {args.budget} of the whole step")
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def make_backend(args: argparse.Namespace):
+    # One compiled graph serves every layer: plan it for the step's runs of it.
+    return fxoffload.offload_backend(memory_budget=args.budget, strategy=args.strategy, inner=args.inner,
+                                     min_bytes=0, runs_per_step=args.layers)
 
 
 if __name__ == "__main__":
