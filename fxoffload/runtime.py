@@ -181,9 +181,6 @@ class Invocation:
     index: int
     offloads: list[_Offloaded] = field(default_factory=list)
 
-    def alive(self) -> bool:
-        return any(o.host() is not None for o in self.offloads)
-
 
 _deferred: list[_Transfer] = []  # deferred d2h copies still holding their sources
 _ahead: dict[int, torch.Tensor] = {}  # host data_ptr -> device buffer of a copy started ahead
@@ -268,7 +265,9 @@ def forward_invocation() -> Iterator[Invocation]:
         _event("forward_end", invocation.index, in_flight)
     if not outer:  # every forward, offloads or not: prefetch_ahead targets the one right before
         with _registry_lock:
-            _waiting[:] = [i for i in _waiting if i.alive() or not i.offloads][-_WAITING_KEPT:] + [invocation]
+            _waiting.append(invocation)
+            if len(_waiting) > _WAITING_KEPT:  # forwards whose backward never began: forget the oldest
+                del _waiting[: len(_waiting) - _WAITING_KEPT]
 
 
 def _complete_deferred_before(index: int) -> None:

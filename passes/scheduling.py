@@ -362,16 +362,7 @@ def schedule_transfers(
     moves = plan.recompute_moves()  # recomputed storages stay where the plan put them
     moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
     temporaries = plan.recompute_temporaries()
-    bound = _own_bound(plan, timeline, moves)
-    # Moving a release later or a prefetch earlier never raises the total peak above the
-    # step's without offloading (or a lower cap). (The least-memory placement's own total peak
-    # is never above the former: its device intervals lie inside each storage's unoffloaded
-    # lifetime. Where a cap is below even that, copies stay at their least-memory placement.)
-    total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
-    if plan.device_bytes is not None:  # a device budget bounds every tensor: the total curve is the one
-        held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
-        total_bound = min(total_bound, plan.device_bytes - plan.input_bytes - (plan.runs - 1) * held)
-        bound = total_bound  # then max(saved, total - total_bound + bound) is the total curve
+    bound, total_bound = _bounds(plan, timeline, moves)
     releases, late = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
                                      temporaries)
     for k, r in enumerate(releases):
@@ -394,16 +385,27 @@ def schedule_transfers(
     return dataclasses.replace(schedule, ahead_before=timeline.nodes[at], ahead_bytes=nbytes, ahead=tuple(which))
 
 
-def _own_bound(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> int:
-    """The bound on this graph's own activation curve: the plan's budget, less what the step's
-    earlier runs hold for their backward when the graph runs several times; without a budget,
-    the plan's own predicted peak (so that scheduling never raises it)."""
+def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> tuple[int, int]:
+    """The bounds on this graph's own activation and total curves that moves must keep.
+
+    Activations: the plan's budget, less what the step's earlier runs hold for their backward when
+    the graph runs several times; without a budget, the plan's own predicted peak (so that
+    scheduling never raises it). Total: the step's total peak without offloading (or a lower cap):
+    the least-memory placement's own total is never above it (its device intervals lie inside each
+    storage's unoffloaded lifetime; where a cap is below even that, copies stay at their
+    least-memory placement). Under a device budget the total is bounded by what the budget leaves
+    after the graph's inputs and the earlier runs, and it is the one curve that counts."""
+    earlier = 0
+    if plan.runs > 1:
+        held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
+        earlier = (plan.runs - 1) * held
+    total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
+    if plan.device_bytes is not None:  # then max(saved, total - total_bound + bound) is the total curve
+        total_bound = min(total_bound, plan.device_bytes - plan.input_bytes - earlier)
+        return total_bound, total_bound
     if plan.budget_bytes is None:
-        return plan.activation_peak_after
-    if plan.runs == 1:
-        return plan.budget_bytes
-    held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
-    return plan.budget_bytes - (plan.runs - 1) * held
+        return plan.activation_peak_after, total_bound
+    return plan.budget_bytes - earlier, total_bound
 
 
 def _deferrable(late, runs, sizes, starts, timeline, moves, bound, total_bound, temporaries) -> set[int]:
