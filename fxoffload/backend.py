@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -80,8 +81,10 @@ class GraphRecord:
 class _Partitioner(CustomPartitionerFn):
     """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
 
-    def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]]) -> None:
+    def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+                 input_activations: frozenset[int] = frozenset()) -> None:
         self._on_pair = on_pair
+        self._input_activations = input_activations
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         # The user's selective-checkpoint marks, before the partitioner writes its own.
@@ -91,7 +94,8 @@ class _Partitioner(CustomPartitionerFn):
             # Plain compile would recompute what the marks make us save: its total peak caps
             # how far our copies may stretch the tensors' device time.
             plain_fw, plain_bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"])
+            plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"],
+                                                 self._input_activations)
         save_offload_marks(gm.graph)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
@@ -132,9 +136,10 @@ class _Replan:
 
     module: fx.GraphModule
     example_inputs: list[Any]
+    input_activations: frozenset[int]  # as the first call's inputs showed (fake copies cannot)
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, example_inputs: list[Any]) -> "_Replan | None":
+    def of(cls, gm: fx.GraphModule, example_inputs: list[Any], activations: frozenset[int]) -> "_Replan | None":
         """None for graphs with symbolic sizes: compiling them again outside dynamo would add
         guards dynamo never checks."""
         sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
@@ -150,7 +155,7 @@ class _Replan:
             mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
             example_inputs = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) if isinstance(t, torch.Tensor)
                               else t for t in example_inputs]
-        return cls(fx.GraphModule(gm, graph), list(example_inputs))
+        return cls(fx.GraphModule(gm, graph), list(example_inputs), activations)
 
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -174,15 +179,16 @@ class _Compilation:
     between the two), so ``record.forward`` / ``record.backward`` are what runs.
     """
 
-    def __init__(self, backend: "OffloadBackend", region: tuple) -> None:
+    def __init__(self, backend: "OffloadBackend", region: tuple, input_activations: frozenset[int]) -> None:
         self.backend = backend
         self.region = region
+        self.input_activations = input_activations
         self.record: GraphRecord | None = None
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region,
-                                              plain_total)
+                                              plain_total, self.input_activations)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -262,6 +268,7 @@ class OffloadBackend:
     def _plan_pair(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
         repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
+        input_activations: frozenset[int] = frozenset(),
     ) -> GraphRecord:
         place = self._place(region)
         options, held_before = self._options_for(place, region)
@@ -270,6 +277,7 @@ class OffloadBackend:
             fw, bw, planned = plan_best_partition(
                 fw, bw, num_user_outputs, repartition,
                 options=options, horizon=self.config.horizon, profile=self.config.profile, policies=policies,
+                input_activations=input_activations,
             )
         except BudgetInfeasibleError as error:
             if not held_before or options.budget.nbytes is None:
@@ -312,8 +320,9 @@ class OffloadBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         region = self._region_key()
-        replan = _Replan.of(gm, example_inputs) if self.config.runs_per_step == "auto" else None
-        compiled = self._compile_region(gm, example_inputs, region)
+        activations = input_activations(example_inputs)
+        replan = _Replan.of(gm, example_inputs, activations) if self.config.runs_per_step == "auto" else None
+        compiled = self._compile_region(gm, example_inputs, region, activations)
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
         warn = budget is not None and budget.nbytes is not None and replan is None
@@ -357,7 +366,7 @@ class OffloadBackend:
         log.info("fxoffload: compiled region %d ran %d times in one step (one graph serving several layers): "
                  "re-planning it for the whole step and recompiling it, once", self._place(region), runs)
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            compiled = self._compile_region(replan.module, replan.example_inputs, region)
+            compiled = self._compile_region(replan.module, replan.example_inputs, region, replan.input_activations)
         self._record_of[region].runs_learned = True
         return compiled
 
@@ -388,9 +397,11 @@ class OffloadBackend:
             f"({budget} B). Pass runs_per_step=<the number of layers the graph serves> so that the plan "
             f"covers the whole step.", stacklevel=2)
 
-    def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple) -> Callable:
-        compilation = _Compilation(self, region)
-        partitioner = _Partitioner(compilation.on_pair)
+    def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
+                        activations: frozenset[int]) -> Callable:
+        """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`)."""
+        compilation = _Compilation(self, region, activations)
+        partitioner = _Partitioner(compilation.on_pair, compilation.input_activations)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -410,6 +421,32 @@ class OffloadBackend:
             decompositions=select_decomp_table(),
         )
         return compiler(gm, example_inputs)
+
+
+def input_activations(example_inputs: list[Any]) -> frozenset[int]:
+    """Positions of the inputs that are activations of the step: tensors an earlier part of the
+    step made with autograd (they require grad and are not leaves: a hidden state from the layer
+    before). The plan counts those its graph saves, once per run of the graph. Leaves (parameters,
+    the batch, a user's input that requires grad) and inputs that do not require grad (masks,
+    rotary tables) are taken to exist before the step. Judged on the call that compiles the graph:
+    a graph first compiled on a leaf does not count the inputs of its later runs. An input that the
+    compiled graph which made it also saved (a ``tanh`` output returned at a graph break) is
+    counted there, not again."""
+    return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
+                     and t.requires_grad and not t.is_leaf and not _held_by_maker(t))
+
+
+def _held_by_maker(t: torch.Tensor) -> bool:
+    """Whether the compiled graph whose forward returned ``t`` saved its storage for its backward."""
+    node = t.grad_fn
+    if node is None or "CompiledFunction" not in type(node).__name__:
+        return False
+    try:
+        saved = node.saved_tensors
+    except RuntimeError:  # already freed, or unpacked by a hook that refuses: count it (conservative)
+        return False
+    key = StorageWeakRef(t.untyped_storage()).cdata
+    return any(isinstance(s, torch.Tensor) and StorageWeakRef(s.untyped_storage()).cdata == key for s in saved)
 
 
 def offload_backend(**options: Any) -> OffloadBackend:

@@ -27,7 +27,9 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, SavedInterface, is_random, saved_activations, saved_interface
+from passes.analysis import (
+    SavedActivation, SavedInterface, inputs_at, is_random, saved_activations, saved_interface,
+)
 from passes.cost_model import DeviceProfile, node_work, roofline
 from passes.memory import Timeline, build_timeline, curve, intervals, peak, unbounded_symbols
 from passes.planning import (
@@ -78,17 +80,21 @@ def plan_pair(
     horizon: int | str,
     profile: DeviceProfile,
     policies: Mapping[str, str] | None = None,
+    input_activations: frozenset[int] = frozenset(),
     _watch: _Stopwatch | None = None,
 ) -> PassResult:
     """Analyse, estimate, plan and schedule the pair; the graphs are not changed.
 
     ``policies``: the user's selective-checkpoint marks by forward node name (``passes.policies``).
+    ``input_activations``: positions, among the compiled function's inputs, of those an earlier
+    compiled graph of the step made (hidden states between layers): the step holds the ones this
+    pair saves, once per run, and the budget counts them.
     """
     watch = _watch or _Stopwatch()
     fw, bw = fw_module.graph, bw_module.graph
     interface = saved_interface(fw, bw, num_user_outputs)
     activations = saved_activations(interface)
-    timeline = build_timeline(fw, bw, interface)
+    timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations))
     watch.stamp("analyse")
     # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
     work = tuple(node_work(n) for n in timeline.nodes)
@@ -116,10 +122,12 @@ def plan_pair(
     return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times), work)
 
 
-def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int) -> int:
+def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int,
+                           input_activations: frozenset[int] = frozenset()) -> int:
     """Predicted total peak (every tensor of the step, bytes) of a pair run as it is."""
     interface = saved_interface(fw_module.graph, bw_module.graph, num_user_outputs)
-    timeline = build_timeline(fw_module.graph, bw_module.graph, interface)
+    timeline = build_timeline(fw_module.graph, bw_module.graph, interface,
+                              inputs_at(fw_module.graph, input_activations))
     return peak(curve(timeline.length, intervals(timeline, {}, residual_only=False)))
 
 
@@ -163,6 +171,7 @@ def plan_best_partition(
     horizon: int | str,
     profile: DeviceProfile,
     policies: Mapping[str, str] | None = None,
+    input_activations: frozenset[int] = frozenset(),
 ) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
     """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
     predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
@@ -176,12 +185,13 @@ def plan_best_partition(
     value; it is skipped when its backward draws random numbers (see :func:`_draws_random_numbers`).
     Peaks "before" stay the min-cut pair's, which the budget fraction refers to. With
     ``PREFER_*`` selective-checkpoint hints, the joint program's plan stands: it weighs the
-    hints, which the simulator's step time does not.
+    hints, which the simulator's step time does not. ``input_activations``: as for :func:`plan_pair`
+    (by input position, so it holds for the re-partitioned pair too).
     """
     def planned(fw, bw, opts):
         with _gc_paused():
             return plan_pair(fw, bw, num_user_outputs, options=opts, horizon=horizon, profile=profile,
-                             policies=policies)
+                             policies=policies, input_activations=input_activations)
 
     def alternative(fw, bw, opts):
         with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
@@ -233,7 +243,8 @@ def _best_alternative(fw_module, bw_module, first, repartition, alternative, opt
     seconds = (("alternatives", time.perf_counter() - start),)
     relabelled = dataclasses.replace(
         best.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
-        total_peak_before=plan.total_peak_before, strategy="auto", partition=label,
+        total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before,
+        device_peak_before=plan.device_peak_before, strategy="auto", partition=label,
     )
     return fw, bw, dataclasses.replace(best, plan=relabelled, seconds=first.seconds + seconds)
 

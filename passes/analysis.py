@@ -52,6 +52,7 @@ __all__ = [
     "recompute_chain",
     "is_random",
     "MAX_CHAIN",
+    "inputs_at",
 ]
 
 MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the partitioner's own recomputation
@@ -152,6 +153,19 @@ def saved_interface(fw: fx.Graph, bw: fx.Graph, num_user_outputs: int) -> SavedI
                 f"fxoffload: saved tensor {f.name!r} does not match backward input {b.name!r}"
             )
     return SavedInterface(num_user_outputs, tuple(tensors), tuple(bw_saved), outputs[:num_user_outputs])
+
+
+def inputs_at(fw: fx.Graph, indices: frozenset[int]) -> tuple[fx.Node, ...]:
+    """The forward's placeholders for the compiled function's inputs at ``indices`` (AOTAutograd's
+    flat arguments: what dynamo hands the backend), found by the input descriptor AOTAutograd
+    writes on each placeholder. Placeholders without a plain descriptor (older PyTorch, inputs
+    AOTAutograd synthesised) are not matched."""
+    try:
+        from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+    except ImportError:  # PyTorch without input descriptors
+        return ()
+    return tuple(n for n in fw.find_nodes(op="placeholder")
+                 if isinstance(desc := n.meta.get("desc"), PlainAOTInput) and desc.idx in indices)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ alias. User outputs live to the end of the forward, gradients to the end of
 the step, tangents (made by autograd, including the zeros AOTAutograd
 materialises for unused outputs) from the start of the backward to their last
 use; a saved tensor (*residual*) lives from its forward birth to its last
-backward use. A plan
+backward use. A graph input that is an activation of an earlier compiled graph
+of the step (a hidden state passed from one compiled layer to the next, told
+by the caller) and that the forward saves is a residual from position 0: the
+step holds one per run of the graph. A plan
 replaces an offloaded storage's interval with two: the device copy until its
 release, and the prefetched copy from its prefetch to its last use; host
 buffers are not device memory. Curves are prefix sums of a difference array,
@@ -60,6 +63,9 @@ class Timeline:
     fw_nodes: tuple[fx.Node, ...]
     bw_nodes: tuple[fx.Node, ...]
     lifetimes: tuple[Lifetime, ...]
+    # Forward inputs that are activations of an earlier graph of the step, saved here: they have
+    # lifetimes (from position 0) and are not among the resident graph inputs.
+    input_activations: tuple[fx.Node, ...] = ()
 
     @property
     def length(self) -> int:
@@ -181,12 +187,20 @@ class _Walker:
                 self.death.append(i)
 
 
-def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface) -> Timeline:
-    """Lifetimes of every storage the pair creates; see the module docstring."""
+def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
+                   input_activations: Sequence[fx.Node] = ()) -> Timeline:
+    """Lifetimes of every storage the pair creates; see the module docstring.
+
+    ``input_activations``: forward placeholders that are activations of an earlier graph of the
+    step (a hidden state handed from one compiled layer to the next). Those this pair saves get a
+    lifetime from position 0 to their last backward use: the step holds one per run of the graph.
+    """
     fw_nodes, bw_nodes = tuple(fw.nodes), tuple(bw.nodes)
     forward_end, end = len(fw_nodes) - 1, len(fw_nodes) + len(bw_nodes) - 1
     walker = _Walker()
-    walker.walk(fw_nodes, 0, {})
+    seeded = _saved_inputs(walker, interface, input_activations)
+    held = tuple(dict.fromkeys(walker.birth[lifetime][1] for lifetime in seeded.values()))
+    walker.walk(fw_nodes, 0, seeded)
     saved = {lt for n in interface.fw_saved for lt in walker.lifetimes_of(n)}
     # User outputs are held until the forward returns; what the caller keeps
     # through the backward (e.g. logits) is not modelled.
@@ -218,7 +232,20 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface) -> Tim
     for index, ((birth, node, val, key), death) in enumerate(zip(walker.birth, walker.death)):
         expr = tensor_nbytes(val)
         lifetimes.append(Lifetime(index, key, node.name, concrete(expr, val), expr, birth, death, index in saved))
-    return Timeline(fw_nodes, bw_nodes, tuple(lifetimes))
+    return Timeline(fw_nodes, bw_nodes, tuple(lifetimes), held)
+
+
+def _saved_inputs(walker: _Walker, interface: SavedInterface, inputs: Sequence[fx.Node]) -> dict[int, int]:
+    """Lifetimes, born at position 0, of the storages of ``inputs`` that the forward saves."""
+    saved = {k for n in interface.fw_saved for k in walker.node_keys(n)}
+    seeded: dict[int, int] = {}
+    for node in inputs:
+        for key, val in zip(walker.node_keys(node), _vals(node)):
+            if key in saved and key not in seeded:
+                seeded[key] = len(walker.birth)
+                walker.birth.append((0, node, val, key))
+                walker.death.append(0)
+    return seeded
 
 
 def curve(

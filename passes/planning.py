@@ -273,6 +273,9 @@ def _replayable(act: SavedActivation) -> bool:
     return True
 
 
+INPUT_ACTIVATION = "graph input that an earlier compiled graph of the step made (counted as an activation)"
+
+
 def why_kept(
     group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int,
     marks: frozenset[str] = frozenset(),
@@ -391,11 +394,13 @@ class _Problem:
 
 
 def graph_input_bytes(timeline: Timeline) -> int:
-    """Bytes of the forward graph's tensor inputs (parameters, buffers, batch): resident all step."""
+    """Bytes of the forward graph's tensor inputs (parameters, buffers, batch): resident all step.
+    Inputs that are an earlier graph's activations, saved here, have lifetimes instead."""
     from passes.analysis import tensor_nbytes
     from passes.memory import concrete
 
-    vals = [n.meta.get("val") for n in timeline.fw_nodes if n.op == "placeholder"]
+    held = set(timeline.input_activations)
+    vals = [n.meta.get("val") for n in timeline.fw_nodes if n.op == "placeholder" and n not in held]
     return sum(concrete(tensor_nbytes(v), v) for v in vals if isinstance(v, torch.Tensor))
 
 
@@ -623,6 +628,7 @@ def plan_offloads(
     groups = group_by_base(activations)
     marks = {base: _group_marks(group, policies or {}) for base, group in groups.items()}
     reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base]) for base, group in groups.items()}
+    reasons.update({base: INPUT_ACTIVATION for base in timeline.input_activations if base in reasons})
     candidates = [base for base, reason in reasons.items() if reason is None]
     missing = [b.name for b in candidates if b not in moves or b not in costs]
     if missing:

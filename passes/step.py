@@ -26,9 +26,9 @@ in the order the invocations ran:
   clock. The baseline is the same step without offloading or recomputing.
 
 Every figure is a prediction. Limits: compute outside the compiled graphs
-(embeddings, the loss) is not in the records and not simulated; the
-activations one invocation hands to the next are graph inputs and counted
-by neither curve; total memory (gradients, temporaries) is left to the
+(embeddings, the loss) is not in the records and not simulated; an
+activation one invocation hands to the next is counted in the curve of the
+graph that saves it (``Timeline.input_activations``); total memory (gradients, temporaries) is left to the
 per-graph simulator.
 """
 

@@ -60,3 +60,23 @@ def test_budget_fraction_resolves_against_the_unoffloaded_peak():
 def test_budget_below_the_floor_is_infeasible():
     with pytest.raises(BudgetInfeasibleError, match="smallest achievable activation peak is 1024 B .* budget of 768 B"):
         plan_deep(0.5)
+
+
+def test_an_input_made_by_an_earlier_graph_is_an_activation_from_the_start():
+    # deep_tanh's x (16x8 floats, 512 B) is saved (transposed) for w1's gradient. Told that it is a hidden state
+    # an earlier graph made, the model holds it from position 0 to its last backward use, as a
+    # residual beside tanh, tanh_1 and mm_2 (1536 B at the boundary), and not among the inputs.
+    inputs = [torch.randn(16, 8, requires_grad=True)] + [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    fw, bw, n = partitioned_pair(deep_tanh, *inputs)
+    plans = {given: plan_pair(fw, bw, n, options=PlanOptions(), horizon=1, profile=PROFILES["h100-pcie5"],
+                              input_activations=given)
+             for given in (frozenset(), frozenset({0}))}
+    plain, told = plans[frozenset()], plans[frozenset({0})]
+    x = told.timeline.input_activations
+    assert [node.name for node in x] == ["primals_1"] and plain.timeline.input_activations == ()
+    lifetime = next(lt for lt in told.timeline.lifetimes if lt.name == "primals_1")
+    # Saved as its transpose (permute_4), read last by w1's gradient (mm_7) in the backward.
+    last_use = told.timeline.positions[next(n for n in told.timeline.bw_nodes if n.name == "mm_7")]
+    assert (lifetime.birth, lifetime.death, lifetime.nbytes, lifetime.residual) == (0, last_use, 512, True)
+    assert (plain.plan.activation_peak_before, told.plan.activation_peak_before) == (1536, 2048)
+    assert plain.plan.input_bytes - told.plan.input_bytes == 512
