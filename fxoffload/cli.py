@@ -332,18 +332,24 @@ def _step_report(invocations: list, options: dict) -> dict:
 
     sim = simulate_step(invocations)
     budget = parse_budget(options["memory_budget"])
+    before = sim.activation_peak_before
+    if len({id(r) for r in invocations}) == 1:
+        # One graph (per layer, or the whole step): its plan's own figures. Under strategy auto the
+        # graph may be PyTorch's recompute-only partition, whose peak without offloading is lower
+        # than the min-cut partition's that the fraction refers to.
+        before = invocations[0].plan.step_peak_before
     if budget is None:
         budget_bytes = None
     elif budget.nbytes is not None:
         budget_bytes = budget.nbytes
     else:  # a fraction of the step's activation peak without offloading
-        budget_bytes = int(budget.fraction * sim.activation_peak_before)
+        budget_bytes = int(budget.fraction * before)
     return {
         "invocations": sim.invocations,
         "graphs": len({id(r) for r in invocations}),
         "budget_bytes": budget_bytes,
         "within_budget": budget_bytes is None or sim.activation_peak <= budget_bytes,
-        "activation_peak_before": sim.activation_peak_before,
+        "activation_peak_before": before,
         "activation_peak_after": sim.activation_peak,
         "step_time": sim.step_time,
         "step_time_without_offload": sim.compute_time,
@@ -354,12 +360,9 @@ def _step_report(invocations: list, options: dict) -> dict:
 
 
 def _input_bytes(record: Any) -> int:
-    """Bytes of the forward graph's tensor inputs: parameters, buffers and batch (not in the peaks)."""
-    from passes.analysis import tensor_nbytes
-    from passes.memory import concrete
-
-    vals = [n.meta.get("val") for n in record.forward.graph.find_nodes(op="placeholder")]
-    return sum(concrete(tensor_nbytes(v), v) for v in vals if isinstance(v, torch.Tensor))
+    """Bytes of the forward graph's resident tensor inputs: parameters, buffers and batch (not in the
+    peaks; an earlier graph's activations that this one saves are in its peaks instead)."""
+    return record.plan.input_bytes
 
 
 def _print_report(report: dict, records: list) -> None:
