@@ -434,6 +434,77 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
     return rows
 
 
+# ----------------------------------------------------------------------------- one graph per layer
+
+PER_LAYER_MODELS = ("llama-2-7b",)  # the 7B presets here; benchmarks/per_layer.py adds llama-3-8b, mistral-7b
+PER_LAYER_STRATEGIES = (AUTO, OFFLOAD)
+
+
+def per_layer_rows(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[dict]:
+    """fxoffload with each decoder layer compiled on its own, as FSDP2 and torchtitan compile
+    (``fxoffload plan --per-layer``: one graph planned for its runs in the step): per profile,
+    budget below 1.0 and strategy, the step of every layer's run, simulated. The budget is a
+    fraction of that step's activation peak without offloading (the layers' graphs only)."""
+    import contextlib
+    import io
+
+    from fxoffload import cli
+
+    preset, layers, size, batch = spec
+    rows = []
+    for profile_name in PROFILE_NAMES:
+        for budget in (b for b in budgets if b < 1.0):
+            for strategy in PER_LAYER_STRATEGIES:
+                log(f"{name}: per layer, {profile_name}, budget {budget}, {strategy}")
+                argv = ["plan", "--preset", preset, "--seq", str(size), "--batch", str(batch), "--dtype", "bf16",
+                        "--budget", str(budget), "--profile", profile_name, "--per-layer", "--json", "--quiet",
+                        "--no-plot", "--strategy", strategy.removeprefix("fxoffload-"),
+                        "--min-bytes", str(MIN_BYTES), *(["--layers", str(layers)] if layers else [])]
+                out, err = io.StringIO(), io.StringIO()
+                start = time.perf_counter()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = cli.main(argv)
+                seconds = time.perf_counter() - start
+                step = json.loads(out.getvalue())["step"] if code == 0 else None
+                rows.append(_per_layer_row(name, profile_name, budget, strategy, step, seconds,
+                                           err.getvalue().strip()))
+    return rows
+
+
+def _per_layer_row(model, profile, budget, strategy, step, seconds, error) -> dict:
+    if step is None:  # the CLI refused the budget: say so in the row
+        return {"model": model, "profile": profile, "budget": budget, "strategy": strategy, "feasible": False,
+                "note": error.splitlines()[-1] if error else "failed", "decision_seconds": seconds}
+    return {"model": model, "profile": profile, "budget": budget, "strategy": strategy, "feasible": True,
+            "graph_runs": step["invocations"], "activation_peak_before": step["activation_peak_before"],
+            "activation_peak": step["activation_peak_after"], "budget_bytes": step["budget_bytes"],
+            "over_budget": not step["within_budget"], "step_time": step["step_time"],
+            "compute_time": step["step_time_without_offload"], "overhead": step["overhead"],
+            "crossing_copies": step["crossing_copies"], "decision_seconds": seconds, "note": ""}
+
+
+def per_layer_markdown(layer_rows: list[dict], rows: list[dict]) -> str:
+    """Each per-layer row beside the whole-graph row of the same model, profile, budget and strategy."""
+    whole = {(r["model"], r["profile"], r["budget"], r["strategy"]): r for r in rows}
+    header = ("| model | profile | budget | strategy | whole graph: act. peak (pred.) | whole graph: overhead (sim.) "
+              "| per layer: step act. peak (pred.) | per layer: overhead (sim.) | graph runs | copies across "
+              "| per layer: plan (meas.) |")
+    lines = [header, "|" + "---|" * 11]
+    for r in layer_rows:
+        w = whole.get((r["model"], r["profile"], r["budget"], r["strategy"]))
+        w_peak = "" if w is None else format_bytes(w["activation_peak"]) + (" **over**" if w["over_budget"] else "")
+        w_over = "" if w is None else f"{w['overhead']:+.1%}"
+        if not r["feasible"]:
+            cells = f"{r['note']} | | | |"
+        else:
+            peak = (f"{format_bytes(r['activation_peak'])} ({'**over**' if r['over_budget'] else 'within'} "
+                    f"{format_bytes(r['budget_bytes'])})")
+            cells = f"{peak} | {r['overhead']:+.1%} | {r['graph_runs']} | {r['crossing_copies']}"
+        lines.append(f"| {r['model']} | {r['profile']} | {r['budget']} | {r['strategy']} | {w_peak} | {w_over} | "
+                     f"{cells} | {r['decision_seconds']:.1f} s |")
+    return "\n".join(lines)
+
+
 def _plan_note(plan) -> str:
     parts = [f"{len(plan.transfers)} offloaded, {len(plan.recomputes)} recomputed"]
     if plan.partition != "min-cut":
@@ -561,7 +632,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small slices of each model (CI-sized, < 2 min)")
     parser.add_argument("--out", default="benchmarks/out",
-                        help="folder for compare.md, headline.md, compare.json, compare.png")
+                        help="folder for compare.md, headline.md, per_layer.md, compare.json, compare.png")
     parser.add_argument("--models", default=",".join(FULL), help="comma-separated subset of " + ", ".join(FULL))
     args = parser.parse_args(argv)
     specs = QUICK if args.quick else FULL
@@ -573,26 +644,33 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     log = lambda message: print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
-    rows = []
+    rows, layer_rows = [], []
     for name in wanted:
         rows += compare_model(name, specs[name], log=log)
+        if name in PER_LAYER_MODELS:
+            layer_rows += per_layer_rows(name, specs[name], log=log)
     table = markdown(rows)
+    layer_table = per_layer_markdown(layer_rows, rows)
     misses = targets(rows)
     meta = {"date": time.strftime("%Y-%m-%d"), "quick": args.quick, "specs": {m: specs[m] for m in wanted},
             "torch": torch.__version__, "cpu_count": os.cpu_count(), "seconds": time.perf_counter() - start,
             "note": "activation peaks predicted, step times simulated; decision seconds measured on this machine"}
     (out / "compare.md").write_text(table + "\n")
     (out / "headline.md").write_text(headline(rows) + "\n")
-    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows, "misses": misses,
-                                                  "auto_wins": auto_wins(rows)}, indent=1))
+    (out / "per_layer.md").write_text(layer_table + "\n")
+    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_layer": layer_rows,
+                                                  "misses": misses, "auto_wins": auto_wins(rows)}, indent=1))
     plot(rows, out / "compare.png")
     print(table)
+    print("\none graph per layer beside the whole graph (per-layer budgets are fractions of the layers' step peak):")
+    print(layer_table)
     print("\nheadline, h100-pcie5 (activation peak predicted, overhead over none simulated, floor bound):")
     print(headline(rows))
     print(f"\ntargets: {len(misses)} missed" + "".join(f"\n  {m}" for m in misses))
     wins = auto_wins(rows)
     print(f"auto strictly faster than every single strategy within budget: {len(wins)}" + "".join(f"\n  {w}" for w in wins))
-    print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'compare.json'}, {out / 'compare.png'} in {meta['seconds']:.0f} s")
+    print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'per_layer.md'}, {out / 'compare.json'}, "
+          f"{out / 'compare.png'} in {meta['seconds']:.0f} s")
     return 0
 
 

@@ -43,3 +43,16 @@ def test_quick_comparison_table(tmp_path, capsys):
     assert len(headline) == 2 + len(MODELS) * len(below_one)
     assert all(line.count("|") == 2 + len(compare.STRATEGIES) for line in headline)
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    # One graph per layer, beside the whole graph: every profile, budget below 1.0 and strategy, for
+    # the 7B preset (two layers here), each step within its budget: a fraction of the layers' step.
+    layer_rows = report["per_layer"]
+    expected = {(p, b, s) for p in compare.PROFILE_NAMES for b in below_one for s in compare.PER_LAYER_STRATEGIES}
+    assert {(r["profile"], r["budget"], r["strategy"]) for r in layer_rows} == expected
+    for r in layer_rows:
+        assert r["model"] in compare.PER_LAYER_MODELS and r["feasible"], r
+        assert r["graph_runs"] == compare.QUICK[r["model"]][1]
+        assert r["budget_bytes"] == int(r["budget"] * r["activation_peak_before"])
+        assert r["activation_peak"] <= r["budget_bytes"] and not r["over_budget"], r
+    layer_table = (tmp_path / "per_layer.md").read_text().strip().splitlines()
+    assert len(layer_table) == 2 + len(layer_rows) and all(line.count("|") == 12 for line in layer_table)
+    assert all("%" in line for line in layer_table[2:])  # the whole graph's overhead beside each row
