@@ -66,8 +66,8 @@ def main() -> int:
         "4096, bf16, budget 0.5 (of the step's activation peak without offloading), `h100-pcie5` profile. "
         "Overheads and peaks are **simulated** (no GPU ran); the last column is this machine's wall time for "
         "the `fxoffload plan` run, measured. Per-layer steps replay the decoder layers' runs only (embedding, "
-        "head and loss are outside the compiled graphs); whole-step rows are one graph of everything, so "
-        "their peaks are a little larger. \"copies across\" counts copies that crossed a graph boundary "
+        "head and loss are outside the compiled graphs), the hidden state each layer saves (its input, made "
+        "by the layer before) included; whole-step rows are one graph of everything. \"copies across\" counts copies that crossed a graph boundary "
         "(deferred releases and copies started ahead).",
         "",
         "| preset | plan | graph runs | step overhead | step activation peak (budget) | copies across | plan time |",
