@@ -31,7 +31,7 @@ from passes.analysis import (
     SavedActivation, SavedInterface, inputs_at, is_random, saved_activations, saved_interface,
 )
 from passes.cost_model import DeviceProfile, node_work, roofline
-from passes.memory import Timeline, build_timeline, curve, intervals, peak, unbounded_symbols
+from passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
 from passes.planning import (
     Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
     with_scheduled_peaks,
@@ -102,16 +102,20 @@ def plan_pair(
     watch.stamp("estimate")
     candidates = {
         b: g for b, g in group_by_base(activations).items()
-        if b.op != "placeholder" and isinstance(g[0].base_nbytes, int) and any(a.bw_node.users for a in g)
+        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor) and any(a.bw_node.users for a in g)
     }
-    nbytes = {b: g[0].base_nbytes for b, g in candidates.items()}
+    # Symbolic sizes at the size the plan is made for (the largest the guards allow, or the traced one).
+    nbytes = {b: concrete(g[0].base_nbytes, b.meta["val"]) for b, g in candidates.items()}
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
     # A chain may read saved values, and graph inputs (saved for it if they were not).
     readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
+    # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
+    # are forward values).
+    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int)]
     recomputes = {} if options.strategy == "offload" else recompute_costs(
-        timeline, list(candidates), placements, readable, times)
+        timeline, static, placements, readable, times)
     plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies, recomputes,
                          queued=horizon == AUTO)
     watch.stamp("plan")

@@ -53,6 +53,9 @@ __all__ = [
     "is_random",
     "MAX_CHAIN",
     "inputs_at",
+    "symbol_sources",
+    "sym_exprs",
+    "unbuildable",
 ]
 
 MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the partitioner's own recomputation
@@ -166,6 +169,48 @@ def inputs_at(fw: fx.Graph, indices: frozenset[int]) -> tuple[fx.Node, ...]:
         return ()
     return tuple(n for n in fw.find_nodes(op="placeholder")
                  if isinstance(desc := n.meta.get("desc"), PlainAOTInput) and desc.idx in indices)
+
+
+def sym_exprs(val: torch.Tensor, offset: bool = False) -> list[Any]:
+    """The size and stride (and storage offset) of a fake tensor as ints or sympy expressions."""
+    values = [*val.shape, *val.stride(), *([val.storage_offset()] if offset else [])]
+    return [v.node.expr if isinstance(v, torch.SymInt) else int(v) for v in values]
+
+
+def symbol_sources(nodes: Any) -> dict[Any, tuple[fx.Node, int | None]]:
+    """Where a graph finds each symbol of its sizes: a symint input that is exactly the symbol
+    (dimension None), or a dimension of a tensor input that is exactly it. First source wins."""
+    sources: dict[Any, tuple[fx.Node, int | None]] = {}
+    for node in nodes:
+        val = node.meta.get("val")
+        dims = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else [(None, val)]
+        for dim, size in dims:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                sources.setdefault(size.node.expr, (node, dim))
+    return sources
+
+
+def unbuildable(exprs: Any, symbols: Any) -> list[str]:
+    """The sizes among ``exprs`` (ints or sympy expressions) that a graph cannot compute from
+    ``symbols`` with additions, products and whole powers: what is missing, as text."""
+    missing = []
+    for expr in exprs:
+        if isinstance(expr, int):
+            continue
+        unknown = sorted(str(s) for s in expr.free_symbols if s not in symbols)
+        if unknown:
+            missing.append(f"{', '.join(unknown)} (no backward input carries it)")
+        elif not _polynomial(expr):
+            missing.append(f"{expr} (not a sum of products)")
+    return list(dict.fromkeys(missing))
+
+
+def _polynomial(expr: Any) -> bool:
+    if expr.is_Integer or expr.is_Symbol:
+        return True
+    if expr.is_Add or expr.is_Mul:
+        return all(_polynomial(a) for a in expr.args)
+    return bool(expr.is_Pow and expr.exp.is_Integer and expr.exp > 0 and _polynomial(expr.base))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,9 @@ The result is an immutable :class:`Plan`; nothing here edits a graph.
 Limits: queue lateness lets a prefetch start wherever compute allows,
 ignoring the memory it then holds (the schedule's stall is the prediction);
 chains with random ops are not recomputed (their generator state is not
-saved); symbolic sizes are evaluated at their hints.
+saved); symbolic sizes are evaluated at the largest size the guards allow, or
+the traced one (``passes.memory.concrete``), and offloaded when the backward can
+compute them (:func:`backward_symbols`), never recomputed.
 """
 
 from __future__ import annotations
@@ -55,8 +57,11 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key
-from passes.memory import Timeline, curve, intervals, peak
+from passes.analysis import (
+    SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key, sym_exprs, symbol_sources,
+    unbuildable,
+)
+from passes.memory import Timeline, concrete, curve, intervals, peak
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.solvers import Option, Queue, curve_with, solve
 
@@ -278,11 +283,12 @@ INPUT_ACTIVATION = "graph input that an earlier compiled graph of the step made 
 
 def why_kept(
     group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int,
-    marks: frozenset[str] = frozenset(),
+    marks: frozenset[str] = frozenset(), symbols: frozenset = frozenset(),
 ) -> str | None:
     """Why this storage group must stay on the device, or None if it may be offloaded.
 
-    ``marks`` are the group's selective-checkpoint marks (``passes.policies``).
+    ``marks`` are the group's selective-checkpoint marks (``passes.policies``); ``symbols`` the
+    size symbols the backward finds in inputs it keeps whatever the plan (:func:`backward_symbols`).
     """
     base = group[0].base
     val = base.meta.get("val")
@@ -298,19 +304,41 @@ def why_kept(
         return "shares storage with a model output"
     if val.device.type not in ("cpu", "cuda"):
         return f"on device {val.device.type!r}; supported: cpu, cuda"
-    if not isinstance(group[0].base_nbytes, int):
-        return "symbolic size (dynamic shapes are kept on the device for now)"
-    if group[0].base_nbytes == 0:
+    symbolic = not isinstance(group[0].base_nbytes, int)
+    if symbolic and (missing := _unbuildable_sizes(group, symbols)):
+        return f"symbolic size the backward cannot compute: {'; '.join(missing)}"
+    nbytes = concrete(group[0].base_nbytes, val)  # at the size the plan is made for
+    if nbytes == 0:
         return "empty tensor"
     if any(a.fw_node.meta.get("saved_tensor_with_no_vc_check", False) for a in group):
         return "stashed on ctx without save_for_backward"
-    if not all(_replayable(a) for a in group):
+    if not symbolic and not all(_replayable(a) for a in group):  # symbolic views are rebuilt by as_strided
         return "view chain takes other graph values as arguments; cannot rebuild it after prefetch"
     if not any(a.bw_node.users for a in group):
         return "not used by the backward graph"
-    if group[0].base_nbytes < min_bytes and MUST_CPU_OFFLOAD not in marks:  # the user asked for this one
-        return f"{group[0].base_nbytes} B < min_bytes={min_bytes}"
+    if nbytes < min_bytes and MUST_CPU_OFFLOAD not in marks:  # the user asked for this one
+        return f"{nbytes} B < min_bytes={min_bytes}"
     return None
+
+
+def _unbuildable_sizes(group: Sequence[SavedActivation], symbols: frozenset) -> list[str]:
+    """What the backward could not compute of a symbolic group's sizes: the base's size and stride
+    (for its prefetch) and each member's size, stride and offset (rebuilt from the prefetched base).
+    The base's own dimensions are found on its host buffer."""
+    base = group[0].base.meta["val"]
+    exprs = sym_exprs(base) + [e for a in group for e in sym_exprs(a.val, offset=True)]
+    own = {e for e in sym_exprs(base)[:base.dim()] if not isinstance(e, int) and e.is_Symbol}
+    return unbuildable(exprs, symbols | own)
+
+
+def backward_symbols(interface: SavedInterface, groups: Mapping[fx.Node, Sequence[SavedActivation]]) -> frozenset:
+    """Size symbols the backward finds in inputs no plan removes: symints, tangents, and saved graph
+    inputs (never offloaded). A saved activation's input may be replaced by a host buffer."""
+    if not interface.bw_saved:
+        return frozenset()
+    movable = {a.bw_node for base, g in groups.items() if base.op != "placeholder" for a in g}
+    inputs = [n for n in interface.bw_saved[0].graph.find_nodes(op="placeholder") if n not in movable]
+    return frozenset(symbol_sources(inputs))
 
 
 def _group_marks(group: Sequence[SavedActivation], policies: Mapping[str, str]) -> frozenset[str]:
@@ -627,7 +655,9 @@ def plan_offloads(
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
     marks = {base: _group_marks(group, policies or {}) for base, group in groups.items()}
-    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base]) for base, group in groups.items()}
+    symbols = backward_symbols(interface, groups)
+    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base], symbols)
+               for base, group in groups.items()}
     reasons.update({base: INPUT_ACTIVATION for base in timeline.input_activations if base in reasons})
     candidates = [base for base, reason in reasons.items() if reason is None]
     missing = [b.name for b in candidates if b not in moves or b not in costs]
@@ -696,7 +726,7 @@ def _decide(problem: _Problem, groups, reasons, choice: _Choice, budgeted: bool)
         lt = problem.lifetime(base) if base in offloaded or base in recomputed else None
         if base in offloaded:
             transfer = len(transfers)
-            transfers.append(Transfer(base, group[0].base_nbytes, members, lt.index, problem.costs.get(base)))
+            transfers.append(Transfer(base, lt.nbytes, members, lt.index, problem.costs.get(base)))
         elif base in recomputed:
             recompute = len(rebuilt)
             rebuilt.append(Recompute(base, group[0].base_nbytes, members, lt.index, problem.moves[base][0],

@@ -12,7 +12,10 @@ transfer's members are replaced by the one released host buffer.
 Backward, per transfer: a new input takes the host buffer;
 ``dev = prefetch(host, device, size, stride)`` before ``prefetch_before``,
 ``dev = wait(dev, host)`` before ``wait_before``, then each member's view
-chain is replayed on ``dev`` and replaces the member's old input; one
+chain is replayed on ``dev`` and replaces the member's old input. Symbolic
+sizes (dynamic shapes) become backward values (:class:`_Sizes`: ``sym_size`` of
+an input that carries each symbol, then sums and products), and a member whose
+chain takes forward values as arguments is rebuilt with ``as_strided``; one
 ``prefetch_ahead(after, bytes)`` before ``Schedule.ahead_before`` when the schedule
 starts copies for the backward that runs next.
 Recomputations (before the transfers, whose waits they may follow): each
@@ -27,15 +30,16 @@ node gets a fake ``meta["val"]``.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from passes.analysis import SavedActivation, SavedInterface
+from passes.analysis import SavedActivation, SavedInterface, symbol_sources
 from passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
-from passes.planning import Plan
+from passes.planning import Plan, _replayable
 from passes.scheduling import Schedule
 
 __all__ = ["rewrite_pair"]
@@ -118,6 +122,64 @@ def _replay(bw: fx.Graph, anchor: fx.Node, base: fx.Node, act: SavedActivation) 
     return current
 
 
+class _Sizes:
+    """Symbolic sizes as backward values (one compiled graph serves every size): each symbol read
+    off an input that carries it (``sym_size``, or a symint input), then sums and products, made
+    once at the top of the graph. Plain ints stay ints."""
+
+    def __init__(self, graph: fx.Graph, inputs: Sequence[fx.Node]) -> None:
+        self.graph = graph
+        self.sources = symbol_sources(inputs)
+        self.made: dict[Any, tuple[Any, Any]] = {}  # sympy expression -> (int or node, its value)
+        self.last: fx.Node | None = None
+
+    def of(self, values: Sequence[Any]) -> list[Any]:
+        return [v if isinstance(v, int) else self._make(v.node.expr)[0] for v in values]
+
+    def view(self, anchor: fx.Node, base: fx.Node, val: torch.Tensor) -> fx.Node:
+        """``val``'s view of the prefetched base (a symbolic view chain's own arguments are forward values)."""
+        args = (base, self.of(val.shape), self.of(val.stride()), self.of([val.storage_offset()])[0])
+        return _before(self.graph, anchor, torch.ops.aten.as_strided.default, args, val=val)
+
+    def _make(self, expr: Any) -> tuple[Any, Any]:
+        if expr.is_Integer:
+            return int(expr), int(expr)
+        if expr not in self.made:
+            if expr.is_Symbol:
+                self.made[expr] = self._read(expr)
+            else:
+                parts = [self._make(a) for a in expr.args] if not expr.is_Pow else [self._make(expr.base)] * int(expr.exp)
+                combine = operator.add if expr.is_Add else operator.mul
+                made = parts[0]
+                for part in parts[1:]:
+                    made = self._apply(combine, made, part)
+                self.made[expr] = made
+        return self.made[expr]
+
+    def _read(self, symbol: Any) -> tuple[fx.Node, Any]:
+        node, dim = self.sources[symbol]
+        if dim is None:
+            return node, node.meta["val"]
+        return self._insert(torch.ops.aten.sym_size.int, (node, dim), node.meta["val"].shape[dim])
+
+    def _apply(self, op: Callable, x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[Any, Any]:
+        value = op(x[1], y[1])
+        if isinstance(x[0], int) and isinstance(y[0], int):
+            return value, value
+        return self._insert(op, (x[0], y[0]), value)
+
+    def _insert(self, target: Callable, args: tuple, value: Any) -> tuple[fx.Node, Any]:
+        if self.last is None:  # the first: before everything the graph computes
+            with self.graph.inserting_before(next(n for n in self.graph.nodes if n.op != "placeholder")):
+                node = self.graph.call_function(target, args)
+        else:  # after the sizes made before it, which it may read
+            with self.graph.inserting_after(self.last):
+                node = self.graph.call_function(target, args)
+        node.meta["val"] = value
+        self.last = node
+        return node, value
+
+
 def _rewrite_backward(
     bw: fx.Graph,
     plan: Plan,
@@ -136,14 +198,19 @@ def _rewrite_backward(
         host.meta["val"] = fw_host.meta["val"]  # the same host buffer crosses from forward to backward
         host_inputs.append(host)
     order = schedule.prefetch_order or tuple(range(len(plan.transfers)))
+    moved = {activations[i].bw_node for t in plan.transfers for i in t.members}
+    sizes = _Sizes(bw, [p for p in bw.find_nodes(op="placeholder") if p not in moved])
     for k in order:  # the scheduler's issue order: prefetches at one node go in consumer order
         transfer, place, host = plan.transfers[k], schedule.placements[k], host_inputs[k]
         val = transfer.base.meta["val"]
-        dev = _before(bw, place.prefetch_before, PREFETCH, (host, val.device, list(val.shape), list(val.stride())))
+        dev = _before(bw, place.prefetch_before, PREFETCH,
+                      (host, val.device, sizes.of(val.shape), sizes.of(val.stride())))
         ready = _before(bw, place.wait_before, WAIT, (dev, host))
         for index in transfer.members:
             act = activations[index]
-            act.bw_node.replace_all_uses_with(_replay(bw, place.wait_before, ready, act))
+            rebuilt = (_replay(bw, place.wait_before, ready, act) if _replayable(act)
+                       else sizes.view(place.wait_before, ready, act.val))
+            act.bw_node.replace_all_uses_with(rebuilt)
             bw.erase_node(act.bw_node)
     if schedule.ahead_bytes:
         _insert_ahead(bw, schedule.ahead_before, schedule.ahead_bytes)
