@@ -66,9 +66,32 @@ def _summary(record: Any) -> str:
             f"region {record.region} of the step: earlier regions hold {format_bytes(record.held_before)} of "
             f"activations after their forward; running total with this one {format_bytes(record.held_after)} "
             "(predicted; an absolute budget covers them all)")
+    lines += _sizes(record)
     if plan.note:
         lines.append(f"note: {plan.note}")
     return "\n".join(lines)
+
+
+def _sizes(record: Any) -> list[str]:
+    """Under dynamic shapes: the size the plan (and its copy times) is made for, and the predicted
+    peaks at the smallest size the graph serves, where the same fraction should hold."""
+    from passes.memory import plan_sizes, smallest_sizes
+    from passes.planning import activation_peaks_at
+
+    sizes = plan_sizes(record.timeline)
+    if not sizes:
+        return []
+    planned = ", ".join(f"{s}={v}" for s, (v, _) in sizes.items())
+    how = ("the largest the guards allow" if all(b for _, b in sizes.values())
+           else "the traced size where no upper bound is known")
+    smallest = smallest_sizes(record.timeline)
+    before, after = activation_peaks_at(record.plan, record.timeline, record.schedule, smallest)
+    share = f", {after / before:.3f} of it" if before else ""
+    if record.plan.partition != "min-cut":  # "before" is then this partition's, not the budget's reference
+        share += " (before: this partition's own peak without the plan)"
+    return [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})",
+            f"at the smallest size the guards allow ({', '.join(f'{s}={v}' for s, v in smallest.items())}): "
+            f"predicted activation peak {format_bytes(before)} -> {format_bytes(after)}{share}"]
 
 
 def explain(record: Any) -> str:

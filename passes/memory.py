@@ -43,7 +43,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes.analysis import SavedInterface, _aliased_input, tensor_nbytes
 
-__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols"]
+__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
+           "smallest_sizes", "timeline_at"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,50 @@ def unbounded_symbols(timeline: "Timeline", val: Any) -> dict[Any, int]:
         return {}
     hints = _hints(shape_env)
     return {symbol: int(hints[symbol]) for symbol in symbols if _largest(shape_env, symbol) is None}
+
+
+def _symbols(timeline: "Timeline") -> set:
+    return {symbol for lt in timeline.lifetimes for symbol in getattr(lt.expr, "free_symbols", ())}
+
+
+def _shape_env(timeline: "Timeline") -> Any:
+    val = next((n.meta["val"] for n in timeline.fw_nodes if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    return getattr(getattr(val, "fake_mode", None), "shape_env", None)
+
+
+def plan_sizes(timeline: "Timeline") -> dict[Any, tuple[int, bool]]:
+    """Each symbol of the timeline's sizes at the size the plan is made for: (value, bounded), the
+    largest the guards allow when bounded, else the traced one (see :func:`concrete`)."""
+    shape_env = _shape_env(timeline)
+    if shape_env is None:
+        return {}
+    hints = _hints(shape_env)
+    out = {}
+    for symbol in sorted(_symbols(timeline), key=str):
+        upper = _largest(shape_env, symbol)
+        out[symbol] = (upper, True) if upper is not None else (int(hints[symbol]), False)
+    return out
+
+
+def smallest_sizes(timeline: "Timeline") -> dict[Any, int]:
+    """Each symbol at the smallest value the guards allow (dynamo's lower bound, 2 unless marked)."""
+    shape_env = _shape_env(timeline)
+    if shape_env is None:
+        return {}
+    out = {}
+    for symbol in sorted(_symbols(timeline), key=str):
+        lower = getattr(shape_env.var_to_range.get(symbol), "lower", None)
+        out[symbol] = max(int(lower), 1) if getattr(lower, "is_Integer", False) or isinstance(lower, int) else 1
+    return out
+
+
+def timeline_at(timeline: "Timeline", values: dict[Any, int]) -> "Timeline":
+    """The timeline with every symbolic size evaluated at ``values`` (symbol -> int)."""
+    import dataclasses
+
+    lifetimes = tuple(lt if isinstance(lt.expr, int) else dataclasses.replace(lt, nbytes=int(lt.expr.xreplace(values)))
+                      for lt in timeline.lifetimes)
+    return dataclasses.replace(timeline, lifetimes=lifetimes)
 
 
 def _hints(shape_env: Any) -> dict:

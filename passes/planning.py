@@ -549,10 +549,9 @@ def _split(owners, chosen) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]]:
     return tuple(b for b, k in picked if k == OFFLOAD), tuple(b for b, k in picked if k == RECOMPUTE)
 
 
-def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], budget: int) -> _Choice:
-    """What to offload or recompute, on top of the ``forced`` offloads, so that the budget holds."""
+def _constraint(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], items):
+    """The solver's fixed intervals (``base``) and per-option changes, over the step's runs."""
     timeline, options = problem.timeline, problem.options
-    items, owners, queues, conflicts = _items(problem, free, forced)
     planned = {problem.lifetime(b).index for b in (*free, *forced)}
     base = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.index not in planned]
     for b in forced:  # their offloaded intervals hold memory whatever is chosen
@@ -566,13 +565,22 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
                        for o in item) for item in items]
     if problem.device:  # a device budget bounds every tensor the step creates, not only saved ones
         base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.residual]
-    result = solve(timeline.length, base, items, budget, queues, conflicts,
+    return base, items
+
+
+def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], budget: int) -> _Choice:
+    """What to offload or recompute, on top of the ``forced`` offloads, so that the budget holds."""
+    options = problem.options
+    items, owners, queues, conflicts = _items(problem, free, forced)
+    base, items = _constraint(problem, free, forced, items)
+    length = problem.timeline.length
+    result = solve(length, base, items, budget, queues, conflicts,
                    solver=options.solver, time_limit=options.time_limit)
     if result.feasible:
         offloaded, recomputed = _split(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
     everything = _everything(items, conflicts)
-    smallest = int(curve_with(timeline.length, base, items, everything).max(initial=0))
+    smallest = int(curve_with(length, base, items, everything).max(initial=0))
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
     if problem.device:
         inputs = options.device_bytes - budget
@@ -593,7 +601,7 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         hint = "" if options.strategy == AUTO else ", try strategy='auto'"
         raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
     # The cheapest plan that reaches the smallest peak (not just "everything").
-    lowest = solve(timeline.length, base, items, smallest, queues, conflicts,
+    lowest = solve(length, base, items, smallest, queues, conflicts,
                    solver=options.solver, time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(message + "; planning for that peak instead", stacklevel=2)
@@ -808,6 +816,17 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
         device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
         total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
     )
+
+
+def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Any, values: Mapping[Any, int]) -> tuple[int, int]:
+    """The step's activation peak without and with the plan, its symbolic sizes at ``values``."""
+    from passes.memory import timeline_at
+
+    at = timeline_at(timeline, dict(values))
+    before = curve(at.length, intervals(at, {}, True))
+    after = curve(at.length, intervals(at, _scheduled_moves(plan, at, schedule), True))
+    forward = len(at.fw_nodes)
+    return step_peak(before, forward, plan.runs), step_peak(after, forward, plan.runs)
 
 
 def held_after_forward(plan: Plan, timeline: Timeline, schedule: Any) -> int:

@@ -54,3 +54,23 @@ def test_no_budget_no_warning_and_no_specialisation():
     other = torch.randn(40, 8)
     assert_same_step(loss_and_grads(model, other), loss_and_grads(compiled, other))
     assert len(backend.records) == 1  # the cost model evaluated symbolic FLOPs without guarding on them
+
+
+def test_explain_names_the_planned_size_and_the_peaks_at_the_smallest():
+    from passes.memory import plan_sizes, smallest_sizes
+    from passes.planning import activation_peaks_at
+
+    at_2, at_64 = static_peak(2), static_peak(64)
+    _, _, backend = compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64), memory_budget=0.5,
+                                   strategy="offload")
+    record = backend.records[0]
+    assert record.plan.transfers  # storages of symbolic size are offloaded
+    (symbol, (planned, bounded)), = plan_sizes(record.timeline).items()
+    assert (planned, bounded) == (64, True) and smallest_sizes(record.timeline) == {symbol: 2}
+    # The memory model at the smallest size is the static graph's at batch 2 (a separate compile).
+    before, after = activation_peaks_at(record.plan, record.timeline, record.schedule, {symbol: 2})
+    assert before == at_2 and after <= before
+    assert activation_peaks_at(record.plan, record.timeline, record.schedule, {symbol: 64})[0] == at_64
+    text = fxoffload.explain(record)
+    assert f"planned and timed at {symbol}=64 (the largest the guards allow)" in text
+    assert f"at the smallest size the guards allow ({symbol}=2): predicted activation peak" in text
