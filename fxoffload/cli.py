@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--config", help="a transformers config.json (or the folder holding it)")
     source.add_argument("--model", help="a Python file defining build(batch, seq, dtype) -> (model, inputs)")
     plan.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    plan.add_argument("--seq", type=int, help="sequence length (default: the model's, at most 4096)")
+    plan.add_argument("--seq", help="sequence length (default: the model's, at most 4096), or a range LO:HI: one "
+                                    "graph for every length in it (dynamic shapes), planned at HI, with the "
+                                    "figures at both ends")
     plan.add_argument("--image-size", type=int, help="image side in pixels, for vision models (default: the model's)")
     plan.add_argument("--dtype", default="bf16", help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
     plan.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
@@ -114,10 +116,11 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         OffloadConfig(**options)
     except ValueError as e:
         raise UsageError(str(e).replace("memory_budget:", "--budget:").replace("device_profile:", "--profile:")) from None
-    for flag in ("batch", "seq", "image_size", "layers"):
+    for flag in ("batch", "image_size", "layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
+    _seq_range(args.seq)  # checked here with the other flags, before anything is built
     return options
 
 
@@ -159,14 +162,18 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
     try:
         source = _source(args)
-        seq = args.image_size or args.seq or source.default_seq
+        lengths = _seq_range(args.seq)
+        seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
         records, invocations, seconds = _trace(source, args.batch, seq, DTYPES[args.dtype], options, progress,
-                                               per_layer=args.per_layer)
+                                               per_layer=args.per_layer, lengths=lengths)
     except ModelError as e:
         raise UsageError(str(e)) from None
     progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
              f"{len(invocations)} invocation(s)")
     report = _report(source, args, seq, records)
+    if lengths and len(lengths) == 2:
+        for graph, record in zip(report["graphs"], records):
+            graph["range"] = _range_report(record, lengths, options["memory_budget"])
     report["step"] = _step_report(invocations, options)
     if not args.no_plot:
         for path, record in zip(_plot_paths(Path(args.output), len(records)), records):
@@ -196,7 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict, progress: _Progress,
-           per_layer: bool = False):
+           per_layer: bool = False, lengths: tuple[int, ...] | None = None):
     """Build and compile one fake training step; return the backend's records, the step's forward
     invocations (records in the order they ran) and wall times (measured)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -212,6 +219,8 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
         start = time.perf_counter()
         step, inputs, kwargs = source.build(batch, seq, dtype)
         seconds["build"] = time.perf_counter() - start
+        if lengths and len(lengths) == 2:
+            _mark_lengths(inputs, kwargs, *lengths)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
         start = time.perf_counter()
         blocks = repeated_layers(step) if per_layer else []
@@ -264,6 +273,53 @@ def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if size > best_size:
             best, best_size = list(module), size
     return best
+
+
+def _seq_range(text: str | None) -> tuple[int, ...] | None:
+    """``--seq``: None, (length,) or (lo, hi)."""
+    if text is None:
+        return None
+    accepted = "accepted: a length like 4096, or a range LO:HI like 1024:4096 with 2 <= LO < HI"
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(f"--seq: got {text!r}; {accepted}")
+    values = tuple(int(p) for p in parts)
+    if len(values) == 2 and not 2 <= values[0] < values[1] or values[0] < 1:
+        raise UsageError(f"--seq: got {text!r}; {accepted}")
+    return values
+
+
+def _mark_lengths(inputs: tuple, kwargs: dict, lo: int, hi: int) -> None:
+    """One graph for every length in [lo, hi]: the token ids' sequence dimension is dynamic, bounded."""
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if ids is None or kwargs.get("pixel_values") is not None:
+        raise UsageError("--seq LO:HI: needs a text model whose inputs are token ids (input_ids, batch x length)")
+    torch._dynamo.mark_dynamic(ids, 1, min=lo, max=hi)
+
+
+def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> list[dict]:
+    """The graph's predicted activation peaks at both ends of the range (planned at the longest);
+    a fractional budget is the same fraction at every length."""
+    from fxoffload.config import parse_budget
+    from passes.memory import plan_sizes
+    from passes.planning import activation_peaks_at
+
+    plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
+    out = []
+    for length in lengths:
+        values = {s: (length if v == lengths[-1] else v) for s, (v, _) in sizes.items()}
+        before, after = activation_peaks_at(plan, record.timeline, record.schedule, values)
+        note = ""
+        if plan.partition != "min-cut" and limit is not None and limit.fraction is not None:
+            # The fraction is of the min-cut partition's peak, which this graph (PyTorch's
+            # recompute-only partition, chosen by strategy auto) cannot evaluate at other lengths.
+            limit, note = None, f"planned on another partition ({plan.partition}): the fraction's reference is not known here"
+        budget = None if limit is None else limit.resolve(before)
+        out.append({"seq": length, "activation_peak_before": before, "activation_peak_after": after,
+                    "budget_bytes": budget, "within_budget": budget is None or after <= budget, "note": note})
+    return out
 
 
 def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
@@ -387,6 +443,14 @@ def _print_report(report: dict, records: list) -> None:
                   f"(budget {budget} of the step: {'within' if graph['within_budget'] else 'OVER'})")
         print(f"  total peak       {format_bytes(graph['total_peak_before'])} -> {format_bytes(graph['total_peak_after'])} "
               "(tensors the step creates: activations, gradients, temporaries)")
+        for end in graph.get("range", ()):
+            if end["note"]:
+                judged = end["note"]
+            else:
+                limit = "none" if end["budget_bytes"] is None else format_bytes(end["budget_bytes"])
+                judged = f"budget {limit}: {'within' if end['within_budget'] else 'OVER'}"
+            print(f"  at length {end['seq']:<6} activation peak {format_bytes(end['activation_peak_before'])} -> "
+                  f"{format_bytes(end['activation_peak_after'])} ({judged})")
         print(f"  graph inputs     {format_bytes(graph['input_bytes'])} (parameters, buffers, batch: resident "
               "throughout; optimizer state not modelled)")
         print(f"  offloaded        {format_bytes(graph['offloaded_bytes'])} in {graph['transfers']} transfers")

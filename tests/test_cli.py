@@ -182,6 +182,9 @@ def test_impossible_budget(capsys, tmp_path):
     (["--layers", "49"], "--layers: got 49; gpt2-xl has 48 layers"),
     (["--batch", "0"], "--batch: got 0; accepted: an integer >= 1"),
     (["--seq", "2048"], "--seq: got 2048; gpt2-xl has 1024 positions"),
+    (["--seq", "512:256"], "--seq: got '512:256'; accepted: a length like 4096, or a range LO:HI"),
+    (["--seq", "long"], "--seq: got 'long'; accepted"),
+    (["--seq", "0"], "--seq: got '0'; accepted"),
     (["--min-bytes", "big"], "--min-bytes: got 'big'"),
 ])
 def test_bad_options_are_named(capsys, argv, message):
@@ -257,3 +260,24 @@ def test_per_layer_needs_a_list_of_repeated_layers_dynamo_compiles(capsys, tmp_p
                                                                             "for layer in [self.layers]:"))
     message = run_error(capsys, "--model", str(path), "--seq", "8", "--per-layer")
     assert "--per-layer: net has no list of repeated layers" in message
+
+
+def test_a_length_range_plans_one_dynamic_graph_with_figures_at_both_ends(capsys):
+    common = ("--preset", "llama-2-7b", "--layers", "1", "--budget", "0.5", "--no-plot")
+    report = run_json(capsys, *common, "--seq", "256:1024")
+    graph, = report["graphs"]
+    low, high = graph["range"]
+    assert (low["seq"], high["seq"]) == (256, 1024) and report["seq"] == 1024  # planned at the longest
+    assert (high["activation_peak_before"], high["activation_peak_after"]) == (
+        graph["activation_peak_before"], graph["activation_peak_after"])
+    assert graph["transfers"] > 0  # the dynamic graph offloads
+    # At the shortest length, the memory model is that of a graph compiled for it alone.
+    static, = run_json(capsys, *common, "--seq", "256")["graphs"]
+    assert low["activation_peak_before"] == static["activation_peak_before"]
+    for end in (low, high):  # the same fraction at both ends
+        assert end["budget_bytes"] == int(0.5 * end["activation_peak_before"])
+        assert end["within_budget"] == (end["activation_peak_after"] <= end["budget_bytes"])
+    assert main(["plan", *common, "--seq", "256:1024", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "at length 256" in text and "at length 1024" in text
+    assert "planned and timed at" in text and "(the largest the guards allow)" in text
