@@ -312,6 +312,11 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
         values = {s: (length if v == lengths[-1] else v) for s, (v, _) in sizes.items()}
         before, after = activation_peaks_at(plan, record.timeline, record.schedule, values)
         note = ""
+        if plan.partition != "min-cut" and length == lengths[-1]:  # the plan's own size: its own figures
+            before, budget = plan.step_peak_before, plan.budget_bytes
+            out.append({"seq": length, "activation_peak_before": before, "activation_peak_after": after,
+                        "budget_bytes": budget, "within_budget": budget is None or after <= budget, "note": ""})
+            continue
         if plan.partition != "min-cut" and limit is not None and limit.fraction is not None:
             # The fraction is of the min-cut partition's peak, which this graph (PyTorch's
             # recompute-only partition, chosen by strategy auto) cannot evaluate at other lengths.
