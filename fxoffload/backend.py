@@ -273,10 +273,6 @@ class OffloadBackend:
         place = self._place(region)
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total)
-        if options.budget is not None and options.budget.fraction is not None and options.runs == 1:
-            # A fraction for one run is per region, of the graph's own activations: an input it
-            # cannot move (the logits a loss graph saves) would make any fraction out of reach.
-            input_activations = frozenset()
         try:
             fw, bw, planned = plan_best_partition(
                 fw, bw, num_user_outputs, repartition,

@@ -311,17 +311,12 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
     for length in lengths:
         values = {s: (length if v == lengths[-1] else v) for s, (v, _) in sizes.items()}
         before, after = activation_peaks_at(plan, record.timeline, record.schedule, values)
-        note = ""
-        if plan.partition != "min-cut" and length == lengths[-1]:  # the plan's own size: its own figures
-            before, budget = plan.step_peak_before, plan.budget_bytes
-            out.append({"seq": length, "activation_peak_before": before, "activation_peak_after": after,
-                        "budget_bytes": budget, "within_budget": budget is None or after <= budget, "note": ""})
-            continue
-        if plan.partition != "min-cut" and limit is not None and limit.fraction is not None:
-            # The fraction is of the min-cut partition's peak, which this graph (PyTorch's
-            # recompute-only partition, chosen by strategy auto) cannot evaluate at other lengths.
-            limit, note = None, f"planned on another partition ({plan.partition}): the fraction's reference is not known here"
-        budget = None if limit is None else limit.resolve(before)
+        budget, note = None if limit is None else limit.resolve(before), ""
+        if plan.partition != "min-cut":  # PyTorch's recompute-only partition, chosen by strategy auto
+            if length == lengths[-1]:  # the plan's own size: the min-cut peak the fraction refers to
+                before, budget = plan.step_peak_before, plan.budget_bytes
+            elif limit is not None and limit.fraction is not None:  # not known at other lengths
+                budget, note = None, f"planned on another partition ({plan.partition}): the fraction's reference is not known here"
         out.append({"seq": length, "activation_peak_before": before, "activation_peak_after": after,
                     "budget_bytes": budget, "within_budget": budget is None or after <= budget, "note": note})
     return out
@@ -393,8 +388,8 @@ def _step_report(invocations: list, options: dict) -> dict:
 
     sim = simulate_step(invocations)
     budget = parse_budget(options["memory_budget"])
-    before = sim.activation_peak_before
-    if len({id(r) for r in invocations}) == 1:
+    before, graphs = sim.activation_peak_before, len({id(r) for r in invocations})
+    if graphs == 1:
         # One graph (per layer, or the whole step): its plan's own figures. Under strategy auto the
         # graph may be PyTorch's recompute-only partition, whose peak without offloading is lower
         # than the min-cut partition's that the fraction refers to.
@@ -407,7 +402,7 @@ def _step_report(invocations: list, options: dict) -> dict:
         budget_bytes = int(budget.fraction * before)
     return {
         "invocations": sim.invocations,
-        "graphs": len({id(r) for r in invocations}),
+        "graphs": graphs,
         "budget_bytes": budget_bytes,
         "within_budget": budget_bytes is None or sim.activation_peak <= budget_bytes,
         "activation_peak_before": before,

@@ -88,9 +88,10 @@ def plan_pair(
     ``policies``: the user's selective-checkpoint marks by forward node name (``passes.policies``).
     ``input_activations``: positions, among the compiled function's inputs, of those an earlier
     compiled graph of the step made (hidden states between layers): the step holds the ones this
-    pair saves, once per run, and the budget counts them.
+    pair saves, once per run, and the budget counts them (not under a fraction for one run).
     """
     watch = _watch or _Stopwatch()
+    input_activations = counted_inputs(options, input_activations)
     fw, bw = fw_module.graph, bw_module.graph
     interface = saved_interface(fw, bw, num_user_outputs)
     activations = saved_activations(interface)
@@ -124,6 +125,15 @@ def plan_pair(
     plan = with_scheduled_peaks(plan, timeline, schedule)
     watch.stamp("schedule")
     return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times), work)
+
+
+def counted_inputs(options: PlanOptions, input_activations: frozenset[int]) -> frozenset[int]:
+    """The input activations a plan counts: none under a fraction for one run, which is per graph,
+    of its own activations (an input it saves but cannot move, such as the logits a loss graph
+    saves, would put every fraction out of reach)."""
+    if options.budget is not None and options.budget.fraction is not None and options.runs == 1:
+        return frozenset()
+    return input_activations
 
 
 def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int,
@@ -192,6 +202,9 @@ def plan_best_partition(
     hints, which the simulator's step time does not. ``input_activations``: as for :func:`plan_pair`
     (by input position, so it holds for the re-partitioned pair too).
     """
+    # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
+    input_activations = counted_inputs(options, input_activations)
+
     def planned(fw, bw, opts):
         with _gc_paused():
             return plan_pair(fw, bw, num_user_outputs, options=opts, horizon=horizon, profile=profile,
@@ -255,8 +268,7 @@ def _best_alternative(fw_module, bw_module, first, repartition, alternative, opt
 
 def unbounded_size_warning(result: PassResult) -> str | None:
     """What a budgeted plan cannot promise when its graph serves sizes above the traced ones."""
-    val = next((n.meta["val"] for n in result.timeline.fw_nodes if isinstance(n.meta.get("val"), torch.Tensor)), None)
-    symbols = unbounded_symbols(result.timeline, val)
+    symbols = unbounded_symbols(result.timeline)
     if not symbols or result.plan.budget_bytes is None:
         return None
     traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))

@@ -120,14 +120,9 @@ def _largest(shape_env: Any, symbol: Any) -> int | None:
     return int(upper)
 
 
-def unbounded_symbols(timeline: "Timeline", val: Any) -> dict[Any, int]:
+def unbounded_symbols(timeline: "Timeline") -> dict[Any, int]:
     """Symbols in the timeline's sizes whose guards allow any size above the traced one (symbol -> hint)."""
-    shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
-    symbols = {symbol for lt in timeline.lifetimes for symbol in getattr(lt.expr, "free_symbols", ())}
-    if shape_env is None or not symbols:
-        return {}
-    hints = _hints(shape_env)
-    return {symbol: int(hints[symbol]) for symbol in symbols if _largest(shape_env, symbol) is None}
+    return {symbol: value for symbol, (value, bounded) in plan_sizes(timeline).items() if not bounded}
 
 
 def _symbols(timeline: "Timeline") -> set:

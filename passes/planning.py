@@ -269,7 +269,7 @@ def group_by_base(activations: Sequence[SavedActivation]) -> dict[fx.Node, list[
     return groups
 
 
-def _replayable(act: SavedActivation) -> bool:
+def replayable(act: SavedActivation) -> bool:
     previous = act.base
     for node in act.view_chain:
         if node.all_input_nodes != [previous]:
@@ -312,7 +312,7 @@ def why_kept(
         return "empty tensor"
     if any(a.fw_node.meta.get("saved_tensor_with_no_vc_check", False) for a in group):
         return "stashed on ctx without save_for_backward"
-    if not symbolic and not all(_replayable(a) for a in group):  # symbolic views are rebuilt by as_strided
+    if not symbolic and not all(replayable(a) for a in group):  # symbolic views are rebuilt by as_strided
         return "view chain takes other graph values as arguments; cannot rebuild it after prefetch"
     if not any(a.bw_node.users for a in group):
         return "not used by the backward graph"

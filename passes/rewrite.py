@@ -39,7 +39,7 @@ from torch._guards import detect_fake_mode
 
 from passes.analysis import SavedActivation, SavedInterface, symbol_sources
 from passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
-from passes.planning import Plan, _replayable
+from passes.planning import Plan, replayable
 from passes.scheduling import Schedule
 
 __all__ = ["rewrite_pair"]
@@ -208,7 +208,7 @@ def _rewrite_backward(
         ready = _before(bw, place.wait_before, WAIT, (dev, host))
         for index in transfer.members:
             act = activations[index]
-            rebuilt = (_replay(bw, place.wait_before, ready, act) if _replayable(act)
+            rebuilt = (_replay(bw, place.wait_before, ready, act) if replayable(act)
                        else sizes.view(place.wait_before, ready, act.val))
             act.bw_node.replace_all_uses_with(rebuilt)
             bw.erase_node(act.bw_node)
