@@ -19,14 +19,14 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from results import write_section
 
 PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b")
 PER_LAYER = (("per layer, auto", ["--per-layer"]),
              ("per layer, offload", ["--per-layer", "--strategy", "offload"]),
              ("per layer, offload, no crossing", ["--per-layer", "--strategy", "offload", "--no-cross-graphs"]))
 WHOLE = (("whole step, auto", []), ("whole step, offload", ["--strategy", "offload"]))
-RESULTS = Path(__file__).parent / "RESULTS.md"
 GIB = 2 ** 30
 
 
@@ -58,25 +58,19 @@ def main() -> int:
             print(rows[-1], flush=True)
     date = datetime.date.today().isoformat()
     text = "\n".join([
-        "# Results",
-        "",
-        "## One graph per layer against the whole step (simulated)",
-        "",
         f"Written by `python benchmarks/per_layer.py{' --no-whole' if args.no_whole else ''}` on {date}. Batch 1 x "
         "4096, bf16, budget 0.5 (of the step's activation peak without offloading), `h100-pcie5` profile. "
         "Overheads and peaks are **simulated** (no GPU ran); the last column is this machine's wall time for "
         "the `fxoffload plan` run, measured. Per-layer steps replay the decoder layers' runs only (embedding, "
         "head and loss are outside the compiled graphs), the hidden state each layer saves (its input, made "
-        "by the layer before) included; whole-step rows are one graph of everything. \"copies across\" counts copies that crossed a graph boundary "
-        "(deferred releases and copies started ahead).",
+        "by the layer before) included; whole-step rows are one graph of everything. \"copies across\" counts "
+        "copies that crossed a graph boundary (deferred releases and copies started ahead).",
         "",
         "| preset | plan | graph runs | step overhead | step activation peak (budget) | copies across | plan time |",
         "|---|---|---|---|---|---|---|",
         *rows,
-        "",
     ])
-    RESULTS.write_text(text)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {write_section('One graph per layer against the whole step (simulated)', text)}")
     return 0
 
 
