@@ -307,16 +307,21 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
     from passes.planning import activation_peaks_at
 
     plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
+    held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
     out = []
     for length in lengths:
         values = {s: (length if v == lengths[-1] else v) for s, (v, _) in sizes.items()}
         before, after = activation_peaks_at(plan, record.timeline, record.schedule, values)
         budget, note = None if limit is None else limit.resolve(before), ""
-        if plan.partition != "min-cut":  # PyTorch's recompute-only partition, chosen by strategy auto
-            if length == lengths[-1]:  # the plan's own size: the min-cut peak the fraction refers to
-                before, budget = plan.step_peak_before, plan.budget_bytes
-            elif limit is not None and limit.fraction is not None:  # not known at other lengths
-                budget, note = None, f"planned on another partition ({plan.partition}): the fraction's reference is not known here"
+        size = held.get(tuple(values.items()))
+        if length == lengths[-1] and plan.partition != "min-cut":
+            # The plan's own size, on PyTorch's recompute-only partition (strategy auto): the
+            # min-cut peak the fraction refers to is the plan's.
+            before, budget = plan.step_peak_before, plan.budget_bytes
+        elif size is not None:  # a size the plan holds the budget at: its budget and reference
+            before, budget = size.step_peak_before, size.budget_bytes
+        elif plan.partition != "min-cut" and limit is not None and limit.fraction is not None:
+            budget, note = None, f"planned on another partition ({plan.partition}): the fraction's reference is not known here"
         out.append({"seq": length, "activation_peak_before": before, "activation_peak_after": after,
                     "budget_bytes": budget, "within_budget": budget is None or after <= budget, "note": note})
     return out

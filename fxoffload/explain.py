@@ -73,25 +73,39 @@ def _summary(record: Any) -> str:
 
 
 def _sizes(record: Any) -> list[str]:
-    """Under dynamic shapes: the size the plan (and its copy times) is made for, and the predicted
-    peaks at the smallest size the graph serves, where the same fraction should hold."""
-    from passes.memory import plan_sizes, smallest_sizes
-    from passes.planning import activation_peaks_at
+    """Under dynamic shapes: the size the plan (and its copy times) is made for, the other sizes it
+    holds a fractional budget at, and the worst predicted share across that range; else the peaks
+    at the smallest size the graph serves."""
+    from passes.memory import plan_sizes, size_ranges, smallest_sizes
+    from passes.planning import activation_peaks_at, peaks_over_range
 
     sizes = plan_sizes(record.timeline)
     if not sizes:
         return []
+    plan = record.plan
     planned = ", ".join(f"{s}={v}" for s, (v, _) in sizes.items())
     how = ("the largest the guards allow" if all(b for _, b in sizes.values())
            else "the traced size where no upper bound is known")
+    lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})"]
+    if plan.sizes:
+        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in size_ranges(record.timeline).items())
+        lines.append(f"the fraction is held across {ranges}: " + "; ".join(
+            f"at {size.label}: budget {format_bytes(size.budget_bytes)}, predicted activation peak "
+            f"{format_bytes(size.step_peak_before)} -> {format_bytes(size.step_peak_after)}"
+            for size in plan.sizes))
+        if plan.partition == "min-cut":  # else "before" at other sizes is another partition's
+            values, before, after = max(peaks_over_range(plan, record.timeline, record.schedule),
+                                        key=lambda row: row[2] / max(row[1], 1))
+            lines.append(f"worst predicted share across the range: {after / max(before, 1):.3f} at "
+                         f"{', '.join(f'{s}={v}' for s, v in values.items())}")
+        return lines
     smallest = smallest_sizes(record.timeline)
-    before, after = activation_peaks_at(record.plan, record.timeline, record.schedule, smallest)
+    before, after = activation_peaks_at(plan, record.timeline, record.schedule, smallest)
     share = f", {after / before:.3f} of it" if before else ""
-    if record.plan.partition != "min-cut":  # "before" is then this partition's, not the budget's reference
+    if plan.partition != "min-cut":  # "before" is then this partition's, not the budget's reference
         share += " (before: this partition's own peak without the plan)"
-    return [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})",
-            f"at the smallest size the guards allow ({', '.join(f'{s}={v}' for s, v in smallest.items())}): "
-            f"predicted activation peak {format_bytes(before)} -> {format_bytes(after)}{share}"]
+    return lines + [f"at the smallest size the guards allow ({', '.join(f'{s}={v}' for s, v in smallest.items())}): "
+                    f"predicted activation peak {format_bytes(before)} -> {format_bytes(after)}{share}"]
 
 
 def explain(record: Any) -> str:

@@ -237,7 +237,9 @@ def _best_alternative(fw_module, bw_module, first, repartition, alternative, opt
     """The fastest predicted of the joint plan and its alternatives (see :func:`plan_best_partition`)."""
     plan = first.plan
     start = time.perf_counter()
-    held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes))
+    # Held to the first plan's bytes, at its own size and at every other size it holds the fraction at.
+    at_sizes = tuple((size.values, size.budget_bytes) for size in plan.sizes)
+    held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes, at_sizes=at_sizes))
     tried = [(fw_module, bw_module, first, "min-cut")]
     for single in ("offload", "recompute"):
         result = alternative(fw_module, bw_module, dataclasses.replace(held, strategy=single))
@@ -262,6 +264,8 @@ def _best_alternative(fw_module, bw_module, first, repartition, alternative, opt
         best.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
         total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before,
         device_peak_before=plan.device_peak_before, strategy="auto", partition=label,
+        sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
+                    for size, reference in zip(best.plan.sizes, plan.sizes)),
     )
     return fw, bw, dataclasses.replace(best, plan=relabelled, seconds=first.seconds + seconds)
 

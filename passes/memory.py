@@ -25,6 +25,15 @@ evaluated into ``Lifetime.nbytes`` at the largest size the guards allow
 holds for every size its graph serves; unbounded symbols are evaluated at the
 traced size, and the planner warns with the numbers.
 
+A fractional budget is the same fraction at every size a graph serves, and
+activation bytes are polynomials in the symbols (attention is quadratic), so
+the share a plan keeps changes with the size. :func:`size_ranges` gives the
+range each symbol is held over: the guards' bounds (``mark_dynamic(...,
+min=, max=)``), or, where there is no upper bound, the guards' lower bound up
+to ``UNBOUNDED_REACH`` times the traced size. :func:`held_sizes` names the
+corners of that range (besides the plan's own size) where the planner holds
+the fraction, and :func:`sizes_between` a grid across it to check.
+
 Limits. Device memory as the graphs' own tensors see it: allocator rounding
 and fragmentation, workspace buffers and Inductor's buffer reuse and fusion
 (which removes intermediates) are not modelled; the eager execution of the
@@ -44,7 +53,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from passes.analysis import SavedInterface, _aliased_input, tensor_nbytes
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
-           "smallest_sizes", "timeline_at"]
+           "smallest_sizes", "timeline_at", "size_ranges", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
+
+# Without an upper bound, a fraction is held up to this many times the traced size (automatic
+# dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
+UNBOUNDED_REACH = 2
+# Sizes :func:`sizes_between` checks along a range wider than this are spaced geometrically.
+GRID_POINTS = 64
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,52 @@ def smallest_sizes(timeline: "Timeline") -> dict[Any, int]:
     for symbol in sorted(_symbols(timeline), key=str):
         lower = getattr(shape_env.var_to_range.get(symbol), "lower", None)
         out[symbol] = max(int(lower), 1) if getattr(lower, "is_Integer", False) or isinstance(lower, int) else 1
+    return out
+
+
+def size_ranges(timeline: "Timeline") -> dict[Any, tuple[int, int]]:
+    """Each symbol's range of sizes the plan holds a fraction over: (smallest, largest) the guards
+    allow, the largest being ``UNBOUNDED_REACH`` times the traced size where unbounded."""
+    smallest = smallest_sizes(timeline)
+    return {symbol: (smallest[symbol], value if bounded else max(UNBOUNDED_REACH * value, smallest[symbol]))
+            for symbol, (value, bounded) in plan_sizes(timeline).items()}
+
+
+def held_sizes(timeline: "Timeline") -> list[dict[Any, int]]:
+    """Sizes besides the plan's own where a fractional budget is held too: the corners of
+    :func:`size_ranges` (every symbol at either end; for more than three symbols, all at their
+    smallest and all at their largest), in a stable order."""
+    import itertools
+
+    ranges = size_ranges(timeline)
+    planned = {symbol: value for symbol, (value, _) in plan_sizes(timeline).items()}
+    if len(ranges) > 3:
+        corners = [{s: lo for s, (lo, _) in ranges.items()}, {s: hi for s, (_, hi) in ranges.items()}]
+    else:
+        corners = [dict(zip(ranges, ends)) for ends in itertools.product(*ranges.values())]
+    out = []
+    for corner in corners:
+        if corner != planned and corner not in out:
+            out.append(corner)
+    return out
+
+
+def sizes_between(ranges: dict[Any, tuple[int, int]], points: int = GRID_POINTS) -> list[dict[Any, int]]:
+    """Sizes across the ranges to check a plan at: every symbol at the same relative place in its
+    own range, every integer of the widest range when it has at most ``points``, else ``points``
+    spaced geometrically (bytes are polynomials: relative steps matter)."""
+    if not ranges:
+        return []
+    widest = max(hi - lo for lo, hi in ranges.values())
+    linear = widest < points
+    count = widest + 1 if linear else points
+    out = []
+    for i in range(count):
+        t = i / max(count - 1, 1)
+        size = {s: round(lo + (hi - lo) * t) if linear else round(lo * (hi / lo) ** t)
+                for s, (lo, hi) in ranges.items()}
+        if size not in out:
+            out.append(size)
     return out
 
 

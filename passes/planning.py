@@ -33,6 +33,13 @@ the rest are candidates.
   recomputation, like any option of a ``PREFER_SAVE`` one, dearer than any
   unmarked option, so the budget takes them first and last.
   Every reason names the mark it honours or overrides.
+* Under symbolic sizes, a fractional budget is held at the plan's size and at
+  the other sizes of ``passes.memory.held_sizes`` (the other end of the range
+  the graph serves), each against the fraction of its own unoffloaded peak:
+  the solver gets one timeline per size laid end to end, each size's fixed
+  memory raised by the plan's budget less its own, so that one budget bounds
+  them all (:func:`_stacked`). The plan records each size's budget and peaks
+  (``Plan.sizes``); the scheduler keeps them too.
 * If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
   raises :class:`BudgetInfeasibleError` with the smallest achievable peak;
   ``"warn"`` plans the cheapest choice at that smallest peak and says so.
@@ -61,14 +68,14 @@ from passes.analysis import (
     SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key, sym_exprs, symbol_sources,
     unbuildable,
 )
-from passes.memory import Timeline, concrete, curve, intervals, peak
+from passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.solvers import Option, Queue, curve_with, solve
 
 __all__ = [
-    "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost",
+    "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
     "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
-    "group_by_base", "over_runs", "plan_offloads", "step_peak", "why_kept", "with_scheduled_peaks",
+    "group_by_base", "over_runs", "plan_offloads", "peaks_over_range", "step_peak", "why_kept", "with_scheduled_peaks",
 ]
 
 OFFLOAD = "offload"
@@ -86,10 +93,15 @@ class BudgetInfeasibleError(ValueError):
 
 @dataclass(frozen=True)
 class Budget:
-    """A bound on the activation peak: a fraction of the unoffloaded peak, or bytes."""
+    """A bound on the activation peak: a fraction of the unoffloaded peak, or bytes.
+
+    ``at_sizes``: under symbolic sizes, bytes at other sizes the plan must hold too ((symbol, size)
+    pairs, bytes): strategy auto holds its alternatives to the first plan's budget at each size.
+    """
 
     fraction: float | None = None
     nbytes: int | None = None
+    at_sizes: tuple[tuple[tuple[tuple[Any, int], ...], int], ...] = ()
 
     def resolve(self, unoffloaded_peak: int) -> int:
         return self.nbytes if self.nbytes is not None else int(self.fraction * unoffloaded_peak)
@@ -196,6 +208,21 @@ class Recompute:
 
 
 @dataclass(frozen=True)
+class SizeBudget:
+    """The budget at one more size a plan of symbolic sizes holds it at, and the step's predicted
+    activation peaks there (bytes)."""
+
+    values: tuple[tuple[Any, int], ...]  # (symbol, size) pairs
+    budget_bytes: int
+    step_peak_before: int
+    step_peak_after: int
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{symbol}={value}" for symbol, value in self.values)
+
+
+@dataclass(frozen=True)
 class Plan:
     decisions: tuple[Decision, ...]
     transfers: tuple[Transfer, ...]
@@ -226,6 +253,9 @@ class Plan:
     gap: float = 0.0
     feasible: bool = True
     note: str = ""
+    # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
+    # (``passes.memory.held_sizes``), each with its budget and the predicted peaks there.
+    sizes: tuple[SizeBudget, ...] = ()
 
     @property
     def offloaded_bytes(self) -> int:
@@ -568,19 +598,50 @@ def _constraint(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.
     return base, items
 
 
-def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], budget: int) -> _Choice:
-    """What to offload or recompute, on top of the ``forced`` offloads, so that the budget holds."""
+def _stacked(length: int, parts) -> tuple[list, list]:
+    """One solver problem for the same choice at several sizes (``parts``: fixed intervals, items and
+    lift, one per size): part ``m``'s positions shift by ``m * length``, and its fixed intervals rise
+    by its lift (the plan's budget less the part's own), so that one budget bounds every part."""
+    base: list = []
+    items: list | None = None
+    for m, (part_base, part_items, lift) in enumerate(parts):
+        offset = m * length
+
+        def shift(spans):
+            return tuple((a + offset, b + offset, n) for a, b, n in spans)
+
+        base += shift(part_base)
+        if lift:
+            base.append((offset, offset + length - 1, lift))
+        if items is None:
+            items = [list(item) for item in part_items]
+            continue
+        for item, part_item in zip(items, part_items):
+            item[:] = [dataclasses.replace(o, changes=o.changes + shift(p.changes)) for o, p in zip(item, part_item)]
+    return base, [tuple(item) for item in items or ()]
+
+
+def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], budget: int,
+            held: Sequence[tuple[dict, _Problem, int]] = ()) -> _Choice:
+    """What to offload or recompute, on top of the ``forced`` offloads, so that the budget holds
+    (at the plan's size, and at each of ``held``'s: sizes, the problem there, the budget there)."""
     options = problem.options
     items, owners, queues, conflicts = _items(problem, free, forced)
-    base, items = _constraint(problem, free, forced, items)
+    parts = [(*_constraint(problem, free, forced, items), 0)]
+    for _, at, limit in held:
+        parts.append((*_constraint(at, free, forced, _items(at, free, forced)[0]), budget - limit))
     length = problem.timeline.length
-    result = solve(length, base, items, budget, queues, conflicts,
+    base, items = _stacked(length, parts)
+    total = length * len(parts)
+    result = solve(total, base, items, budget, queues, conflicts,
                    solver=options.solver, time_limit=options.time_limit)
     if result.feasible:
         offloaded, recomputed = _split(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
     everything = _everything(items, conflicts)
-    smallest = int(curve_with(length, base, items, everything).max(initial=0))
+    reached = curve_with(total, base, items, everything)
+    smallest = int(reached.max(initial=0))
+    worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
     if problem.device:
         inputs = options.device_bytes - budget
@@ -592,16 +653,21 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         )
     else:
         given = "" if options.budget.nbytes is not None else f", {options.budget}"
+        where, lift = "", parts[worst][2]
+        if worst:
+            where = f"at {', '.join(f'{s}={v}' for s, v in held[worst - 1][0].items())} (a size this graph serves), "
+            given += " at that size"
+        reach, limit = smallest - lift, budget - lift
         message = (
-            f"memory_budget: the smallest achievable activation peak{runs} is {smallest} B "
-            f"({smallest / 2**20:.1f} MiB, {_ALL[options.strategy]}), above the budget of {budget} B "
-            f"({budget / 2**20:.1f} MiB{given})"
+            f"memory_budget: {where}the smallest achievable activation peak{runs} is {reach} B "
+            f"({reach / 2**20:.1f} MiB, {_ALL[options.strategy]}), above the budget of {limit} B "
+            f"({limit / 2**20:.1f} MiB{given})"
         )
     if options.on_infeasible == "error":
         hint = "" if options.strategy == AUTO else ", try strategy='auto'"
         raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
     # The cheapest plan that reaches the smallest peak (not just "everything").
-    lowest = solve(length, base, items, smallest, queues, conflicts,
+    lowest = solve(total, base, items, smallest, queues, conflicts,
                    solver=options.solver, time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(message + "; planning for that peak instead", stacklevel=2)
@@ -686,12 +752,13 @@ def plan_offloads(
         limit = options.device_bytes - inputs
     else:
         limit = options.budget.resolve(step_before) if options.budget is not None else None
+    held = _held(problem) if limit is not None else []
     if limit is None:
         choice = _unbudgeted(problem, free, forced)
-    elif problem.bounded_peak(forced, ()) <= limit:
+    elif problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held):
         choice = _Choice(tuple(forced))
     else:
-        choice = _choose(problem, free, forced, limit)
+        choice = _choose(problem, free, forced, limit, held)
     transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, limit is not None)
     budget_bytes = None if problem.device else limit
     return Plan(
@@ -719,7 +786,32 @@ def plan_offloads(
         gap=choice.gap,
         feasible=choice.feasible,
         note=choice.note,
+        sizes=tuple(SizeBudget(tuple(values.items()), n, at.step_peak((), ()),
+                               at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
     )
+
+
+def _held(problem: _Problem) -> list[tuple[dict, _Problem, int]]:
+    """The other sizes the budget binds, each with the problem there and its budget in bytes.
+
+    A fraction is the same fraction at every size of :func:`passes.memory.held_sizes`; a budget held
+    to another plan's sizes (``Budget.at_sizes``) gives its bytes. A budget in bytes binds the plan's
+    own size only: that is the largest the guards allow where they bound it, and every activation's
+    bytes grow with every symbol (under an unbounded size the backend warns instead)."""
+    budget = problem.options.budget
+    if problem.device or budget is None:
+        return []
+    if budget.at_sizes:
+        targets = [(dict(values), nbytes) for values, nbytes in budget.at_sizes]
+    elif budget.fraction is not None:
+        targets = [(values, None) for values in held_sizes(problem.timeline)]
+    else:
+        return []
+    out = []
+    for values, nbytes in targets:
+        at = dataclasses.replace(problem, timeline=timeline_at(problem.timeline, values))
+        out.append((values, at, nbytes if nbytes is not None else budget.resolve(at.step_peak((), ()))))
+    return out
 
 
 def _decide(problem: _Problem, groups, reasons, choice: _Choice, budgeted: bool):
@@ -809,8 +901,12 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
     activations = curve(timeline.length, intervals(timeline, moved, True))
     total = peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries())))
     held = activations[len(timeline.fw_nodes) - 1] if activations else 0
+    sizes = tuple(dataclasses.replace(size, step_peak_after=activation_peaks_at(plan, timeline, schedule,
+                                                                              dict(size.values))[1])
+                  for size in plan.sizes)
     return dataclasses.replace(
         plan,
+        sizes=sizes,
         activation_peak_after=peak(activations),
         step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
         device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
@@ -827,6 +923,15 @@ def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Any, values: M
     after = curve(at.length, intervals(at, _scheduled_moves(plan, at, schedule), True))
     forward = len(at.fw_nodes)
     return step_peak(before, forward, plan.runs), step_peak(after, forward, plan.runs)
+
+
+def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Any) -> list[tuple[dict, int, int]]:
+    """The step's activation peaks without and with the plan, at sizes across the range the plan
+    holds a fraction over (``passes.memory.sizes_between``): (sizes, before, after) each."""
+    from passes.memory import size_ranges, sizes_between
+
+    return [(values, *activation_peaks_at(plan, timeline, schedule, values))
+            for values in sizes_between(size_ranges(timeline))]
 
 
 def held_after_forward(plan: Plan, timeline: Timeline, schedule: Any) -> int:

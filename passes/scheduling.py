@@ -45,7 +45,9 @@ Algorithm.
 The memory bound is the plan's budget, or without a budget the plan's own
 predicted activation peak (so scheduling never raises it); under a device
 budget, the total curve is bounded instead, by what the budget leaves after the
-graph's inputs. Moves also keep the
+graph's inputs. A plan that holds its budget at other sizes too (``Plan.sizes``:
+a fraction under symbolic sizes) gives one curve and bound per size, and a
+move goes where it fits at every one (``_Room``). Moves also keep the
 predicted total peak (every tensor of the step) at or below the step's total
 peak without offloading, or at or below a lower cap (``PlanOptions.total_cap``:
 plain compile's total, when the user's CPU-offload marks made the partition
@@ -80,7 +82,7 @@ from passes.analysis import (
     SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
 )
 from passes.cost_model import DeviceProfile, transfer_time, value_nbytes
-from passes.memory import Timeline, curve, intervals
+from passes.memory import Timeline, curve, intervals, peak, timeline_at
 from passes.planning import Plan, RecomputeCost, TransferCost
 from passes.simulator import Copy, replay
 
@@ -326,6 +328,46 @@ def recompute_costs(
 # --------------------------------------------------------------------------- final schedule (after planning)
 
 
+@dataclass
+class _Room:
+    """What a move's bytes must fit under: one curve and bound per size the plan holds its budget at
+    (its own, then ``Plan.sizes``), with each transfer's bytes at that size. Moves go where they fit
+    at every size."""
+
+    curves: list[list[int]]
+    bounds: list[int]
+    sizes: list[list[int]]  # per size: bytes of each transfer
+
+    def fits(self, index: int, k: int) -> bool:
+        return all(c[index] + n[k] <= b for c, n, b in zip(self.curves, self.sizes, self.bounds))
+
+    def fits_all(self, stop: int, k: int) -> bool:
+        """Whether transfer ``k`` fits over positions ``[0, stop)``."""
+        return all(max(c[:stop]) + n[k] <= b for c, n, b in zip(self.curves, self.sizes, self.bounds))
+
+    def hold(self, start: int, stop: int, transfers: Sequence[int]) -> None:
+        """Add the bytes of ``transfers`` over positions ``[start, stop)``."""
+        for c, n in zip(self.curves, self.sizes):
+            nbytes = sum(n[k] for k in transfers)
+            for i in range(start, stop):
+                c[i] += nbytes
+
+    def start(self, desired: int, end: int, transfers: Sequence[int]) -> int:
+        """The earliest index in ``[desired, end]`` from which ``transfers`` fit over ``[index, end)``."""
+        return max(bounded_start(c, desired, end, sum(n[k] for k in transfers), b)
+                   for c, n, b in zip(self.curves, self.sizes, self.bounds))
+
+
+@dataclass(frozen=True)
+class _Size:
+    """One size a plan holds its budget at: the timeline there, its bounds, its transfers' bytes."""
+
+    timeline: Timeline
+    bound: int
+    total_bound: int
+    sizes: list[int]
+
+
 def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: int, total_bound: int,
               temporaries: Sequence[tuple[int, int, int]] = ()) -> list[int]:
     """One curve that a move's bytes must fit under ``bound``: the activation curve, or the total
@@ -336,6 +378,11 @@ def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: i
     saved = curve(timeline.length, intervals(timeline, moves, residual_only=True))
     total = curve(timeline.length, intervals(timeline, moves, residual_only=False, temporaries=temporaries))
     return [max(s, t - total_bound + bound) for s, t in zip(saved, total)]
+
+
+def _room(held: Sequence[_Size], moves: Mapping[int, tuple[int, int]], temporaries) -> _Room:
+    return _Room([_occupied(h.timeline, moves, h.bound, h.total_bound, temporaries) for h in held],
+                 [h.bound for h in held], [h.sizes for h in held])
 
 
 def schedule_transfers(
@@ -362,20 +409,19 @@ def schedule_transfers(
     moves = plan.recompute_moves()  # recomputed storages stay where the plan put them
     moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
     temporaries = plan.recompute_temporaries()
-    bound, total_bound = _bounds(plan, timeline, moves)
-    releases, late = _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
-                                     temporaries)
+    held = _held_sizes(plan, timeline, moves)
+    releases, late = _place_releases(timeline, chosen, _room(held, moves, temporaries), d2h, starts, pos)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
-    deferred = _deferrable(late, plan.runs, sizes, starts, timeline, moves, bound, total_bound, temporaries) \
-        if cross_graphs else set()
+    deferred = _deferrable(late, plan.runs, sizes, starts, len(timeline.fw_nodes),
+                           _room(held, moves, temporaries)) if cross_graphs else set()
     deferred = [k in deferred for k in range(len(chosen))]
     ahead: tuple[int, int, list[int]] | None = None
     if horizon == AUTO:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches, ahead = _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound,
-                                              total_bound, temporaries, cross_graphs)
+        prefetches, ahead = _place_prefetches(timeline, chosen, _room(held, moves, temporaries), h2d, starts, pos,
+                                              cross_graphs)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
     schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon)
@@ -383,6 +429,27 @@ def schedule_transfers(
         return schedule
     at, nbytes, which = ahead
     return dataclasses.replace(schedule, ahead_before=timeline.nodes[at], ahead_bytes=nbytes, ahead=tuple(which))
+
+
+def _held_sizes(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> list[_Size]:
+    """The plan's own size, then each other size it holds its budget at (``Plan.sizes``)."""
+    lives = [t.lifetime for t in plan.transfers]
+    bound, total_bound = _bounds(plan, timeline, moves)
+    out = [_Size(timeline, bound, total_bound, [int(t.nbytes) for t in plan.transfers])]
+    for size in plan.sizes:
+        at = timeline_at(timeline, dict(size.values))
+        total = peak(curve(at.length, intervals(at, {}, residual_only=False)))
+        out.append(_Size(at, size.budget_bytes - _earlier(plan, at, moves), total,
+                         [at.lifetimes[i].nbytes for i in lives]))
+    return out
+
+
+def _earlier(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> int:
+    """What the step's earlier runs of the graph hold for their backward (nothing for one run)."""
+    if plan.runs == 1:
+        return 0
+    held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
+    return (plan.runs - 1) * held
 
 
 def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]) -> tuple[int, int]:
@@ -395,10 +462,7 @@ def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]
     storage's unoffloaded lifetime; where a cap is below even that, copies stay at their
     least-memory placement). Under a device budget the total is bounded by what the budget leaves
     after the graph's inputs and the earlier runs, and it is the one curve that counts."""
-    earlier = 0
-    if plan.runs > 1:
-        held = curve(timeline.length, intervals(timeline, moves, residual_only=True))[len(timeline.fw_nodes) - 1]
-        earlier = (plan.runs - 1) * held
+    earlier = _earlier(plan, timeline, moves)
     total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
     if plan.device_bytes is not None:  # then max(saved, total - total_bound + bound) is the total curve
         total_bound = min(total_bound, plan.device_bytes - plan.input_bytes - earlier)
@@ -408,28 +472,24 @@ def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]
     return plan.budget_bytes - earlier, total_bound
 
 
-def _deferrable(late, runs, sizes, starts, timeline, moves, bound, total_bound, temporaries) -> set[int]:
+def _deferrable(late, runs, sizes, starts, forward, room: _Room) -> set[int]:
     """The late releases that may cross the forward's end (``late``: transfer -> seconds its copy is
     predicted to run past the forward's last op). When the graph runs several times per step, a
     deferred source lives on into the next run's forward until its copy lands: it must fit under
     the bound there, on top of that forward's own curve (smallest first)."""
     if runs == 1 or not late:
         return set(late)
-    occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
-    forward = len(timeline.fw_nodes)
     chosen = set()
     for k in sorted(late, key=lambda k: sizes[k]):
         # The next run's forward positions that start before this copy has landed.
         until = min(forward, bisect.bisect_left(starts, late[k], 0, forward) + 1)
-        if max(occupied[:until]) + sizes[k] <= bound:
+        if room.fits_all(until, k):
             chosen.add(k)
-            for q in range(until):
-                occupied[q] += sizes[k]
+            room.hold(0, until, [k])
     return chosen
 
 
-def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bound, total_bound,
-                    temporaries) -> tuple[list[int], dict[int, float]]:
+def _place_releases(timeline, chosen, room: _Room, d2h, starts, pos) -> tuple[list[int], dict[int, float]]:
     """Each release's position, and the transfers released at the forward's end before their copy
     is predicted to land (not held there by the memory bound): those a graph boundary may cross,
     with the seconds their copy runs past the forward's last op."""
@@ -437,7 +497,6 @@ def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bou
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].offload_after])
     ready = [starts[pos[chosen[k].offload_after] + 1] for k in order]
     done = dict(zip(order, fifo_finish(ready, [d2h[k] for k in order])))
-    occupied = _occupied(timeline, moves, bound, total_bound, temporaries)
     releases = [0] * len(chosen)
     late = {}
     for k in order:
@@ -445,32 +504,30 @@ def _place_releases(timeline, chosen, moves, lives, sizes, d2h, starts, pos, bou
         wanted = max(earliest, min(forward_end, issue_index(starts, done[k], earliest, forward_end)))
         # Holding the device copy from ``earliest`` to ``wanted`` adds its bytes there.
         index = earliest
-        while index < wanted and occupied[index + 1] + sizes[k] <= bound:
+        while index < wanted and room.fits(index + 1, k):
             index += 1
-        for i in range(earliest + 1, index + 1):
-            occupied[i] += sizes[k]
+        room.hold(earliest + 1, index + 1, [k])
         releases[k] = index
         if index == forward_end and done[k] > starts[forward_end + 1]:
             late[k] = done[k] - starts[forward_end + 1]
     return releases, late
 
 
-def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, bound, total_bound,
-                      temporaries, cross_graphs) -> tuple[list[int], tuple[int, int, list[int]] | None]:
+def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, pos,
+                      cross_graphs) -> tuple[list[int], tuple[int, int, list[int]] | None]:
     """Each prefetch's position, and the copies to start ahead in the backward before this one:
-    (position, bytes, transfers), or None."""
+    (position, bytes, transfers), or None. ``room`` starts from every prefetch at its consumer
+    (the least memory)."""
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
     consumers = [pos[chosen[k].wait_before] for k in order]
     latest = latest_starts([starts[c] for c in consumers], [h2d[k] for k in order])
-    occupied = _occupied(timeline, moves, bound, total_bound, temporaries)  # prefetches at their consumers: the least memory
     prefetches = [0] * len(chosen)
     for j in range(len(order) - 1, -1, -1):
         k, consumer = order[j], consumers[j]
         desired = issue_index(starts, latest[j], first, consumer)
-        start = bounded_start(occupied, desired, consumer, sizes[k], bound)
-        for i in range(start, consumer):
-            occupied[i] += sizes[k]
+        start = room.start(desired, consumer, [k])
+        room.hold(start, consumer, [k])
         prefetches[k] = start
     if not cross_graphs:
         return prefetches, None
@@ -482,22 +539,21 @@ def _place_prefetches(timeline, chosen, moves, lives, sizes, h2d, starts, pos, b
         if latest[j] >= starts[first] or prefetches[k] != first:
             break
         early.append(k)
-    return prefetches, _place_ahead(occupied, starts, first, latest, early, sizes, bound)
+    return prefetches, _place_ahead(room, starts, first, latest, early)
 
 
-def _place_ahead(occupied, starts, first, latest, early, sizes, bound) -> tuple[int, int, list[int]] | None:
+def _place_ahead(room: _Room, starts, first, latest, early) -> tuple[int, int, list[int]] | None:
     """Where the backward before this one starts the copies of ``early`` (transfers in prefetch
     order, each with a latest start before this backward's first op): the node giving the first of
     them the same lead before the end of this backward, or later as the bound requires. Copies that
     do not fit are dropped from the end of the list."""
-    end = len(occupied) - 1  # the backward's output node
+    end = len(room.curves[0]) - 1  # the backward's output node
     lead = starts[first] - latest[0] if early else 0.0
     while early:
-        nbytes = sum(sizes[k] for k in early)
         desired = issue_index(starts, starts[end] - lead, first, end)
-        at = bounded_start(occupied, desired, end, nbytes, bound)
+        at = room.start(desired, end, early)
         if at < end:
-            return at, nbytes, early
+            return at, sum(room.sizes[0][k] for k in early), early
         early = early[:-1]
     return None
 

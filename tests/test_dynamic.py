@@ -61,8 +61,9 @@ def test_explain_names_the_planned_size_and_the_peaks_at_the_smallest():
     from passes.planning import activation_peaks_at
 
     at_2, at_64 = static_peak(2), static_peak(64)
-    _, _, backend = compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64), memory_budget=0.5,
-                                   strategy="offload")
+    # (an absolute budget binds the largest size only: every activation grows with the batch)
+    _, _, backend = compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64),
+                                   memory_budget=at_64 // 2, strategy="offload")
     record = backend.records[0]
     assert record.plan.transfers  # storages of symbolic size are offloaded
     (symbol, (planned, bounded)), = plan_sizes(record.timeline).items()
@@ -74,3 +75,20 @@ def test_explain_names_the_planned_size_and_the_peaks_at_the_smallest():
     text = fxoffload.explain(record)
     assert f"planned and timed at {symbol}=64 (the largest the guards allow)" in text
     assert f"at the smallest size the guards allow ({symbol}=2): predicted activation peak" in text
+
+
+def test_a_fraction_is_held_at_both_ends_of_a_bounded_range():
+    """At each end, the budget is the fraction of that size's own peak without offloading, which is
+    that of a graph compiled for the size alone; explain names both ends and the worst share."""
+    at_2 = static_peak(2)
+    _, _, backend = compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64), memory_budget=0.5,
+                                   strategy="offload")
+    record = backend.records[0]
+    (symbol, _), = record.plan.sizes[0].values
+    assert [size.values for size in record.plan.sizes] == [((symbol, 2),)]  # the other end of the range
+    low = record.plan.sizes[0]
+    assert low.step_peak_before == at_2 and low.budget_bytes == int(0.5 * at_2)
+    assert low.step_peak_after <= low.budget_bytes
+    text = fxoffload.explain(record)
+    assert f"the fraction is held across {symbol} in [2, 64]: at {symbol}=2: budget" in text
+    assert "worst predicted share across the range: 0." in text
