@@ -88,7 +88,7 @@ def _sizes(record: Any) -> list[str]:
            else "the traced size where no upper bound is known")
     lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})"]
     if plan.sizes:
-        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in size_ranges(record.timeline).items())
+        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in size_ranges(record.timeline).items() if lo < hi)
         lines.append(f"the fraction is held across {ranges}: " + "; ".join(
             f"at {size.label}: budget {format_bytes(size.budget_bytes)}, predicted activation peak "
             f"{format_bytes(size.step_peak_before)} -> {format_bytes(size.step_peak_after)}"

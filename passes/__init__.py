@@ -212,7 +212,8 @@ def plan_best_partition(
 
     def alternative(fw, bw, opts):
         with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
-            warnings.filterwarnings("ignore", message="memory_budget: the smallest achievable")
+            warnings.filterwarnings("ignore", message=r"memory_budget: (at .* \(a size this graph serves\), )?"
+                                                      r"the smallest achievable")
             return planned(fw, bw, dataclasses.replace(opts, on_infeasible="warn"))
 
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())

@@ -53,7 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from passes.analysis import SavedInterface, _aliased_input, tensor_nbytes
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
-           "smallest_sizes", "timeline_at", "size_ranges", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
+           "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
@@ -136,8 +136,10 @@ def _largest(shape_env: Any, symbol: Any) -> int | None:
 
 
 def unbounded_symbols(timeline: "Timeline") -> dict[Any, int]:
-    """Symbols in the timeline's sizes whose guards allow any size above the traced one (symbol -> hint)."""
-    return {symbol: value for symbol, (value, bounded) in plan_sizes(timeline).items() if not bounded}
+    """Symbols of the inputs' sizes whose guards allow any size above the traced one (symbol -> hint)."""
+    varying = input_symbols(timeline)
+    return {symbol: value for symbol, (value, bounded) in plan_sizes(timeline).items()
+            if not bounded and symbol in varying}
 
 
 def _symbols(timeline: "Timeline") -> set:
@@ -177,10 +179,27 @@ def smallest_sizes(timeline: "Timeline") -> dict[Any, int]:
 
 def size_ranges(timeline: "Timeline") -> dict[Any, tuple[int, int]]:
     """Each symbol's range of sizes the plan holds a fraction over: (smallest, largest) the guards
-    allow, the largest being ``UNBOUNDED_REACH`` times the traced size where unbounded."""
-    smallest = smallest_sizes(timeline)
+    allow, the largest being ``UNBOUNDED_REACH`` times the traced size where unbounded. A symbol
+    no graph input carries (the size of a saved generator state) does not vary between calls: its
+    range is its traced value."""
+    smallest, varying = smallest_sizes(timeline), input_symbols(timeline)
     return {symbol: (smallest[symbol], value if bounded else max(UNBOUNDED_REACH * value, smallest[symbol]))
+            if symbol in varying else (value, value)
             for symbol, (value, bounded) in plan_sizes(timeline).items()}
+
+
+def input_symbols(timeline: "Timeline") -> set:
+    """The symbols the forward's inputs carry in their sizes, or are (symbolic ints)."""
+    out: set = set()
+    for node in timeline.fw_nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        dims = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
+        for dim in dims:
+            if isinstance(dim, torch.SymInt):
+                out |= dim.node.expr.free_symbols
+    return out
 
 
 def held_sizes(timeline: "Timeline") -> list[dict[Any, int]]:

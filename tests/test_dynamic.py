@@ -92,3 +92,13 @@ def test_a_fraction_is_held_at_both_ends_of_a_bounded_range():
     text = fxoffload.explain(record)
     assert f"the fraction is held across {symbol} in [2, 64]: at {symbol}=2: budget" in text
     assert "worst predicted share across the range: 0." in text
+
+
+def test_strategy_auto_ranks_an_alternative_that_misses_another_size_without_warning():
+    # Traced at 16 with no upper bound, the fraction is held up to 32: the recompute-only
+    # alternative cannot reach it there, which only ranks it last.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, backend = compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=0.5)
+    assert backend.records[0].plan.feasible
+    assert [str(w.message) for w in caught if "memory_budget:" in str(w.message)] == []

@@ -80,3 +80,18 @@ def test_an_input_made_by_an_earlier_graph_is_an_activation_from_the_start():
     assert (lifetime.birth, lifetime.death, lifetime.nbytes, lifetime.residual) == (0, last_use, 512, True)
     assert (plain.plan.activation_peak_before, told.plan.activation_peak_before) == (1536, 2048)
     assert plain.plan.input_bytes - told.plan.input_bytes == 512
+
+
+def test_sizes_between_cover_every_integer_of_a_short_range_and_both_ends_of_a_long_one():
+    from passes.memory import sizes_between
+
+    short = sizes_between({"s": (32, 80)})
+    assert [v["s"] for v in short] == list(range(32, 81))  # 49 sizes: every one
+    long = [v["s"] for v in sizes_between({"s": (2, 4096)}, points=16)]
+    assert long[0] == 2 and long[-1] == 4096 and long == sorted(set(long)) and len(long) == 16
+    ratios = [b / a for a, b in zip(long, long[1:])]
+    assert max(ratios) <= 2.0  # geometric: each step (4096 / 2) ** (1 / 15) = 1.66x, rounded to integers
+    # Two symbols move together, each across its own range.
+    both = sizes_between({"b": (1, 4), "s": (10, 40)}, points=4)
+    assert both[0] == {"b": 1, "s": 10} and both[-1] == {"b": 4, "s": 40}
+    assert sizes_between({}) == []
