@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.analysis import SavedInterface, _aliased_input, tensor_nbytes
+from passes.analysis import SavedInterface, _aliased_input, symbol_sources, tensor_nbytes
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
            "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
@@ -189,17 +189,8 @@ def size_ranges(timeline: "Timeline") -> dict[Any, tuple[int, int]]:
 
 
 def input_symbols(timeline: "Timeline") -> set:
-    """The symbols the forward's inputs carry in their sizes, or are (symbolic ints)."""
-    out: set = set()
-    for node in timeline.fw_nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("val")
-        dims = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
-        for dim in dims:
-            if isinstance(dim, torch.SymInt):
-                out |= dim.node.expr.free_symbols
-    return out
+    """The symbols the forward's inputs carry: a dimension that is the symbol, or a symbolic int."""
+    return set(symbol_sources(n for n in timeline.fw_nodes if n.op == "placeholder"))
 
 
 def held_sizes(timeline: "Timeline") -> list[dict[Any, int]]:

@@ -2,6 +2,8 @@
 sequence dimension, and the dynamic graph keeps offloading (one compiled graph for every length)."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,23 +13,10 @@ from fxoffload import runtime
 from passes.ops import PREFETCH
 from tests.conftest import assert_same_step, lm_step
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from variable_lengths import gpt2, llama, lm_loss  # noqa: E402  (the benchmark's models and step)
+
 LENGTHS = (64, 96, 128, 80)
-
-
-def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, use_cache=False))
-
-
-def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(
-        vocab_size=256, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False))
 
 
 def symbolic(record) -> bool:
@@ -80,15 +69,6 @@ def test_under_inductor_the_dynamic_graph_offloads_and_matches_eager_at_every_le
     assert runtime.pending_transfers() == 0
     dynamic = [r for r in backend.records if symbolic(r)]
     assert len(dynamic) == 1 and len(backend.records) == 2 and dynamic[0].plan.transfers
-
-
-def lm_loss(model, ids, marked: bool):
-    """A training step for ``measure_peak`` (returns the loss, so that it is not an activation)."""
-    if marked:
-        torch._dynamo.mark_dynamic(ids, 1, min=32, max=256)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss
 
 
 SETUPS = {"automatic dynamic": (LENGTHS, False), "mark_dynamic 32..256": ((32, 100, 256), True)}
