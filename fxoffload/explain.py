@@ -66,6 +66,12 @@ def _summary(record: Any) -> str:
             f"region {record.region} of the step: earlier regions hold {format_bytes(record.held_before)} of "
             f"activations after their forward; running total with this one {format_bytes(record.held_after)} "
             "(predicted; an absolute budget covers them all)")
+    handed_on = [lt for lt in record.timeline.lifetimes if lt.handed_on]
+    if handed_on:
+        lines.append(
+            "counted until the forward returns, under the fraction: the outputs it hands to the rest of the step "
+            f"({', '.join(f'{lt.name} {format_bytes(lt.expr)}' for lt in handed_on)}; a later graph that saves them "
+            "does not count them)")
     lines += _sizes(record)
     if plan.note:
         lines.append(f"note: {plan.note}")

@@ -81,6 +81,7 @@ def plan_pair(
     profile: DeviceProfile,
     policies: Mapping[str, str] | None = None,
     input_activations: frozenset[int] = frozenset(),
+    outputs_counted: bool | None = None,
     _watch: _Stopwatch | None = None,
 ) -> PassResult:
     """Analyse, estimate, plan and schedule the pair; the graphs are not changed.
@@ -89,13 +90,17 @@ def plan_pair(
     ``input_activations``: positions, among the compiled function's inputs, of those an earlier
     compiled graph of the step made (hidden states between layers): the step holds the ones this
     pair saves, once per run, and the budget counts them (not under a fraction for one run).
+    ``outputs_counted``: whether the budget counts the forward's outputs (:func:`counts_outputs`);
+    by default decided on ``options``.
     """
     watch = _watch or _Stopwatch()
     input_activations = counted_inputs(options, input_activations)
+    if outputs_counted is None:
+        outputs_counted = counts_outputs(options)
     fw, bw = fw_module.graph, bw_module.graph
     interface = saved_interface(fw, bw, num_user_outputs)
     activations = saved_activations(interface)
-    timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations))
+    timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations), outputs_counted)
     watch.stamp("analyse")
     # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
     work = tuple(node_work(n) for n in timeline.nodes)
@@ -130,10 +135,18 @@ def plan_pair(
 def counted_inputs(options: PlanOptions, input_activations: frozenset[int]) -> frozenset[int]:
     """The input activations a plan counts: none under a fraction for one run, which is per graph,
     of its own activations (an input it saves but cannot move, such as the logits a loss graph
-    saves, would put every fraction out of reach)."""
-    if options.budget is not None and options.budget.fraction is not None and options.runs == 1:
-        return frozenset()
-    return input_activations
+    saves, would put every fraction out of reach); the graph that makes them counts them instead
+    (:func:`counts_outputs`)."""
+    return frozenset() if counts_outputs(options) else input_activations
+
+
+def counts_outputs(options: PlanOptions) -> bool:
+    """Whether a plan counts its graph's user outputs as activations until its forward returns:
+    under a fraction for one run, where the graph that saves them does not (:func:`counted_inputs`).
+    A loss compiled as a graph of its own (a graph break before it) saves the logits it is handed:
+    they stay on the device, on top of what the model's graph keeps, until the loss's backward, so
+    the model's graph holds its fraction with them counted, and the step holds it too."""
+    return options.budget is not None and options.budget.fraction is not None and options.runs == 1
 
 
 def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int,
@@ -203,12 +216,13 @@ def plan_best_partition(
     (by input position, so it holds for the re-partitioned pair too).
     """
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
-    input_activations = counted_inputs(options, input_activations)
+    input_activations, outputs_counted = counted_inputs(options, input_activations), counts_outputs(options)
 
     def planned(fw, bw, opts):
         with _gc_paused():
             return plan_pair(fw, bw, num_user_outputs, options=opts, horizon=horizon, profile=profile,
-                             policies=policies, input_activations=input_activations)
+                             policies=policies, input_activations=input_activations,
+                             outputs_counted=outputs_counted)
 
     def alternative(fw, bw, opts):
         with warnings.catch_warnings():  # an alternative that misses the budget just ranks last

@@ -6,7 +6,9 @@ the backward). Every storage the graphs create (not graph inputs: parameters,
 user inputs, tangents) gets a :class:`Lifetime`: born at the node that
 creates it (views and getitems create none, they share their base's storage,
 found through fake-tensor storage identity), dead after its last use by any
-alias. User outputs live to the end of the forward, gradients to the end of
+alias. User outputs live to the end of the forward (and count as activations
+there when the caller says so: what the graph hands to the rest of the step,
+see ``passes.counts_outputs``), gradients to the end of
 the step, tangents (made by autograd, including the zeros AOTAutograd
 materialises for unused outputs) from the start of the backward to their last
 use; a saved tensor (*residual*) lives from its forward birth to its last
@@ -72,6 +74,14 @@ class Lifetime:
     birth: int  # first timeline position where it occupies memory
     death: int  # last timeline position where it occupies memory
     residual: bool  # saved by the forward for the backward
+    # A user output counted as an activation until the forward returns (``build_timeline``'s
+    # ``outputs_counted``): what the graph hands to the rest of the step.
+    handed_on: bool = False
+
+    @property
+    def activation(self) -> bool:
+        """Counted on the activation curve, the one a budget bounds."""
+        return self.residual or self.handed_on
 
 
 @dataclass(frozen=True)
@@ -299,12 +309,15 @@ class _Walker:
 
 
 def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
-                   input_activations: Sequence[fx.Node] = ()) -> Timeline:
+                   input_activations: Sequence[fx.Node] = (), outputs_counted: bool = False) -> Timeline:
     """Lifetimes of every storage the pair creates; see the module docstring.
 
     ``input_activations``: forward placeholders that are activations of an earlier graph of the
     step (a hidden state handed from one compiled layer to the next). Those this pair saves get a
     lifetime from position 0 to their last backward use: the step holds one per run of the graph.
+    ``outputs_counted``: the user outputs' storages (but 0-dim ones: a loss) are activations too,
+    until the forward returns (the logits a loss graph of its own saves: counted by the graph that
+    makes them, not by the one that saves them; see ``passes.counts_outputs``).
     """
     fw_nodes, bw_nodes = tuple(fw.nodes), tuple(bw.nodes)
     forward_end, end = len(fw_nodes) - 1, len(fw_nodes) + len(bw_nodes) - 1
@@ -313,12 +326,17 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
     held = tuple(dict.fromkeys(walker.birth[lifetime][1] for lifetime in seeded.values()))
     walker.walk(fw_nodes, 0, seeded)
     saved = {lt for n in interface.fw_saved for lt in walker.lifetimes_of(n)}
-    # User outputs are held until the forward returns; what the caller keeps
-    # through the backward (e.g. logits) is not modelled.
+    # User outputs are held until the forward returns. Past it, what a later graph saves (logits
+    # handed to a loss graph) is that graph's input activation, or, under a fraction, counted
+    # here until the forward returns (``outputs_counted``).
+    handed_on = set()
     for value in interface.user_outputs:
         if isinstance(value, fx.Node):
             for lifetime in walker.lifetimes_of(value):
                 walker.death[lifetime] = max(walker.death[lifetime], forward_end)
+                # (a 0-dim output is a loss the step returns, not an activation it hands on)
+                if outputs_counted and any(v.dim() > 0 for v in _vals(value)):
+                    handed_on.add(lifetime)
     # Saved tensors carry their lifetimes by the interface's pairing: a backward
     # placeholder usually shares its forward node's fake value, but not always
     # (the partitioner makes a new one for a saved generator state).
@@ -342,7 +360,8 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
     lifetimes = []
     for index, ((birth, node, val, key), death) in enumerate(zip(walker.birth, walker.death)):
         expr = tensor_nbytes(val)
-        lifetimes.append(Lifetime(index, key, node.name, concrete(expr, val), expr, birth, death, index in saved))
+        lifetimes.append(Lifetime(index, key, node.name, concrete(expr, val), expr, birth, death, index in saved,
+                                  index in handed_on and index not in saved))
     return Timeline(fw_nodes, bw_nodes, tuple(lifetimes), held)
 
 
@@ -390,12 +409,13 @@ def intervals(
     ``moved`` maps an offloaded (or recomputed) storage's lifetime index to
     (release position, prefetch or rebuild position): its device copy lives
     until the release, its returned copy from then to its last use.
+    ``residual_only``: the activation curve (:attr:`Lifetime.activation`), else every storage.
     ``temporaries`` (recompute chains' other outputs) count in the total only:
     they are not activations.
     """
     out = [] if residual_only else list(temporaries)
     for lt in timeline.lifetimes:
-        if residual_only and not lt.residual:
+        if residual_only and not lt.activation:
             continue
         if lt.index in moved:
             release, prefetch = moved[lt.index]

@@ -583,7 +583,7 @@ def _constraint(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.
     """The solver's fixed intervals (``base``) and per-option changes, over the step's runs."""
     timeline, options = problem.timeline, problem.options
     planned = {problem.lifetime(b).index for b in (*free, *forced)}
-    base = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.residual and lt.index not in planned]
+    base = [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if lt.activation and lt.index not in planned]
     for b in forced:  # their offloaded intervals hold memory whatever is chosen
         lt, (release, prefetch) = problem.lifetime(b), problem.moves[b]
         base += [(lt.birth, release, lt.nbytes), (prefetch, lt.death, lt.nbytes)]
@@ -594,7 +594,7 @@ def _constraint(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.
         items = [tuple(dataclasses.replace(o, changes=tuple(over_runs(o.changes, forward, length, options.runs)))
                        for o in item) for item in items]
     if problem.device:  # a device budget bounds every tensor the step creates, not only saved ones
-        base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.residual]
+        base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.activation]
     return base, items
 
 

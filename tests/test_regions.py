@@ -202,3 +202,54 @@ def test_the_first_calls_tensors_are_not_kept_for_a_replan():
     del hidden
     gc.collect()
     assert alive() is None
+
+
+class LossOfItsOwn(torch.nn.Module):
+    """Six Linear+tanh blocks and a head, a graph break, then the loss: the loss's region saves
+    the logits the model's region hands it (as GPT-2's does in transformers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = [m for _ in range(6) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]
+        self.body = torch.nn.Sequential(*blocks, torch.nn.Linear(128, 64))
+
+    def forward(self, x, y):
+        logits = self.body(x)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def step(model, x, y):
+    loss = model(x, y)
+    loss.backward()
+    return loss  # (returned: not an activation)
+
+
+def measured_share_of_the_step(budget: float) -> tuple[float, list]:
+    """The step's measured activation peak at ``budget``, as a share of the same compile's without
+    offloading, each measured on its second step (the first compiles, and dynamo's tracing keeps
+    the logits in a reference cycle past it); eager's loss and gradients checked."""
+    torch.manual_seed(0)
+    model, x, y = LossOfItsOwn(), torch.randn(256, 128), torch.randint(0, 64, (256,))
+    peaks, records = {}, []
+    for fraction in (1.0, budget):
+        torch._dynamo.reset()
+        backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=fraction, strategy="offload",
+                                            on_infeasible="warn")  # (the loss's own few bytes cannot halve)
+        compiled = torch.compile(model, backend=backend)
+        assert_same_step(loss_and_grads(model, x, y), loss_and_grads(compiled, x, y))
+        peaks[fraction] = fxoffload.measure_peak(step, compiled, x, y).activation_peak
+        records = backend.records
+    assert len(records) == 2
+    return peaks[budget] / peaks[1.0], records
+
+
+def test_a_fraction_holds_for_the_step_when_the_loss_is_a_graph_of_its_own():
+    """Under a fraction the model's region counts the logits it returns (alive at its forward's end,
+    then saved by the loss's region on top of what it keeps), so the step keeps the fraction."""
+    share, (model, loss) = measured_share_of_the_step(0.5)
+    logits, = [lt for lt in model.timeline.lifetimes if lt.handed_on]
+    assert logits.nbytes == 256 * 64 * 4 and logits.death == len(model.timeline.fw_nodes) - 1
+    assert not any(lt.handed_on for lt in loss.timeline.lifetimes if lt.nbytes == logits.nbytes)
+    assert share <= 0.5, (share, fxoffload.explain(model))
+    assert "the outputs it hands to the rest of the step (addmm_6 64.0 KiB;" in fxoffload.explain(model)
