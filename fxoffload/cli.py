@@ -344,6 +344,7 @@ def _plot_paths(path: Path, count: int) -> list[Path]:
 
 
 def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> dict:
+    from passes.planning import plan_digest
     from passes.simulator import simulate
 
     graphs = []
@@ -366,6 +367,7 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
             "offloaded_bytes": plan.offloaded_bytes,
             "recomputes": len(plan.recomputes),
             "partition": plan.partition,
+            "plan_digest": plan_digest(plan, record.schedule),
             "recomputed_bytes": plan.recomputed_bytes,
             "recompute_time": plan.recompute_seconds,
             "step_time": sim.step_time,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from passes.planning import plan_digest
+
 __all__ = ["explain", "format_bytes"]
 
 
@@ -38,6 +40,8 @@ def _summary(record: Any) -> str:
         f"options: budget {budget}, strategy={plan.strategy}, min_bytes={plan.min_bytes}, "
         f"horizon={schedule.horizon}, inner={record.inner}",
         f"partition: {plan.partition}",
+        f"plan digest: {plan_digest(plan, schedule)} (what the rewrite does; the same on every rank for the same "
+        "graph and options)",
         f"solver: {plan.solver}" + ("" if plan.solver == "none" else f", optimal={plan.optimal}, gap {gap}"),
         f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
         f"{format_bytes(plan.activation_peak_after)}",

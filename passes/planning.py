@@ -56,6 +56,7 @@ compute them (:func:`backward_symbols`), never recomputed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ from passes.solvers import Option, Queue, curve_with, solve
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
     "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
-    "group_by_base", "over_runs", "plan_offloads", "peaks_over_range", "step_peak", "why_kept", "with_scheduled_peaks",
+    "group_by_base", "over_runs", "plan_digest", "plan_offloads", "peaks_over_range", "step_peak", "why_kept",
+    "with_scheduled_peaks",
 ]
 
 OFFLOAD = "offload"
@@ -938,3 +940,21 @@ def held_after_forward(plan: Plan, timeline: Timeline, schedule: Any) -> int:
     """Predicted activation bytes the pair's forward leaves on the device for its backward."""
     activations = curve(timeline.length, intervals(timeline, _scheduled_moves(plan, timeline, schedule), True))
     return activations[len(timeline.fw_nodes) - 1] if activations else 0
+
+
+def plan_digest(plan: Plan, schedule: Any) -> str:
+    """A short hash of what the rewrite does with a pair: each saved activation's decision, each copy's
+    four places and each recomputation's chain, by node name, and the partition planned. Equal plans
+    give equal digests on every rank and in every process; predictions (seconds, peaks) are left out,
+    so that only a different rewrite changes it."""
+    name = lambda node: None if node is None else node.name  # noqa: E731
+    parts = [
+        plan.partition,
+        [(d.name, d.action) for d in plan.decisions],
+        [(t.base_name, str(t.nbytes), t.members) for t in plan.transfers],
+        [(r.base_name, r.at, r.release, [name(n) for n in r.cost.chain]) for r in plan.recomputes],
+        [(p.transfer, name(p.offload_after), name(p.free_after), name(p.prefetch_before), name(p.wait_before),
+          p.deferred) for p in schedule.placements],
+        schedule.prefetch_order, name(schedule.ahead_before), schedule.ahead,
+    ]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

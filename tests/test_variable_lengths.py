@@ -10,6 +10,7 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
+from passes.memory import plan_sizes
 from passes.ops import PREFETCH
 from tests.conftest import assert_same_step, lm_step
 
@@ -109,6 +110,8 @@ def test_the_fraction_holds_measured_at_every_length(build, strategy, setup):
     dynamic = [r for r in backends[0.5].records if symbolic(r)]
     assert len(dynamic) == (1 if build is llama else 2), [r.plan for r in backends[0.5].records]
     record = max(dynamic, key=lambda r: r.plan.activation_peak_before)  # the model's graph
+    # Planned at the largest length the guards allow, or at the traced one where there is no bound.
+    assert set(plan_sizes(record.timeline).values()) == {(256, True) if marked else (96, False)}
     # (under "auto", PyTorch's recompute-only partition may be predicted fastest: then it holds)
     assert record.plan.transfers or (strategy == "auto" and record.plan.partition != "min-cut"), \
         fxoffload.explain(record)
