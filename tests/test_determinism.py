@@ -7,11 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 import fxoffload
 from passes.planning import plan_digest
-from tests.conftest import MLP
+from tests.test_golden import compile_mlp  # (the golden MLP, compiled with min_bytes=0)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,13 +40,6 @@ def test_two_processes_make_the_same_plan():
     assert first == second
     digest, transfers, recomputes = first[0].split()
     assert int(transfers) + int(recomputes) > 0  # a plan that moves something, not an empty one
-
-
-def compile_mlp(**options):
-    torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
-    torch.compile(MLP(), backend=backend)(torch.randn(3, 5, 8)).backward()
-    return backend.records[0]
 
 
 def test_the_digest_names_what_the_rewrite_does():
