@@ -75,7 +75,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition  #
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from fxoffload import models  # noqa: E402
-from fxoffload.explain import format_bytes  # noqa: E402
+from fxoffload.explain import format_bytes, format_stages  # noqa: E402
 from fxoffload.profiles import PROFILES  # noqa: E402
 from passes import plan_best_partition, plan_pair  # noqa: E402
 from passes.analysis import last_storage_use, storage_key  # noqa: E402
@@ -154,7 +154,7 @@ def _boxed(gm, example_inputs):
 
 def _options(budget: "float | int", strategy: str) -> PlanOptions:
     limit = Budget(nbytes=budget) if isinstance(budget, int) else Budget(fraction=budget)
-    return PlanOptions(min_bytes=MIN_BYTES, budget=limit, solver="auto", on_infeasible="warn", time_limit=10.0,
+    return PlanOptions(min_bytes=MIN_BYTES, budget=limit, solver="auto", on_infeasible="warn",
                        strategy=strategy)
 
 
@@ -338,7 +338,9 @@ def _copy_seconds(nbytes: int, profile) -> tuple[float, float]:
 
 
 def row(model: str, profile: str, budget: float, strategy: str, sim: Simulation, activation_peak: int,
-        budget_bytes: int, none_time: float, offloaded: int, recomputed: float, seconds: float, note: str = "") -> dict:
+        budget_bytes: int, none_time: float, offloaded: int, recomputed: float, seconds: float, note: str = "",
+        stages: tuple[tuple[str, float], ...] = ()) -> dict:
+    """One row; ``stages``: fxoffload's passes' wall seconds by stage (measured), for its own rows."""
     return {
         "model": model, "profile": profile, "budget": budget, "strategy": strategy,
         "activation_peak": activation_peak, "total_peak": sim.peak, "budget_bytes": budget_bytes,
@@ -346,7 +348,7 @@ def row(model: str, profile: str, budget: float, strategy: str, sim: Simulation,
         "step_time": sim.step_time, "overhead": sim.step_time / none_time - 1.0,
         "compute_time": sim.compute_time, "floor": sim.floor, "step_over_floor": sim.step_time / sim.floor,
         "bound": sim.bound, "offloaded_bytes": offloaded, "recomputed_flops": recomputed,
-        "decision_seconds": seconds, "note": note, "fxoffload_at_this_peak": None,
+        "decision_seconds": seconds, "stage_seconds": dict(stages), "note": note, "fxoffload_at_this_peak": None,
     }
 
 
@@ -420,7 +422,7 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
                 rows.append(row(name, profile_name, budget, "recompute", none_sim, peak0, limit, none_sim.step_time,
                                 0, 0.0, joint.partition_seconds, "budget 1.0: the plain partition"))
             rows.append(row(name, profile_name, budget, OFFLOAD, fx_sim, fx.plan.activation_peak_after, limit,
-                            none_sim.step_time, moved, 0.0, fx_seconds, note))
+                            none_sim.step_time, moved, 0.0, fx_seconds, note, stages=fx.seconds))
             for r in rows[-6:-1]:
                 r["fxoffload_at_this_peak"] = at_peak(r["activation_peak"])
             for strategy, (result, seconds) in (
@@ -430,7 +432,7 @@ def compare_model(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[di
                 plan = result.plan
                 rows.append(row(name, profile_name, budget, strategy, sim, plan.activation_peak_after, limit,
                                 none_sim.step_time, plan.offloaded_bytes, planned_recompute_flops(base, result),
-                                seconds, _plan_note(plan)))
+                                seconds, _plan_note(plan), stages=result.seconds))
     return rows
 
 
@@ -530,6 +532,14 @@ def markdown(rows: list[dict]) -> str:
             f"{r['decision_seconds']:.2f} s | {_at_peak(r)} |"
         )
     return "\n".join(lines)
+
+
+def stages_markdown(rows: list[dict]) -> str:
+    """fxoffload's passes by stage, one line per fxoffload row that ran them."""
+    lines = ["fxoffload's passes by stage (measured wall seconds; under auto a stage sums its runs over the "
+             "alternatives, and \"repartition (PyTorch)\" is PyTorch's recompute-only partitioner):", ""]
+    return "\n".join(lines + [f"- {r['model']}, {r['profile']}, budget {r['budget']}, {r['strategy']}: "
+                              f"{format_stages(tuple(r['stage_seconds'].items()))}" for r in rows if r["stage_seconds"]])
 
 
 def headline(rows: list[dict], profile: str = "h100-pcie5") -> str:
@@ -632,7 +642,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small slices of each model (CI-sized, < 2 min)")
     parser.add_argument("--out", default="benchmarks/out",
-                        help="folder for compare.md, headline.md, per_layer.md, compare.json, compare.png")
+                        help="folder for compare.md, headline.md, per_layer.md, stages.md, compare.json, compare.png")
     parser.add_argument("--models", default=",".join(FULL), help="comma-separated subset of " + ", ".join(FULL))
     args = parser.parse_args(argv)
     specs = QUICK if args.quick else FULL
@@ -658,6 +668,7 @@ def main(argv=None) -> int:
     (out / "compare.md").write_text(table + "\n")
     (out / "headline.md").write_text(headline(rows) + "\n")
     (out / "per_layer.md").write_text(layer_table + "\n")
+    (out / "stages.md").write_text(stages_markdown(rows) + "\n")
     (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_layer": layer_rows,
                                                   "misses": misses, "auto_wins": auto_wins(rows)}, indent=1))
     plot(rows, out / "compare.png")
@@ -669,7 +680,9 @@ def main(argv=None) -> int:
     print(f"\ntargets: {len(misses)} missed" + "".join(f"\n  {m}" for m in misses))
     wins = auto_wins(rows)
     print(f"auto strictly faster than every single strategy within budget: {len(wins)}" + "".join(f"\n  {w}" for w in wins))
-    print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'per_layer.md'}, {out / 'compare.json'}, "
+    print("\n" + stages_markdown(rows))
+    print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'per_layer.md'}, {out / 'stages.md'}, "
+          f"{out / 'compare.json'}, "
           f"{out / 'compare.png'} in {meta['seconds']:.0f} s")
     return 0
 

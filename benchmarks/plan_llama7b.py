@@ -10,12 +10,15 @@ fxoffload's passes. All memory and time figures inside the plan are
 predictions (memory model, cost model on the chosen device profile).
 
     python benchmarks/plan_llama7b.py [--layers 32] [--seq 4096] [--budget 0.5] [--profile h100-pcie5]
+                                      [--strategy offload|recompute|auto] [--write]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,7 +30,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import fxoffload  # noqa: E402
 import fxoffload.backend  # noqa: E402
-from fxoffload.explain import format_bytes  # noqa: E402
+from fxoffload.explain import format_bytes, format_stages  # noqa: E402
+from passes.planning import plan_digest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import write_section  # noqa: E402
 
 
 def llama7b_config(layers: int, seq: int):
@@ -62,6 +69,7 @@ def main() -> None:
     parser.add_argument("--budget", default="0.5", help="memory_budget (fraction, or a size like 6GiB)")
     parser.add_argument("--profile", default="h100-pcie5")
     parser.add_argument("--solver", default="auto")
+    parser.add_argument("--write", action="store_true", help="also write the figures to benchmarks/RESULTS.md")
     parser.add_argument("--strategy", default="offload",
                         help="offload (default: the planning-speed figures in the README), recompute or auto "
                              "(auto also plans its alternatives, PyTorch's recompute-only partition included)")
@@ -94,24 +102,32 @@ def main() -> None:
     record = backend.records[0]
     plan = record.plan
     nodes = len(record.timeline.fw_nodes) + len(record.timeline.bw_nodes)
-    passes = dict(record.pass_seconds)
-    ours = sum(passes.values())
-    print(f"model: Llama, {params / 1e9:.2f} B parameters (fake), {args.layers} layers, batch 1 x {args.seq}, bf16")
-    print(f"graph: {nodes} nodes in the partitioned forward + backward; {len(plan.decisions)} saved activations")
-    print(f"measured wall time on this machine ({os.cpu_count()} cores):")
-    print(f"  build model under FakeTensorMode   {build:7.2f} s")
-    print(f"  torch.compile, first forward call  {compile_seconds:7.2f} s  (dynamo + AOTAutograd + partitioner + fxoffload)")
-    print(f"    of which min-cut partitioner     {sum(partition_seconds):7.2f} s")
-    print(f"    of which fxoffload passes        {ours:7.2f} s  (" +
-          ", ".join(f"{k} {v:.2f}" for k, v in record.pass_seconds) + ")")
-    print(f"  fake backward                      {backward_seconds:7.2f} s")
-    print(f"plan (predicted on {record.profile.name}): budget {format_bytes(plan.budget_bytes)}, solver {plan.solver} "
-          f"(optimal={plan.optimal}, gap {plan.gap:.2%}), {len(plan.transfers)} transfers, "
-          f"{format_bytes(plan.offloaded_bytes)} offloaded")
-    print(f"  activation peak {format_bytes(plan.activation_peak_before)} -> {format_bytes(plan.activation_peak_after)}; "
-          f"total peak {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}; "
-          f"predicted stall {record.schedule.predicted_stall * 1e3:.1f} ms (replayed schedule)")
-
+    ours = sum(s for _, s in record.pass_seconds)
+    lines = [
+        f"model: Llama, {params / 1e9:.2f} B parameters (fake), {args.layers} layers, batch 1 x {args.seq}, bf16; "
+        f"budget {args.budget}, strategy {args.strategy}, solver {args.solver}",
+        f"graph: {nodes} nodes in the partitioned forward + backward; {len(plan.decisions)} saved activations",
+        f"measured wall time on this machine ({os.cpu_count()} cores):",
+        f"  build model under FakeTensorMode   {build:7.2f} s",
+        f"  torch.compile, first forward call  {compile_seconds:7.2f} s  (dynamo + AOTAutograd + partitioner + fxoffload)",
+        f"    of which the min-cut partition   {partition_seconds[0]:7.2f} s",
+        f"    of which fxoffload passes        {ours:7.2f} s  ({format_stages(record.pass_seconds)})",
+        f"  fake backward                      {backward_seconds:7.2f} s",
+        f"plan (predicted on {record.profile.name}): budget {format_bytes(plan.budget_bytes)}, solver {plan.solver} "
+        f"(optimal={plan.optimal}, gap {plan.gap:.2%}), {len(plan.transfers)} transfers, "
+        f"{format_bytes(plan.offloaded_bytes)} offloaded, {len(plan.recomputes)} recomputed; partition: {plan.partition}",
+        f"  activation peak {format_bytes(plan.activation_peak_before)} -> {format_bytes(plan.activation_peak_after)}; "
+        f"total peak {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}; "
+        f"predicted stall {record.schedule.predicted_stall * 1e3:.1f} ms (replayed schedule)",
+        f"  plan digest {plan_digest(plan, record.schedule)}",
+    ]
+    print("\n".join(lines))
+    if args.write:
+        command = "python benchmarks/plan_llama7b.py " + " ".join(sys.argv[1:])
+        body = (f"{datetime.date.today()}, `{command}`. Wall times are measured on this machine; memory and "
+                "stall figures are predictions (memory model, cost model, replayed schedule).\n\n```\n"
+                + "\n".join(lines) + "\n```")
+        print(f"wrote {write_section(f'Planning speed: Llama-7B, strategy {args.strategy} (measured, CPU)', body)}")
 
 if __name__ == "__main__":
     main()

@@ -209,6 +209,7 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fxoffload
+    from fxoffload.explain import format_stages
     from fxoffload.models import ModelError
     from passes.planning import BudgetInfeasibleError
 
@@ -254,9 +255,14 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
                "put each layer in a module class of your own" if kind.__module__.startswith("torch.nn") else ""))
     if not backend.records:
         raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
-    seconds["fxoffload_passes"] = sum(s for r in backend.records for _, s in r.pass_seconds)
+    stages: dict[str, float] = {}
+    for record in backend.records:
+        for stage, spent in record.pass_seconds:
+            stages[stage] = stages.get(stage, 0.0) + spent
+    seconds["fxoffload_passes"] = sum(stages.values())
+    seconds["fxoffload_stages"] = stages
     progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
-             f"(fxoffload passes {seconds['fxoffload_passes']:.1f} s)")
+             f"(fxoffload passes {format_stages(tuple(stages.items()))})")
     return backend.records, backend.step_invocations() or list(backend.records), seconds
 
 
@@ -429,7 +435,7 @@ def _input_bytes(record: Any) -> int:
 
 
 def _print_report(report: dict, records: list) -> None:
-    from fxoffload.explain import explain, format_bytes
+    from fxoffload.explain import explain, format_bytes, format_stages
     from fxoffload.plot import format_seconds
 
     for record, graph in zip(records, report["graphs"]):
@@ -479,6 +485,6 @@ def _print_report(report: dict, records: list) -> None:
           f"{step['crossing_copies']} copies crossed a graph boundary")
     seconds = report["seconds"]
     print(f"measured here: build {seconds['build']:.1f} s, trace and plan {seconds['trace_and_plan']:.1f} s "
-          f"(fxoffload passes {seconds['fxoffload_passes']:.1f} s)")
+          f"(fxoffload passes {format_stages(tuple(seconds['fxoffload_stages'].items()))})")
     for path in report["plots"]:
         print(f"plot: {path}")

@@ -10,11 +10,11 @@ from typing import Any, Mapping
 
 from passes.cost_model import DeviceProfile
 from passes.planning import STRATEGIES, Budget, PlanOptions
+from passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD
 
 __all__ = ["OffloadConfig", "config_from_options", "parse_budget"]
 
 INNER_COMPILERS = ("inductor", "eager")
-SOLVERS = ("auto", "milp", "greedy")
 ON_INFEASIBLE = ("error", "warn")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -80,10 +80,17 @@ class OffloadConfig:
     every recomputable one."""
 
     solver: str = "auto"
-    """``"auto"`` (exact MILP within the time limit, never worse than greedy), ``"milp"`` or ``"greedy"``."""
+    """``"auto"`` (greedy, or when greedy is more than 1% above the LP bound, the exact MILP within
+    1% of its bound; never worse than greedy), ``"milp"`` (the exact MILP within 0.01%) or ``"greedy"``."""
 
-    solver_time_limit: float = 10.0
-    """Seconds the exact solver may take per graph."""
+    solver_node_limit: int = NODE_LIMIT
+    """Branch-and-bound nodes the exact solver may explore per program: the normal bound on its
+    work, counted the same on every machine and under any load, so a plan does not depend on the
+    clock."""
+
+    solver_time_limit: float = TIME_GUARD
+    """Seconds the exact solver may take per program: a guard against a pathological program, not
+    the normal exit. A plan stopped by it may differ between runs and ranks (fxoffload warns)."""
 
     on_infeasible: str = "error"
     """When no plan meets the budget: ``"error"`` raises, ``"warn"`` warns and plans for the smallest
@@ -144,6 +151,9 @@ class OffloadConfig:
         limit = self.solver_time_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
             raise ValueError(f"solver_time_limit: got {limit!r}; accepted: a number of seconds > 0")
+        nodes = self.solver_node_limit
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"solver_node_limit: got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")
         from fxoffload.profiles import resolve_profile
 
         resolve_profile(self.device_profile)
@@ -152,7 +162,8 @@ class OffloadConfig:
     def plan_options(self) -> PlanOptions:
         return PlanOptions(
             min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
-            on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit), strategy=self.strategy,
+            on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit),
+            node_limit=self.solver_node_limit, strategy=self.strategy,
             cross_graphs=self.cross_graphs, runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
             device_bytes=(None if self.device_budget is None else
                           _device_bytes("device_budget", self.device_budget) - _device_bytes("reserved", self.reserved,

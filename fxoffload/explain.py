@@ -1,17 +1,17 @@
 """``explain(record)``: the plan of one compiled graph as a readable table.
 
 Every figure here is a prediction of the memory model and cost model (on the
-record's device profile), not a measurement.
+record's device profile), not a measurement, except the passes' wall times.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from passes.planning import plan_digest
 
-__all__ = ["explain", "format_bytes"]
+__all__ = ["explain", "format_bytes", "format_stages"]
 
 
 def format_bytes(n: Any) -> str:
@@ -21,6 +21,13 @@ def format_bytes(n: Any) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def format_stages(seconds: Sequence[tuple[str, float]]) -> str:
+    """``(stage, seconds)`` pairs as "1.23 s: analyse 0.10, plan 1.00, ..."; under strategy auto a
+    stage sums its runs over the alternatives, and "repartition (PyTorch)" is PyTorch's partitioner."""
+    total = sum(s for _, s in seconds)
+    return f"{total:.2f} s: " + ", ".join(f"{stage} {s:.2f}" for stage, s in seconds)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -43,6 +50,7 @@ def _summary(record: Any) -> str:
         f"plan digest: {plan_digest(plan, schedule)} (what the rewrite does; the same on every rank for the same "
         "graph and options)",
         f"solver: {plan.solver}" + ("" if plan.solver == "none" else f", optimal={plan.optimal}, gap {gap}"),
+        f"passes took {format_stages(record.pass_seconds)} (measured wall time)",
         f"predicted activation peak: {format_bytes(plan.activation_peak_before)} -> "
         f"{format_bytes(plan.activation_peak_after)}",
         f"predicted total peak:      {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}"

@@ -6,10 +6,12 @@ times), ``scheduling`` (where each op goes), ``planning`` with ``solvers``
 (keep, offload or recompute under a budget -> Plan), ``policies`` (the user's
 selective-checkpoint marks), ``rewrite`` (insert the ops and recompute chains),
 ``simulator`` (replay a plan), ``step`` (replay a step of several graph
-invocations: one graph per layer). :func:`offload_pair` runs them in order on one
-pair; :func:`plan_best_partition` also weighs alternatives under strategy
-``"auto"`` (see its docstring), and :func:`rewrite_planned` applies the
-winner. This package knows FX and PyTorch graphs (and calls PyTorch's
+invocations: one graph per layer). :func:`analyse_pair` runs the stages up to
+the candidates' costs, :func:`plan_analysed` plans and schedules from them
+(:func:`plan_pair` is the two in a row, :func:`offload_pair` adds the rewrite);
+:func:`plan_best_partition` also weighs alternatives under strategy ``"auto"``,
+reusing one analysis for those on the same pair (see its docstring), and
+:func:`rewrite_planned` applies the winner. This package knows FX and PyTorch graphs (and calls PyTorch's
 partitioner only through a callback), nothing of torch.compile or of the copy
 engines.
 """
@@ -61,14 +63,88 @@ class PassResult:
 
 
 class _Stopwatch:
+    """Wall seconds by stage, summed over every time a stage runs (strategy auto plans several
+    alternatives), in the order the stages first ran."""
+
     def __init__(self) -> None:
-        self.times: list[tuple[str, float]] = []
+        self._totals: dict[str, float] = {}
         self._start = time.perf_counter()
 
     def stamp(self, name: str) -> None:
         now = time.perf_counter()
-        self.times.append((name, now - self._start))
+        self._totals[name] = self._totals.get(name, 0.0) + now - self._start
         self._start = now
+
+    def restart(self) -> None:
+        """Leave the time since the last stamp out (another stage's, or the caller's)."""
+        self._start = time.perf_counter()
+
+    @property
+    def times(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._totals.items())
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    """What planning reads from a pair, for one set of counted inputs and outputs: the same for
+    every strategy, so strategy auto's alternatives on the min-cut pair reuse it."""
+
+    interface: SavedInterface
+    activations: tuple[SavedActivation, ...]
+    timeline: Timeline
+    work: tuple
+    times: tuple[float, ...]
+    placements: Mapping[fx.Node, Placement]
+    moves: Mapping[fx.Node, tuple[int, int]]
+    costs: Mapping
+    recomputes: Mapping  # candidates' recompute chains and costs; empty under strategy "offload"
+
+
+def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int, *, horizon: int | str,
+                 profile: DeviceProfile, input_activations: frozenset[int], outputs_counted: bool,
+                 with_recomputes: bool, watch: _Stopwatch) -> _Analysis:
+    """Analyse and estimate the pair, and cost each candidate's copies and recompute chain."""
+    fw, bw = fw_module.graph, bw_module.graph
+    interface = saved_interface(fw, bw, num_user_outputs)
+    activations = saved_activations(interface)
+    timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations), outputs_counted)
+    watch.stamp("analyse")
+    # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
+    work = tuple(node_work(n) for n in timeline.nodes)
+    times = tuple(roofline(w, profile) for w in work)
+    watch.stamp("estimate")
+    candidates = {
+        b: g for b, g in group_by_base(activations).items()
+        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor) and any(a.bw_node.users for a in g)
+    }
+    # Symbolic sizes at the size the plan is made for (the largest the guards allow, or the traced one).
+    nbytes = {b: concrete(g[0].base_nbytes, b.meta["val"]) for b, g in candidates.items()}
+    placements = place_candidates(fw, bw, candidates, horizon=horizon)
+    moves = timeline_moves(timeline, placements)
+    costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
+    # A chain may read saved values, and graph inputs (saved for it if they were not).
+    readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
+    # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
+    # are forward values).
+    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int)]
+    recomputes = recompute_costs(timeline, static, placements, readable, times) if with_recomputes else {}
+    watch.stamp("cost candidates")
+    return _Analysis(interface, tuple(activations), timeline, work, times, placements, moves, costs, recomputes)
+
+
+def plan_analysed(analysis: _Analysis, *, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
+                  policies: Mapping[str, str] | None, watch: _Stopwatch) -> PassResult:
+    """Plan and schedule an analysed pair under ``options``; the graphs are not changed."""
+    a = analysis
+    recomputes = {} if options.strategy == "offload" else a.recomputes
+    plan = plan_offloads(a.interface, a.activations, a.timeline, a.moves, a.costs, options, policies, recomputes,
+                         queued=horizon == AUTO)
+    watch.stamp("plan")
+    schedule = schedule_transfers(plan, a.placements, horizon, timeline=a.timeline, times=list(a.times),
+                                  profile=profile, cross_graphs=options.cross_graphs)
+    plan = with_scheduled_peaks(plan, a.timeline, schedule)
+    watch.stamp("schedule")
+    return PassResult(a.interface, a.activations, a.timeline, plan, schedule, tuple(watch.times), a.work)
 
 
 def plan_pair(
@@ -94,42 +170,12 @@ def plan_pair(
     by default decided on ``options``.
     """
     watch = _watch or _Stopwatch()
-    input_activations = counted_inputs(options, input_activations)
     if outputs_counted is None:
         outputs_counted = counts_outputs(options)
-    fw, bw = fw_module.graph, bw_module.graph
-    interface = saved_interface(fw, bw, num_user_outputs)
-    activations = saved_activations(interface)
-    timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations), outputs_counted)
-    watch.stamp("analyse")
-    # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
-    work = tuple(node_work(n) for n in timeline.nodes)
-    times = [roofline(w, profile) for w in work]
-    watch.stamp("estimate")
-    candidates = {
-        b: g for b, g in group_by_base(activations).items()
-        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor) and any(a.bw_node.users for a in g)
-    }
-    # Symbolic sizes at the size the plan is made for (the largest the guards allow, or the traced one).
-    nbytes = {b: concrete(g[0].base_nbytes, b.meta["val"]) for b, g in candidates.items()}
-    placements = place_candidates(fw, bw, candidates, horizon=horizon)
-    moves = timeline_moves(timeline, placements)
-    costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
-    # A chain may read saved values, and graph inputs (saved for it if they were not).
-    readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
-    # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
-    # are forward values).
-    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int)]
-    recomputes = {} if options.strategy == "offload" else recompute_costs(
-        timeline, static, placements, readable, times)
-    plan = plan_offloads(interface, activations, timeline, moves, costs, options, policies, recomputes,
-                         queued=horizon == AUTO)
-    watch.stamp("plan")
-    schedule = schedule_transfers(plan, placements, horizon, timeline=timeline, times=times, profile=profile,
-                                  cross_graphs=options.cross_graphs)
-    plan = with_scheduled_peaks(plan, timeline, schedule)
-    watch.stamp("schedule")
-    return PassResult(interface, activations, timeline, plan, schedule, tuple(watch.times), work)
+    analysis = analyse_pair(fw_module, bw_module, num_user_outputs, horizon=horizon, profile=profile,
+                            input_activations=counted_inputs(options, input_activations),
+                            outputs_counted=outputs_counted, with_recomputes=options.strategy != "offload", watch=watch)
+    return plan_analysed(analysis, options=options, horizon=horizon, profile=profile, policies=policies, watch=watch)
 
 
 def counted_inputs(options: PlanOptions, input_activations: frozenset[int]) -> frozenset[int]:
@@ -182,10 +228,13 @@ Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
 PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION = 1e-3
 
 
-def _predicted_step(result: PassResult, profile: DeviceProfile) -> float:
+def _predicted_step(result: PassResult, profile: DeviceProfile, watch: _Stopwatch) -> float:
     from passes.simulator import simulate
 
-    return simulate(result, profile).step_time
+    watch.restart()
+    step = simulate(result, profile).step_time
+    watch.stamp("simulate")
+    return step
 
 
 def plan_best_partition(
@@ -208,38 +257,51 @@ def plan_best_partition(
     peak above the min-cut pair's unoffloaded one.
 
     (1) guards the joint program's queue model, which is optimistic about copies under tight
-    memory; (2) recomputes what our chains cannot: it may save a value's inputs instead of the
-    value; it is skipped when its backward draws random numbers (see :func:`_draws_random_numbers`).
-    Peaks "before" stay the min-cut pair's, which the budget fraction refers to. With
-    ``PREFER_*`` selective-checkpoint hints, the joint program's plan stands: it weighs the
-    hints, which the simulator's step time does not. ``input_activations``: as for :func:`plan_pair`
-    (by input position, so it holds for the re-partitioned pair too).
+    memory; it reuses the min-cut pair's analysis. (2) recomputes what our chains cannot: it may
+    save a value's inputs instead of the value; it is skipped when its backward draws random numbers
+    (see :func:`_draws_random_numbers`). Peaks "before" stay the min-cut pair's, which the budget
+    fraction refers to. With ``PREFER_*`` selective-checkpoint hints, the joint program's plan
+    stands: it weighs the hints, which the simulator's step time does not. ``input_activations``: as
+    for :func:`plan_pair` (by input position, so it holds for the re-partitioned pair too). The
+    result's ``seconds`` sum each stage over every alternative.
     """
+    watch = _Stopwatch()
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
     input_activations, outputs_counted = counted_inputs(options, input_activations), counts_outputs(options)
 
-    def planned(fw, bw, opts):
+    def analysed(fw, bw, opts):
+        watch.restart()
         with _gc_paused():
-            return plan_pair(fw, bw, num_user_outputs, options=opts, horizon=horizon, profile=profile,
-                             policies=policies, input_activations=input_activations,
-                             outputs_counted=outputs_counted)
+            return analyse_pair(fw, bw, num_user_outputs, horizon=horizon, profile=profile,
+                                input_activations=input_activations, outputs_counted=outputs_counted,
+                                with_recomputes=opts.strategy != "offload", watch=watch)
 
-    def alternative(fw, bw, opts):
+    def planned(analysis, opts):
+        watch.restart()
+        with _gc_paused():
+            return plan_analysed(analysis, options=opts, horizon=horizon, profile=profile, policies=policies,
+                                 watch=watch)
+
+    def alternative(analysis, opts):
         with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
             warnings.filterwarnings("ignore", message=r"memory_budget: (at .* \(a size this graph serves\), )?"
                                                       r"the smallest achievable")
-            return planned(fw, bw, dataclasses.replace(opts, on_infeasible="warn"))
+            return planned(analysis, dataclasses.replace(opts, on_infeasible="warn"))
 
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
+    analysis = analysed(fw_module, bw_module, options)
     if options.strategy != "auto" or options.budget is None or hinted:  # the user's hints outrank predictions
-        return fw_module, bw_module, planned(fw_module, bw_module, options)
+        return fw_module, bw_module, planned(analysis, options)
     # An alternative may meet a budget the joint plan misses: judge infeasibility at the end.
-    first = alternative(fw_module, bw_module, options)
-    plan = first.plan
-    plain = sum(roofline(w, profile) for w in first.work)
-    if plan.feasible and _predicted_step(first, profile) <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
-        return fw_module, bw_module, first
-    fw, bw, best = _best_alternative(fw_module, bw_module, first, repartition, alternative, options, profile)
+    first = alternative(analysis, options)
+    plain = sum(analysis.times)
+    step = _predicted_step(first, profile, watch)
+    if first.plan.feasible and step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
+        return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times)
+    tried = [_Tried(fw_module, bw_module, first, "min-cut", step)]
+    tried += _alternatives(fw_module, bw_module, analysis, first.plan, repartition, analysed, alternative, options,
+                           profile, watch)
+    fw, bw, best = _best_of(tried, watch)
     if not best.plan.feasible:
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
         if options.on_infeasible == "error":
@@ -248,41 +310,59 @@ def plan_best_partition(
     return fw, bw, best
 
 
-def _best_alternative(fw_module, bw_module, first, repartition, alternative, options, profile):
-    """The fastest predicted of the joint plan and its alternatives (see :func:`plan_best_partition`)."""
-    plan = first.plan
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class _Tried:
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    result: PassResult
+    label: str
+    step: float  # predicted step time (simulator)
+
+
+def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, alternative, options, profile, watch):
+    """Strategy auto's alternatives to the joint plan ``plan`` (see :func:`plan_best_partition`)."""
     # Held to the first plan's bytes, at its own size and at every other size it holds the fraction at.
     at_sizes = tuple((size.values, size.budget_bytes) for size in plan.sizes)
     held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes, at_sizes=at_sizes))
-    tried = [(fw_module, bw_module, first, "min-cut")]
+    tried = []
     for single in ("offload", "recompute"):
-        result = alternative(fw_module, bw_module, dataclasses.replace(held, strategy=single))
-        tried.append((fw_module, bw_module, result, f"min-cut, {single} only predicted fastest"))
+        result = alternative(analysis, dataclasses.replace(held, strategy=single))
+        tried.append(_Tried(fw_module, bw_module, result, f"min-cut, {single} only predicted fastest",
+                            _predicted_step(result, profile, watch)))
     if repartition is not None:
         fraction = min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1))
+        watch.restart()
         fw2, bw2 = repartition(fraction)
+        watch.stamp("repartition (PyTorch)")
         if not _draws_random_numbers(bw2):
-            tried.append((fw2, bw2, alternative(fw2, bw2, held),
-                          f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest"))
+            result = alternative(analysed(fw2, bw2, held), held)
+            tried.append(_Tried(fw2, bw2, result,
+                                f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
+                                _predicted_step(result, profile, watch)))
+    return tried
 
-    def rank(entry):
-        result = entry[2]
+
+def _best_of(tried: list[_Tried], watch: _Stopwatch) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
+    """The fastest predicted of the joint plan (``tried[0]``) and its alternatives, relabelled as
+    strategy auto's with the joint plan's peaks "before"."""
+    plan = tried[0].result.plan
+
+    def rank(entry: _Tried):
+        result = entry.result
         # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
         over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
         missed = 0 if result.plan.feasible else result.plan.activation_peak_after  # else the lowest peak
-        return (not result.plan.feasible, missed, over_total, _predicted_step(result, profile))
+        return (not result.plan.feasible, missed, over_total, entry.step)
 
-    fw, bw, best, label = min(tried, key=rank)
-    seconds = (("alternatives", time.perf_counter() - start),)
+    best = min(tried, key=rank)
     relabelled = dataclasses.replace(
-        best.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
+        best.result.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
         total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before,
-        device_peak_before=plan.device_peak_before, strategy="auto", partition=label,
+        device_peak_before=plan.device_peak_before, strategy="auto", partition=best.label,
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
-                    for size, reference in zip(best.plan.sizes, plan.sizes)),
+                    for size, reference in zip(best.result.plan.sizes, plan.sizes)),
     )
-    return fw, bw, dataclasses.replace(best, plan=relabelled, seconds=first.seconds + seconds)
+    return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times)
 
 
 def unbounded_size_warning(result: PassResult) -> str | None:

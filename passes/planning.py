@@ -71,7 +71,7 @@ from passes.analysis import (
 )
 from passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from passes.solvers import Option, Queue, curve_with, solve
+from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, solve
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
@@ -118,7 +118,8 @@ class PlanOptions:
     budget: Budget | None = None
     solver: str = "auto"
     on_infeasible: str = "error"
-    time_limit: float = 10.0
+    time_limit: float = TIME_GUARD  # seconds per program: a guard (see passes.solvers)
+    node_limit: int = NODE_LIMIT  # branch-and-bound nodes per program: the deterministic bound
     strategy: str = "auto"
     # A total peak (every tensor of the step, bytes) the copies' placement may not raise the total
     # above, when lower than the pair's own unoffloaded total: plain compile's, when the user's
@@ -636,7 +637,11 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     base, items = _stacked(length, parts)
     total = length * len(parts)
     result = solve(total, base, items, budget, queues, conflicts,
-                   solver=options.solver, time_limit=options.time_limit)
+                   solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
+    if result.stopped == "time limit":
+        warnings.warn(f"fxoffload: the exact solver stopped at solver_time_limit={options.time_limit:g} s before its "
+                      f"node limit ({options.node_limit}): this plan depends on the machine's speed and load, and may "
+                      "differ between runs and ranks; raise solver_time_limit or lower solver_node_limit", stacklevel=3)
     if result.feasible:
         offloaded, recomputed = _split(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
@@ -670,7 +675,7 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
     # The cheapest plan that reaches the smallest peak (not just "everything").
     lowest = solve(total, base, items, smallest, queues, conflicts,
-                   solver=options.solver, time_limit=options.time_limit)
+                   solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(message + "; planning for that peak instead", stacklevel=2)
     offloaded, recomputed = _split(owners, chosen)

@@ -59,6 +59,9 @@ def test_every_preset_plans_a_slice_within_the_budget(capsys, tmp_path, preset):
                       "--output", str(tmp_path / "plan.svg"))
     assert report["model"] == preset and report["layers"] == layers and report["seq"] == size
     check_budget_held(report, 0.7)
+    stages = report["seconds"]["fxoffload_stages"]  # measured, by stage
+    assert {"analyse", "estimate", "plan", "schedule", "rewrite"} <= set(stages)
+    assert sum(stages.values()) == pytest.approx(report["seconds"]["fxoffload_passes"])
     # Offloaded, recomputed, or planned on PyTorch's recompute-only partition (strategy "auto").
     assert any(g["transfers"] + g["recomputes"] or g["partition"] != "min-cut" for g in report["graphs"])
     assert report["plots"] == [str(tmp_path / "plan.svg")]

@@ -36,6 +36,13 @@ def test_quick_comparison_table(tmp_path, capsys):
         fx = group[compare.OFFLOAD]
         assert not fx["over_budget"] or fx["note"].startswith("infeasible"), (model, profile, budget)
         assert none["overhead"] == 0.0 and none["offloaded_bytes"] == 0
+    # fxoffload's own rows say where their passes' time went, by stage; the others ran no passes.
+    staged = [r for r in rows if r["stage_seconds"]]
+    assert {r["strategy"] for r in staged} == {compare.OFFLOAD, compare.RECOMPUTE, compare.AUTO}
+    assert all({"analyse", "plan", "schedule"} <= set(r["stage_seconds"]) for r in staged)
+    assert all(sum(r["stage_seconds"].values()) <= r["decision_seconds"] for r in staged)
+    stages = (tmp_path / "stages.md").read_text().strip().splitlines()
+    assert len(stages) == 2 + len(staged) and all("plan " in line for line in stages[2:])
     table = (tmp_path / "compare.md").read_text().strip().splitlines()
     assert len(table) == 2 + len(rows) and all(line.count("|") == 15 for line in table)
     headline = (tmp_path / "headline.md").read_text().strip().splitlines()
