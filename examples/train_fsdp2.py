@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
+from passes.planning import plan_digest  # noqa: E402
 
 
 def build_model(layers: int) -> torch.nn.Module:
@@ -108,7 +109,8 @@ def report(rank: int, backend) -> int:
         say(f"rank {rank}: region {record.region} graph {record.index}: offloaded {len(plan.transfers)}, "
             f"recomputed {len(plan.recomputes)}; activation peak {format_bytes(plan.activation_peak_before)} "
             f"-> {format_bytes(plan.activation_peak_after)} per run, {format_bytes(plan.step_peak_before)} -> "
-            f"{format_bytes(plan.step_peak_after)} over its {plan.runs} runs (predicted)")
+            f"{format_bytes(plan.step_peak_after)} over its {plan.runs} runs (predicted); plan digest "
+            f"{plan_digest(plan, record.schedule)}")
     return moved
 
 

@@ -46,11 +46,12 @@ import fxoffload.runtime  # op kernels, and the invocations copies cross graphs 
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain
 from fxoffload.ordering import pin_offload_order
+from fxoffload.ranks import check_plans_agree
 from passes import (
     Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
     plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
-from passes.planning import held_after_forward
+from passes.planning import held_after_forward, plan_digest
 from passes.policies import offload_marked, read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,9 @@ class OffloadBackend:
         self.records.append(record)
         self._record_of[region] = record
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
+        if self.config.check_ranks is not False:
+            group = None if self.config.check_ranks is True else self.config.check_ranks
+            check_plans_agree(record.index, plan_digest(record.plan, record.schedule), group)
         if self.config.inner == "inductor":
             for module in (fw, bw):
                 pin_offload_order(module)

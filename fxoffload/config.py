@@ -126,6 +126,12 @@ class OffloadConfig:
     graphs with symbolic sizes are not re-planned). An int applies to every graph this backend
     compiles: use one backend for the layers, another for graphs that run once."""
 
+    check_ranks: Any = True
+    """Under ``torch.distributed``, check after each compile that every rank planned the graph alike
+    (plan digests gathered from every rank; ``fxoffload.ranks``), and raise ``PlanMismatchError``
+    naming the ranks that differ. ``True``: every rank; a ``ProcessGroup``: its ranks (a pipeline
+    stage); ``False``: no check."""
+
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
         _device_bytes("device_budget", self.device_budget)
@@ -151,6 +157,9 @@ class OffloadConfig:
         limit = self.solver_time_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
             raise ValueError(f"solver_time_limit: got {limit!r}; accepted: a number of seconds > 0")
+        if not isinstance(self.check_ranks, bool) and not _is_process_group(self.check_ranks):
+            raise ValueError(f"check_ranks: got {self.check_ranks!r}; accepted: True (every rank), False, or a "
+                             "torch.distributed ProcessGroup (its ranks)")
         nodes = self.solver_node_limit
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"solver_node_limit: got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")
@@ -191,6 +200,12 @@ def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None
         raise ValueError(f"{name}: got {value!r}; accepted: " + ("None, " if name == "device_budget" else "0, ")
                          + accepted)
     return budget.nbytes
+
+
+def _is_process_group(value: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
 
 
 def _check_int(name: str, value: Any, also: str = "") -> None:

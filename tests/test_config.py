@@ -82,6 +82,9 @@ def test_memory_budget_forms(value, fraction, nbytes):
         ({"solver": "cplex"}, "solver: got 'cplex'; accepted: 'auto', 'milp', 'greedy'"),
         ({"on_infeasible": "ignore"}, "on_infeasible: got 'ignore'; accepted: 'error', 'warn'"),
         ({"solver_time_limit": 0}, "solver_time_limit: got 0"),
+        ({"solver_node_limit": 0}, r"solver_node_limit: got 0; accepted: an int >= 1"),
+        ({"solver_node_limit": 10.5}, r"solver_node_limit: got 10.5"),
+        ({"check_ranks": "yes"}, r"check_ranks: got 'yes'; accepted: True \(every rank\), False, or a torch.distributed"),
         ({"device_profile": "tpu-v5"}, "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, h100-pcie5"),
     ],
 )

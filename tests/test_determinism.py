@@ -124,3 +124,11 @@ def test_what_the_solver_library_prints_does_not_reach_stdout(capfd):
     print("after", flush=True)
     captured = capfd.readouterr()
     assert captured.out == "before\nafter\n" and "from C code" in captured.err
+
+
+def test_the_mismatch_error_groups_the_ranks_by_the_plan_they_made():
+    """What a job of four ranks, one of them planning differently, is told (the 2-process gloo test
+    in test_distributed.py raises it for real)."""
+    error = fxoffload.PlanMismatchError({0: (3, "aaaa"), 1: (3, "bbbb"), 2: (3, "aaaa"), 3: (3, "aaaa")})
+    assert "(ranks 0, 2, 3: graph 3, plan digest aaaa; rank 1: graph 3, plan digest bbbb)" in str(error)
+    assert error.digests[1] == (3, "bbbb")

@@ -16,9 +16,11 @@ def test_ddp_two_processes_match_eager_ddp_and_offload_on_each_rank():
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ranks = re.findall(r"rank (\d): graphs \d+, transfers (\d+), same as eager DDP: (\w+)", run.stdout)
-    assert sorted(rank for rank, _, _ in ranks) == ["0", "1"], run.stdout
-    assert all(int(transfers) > 0 and same == "True" for _, transfers, same in ranks), run.stdout
+    ranks = re.findall(r"rank (\d): graphs \d+, transfers (\d+), same as eager DDP: (\w+), plan digests ([\w,]+)",
+                       run.stdout)
+    assert sorted(rank for rank, *_ in ranks) == ["0", "1"], run.stdout
+    assert all(int(transfers) > 0 and same == "True" for _, transfers, same, _ in ranks), run.stdout
+    assert len({digests for *_, digests in ranks}) == 1, run.stdout  # one plan on both ranks
 
 
 @pytest.mark.slow
@@ -41,3 +43,32 @@ def test_fsdp2_example_matches_fsdp2_without_fxoffload_and_offloads_on_each_rank
     offloaded = re.findall(r"rank (\d): region \d+ graph \d+: offloaded (\d+)", run.stdout)
     assert {rank for rank, _ in offloaded} == {"0", "1"}, run.stdout
     assert all(int(count) > 0 for _, count in offloaded), run.stdout
+    # One plan on both ranks, graph by graph (the backend checked it too: check_ranks, on by default).
+    digests = re.findall(r"rank (\d): region (\S+) graph (\d+): .*plan digest (\w+)", run.stdout)
+    by_rank = {rank: sorted((graph, digest) for r, _, graph, digest in digests if r == rank) for rank in "01"}
+    assert by_rank["0"] and by_rank["0"] == by_rank["1"], run.stdout
+
+
+def run_plan_ranks(mode: str) -> list[str]:
+    script = Path(__file__).parent / "distributed" / "plan_ranks.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+
+
+@pytest.mark.slow
+def test_ranks_that_plan_alike_pass_the_check_and_ranks_that_differ_raise_naming_them():
+    """Two ranks under gloo: with the same options each compiles (the check gathers both digests and
+    finds them equal); with another budget on rank 1, both ranks raise PlanMismatchError naming
+    each rank's digest, instead of running different copies."""
+    same = run_plan_ranks("same")
+    assert [line.split(":")[0] for line in same] == ["rank 0", "rank 1"], same
+    assert len({line.split("digest ")[1] for line in same}) == 1, same
+    differ = run_plan_ranks("differ")
+    assert [line.split(":")[0] for line in differ] == ["rank 0", "rank 1"], differ
+    for line in differ:
+        assert "PlanMismatchError [0, 1]" in line, line
+        assert re.search(r"rank 0: graph 0, plan digest \w+; rank 1: graph 0, plan digest \w+", line), line

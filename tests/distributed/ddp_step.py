@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxoffload
+from passes.planning import plan_digest
 
 
 def model() -> torch.nn.Module:
@@ -39,7 +40,9 @@ def main() -> int:
     same = torch.allclose(expected[0], actual[0]) and all(
         torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(expected[1], actual[1]))
     # One write, so that the ranks' lines do not interleave on a shared stdout.
-    sys.stdout.write(f"rank {rank}: graphs {len(backend.records)}, transfers {transfers}, same as eager DDP: {same}\n")
+    digests = ",".join(plan_digest(r.plan, r.schedule) for r in backend.records)
+    sys.stdout.write(f"rank {rank}: graphs {len(backend.records)}, transfers {transfers}, same as eager DDP: {same}, "
+                     f"plan digests {digests}\n")
     sys.stdout.flush()
     dist.destroy_process_group()
     return 0 if same and transfers > 0 else 1
