@@ -17,12 +17,12 @@ from fxoffload.measure import MemoryMeasurement, measure_peak
 from fxoffload.plot import plot, plot_step
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate
 from fxoffload.ranks import PlanMismatchError
-from passes.planning import BudgetInfeasibleError
+from passes.planning import BudgetInfeasibleError, BudgetInfeasibleWarning
 from passes.simulator import Simulation, simulate
 from passes.step import StepSimulation, simulate_step
 
 __all__ = [
-    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
+    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
     "MemoryMeasurement", "OffloadConfig", "PlanMismatchError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
     "offload_backend", "plot", "plot_step", "runtime", "simulate", "simulate_step",
 ]

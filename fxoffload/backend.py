@@ -283,11 +283,11 @@ class OffloadBackend:
         except BudgetInfeasibleError as error:
             if not held_before or options.budget.nbytes is None:
                 raise
-            raise BudgetInfeasibleError(
+            raise error.within(
                 f"compiled region {place}: "
                 f"earlier regions of the step hold {held_before} B of activations after their forward "
                 f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
-                f"for this one; {error}") from None
+                f"for this one; ") from None
         result: PassResult = rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)

@@ -211,7 +211,7 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
     import fxoffload
     from fxoffload.explain import format_stages
     from fxoffload.models import ModelError
-    from passes.planning import BudgetInfeasibleError
+    from passes.planning import ADVICE_WARN, BudgetInfeasibleError
 
     torch._dynamo.reset()
     seconds = {}
@@ -241,7 +241,9 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
         except Exception as e:
             cause = _cause(e, (BudgetInfeasibleError, ModelError))
             if isinstance(cause, BudgetInfeasibleError):
-                raise UsageError(f"impossible budget: {cause}".replace(", or pass on_infeasible='warn'", "")) from None
+                # The command plans for the budget it is given: the advice to warn instead does not apply.
+                advice = [a for a in cause.advice if a != ADVICE_WARN]
+                raise UsageError(f"impossible budget: {cause.explained(advice)}") from None
             if isinstance(cause, ModelError):
                 raise UsageError(str(cause)) from None
             raise

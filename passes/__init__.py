@@ -35,8 +35,8 @@ from passes.analysis import (
 from passes.cost_model import DeviceProfile, node_work, roofline
 from passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
 from passes.planning import (
-    Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer, group_by_base, plan_offloads,
-    with_scheduled_peaks,
+    ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
+    group_by_base, plan_offloads, with_scheduled_peaks,
 )
 from passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.rewrite import rewrite_pair
@@ -284,8 +284,7 @@ def plan_best_partition(
 
     def alternative(analysis, opts):
         with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
-            warnings.filterwarnings("ignore", message=r"memory_budget: (at .* \(a size this graph serves\), )?"
-                                                      r"the smallest achievable")
+            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
             return planned(analysis, dataclasses.replace(opts, on_infeasible="warn"))
 
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
@@ -305,8 +304,8 @@ def plan_best_partition(
     if not best.plan.feasible:
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
         if options.on_infeasible == "error":
-            raise BudgetInfeasibleError(message + "; raise the budget, lower min_bytes, or pass on_infeasible='warn'")
-        warnings.warn(message + "; planning for that peak instead", stacklevel=3)
+            raise BudgetInfeasibleError(message, *best.plan.shortfall, ("raise the budget", "lower min_bytes", ADVICE_WARN))
+        warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=3)
     return fw, bw, best
 
 

@@ -74,7 +74,7 @@ from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PRE
 from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, solve
 
 __all__ = [
-    "Budget", "BudgetInfeasibleError", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
+    "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
     "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
     "group_by_base", "over_runs", "plan_digest", "plan_offloads", "peaks_over_range", "step_peak", "why_kept",
     "with_scheduled_peaks",
@@ -89,8 +89,34 @@ COPY_WEIGHT = 1e-3  # weight of hidden copy time next to stall time in the objec
 PREFER_SAVE_PENALTY = 10.0  # a PREFER_SAVE candidate costs this many times the costliest other one more
 
 
+ADVICE_WARN = "pass on_infeasible='warn'"
+
+
 class BudgetInfeasibleError(ValueError):
-    """The memory budget cannot be met even by offloading every eligible activation."""
+    """The memory budget cannot be met even by offloading every eligible activation.
+
+    ``reason``: what cannot be met, with its numbers; ``smallest``: the smallest achievable peak
+    (bytes, of what the budget bounds); ``budget``: the bytes it bounds it to; ``advice``: what the
+    caller may change, each a phrase (``ADVICE_WARN`` among them where it applies)."""
+
+    def __init__(self, reason: str, smallest: int, budget: int, advice: Sequence[str] = ()) -> None:
+        self.reason, self.smallest, self.budget, self.advice = reason, smallest, budget, tuple(advice)
+        super().__init__(self.explained(self.advice))
+
+    def explained(self, advice: Sequence[str]) -> str:
+        """The reason, then ``advice`` as "; a, b, or c"."""
+        if not advice:
+            return self.reason
+        listed = advice[0] if len(advice) == 1 else ", ".join(advice[:-1]) + ", or " + advice[-1]
+        return f"{self.reason}; {listed}"
+
+    def within(self, context: str) -> "BudgetInfeasibleError":
+        """The same error, its reason prefixed by where it arose."""
+        return BudgetInfeasibleError(f"{context}{self.reason}", self.smallest, self.budget, self.advice)
+
+
+class BudgetInfeasibleWarning(UserWarning):
+    """``on_infeasible="warn"``: the budget cannot be met; the plan is for the smallest achievable peak."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +282,7 @@ class Plan:
     gap: float = 0.0
     feasible: bool = True
     note: str = ""
+    shortfall: tuple[int, int] | None = None  # when infeasible: (smallest achievable peak, budget), bytes
     # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
     # (``passes.memory.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
@@ -399,6 +426,7 @@ class _Choice:
     gap: float = 0.0
     feasible: bool = True
     note: str = ""
+    shortfall: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -670,16 +698,18 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
             f"({reach / 2**20:.1f} MiB, {_ALL[options.strategy]}), above the budget of {limit} B "
             f"({limit / 2**20:.1f} MiB{given})"
         )
+    shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
     if options.on_infeasible == "error":
-        hint = "" if options.strategy == AUTO else ", try strategy='auto'"
-        raise BudgetInfeasibleError(message + f"; raise the budget, lower min_bytes{hint}, or pass on_infeasible='warn'")
+        advice = ("raise the budget", "lower min_bytes", *(() if options.strategy == AUTO else ("try strategy='auto'",)),
+                  ADVICE_WARN)
+        raise BudgetInfeasibleError(message, *shortfall, advice)
     # The cheapest plan that reaches the smallest peak (not just "everything").
     lowest = solve(total, base, items, smallest, queues, conflicts,
                    solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
-    warnings.warn(message + "; planning for that peak instead", stacklevel=2)
+    warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = _split(owners, chosen)
-    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message)
+    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
 
 
 def _unbudgeted(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]) -> _Choice:
@@ -793,6 +823,7 @@ def plan_offloads(
         gap=choice.gap,
         feasible=choice.feasible,
         note=choice.note,
+        shortfall=choice.shortfall,
         sizes=tuple(SizeBudget(tuple(values.items()), n, at.step_peak((), ()),
                                at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
     )

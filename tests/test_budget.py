@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxoffload
+from passes.planning import BudgetInfeasibleWarning
 from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
 
 BUDGETS = [0.1, 0.3, 0.5, 0.7]
@@ -93,10 +94,11 @@ def test_infeasible_budget_can_warn_and_plan_for_the_smallest_peak():
     torch._dynamo.reset()
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, on_infeasible="warn",
                                         strategy="offload")  # see above
-    with pytest.warns(UserWarning, match="smallest achievable activation peak"):
+    with pytest.warns(BudgetInfeasibleWarning, match="smallest achievable activation peak"):
         loss_step(torch.compile(model, backend=backend), ids)
     plan = backend.records[0].plan
     assert not plan.feasible and "smallest achievable" in plan.note
+    assert plan.shortfall[1] == 1000 and plan.shortfall[0] == plan.activation_peak_after > 1000
     everything = fxoffload.offload_backend(inner="eager", min_bytes=0)  # no budget: offload all eligible
     torch._dynamo.reset()
     loss_step(torch.compile(model, backend=everything), ids)

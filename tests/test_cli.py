@@ -173,6 +173,7 @@ def test_impossible_budget(capsys, tmp_path):
     # Offloading only: under "auto", PyTorch's recompute-only partition reaches 1 KiB on this model.
     err = run_error(capsys, "--config", str(tmp_path), "--seq", "64", "--budget", "1KiB", "--strategy", "offload")
     assert "impossible budget" in err and "smallest achievable activation peak" in err and "above the budget of 1024 B" in err
+    assert "raise the budget, lower min_bytes, or try strategy='auto'" in err and "on_infeasible" not in err
 
 
 @pytest.mark.parametrize("argv, message", [

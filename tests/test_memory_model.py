@@ -58,8 +58,11 @@ def test_budget_fraction_resolves_against_the_unoffloaded_peak():
 
 
 def test_budget_below_the_floor_is_infeasible():
-    with pytest.raises(BudgetInfeasibleError, match="smallest achievable activation peak is 1024 B .* budget of 768 B"):
+    with pytest.raises(BudgetInfeasibleError, match="smallest achievable activation peak is 1024 B .* budget of 768 B") as info:
         plan_deep(0.5)
+    # Callers read the numbers and the advice from fields, not from the message.
+    assert (info.value.smallest, info.value.budget) == (1024, 768)
+    assert info.value.advice[-1] == "pass on_infeasible='warn'" and "raise the budget" in info.value.advice
 
 
 def test_an_input_made_by_an_earlier_graph_is_an_activation_from_the_start():
