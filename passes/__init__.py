@@ -11,9 +11,9 @@ the candidates' costs, :func:`plan_analysed` plans and schedules from them
 (:func:`plan_pair` is the two in a row, :func:`offload_pair` adds the rewrite);
 :func:`plan_best_partition` also weighs alternatives under strategy ``"auto"``,
 reusing one analysis for those on the same pair (see its docstring), and
-:func:`rewrite_planned` applies the winner. This package knows FX and PyTorch graphs (and calls PyTorch's
-partitioner only through a callback), nothing of torch.compile or of the copy
-engines.
+:func:`rewrite_planned` applies the winner. This package knows FX and PyTorch
+graphs (and calls PyTorch's partitioner only through a callback), nothing of
+torch.compile or of the copy engines.
 """
 
 from __future__ import annotations

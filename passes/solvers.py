@@ -366,9 +366,13 @@ def _highs(program: _Program, integral: bool, options: dict):
 def _stdout_to_stderr():
     """Send what C code writes to file descriptor 1 to 2 instead: HiGHS (SciPy 1.17) prints a debug
     line there on some programs despite ``disp=False``, into the JSON that ``fxoffload plan --json``
-    writes on stdout."""
+    writes on stdout. (Other threads' prints during a solve go to stderr too.)"""
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (an embedding without one): nothing to protect
+        yield
+        return
     try:
         os.dup2(2, 1)
         yield
