@@ -8,7 +8,7 @@ selective-checkpoint marks), ``rewrite`` (insert the ops and recompute chains),
 ``simulator`` (replay a plan), ``step`` (replay a step of several graph
 invocations: one graph per layer). :func:`analyse_pair` runs the stages up to
 the candidates' costs, :func:`plan_analysed` plans and schedules from them
-(:func:`plan_pair` is the two in a row, :func:`offload_pair` adds the rewrite);
+(:func:`plan_pair` is the two in a row);
 :func:`plan_best_partition` also weighs alternatives under strategy ``"auto"``,
 reusing one analysis for those on the same pair (see its docstring), and
 :func:`rewrite_planned` applies the winner. This package knows FX and PyTorch
@@ -46,7 +46,7 @@ from passes.scheduling import (
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
-    "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "offload_pair", "plan_pair",
+    "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "plan_pair",
     "plan_best_partition", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
 ]
 
@@ -158,7 +158,6 @@ def plan_pair(
     policies: Mapping[str, str] | None = None,
     input_activations: frozenset[int] = frozenset(),
     outputs_counted: bool | None = None,
-    _watch: _Stopwatch | None = None,
 ) -> PassResult:
     """Analyse, estimate, plan and schedule the pair; the graphs are not changed.
 
@@ -169,7 +168,7 @@ def plan_pair(
     ``outputs_counted``: whether the budget counts the forward's outputs (:func:`counts_outputs`);
     by default decided on ``options``.
     """
-    watch = _watch or _Stopwatch()
+    watch = _Stopwatch()
     if outputs_counted is None:
         outputs_counted = counts_outputs(options)
     analysis = analyse_pair(fw_module, bw_module, num_user_outputs, horizon=horizon, profile=profile,
@@ -202,26 +201,6 @@ def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
     timeline = build_timeline(fw_module.graph, bw_module.graph, interface,
                               inputs_at(fw_module.graph, input_activations))
     return peak(curve(timeline.length, intervals(timeline, {}, residual_only=False)))
-
-
-def offload_pair(
-    fw_module: fx.GraphModule,
-    bw_module: fx.GraphModule,
-    num_user_outputs: int,
-    *,
-    options: PlanOptions,
-    horizon: int | str,
-    profile: DeviceProfile,
-    policies: Mapping[str, str] | None = None,
-) -> PassResult:
-    """Plan the pair, then rewrite it in place; return what was decided. Recompile the modules to run them."""
-    with _gc_paused():
-        watch = _Stopwatch()
-        result = plan_pair(fw_module, bw_module, num_user_outputs, options=options, horizon=horizon,
-                           profile=profile, policies=policies, _watch=watch)
-        rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
-        watch.stamp("rewrite")
-    return dataclasses.replace(result, seconds=tuple(watch.times))
 
 
 Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
@@ -384,7 +363,7 @@ def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:
 
 
 def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:
-    """Rewrite a planned pair in place (see :func:`offload_pair`)."""
+    """Rewrite a planned pair in place; recompile the modules to run them."""
     start = time.perf_counter()
     with _gc_paused():
         rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
