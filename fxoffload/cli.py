@@ -42,7 +42,7 @@ class _Progress:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fxoffload.models import DTYPES, PRESETS
+    from fxoffload.models import CHECKPOINTING, DTYPES, PRESETS
     from fxoffload.profiles import PROFILES
 
     parser = argparse.ArgumentParser(prog="fxoffload", description="fxoffload: activation offloading for torch.compile")
@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--per-layer", action="store_true",
                       help="compile each layer on its own, as FSDP2 and torchtitan do (layer.compile on every "
                            "block of the model's layer list), instead of the whole step as one graph")
+    plan.add_argument("--checkpointing", default="none", choices=CHECKPOINTING,
+                      help="activation checkpointing on each repeated layer, non-reentrant, as torchtitan applies "
+                           "it: 'full' recomputes each layer's forward (a layer saves its inputs), 'selective' "
+                           "saves matmul and attention outputs and recomputes the rest; 'none' adds none, a model "
+                           "file's own stays (default none)")
     plan.add_argument("--budget", default="0.5",
                       help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
                            "offloads everything eligible (default 0.5)")
@@ -82,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-plot", action="store_true", help="do not write the plot")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of tables")
     plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    plan.add_argument("--traceback", action="store_true",
+                      help="show the full traceback when a model file fails, instead of one line")
     return parser
 
 
@@ -164,9 +171,10 @@ def _plan(args: argparse.Namespace) -> int:
         source = _source(args)
         lengths = _seq_range(args.seq)
         seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
-        records, invocations, seconds = _trace(source, args.batch, seq, DTYPES[args.dtype], options, progress,
-                                               per_layer=args.per_layer, lengths=lengths)
+        records, invocations, seconds = _trace(source, args, seq, DTYPES[args.dtype], options, progress, lengths)
     except ModelError as e:
+        if args.traceback and e.__cause__ is not None:
+            raise
         raise UsageError(str(e)) from None
     progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
              f"{len(invocations)} invocation(s)")
@@ -202,36 +210,38 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict, progress: _Progress,
-           per_layer: bool = False, lengths: tuple[int, ...] | None = None):
+def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: _Progress,
+           lengths: tuple[int, ...] | None = None):
     """Build and compile one fake training step; return the backend's records, the step's forward
     invocations (records in the order they ran) and wall times (measured)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fxoffload
     from fxoffload.explain import format_stages
-    from fxoffload.models import ModelError
-    from passes.planning import ADVICE_WARN, BudgetInfeasibleError
+    from fxoffload.models import checkpoint_layers, repeated_layers
 
     torch._dynamo.reset()
     seconds = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
-        progress(f"building {source.name} with fake tensors (batch {batch}, size {seq}, {dtype})")
+        progress(f"building {source.name} with fake tensors (batch {args.batch}, size {seq}, {dtype})")
         start = time.perf_counter()
-        step, inputs, kwargs = source.build(batch, seq, dtype)
+        step, inputs, kwargs = source.build(args.batch, seq, dtype)
+        wrapped = checkpoint_layers(step, args.checkpointing, source.origin)
+        if wrapped:
+            progress(f"checkpointing ({args.checkpointing}) each of {wrapped} layers")
         seconds["build"] = time.perf_counter() - start
         if lengths and len(lengths) == 2:
             _mark_lengths(inputs, kwargs, *lengths)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
         start = time.perf_counter()
-        blocks = repeated_layers(step) if per_layer else []
-        if per_layer and not blocks:
+        blocks = repeated_layers(step) if args.per_layer else []
+        if args.per_layer and not blocks:
             raise UsageError(f"--per-layer: {source.name} has no list of repeated layers (an nn.ModuleList "
                              "of one layer class) to compile one at a time")
         # One graph serves every layer: plan it for the step's runs of it.
-        backend = fxoffload.offload_backend(**options, **({"runs_per_step": len(blocks)} if per_layer else {}))
+        backend = fxoffload.offload_backend(**options, **({"runs_per_step": len(blocks)} if blocks else {}))
         try:
-            if per_layer:
+            if blocks:
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
                 for block in blocks:
                     block.compile(backend=backend)
@@ -239,24 +249,13 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
             else:
                 torch.compile(step, backend=backend)(*inputs, **kwargs)
         except Exception as e:
-            cause = _cause(e, (BudgetInfeasibleError, ModelError))
-            if isinstance(cause, BudgetInfeasibleError):
-                # The command plans for the budget it is given: the advice to warn instead does not apply.
-                advice = [a for a in cause.advice if a != ADVICE_WARN]
-                raise UsageError(f"impossible budget: {cause.explained(advice)}") from None
-            if isinstance(cause, ModelError):
-                raise UsageError(str(cause)) from None
-            raise
+            error = _usage_error(e, source, args.traceback)
+            if error is e:
+                raise
+            raise error from None
         seconds["trace_and_plan"] = time.perf_counter() - start
     torch._dynamo.reset()
-    if per_layer and not backend.records:
-        kind = type(blocks[0])
-        raise UsageError(
-            f"--per-layer: compiling each {kind.__name__} layer of {source.name} on its own gave no graph"
-            + (f": dynamo does not compile torch.nn's own modules ({kind.__module__}.{kind.__name__}) one at a time; "
-               "put each layer in a module class of your own" if kind.__module__.startswith("torch.nn") else ""))
-    if not backend.records:
-        raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
+    _check_compiled(backend, blocks, source)
     stages: dict[str, float] = {}
     for record in backend.records:
         for stage, spent in record.pass_seconds:
@@ -268,19 +267,41 @@ def _trace(source: Any, batch: int, seq: int, dtype: torch.dtype, options: dict,
     return backend.records, backend.step_invocations() or list(backend.records), seconds
 
 
-def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's layers as FSDP2 and torchtitan compile them: of the ``nn.ModuleList``s whose
-    children share one class, the one holding the most parameters (empty if there is none)."""
-    best, best_size = [], 0
-    for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best_size:
-            best, best_size = list(module), size
-    return best
+def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
+    """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
+    budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
+    from fxoffload.models import ModelError, one_line
+    from passes.planning import ADVICE_WARN, BudgetInfeasibleError
+
+    cause = _cause(error, (BudgetInfeasibleError, ModelError))
+    if isinstance(cause, BudgetInfeasibleError):
+        # The command plans for the budget it is given: the advice to warn instead does not apply.
+        advice = [a for a in cause.advice if a != ADVICE_WARN]
+        return UsageError(f"impossible budget: {cause.explained(advice)}")
+    if isinstance(cause, ModelError):
+        return UsageError(str(cause))
+    if source.user_code and not traceback:
+        return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: "
+                          f"{one_line(_root(error))} (--traceback shows where)")
+    return error
+
+
+def _root(error: BaseException) -> BaseException:
+    """The innermost cause: dynamo wraps the model's own error in its own."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def _check_compiled(backend: Any, blocks: list, source: Any) -> None:
+    if blocks and not backend.records:
+        kind = type(blocks[0])
+        raise UsageError(
+            f"--per-layer: compiling each {kind.__name__} layer of {source.name} on its own gave no graph"
+            + (f": dynamo does not compile torch.nn's own modules ({kind.__module__}.{kind.__name__}) one at a time; "
+               "put each layer in a module class of your own" if kind.__module__.startswith("torch.nn") else ""))
+    if not backend.records:
+        raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
 
 
 def _seq_range(text: str | None) -> tuple[int, ...] | None:
@@ -390,7 +411,8 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
         })
     return {
         "model": source.name, "batch": args.batch, "seq": seq, "dtype": args.dtype, "layers": source.layers,
-        "budget": args.budget, "horizon": args.horizon, "profile": records[0].profile.name,
+        "checkpointing": args.checkpointing, "budget": args.budget, "horizon": args.horizon,
+        "profile": records[0].profile.name,
         "note": "memory and times are predictions (memory model, cost model, simulator); seconds are measured here",
         "graphs": graphs, "plots": [],
     }
@@ -445,8 +467,10 @@ def _print_report(report: dict, records: list) -> None:
         print()
         budget = "none" if graph["budget_bytes"] is None else format_bytes(graph["budget_bytes"])
         layers = "" if report["layers"] is None else f"{report['layers']} layers, "
+        checkpointing = "" if report["checkpointing"] == "none" else f", checkpointing {report['checkpointing']}"
         print(f"summary, graph {graph['index']} ({report['model']}, {layers}batch {report['batch']} x "
-              f"{report['seq']}, {report['dtype']}; predicted on {report['profile']}, simulated, not measured):")
+              f"{report['seq']}, {report['dtype']}{checkpointing}; predicted on {report['profile']}, simulated, "
+              "not measured):")
         if graph["runs_per_step"] == 1:
             print(f"  activation peak  {format_bytes(graph['activation_peak_before'])} -> "
                   f"{format_bytes(graph['activation_peak_after'])} (budget {budget}: "

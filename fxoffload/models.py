@@ -15,7 +15,12 @@ so a 7B model costs no memory.
   a dict of keyword arguments; the model returns a scalar loss, or an output
   with a ``.loss``. ``build`` runs on the meta device (``nn.Module.to`` and
   ``torch.randn`` work, nothing is allocated); its parameters, buffers and
-  inputs are then swapped for fake CPU tensors.
+  inputs are then swapped for fake CPU tensors, and the model runs once on
+  them to check that it returns a loss. A failure of the file's own code
+  becomes a :class:`ModelError` naming the file and the step that failed.
+
+:func:`checkpoint_layers` wraps the layers of any of these in activation
+checkpointing (``fxoffload plan --checkpointing``).
 
 Language models get token ids and a loss computed here from the logits (next
 token for causal models, every position for masked ones) rather than the
@@ -28,6 +33,7 @@ Limits: text and image classification tasks only; the loss is cross-entropy.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -42,9 +48,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-__all__ = ["PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "TrainingStep", "from_config_file", "from_preset",
-           "from_python_file"]
+__all__ = ["CHECKPOINTING", "PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "TrainingStep",
+           "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list", "one_line",
+           "repeated_layers"]
 
+CHECKPOINTING = ("none", "full", "selective")
 TASKS = ("causal-lm", "masked-lm", "image-classification")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -104,6 +112,8 @@ class ModelSource:
     build: Callable[[int, int, torch.dtype], tuple[torch.nn.Module, tuple, dict[str, Any]]] = field(repr=False)
     default_seq: int
     layers: int | None = None  # of the full model, when known
+    origin: str = ""  # how messages name it: "model file 'net.py'"
+    user_code: bool = False  # built by the user's own code, whose failures are reported in one line
 
 
 def from_preset(name: str, layers: int | None = None) -> ModelSource:
@@ -161,7 +171,11 @@ def from_python_file(path: "str | Path") -> ModelSource:
         # Built on the meta device (nothing allocated; nn.Module.to() works there, not on fake
         # parameters), then every parameter, buffer and input is swapped for a fake tensor.
         with unset_fake_temporarily(), torch.device("meta"):
-            built = build(batch, seq, dtype)
+            try:
+                built = build(batch, seq, dtype)
+            except Exception as e:
+                raise ModelError(f"model file {str(path)!r}: build({batch}, {seq}, {dtype}) raised "
+                                 f"{one_line(e)}") from e
         if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
             raise ModelError(f"model file {str(path)!r}: build() must return (model, inputs) with model an "
                              f"nn.Module; got {type(built).__name__}")
@@ -171,23 +185,41 @@ def from_python_file(path: "str | Path") -> ModelSource:
         if not isinstance(inputs, (tuple, list, dict)):
             raise ModelError(f"model file {str(path)!r}: inputs must be a tuple of arguments or a dict of keyword "
                              f"arguments; got {type(inputs).__name__}")
-        _check_returns_loss(model, inputs, path)
         step = _UserStep(_with_fake_tensors(model))
         if isinstance(inputs, dict):
-            return step, (), {k: _fake_like(v) for k, v in inputs.items()}
-        return step, tuple(_fake_like(v) for v in inputs), {}
+            args, kwargs = (), {k: _fake_like(v) for k, v in inputs.items()}
+        else:
+            args, kwargs = tuple(_fake_like(v) for v in inputs), {}
+        try:
+            _check_returns_loss(model, args, kwargs, f"model file {str(path)!r}")
+        except ModelError:
+            raise
+        except Exception as e:
+            raise ModelError(f"model file {str(path)!r}: running the model once on fake tensors (shapes only) raised "
+                             f"{one_line(e)}") from e
+        return step, args, kwargs
 
-    return ModelSource(path.stem, build_step, getattr(module, "DEFAULT_SEQ", 1024))
+    return ModelSource(path.stem, build_step, getattr(module, "DEFAULT_SEQ", 1024), origin=f"model file {str(path)!r}",
+                       user_code=True)
 
 
-def _check_returns_loss(model: torch.nn.Module, inputs: Any, path: Path) -> None:
-    """Run the model once on the meta device (cheap: shapes only) to check that it returns a loss."""
-    with unset_fake_temporarily():
-        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origin: str) -> None:
+    """Run the model once on its fake tensors (shapes only) to check that it returns a loss.
+
+    Not on the meta device: there some models take data-dependent branches (transformers'
+    packed-sequence test) that they skip under fake tensors or while traced."""
+    with torch.no_grad():
+        out = model(*args, **kwargs)
     if _loss_of(out) is None:
-        raise ModelError(f"model file {str(path)!r}: the model must return a scalar loss, or an output with a "
-                         f"scalar .loss; got {type(out).__name__}" +
-                         (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""))
+        raise ModelError(f"{origin}: the model must return a scalar loss, or an output with a scalar .loss; got "
+                         f"{type(out).__name__}" + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                                                    else ""))
+
+
+def one_line(error: BaseException) -> str:
+    """``Kind: message``, the message cut to its first line (dynamo's and transformers' run to pages)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _loss_of(out: Any) -> torch.Tensor | None:
@@ -265,7 +297,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
             sized.image_size = seq
         return _build_step(sized, task, batch, seq, dtype)
 
-    return ModelSource(name, build, default_seq, full_layers)
+    return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}")
 
 
 def _check_size(name: str, config: Any, task: str, seq: int) -> None:
@@ -324,6 +356,75 @@ class TrainingStep(torch.nn.Module):
         if self.task == "causal-lm":  # predict the next token
             return cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
         return cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten())
+
+
+def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's layers as FSDP2 and torchtitan wrap and compile them: of the ``nn.ModuleList``s whose
+    children share one class, the one holding the most parameters (None if there is none)."""
+    best, best_size = None, 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = module, size
+    return best
+
+
+def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(layer_list(model) or ())
+
+
+def _selective_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing saves: matmuls and attention, as in torchtitan's
+    save list; everything else (norms, activations, elementwise) is recomputed."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_mm")
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+def _selective_policy(saved: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    # PREFER_SAVE, where torchtitan says MUST_SAVE: fxoffload keeps a MUST_SAVE on the device,
+    # and a saved matmul output is exactly what a budget may need to offload.
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_layers(model: torch.nn.Module, mode: str, origin: str) -> int:
+    """Wrap each repeated layer of ``model`` in non-reentrant activation checkpointing, as torchtitan
+    does (``checkpoint_wrapper``); return how many layers were wrapped.
+
+    ``full`` recomputes each layer's whole forward in the backward, so a layer saves only its
+    inputs; ``selective`` marks what :func:`_selective_ops` lists ``PREFER_SAVE`` (a hint the plan
+    may override to meet a budget) and recomputes the rest."""
+    if mode not in CHECKPOINTING:
+        raise ModelError(f"--checkpointing: got {mode!r}; accepted: {', '.join(CHECKPOINTING)}")
+    if mode == "none":
+        return 0
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, checkpoint_wrapper
+
+    if any(getattr(m, "gradient_checkpointing", False) is True or isinstance(m, ActivationWrapper)
+           for m in model.modules()):
+        raise ModelError(f"--checkpointing {mode}: {origin} checkpoints its layers already (transformers' "
+                         "gradient checkpointing or a checkpoint wrapper); turn one of the two off")
+    layers = layer_list(model)
+    if layers is None:
+        raise ModelError(f"--checkpointing {mode}: {origin} has no list of repeated layers (an nn.ModuleList of "
+                         "one layer class) to checkpoint")
+    kwargs = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = functools.partial(_selective_policy, _selective_ops())
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, **kwargs)
+    return len(layers)
 
 
 class _UserStep(torch.nn.Module):

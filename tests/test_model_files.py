@@ -1,0 +1,117 @@
+"""``fxoffload plan`` on models as users train them: transformers models in a user's model file, with
+and without transformers' own gradient checkpointing; model files whose code fails; and
+``--checkpointing``, which checkpoints presets, configs and model files.
+
+The loss a model file's model returns used to be checked by running it on the meta device, where
+transformers' packed-sequence test (a data-dependent branch it skips while traced or under fake
+tensors) raised; it is now checked on what the traced step returns."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import check_budget_held, main, run_error, run_json
+
+MODEL_FILE = Path(__file__).parent / "model_files" / "hf_model.py"
+
+
+def model_file(tmp_path: Path, arch: str, checkpointing: bool) -> str:
+    text = MODEL_FILE.read_text()
+    text = text.replace('ARCH = "llama"', f"ARCH = {arch!r}").replace("CHECKPOINTING = False",
+                                                                        f"CHECKPOINTING = {checkpointing}")
+    path = tmp_path / f"{arch}_{'checkpointed' if checkpointing else 'plain'}.py"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "bert"])
+def test_a_transformers_model_file_plans_with_and_without_its_gradient_checkpointing(capsys, tmp_path, arch):
+    argv = ("--seq", "256", "--min-bytes", "0")
+    plain = run_json(capsys, "--model", model_file(tmp_path, arch, False), *argv, "--no-plot")
+    check_budget_held(plain, 0.5)
+    # Checkpointed, transformers warns about use_cache from inside the traced forward: a graph break,
+    # so the LM head and loss may be a graph of their own, whose logits no fraction of its peak can
+    # hold. "none" offloads everything eligible.
+    checkpointed = run_json(capsys, "--model", model_file(tmp_path, arch, True), *argv, "--budget", "none", "--no-plot")
+    for graph in checkpointed["graphs"]:
+        assert graph["transfers"] > 0 and graph["activation_peak_after"] < graph["activation_peak_before"]
+    # Checkpointing took effect in the traced graph: each layer saves its input, not its insides.
+    largest = max(graph["activation_peak_before"] for graph in checkpointed["graphs"])
+    assert largest < plain["graphs"][0]["activation_peak_before"] / 4
+
+
+FORWARD = """\
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            if {condition}:
+                raise RuntimeError('the forward failed\\nsecond line')
+            return self.linear(x).square().mean()
+
+    def build(batch, seq, dtype):
+        return Net(), (torch.randn(batch, seq, 8),)
+    """
+
+
+@pytest.mark.parametrize("body, step, error", [
+    ("def build(batch, seq, dtype):\n    raise ValueError('no such size')\n",
+     "build(1, 64, torch.bfloat16) raised", "ValueError: no such size"),
+    (FORWARD.format(condition="True"), "running the model once on fake tensors (shapes only) raised",
+     "RuntimeError: the forward failed"),
+    # The check runs without gradients; the trace, with them.
+    (FORWARD.format(condition="torch.is_grad_enabled()"), "tracing the training step (dynamo, AOTAutograd) failed",
+     "RuntimeError: the forward failed"),
+], ids=["build", "check", "trace"])
+def test_a_model_file_that_raises_gets_one_line_and_exit_status_2(capsys, tmp_path, body, step, error):
+    path = tmp_path / "broken.py"
+    path.write_text(textwrap.dedent(body))
+    err = run_error(capsys, "--model", str(path), "--seq", "64")
+    assert err.count("\n") == 1 and err.startswith(f"fxoffload plan: error: model file {str(path)!r}: ")
+    assert step in err and error in err and "second line" not in err
+    with pytest.raises(Exception, match=error.split(": ")[1]):  # --traceback: the error itself, with its stack
+        main(["plan", "--model", str(path), "--seq", "64", "--no-plot", "--quiet", "--traceback"])
+
+
+LAYER_INPUT_ARGS = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "256", "--strategy", "offload", "--no-plot")
+
+
+def test_checkpointing_modes_order_the_activation_peak(capsys):
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        report = run_json(capsys, *LAYER_INPUT_ARGS, "--checkpointing", mode, "--budget", "none")
+        assert report["checkpointing"] == mode
+        peaks[mode] = report["graphs"][0]["activation_peak_before"]
+    # full: a layer saves its input (2 MiB here), not the 30 MiB of its insides; selective: its matmuls.
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
+    assert main(["plan", *LAYER_INPUT_ARGS, "--checkpointing", "full", "--budget", "none", "--quiet"]) == 0
+    assert "bf16, checkpointing full; predicted on h100-pcie5" in capsys.readouterr().out  # the summary names it
+
+
+def test_checkpointing_is_refused_where_it_cannot_apply(capsys, tmp_path):
+    twice = run_error(capsys, "--model", model_file(tmp_path, "llama", True), "--seq", "64", "--checkpointing", "full")
+    assert "checkpoints its layers already (transformers' gradient checkpointing" in twice
+    path = tmp_path / "flat.py"
+    path.write_text(textwrap.dedent("""\
+        import torch
+
+        class Flat(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.second(self.first(x).relu()).square().mean()
+
+        def build(batch, seq, dtype):
+            return Flat(), (torch.randn(batch, seq, 8),)
+        """))
+    flat = run_error(capsys, "--model", str(path), "--seq", "64", "--checkpointing", "selective")
+    assert f"--checkpointing selective: model file {str(path)!r} has no list of repeated layers" in flat
