@@ -218,7 +218,7 @@ def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, 
 
     import fxoffload
     from fxoffload.explain import format_stages
-    from fxoffload.models import checkpoint_layers, repeated_layers
+    from fxoffload.models import checkpoint_layers, layer_list
 
     torch._dynamo.reset()
     seconds = {}
@@ -234,7 +234,7 @@ def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, 
             _mark_lengths(inputs, kwargs, *lengths)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
         start = time.perf_counter()
-        blocks = repeated_layers(step) if args.per_layer else []
+        blocks = list(layer_list(step) or ()) if args.per_layer else []
         if args.per_layer and not blocks:
             raise UsageError(f"--per-layer: {source.name} has no list of repeated layers (an nn.ModuleList "
                              "of one layer class) to compile one at a time")
@@ -282,14 +282,7 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
         return UsageError(str(cause))
     if source.user_code and not traceback:
         return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: "
-                          f"{one_line(_root(error))} (--traceback shows where)")
-    return error
-
-
-def _root(error: BaseException) -> BaseException:
-    """The innermost cause: dynamo wraps the model's own error in its own."""
-    while error.__cause__ is not None:
-        error = error.__cause__
+                          f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
     return error
 
 
@@ -356,14 +349,17 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
     return out
 
 
-def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
+def _chain(error: BaseException):
+    """``error`` and the errors it wraps, outermost first (dynamo wraps the model's and the backend's)."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, kinds):
-            return error
+        yield error
         seen.add(id(error))
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-    return None
+
+
+def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
+    return next((e for e in _chain(error) if isinstance(e, kinds)), None)
 
 
 def _plot_paths(path: Path, count: int) -> list[Path]:

@@ -49,8 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 __all__ = ["CHECKPOINTING", "PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "TrainingStep",
-           "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list", "one_line",
-           "repeated_layers"]
+           "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list", "one_line"]
 
 CHECKPOINTING = ("none", "full", "selective")
 TASKS = ("causal-lm", "masked-lm", "image-classification")
@@ -190,13 +189,7 @@ def from_python_file(path: "str | Path") -> ModelSource:
             args, kwargs = (), {k: _fake_like(v) for k, v in inputs.items()}
         else:
             args, kwargs = tuple(_fake_like(v) for v in inputs), {}
-        try:
-            _check_returns_loss(model, args, kwargs, f"model file {str(path)!r}")
-        except ModelError:
-            raise
-        except Exception as e:
-            raise ModelError(f"model file {str(path)!r}: running the model once on fake tensors (shapes only) raised "
-                             f"{one_line(e)}") from e
+        _check_returns_loss(model, args, kwargs, f"model file {str(path)!r}")
         return step, args, kwargs
 
     return ModelSource(path.stem, build_step, getattr(module, "DEFAULT_SEQ", 1024), origin=f"model file {str(path)!r}",
@@ -208,8 +201,11 @@ def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origi
 
     Not on the meta device: there some models take data-dependent branches (transformers'
     packed-sequence test) that they skip under fake tensors or while traced."""
-    with torch.no_grad():
-        out = model(*args, **kwargs)
+    try:
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+    except Exception as e:
+        raise ModelError(f"{origin}: running the model once on fake tensors (shapes only) raised {one_line(e)}") from e
     if _loss_of(out) is None:
         raise ModelError(f"{origin}: the model must return a scalar loss, or an output with a scalar .loss; got "
                          f"{type(out).__name__}" + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
@@ -371,10 +367,6 @@ def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
         if size > best_size:
             best, best_size = module, size
     return best
-
-
-def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return list(layer_list(model) or ())
 
 
 def _selective_ops() -> frozenset:
