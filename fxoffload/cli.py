@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                            "file's own stays (default none)")
     plan.add_argument("--budget", default="0.5",
                       help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
-                           "offloads everything eligible (default 0.5)")
+                           "plans for the smallest peak, at least cost (default 0.5)")
     plan.add_argument("--horizon", default="auto", help="prefetch horizon: 'auto' or a number of compute ops")
     plan.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
     plan.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")

@@ -56,8 +56,10 @@ def parse_budget(value: Any) -> Budget | None:
 class OffloadConfig:
     memory_budget: Any = None
     """Bound on the peak of activation memory (saved tensors on the device): a fraction per compiled
-    graph, bytes for the whole step (later graphs get what earlier ones leave).
-    None offloads every eligible saved tensor; see ``BUDGET_FORMS`` for the accepted values."""
+    graph, bytes for the whole step (later graphs get what earlier ones leave). None: the smallest
+    peak the strategy can reach (to within ``min_bytes``), at the least predicted cost: a tensor
+    whose move cannot lower the peak, such as logits read as the backward starts, stays. See
+    ``BUDGET_FORMS`` for the accepted values."""
 
     min_bytes: int = 64 * 1024
     """Smallest storage (bytes) worth a transfer; smaller saved tensors stay on the device.
@@ -76,8 +78,8 @@ class OffloadConfig:
     """What the planner may do to a saved tensor that does not fit the budget: ``"auto"`` (keep,
     offload or recompute, whichever is predicted fastest), ``"offload"`` (keep or offload only) or
     ``"recompute"`` (keep, or rebuild it in the backward from other saved tensors). Without a
-    budget, ``"auto"`` and ``"offload"`` offload every eligible tensor, ``"recompute"`` recomputes
-    every recomputable one."""
+    budget, the same choices reach the smallest peak the strategy can (``all_eligible``: every
+    eligible tensor offloaded, or under ``"recompute"`` every recomputable one recomputed)."""
 
     solver: str = "auto"
     """``"auto"`` (greedy, or when greedy is more than 1% above the LP bound, the exact MILP within
@@ -132,6 +134,11 @@ class OffloadConfig:
     naming the ranks that differ. ``True``: every rank; a ``ProcessGroup``: its ranks (a pipeline
     stage); ``False``: no check."""
 
+    all_eligible: bool = False
+    """Without a budget, offload every eligible saved tensor (under strategy ``"recompute"``,
+    recompute every recomputable one) whether or not that lowers the peak, as naive offloading
+    does: a baseline for comparisons and tests. Not with ``memory_budget`` or ``device_budget``."""
+
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
         _device_bytes("device_budget", self.device_budget)
@@ -141,6 +148,12 @@ class OffloadConfig:
                              "one; accepted: memory_budget (saved activations) or device_budget (the device peak)")
         if self.reserved and self.device_budget is None:
             raise ValueError(f"reserved={self.reserved!r}: counts against device_budget, which is not given")
+        if not isinstance(self.all_eligible, bool):
+            raise ValueError(f"all_eligible: got {self.all_eligible!r}; accepted: True or False")
+        if self.all_eligible and (self.memory_budget is not None or self.device_budget is not None):
+            raise ValueError(f"all_eligible=True with memory_budget={self.memory_budget!r}, device_budget="
+                             f"{self.device_budget!r}: a budget decides what moves; accepted: all_eligible=True "
+                             "with no budget, or a budget with all_eligible=False")
         _check_int("min_bytes", self.min_bytes)
         if self.horizon != "auto":
             _check_int("horizon", self.horizon, also="or 'auto'")
@@ -173,7 +186,8 @@ class OffloadConfig:
             min_bytes=self.min_bytes, budget=parse_budget(self.memory_budget), solver=self.solver,
             on_infeasible=self.on_infeasible, time_limit=float(self.solver_time_limit),
             node_limit=self.solver_node_limit, strategy=self.strategy,
-            cross_graphs=self.cross_graphs, runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
+            cross_graphs=self.cross_graphs, all_eligible=self.all_eligible,
+            runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
             device_bytes=(None if self.device_budget is None else
                           _device_bytes("device_budget", self.device_budget) - _device_bytes("reserved", self.reserved,
                                                                                               allow_zero=True)),

@@ -14,8 +14,13 @@ the rest are candidates.
   consumer, and the storage lives from there to its last use). A recomputed
   storage counts as activation memory from its rebuild on, like a prefetched
   copy; the chain's other outputs count towards the total only.
-* Without a budget, every candidate is offloaded (``"recompute"``: every
-  recomputable one is recomputed).
+* Without a budget, the budget is the smallest activation peak that acting
+  on every candidate reaches (offloading it; under ``"recompute"``,
+  recomputing every recomputable one), plus ``min_bytes``: the cheapest
+  choice within a storage worth a copy of that peak. A tensor whose move
+  cannot lower the peak (logits read as the backward starts) stays.
+  ``all_eligible`` acts on every candidate instead, as naive offloading does
+  (PREFER_SAVE ones stay).
 * With a budget (bytes, or a fraction of the activation peak without
   offloading), the activation curve of ``passes.memory`` and each option's
   saving are handed to ``passes.solvers`` as plain intervals. The objective is
@@ -161,6 +166,9 @@ class PlanOptions:
     # A bound on the device peak instead of ``budget``: bytes for the graph's inputs and every
     # tensor the step creates (``device_budget`` less ``reserved``).
     device_bytes: int | None = None
+    # Without a budget: act on every candidate, whether or not that lowers the peak (the naive
+    # baseline), instead of the cheapest choice that reaches the smallest peak.
+    all_eligible: bool = False
 
 
 @dataclass(frozen=True)
@@ -407,8 +415,10 @@ def _group_marks(group: Sequence[SavedActivation], policies: Mapping[str, str]) 
     return frozenset(policies[n] for n in names if n in policies)
 
 
-_VIEW_WORDING = {"offloaded (>= min_bytes)": "offloaded through its base",
-                 "chosen to meet the budget": "base chosen to meet the budget"}
+_EVERY_ELIGIBLE = "offloaded (all_eligible, >= min_bytes)"
+_VIEW_WORDING = {_EVERY_ELIGIBLE: "offloaded through its base",
+                 "chosen to meet the budget": "base chosen to meet the budget",
+                 "chosen to reach the smallest peak": "base chosen to reach the smallest peak"}
 
 
 def _offload_reason(act: SavedActivation, why: str) -> str:
@@ -712,13 +722,19 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
 
 
-def _unbudgeted(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]) -> _Choice:
-    """No budget: offload (or, under strategy "recompute", recompute) every candidate a PREFER_SAVE does not hold."""
-    wanted = [b for b in free if PREFER_SAVE not in problem.marks[b]]
+def _all_eligible(problem: _Problem, wanted: Sequence[fx.Node], forced: Sequence[fx.Node]) -> _Choice:
+    """Offload (or, under strategy "recompute", recompute) every candidate in ``wanted``."""
     if problem.options.strategy != RECOMPUTE:
         return _Choice(tuple(forced) + tuple(wanted))
     items, owners, _, conflicts = _items(problem, wanted, forced)
     return _Choice(tuple(forced), _split(owners, _everything(items, conflicts))[1])
+
+
+def _smallest_peak(problem: _Problem, wanted: Sequence[fx.Node], forced: Sequence[fx.Node]) -> int:
+    """The bounded activation peak with every candidate in ``wanted`` acted on (each item's first option)."""
+    items, _, _, conflicts = _items(problem, wanted, forced)
+    base, spans = _constraint(problem, wanted, forced, items)
+    return int(curve_with(problem.timeline.length, base, spans, _everything(items, conflicts)).max(initial=0))
 
 
 def _recomputable(
@@ -790,14 +806,9 @@ def plan_offloads(
     else:
         limit = options.budget.resolve(step_before) if options.budget is not None else None
     held = _held(problem) if limit is not None else []
-    if limit is None:
-        choice = _unbudgeted(problem, free, forced)
-    elif problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held):
-        choice = _Choice(tuple(forced))
-    else:
-        choice = _choose(problem, free, forced, limit, held)
-    transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, limit is not None)
-    budget_bytes = None if problem.device else limit
+    choice, goal = _select(problem, free, forced, limit, held)
+    transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, goal)
+    budget_bytes = None if problem.device or options.budget is None else limit
     return Plan(
         decisions=decisions,
         transfers=transfers,
@@ -829,6 +840,25 @@ def plan_offloads(
     )
 
 
+def _select(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], limit: int | None,
+            held: Sequence[tuple[dict, _Problem, int]]) -> tuple[_Choice, str | None]:
+    """The choice for a budget of ``limit`` bytes (None: no budget) at the plan's size and ``held``'s,
+    and the goal its reasons name (None: every eligible candidate, ``all_eligible``)."""
+    if limit is None:
+        wanted = [b for b in free if PREFER_SAVE not in problem.marks[b]]  # without a budget, PREFER_SAVE holds
+        if problem.options.all_eligible:
+            return _all_eligible(problem, wanted, forced), None
+        # The smallest peak is the budget: a move that cannot lower it is not made, nor one that lowers
+        # it by less than min_bytes (a saving that small is not worth a copy, as a storage that small is not).
+        limit = _smallest_peak(problem, wanted, forced) + problem.options.min_bytes
+        free, goal = wanted, "reach the smallest peak"
+    else:
+        goal = "meet the budget"
+    if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held):
+        return _Choice(tuple(forced)), goal
+    return _choose(problem, free, forced, limit, held), goal
+
+
 def _held(problem: _Problem) -> list[tuple[dict, _Problem, int]]:
     """The other sizes the budget binds, each with the problem there and its budget in bytes.
 
@@ -852,8 +882,8 @@ def _held(problem: _Problem) -> list[tuple[dict, _Problem, int]]:
     return out
 
 
-def _decide(problem: _Problem, groups, reasons, choice: _Choice, budgeted: bool):
-    """Transfers, recomputations and per-activation decisions of a choice."""
+def _decide(problem: _Problem, groups, reasons, choice: _Choice, goal: str | None):
+    """Transfers, recomputations and per-activation decisions of a choice made to reach ``goal``."""
     offloaded, recomputed = set(choice.offloaded), set(choice.recomputed)
     transfers: list[Transfer] = []
     rebuilt: list[Recompute] = []
@@ -871,11 +901,11 @@ def _decide(problem: _Problem, groups, reasons, choice: _Choice, budgeted: bool)
                                      problem.rebuilt_at(base), problem.recomputes[base]))
         for act in group:
             if recompute is not None:
-                action, reason = RECOMPUTE, _recompute_reason(act, problem.recomputes[base], budgeted,
+                action, reason = RECOMPUTE, _recompute_reason(act, problem.recomputes[base], goal,
                                                               problem.marks[base])
             else:
                 action = OFFLOAD if transfer is not None else KEEP
-                reason = _reason(act, reasons[base], transfer is not None, budgeted, problem.marks[base])
+                reason = _reason(act, reasons[base], transfer is not None, goal, problem.marks[base])
             decisions[act.index] = Decision(
                 index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
                 action=action, reason=reason, transfer=transfer, recompute=recompute,
@@ -883,16 +913,16 @@ def _decide(problem: _Problem, groups, reasons, choice: _Choice, budgeted: bool)
     return tuple(transfers), tuple(rebuilt), tuple(decisions[i] for i in sorted(decisions))
 
 
-def _recompute_reason(act: SavedActivation, cost: RecomputeCost, budgeted: bool, marks: frozenset[str]) -> str:
+def _recompute_reason(act: SavedActivation, cost: RecomputeCost, goal: str | None, marks: frozenset[str]) -> str:
     ops = sum(1 for n in cost.chain if is_compute(n))
     source = ", ".join(r.name for r in cost.reads) or "nothing saved"
     why = (f"recomputed before {cost.consumer.name} from {source} ({ops} ops, {cost.seconds * 1e6:.1f} us predicted)"
-           + ("; chosen to meet the budget" if budgeted else "; no budget, strategy 'recompute'")
+           + (f"; chosen to {goal}" if goal else "; all_eligible, strategy 'recompute'")
            + (", overriding PREFER_SAVE" if PREFER_SAVE in marks else ""))
     return why if not act.view_chain else f"view of {act.base.name}; base {why}; view rebuilt after it"
 
 
-def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, budgeted: bool,
+def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, goal: str | None,
             marks: frozenset[str]) -> str:
     """Why ``act`` is kept or offloaded, naming the selective-checkpoint mark it honours or overrides."""
     if kept_because is not None:
@@ -901,16 +931,15 @@ def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, bud
         if MUST_CPU_OFFLOAD in marks:
             return _offload_reason(act, "selective checkpoint policy MUST_CPU_OFFLOAD")
         if PREFER_SAVE in marks:
-            return _offload_reason(act, "chosen to meet the budget, overriding PREFER_SAVE")
-        if PREFER_CPU_OFFLOAD in marks:
-            return _offload_reason(act, "PREFER_CPU_OFFLOAD, " + ("chosen to meet the budget" if budgeted
-                                                                 else "offloaded (no budget)"))
-        return _offload_reason(act, "chosen to meet the budget" if budgeted else "offloaded (>= min_bytes)")
-    if PREFER_SAVE in marks and not budgeted:
+            return _offload_reason(act, f"chosen to {goal}, overriding PREFER_SAVE")
+        chosen = f"chosen to {goal}" if goal else _EVERY_ELIGIBLE
+        return _offload_reason(act, "PREFER_CPU_OFFLOAD, " + chosen if PREFER_CPU_OFFLOAD in marks else chosen)
+    if PREFER_SAVE in marks and goal != "meet the budget":
         return "kept: selective checkpoint policy PREFER_SAVE"
+    holds = "the budget holds" if goal == "meet the budget" else "the smallest peak is reached"
     if PREFER_CPU_OFFLOAD in marks:
-        return "kept: the budget holds without offloading it (overrides PREFER_CPU_OFFLOAD)"
-    return "kept: the budget holds without offloading it"
+        return f"kept: {holds} without offloading it (overrides PREFER_CPU_OFFLOAD)"
+    return f"kept: {holds} without offloading it"
 
 
 def _warn_unhonoured(reasons: Mapping[fx.Node, str | None], marks: Mapping[fx.Node, frozenset[str]]) -> None:

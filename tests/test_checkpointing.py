@@ -137,9 +137,9 @@ def test_cpu_offload_marks_cap_the_copies_at_plain_compiles_total_peak():
 def test_prefer_marks_are_hints_the_plan_overrides_and_says_so():
     torch.manual_seed(0)
     model, x = Checkpointed(PREFER, blocks=2), torch.randn(64, 16)
-    everything = decisions(run(model, x, min_bytes=0))  # no budget: offload all eligible, but PREFER_SAVE is kept
+    everything = decisions(run(model, x, min_bytes=0, all_eligible=True))  # every eligible one, but PREFER_SAVE holds
     assert everything["addmm"] == ("keep", "kept: selective checkpoint policy PREFER_SAVE")
-    assert everything["tanh"] == ("offload", "PREFER_CPU_OFFLOAD, offloaded (no budget)")
+    assert everything["tanh"] == ("offload", "PREFER_CPU_OFFLOAD, offloaded (all_eligible, >= min_bytes)")
 
     holds = decisions(run(model, x, min_bytes=0, memory_budget=1.0))
     assert holds["tanh"] == ("keep", "kept: the budget holds without offloading it (overrides PREFER_CPU_OFFLOAD)")

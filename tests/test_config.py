@@ -28,6 +28,9 @@ from fxoffload.config import OffloadConfig
         ({"reserved": "1GiB"}, "reserved='1GiB': counts against device_budget, which is not given"),
         ({"device_budget": "1GiB", "reserved": -3}, "reserved: got -3; accepted: 0, an int number of bytes"),
         ({"cross_graphs": "yes"}, "cross_graphs: got 'yes'; accepted: True or False"),
+        ({"all_eligible": 1}, "all_eligible: got 1; accepted: True or False"),
+        ({"all_eligible": True, "memory_budget": 0.5}, "a budget decides what moves; accepted: all_eligible=True with no"),
+        ({"all_eligible": True, "device_budget": "1GiB"}, "all_eligible=True with .*device_budget='1GiB'"),
     ],
 )
 def test_bad_options_name_the_option(options, message):

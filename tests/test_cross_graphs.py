@@ -145,6 +145,7 @@ def per_layer_llama(layers: int = 8, **options):
     torch.manual_seed(0)
     eager = tiny_llama(layers).train()
     model = copy.deepcopy(eager)
+    options.setdefault("all_eligible", options.get("memory_budget") is None)  # no budget: every copy it can make
     backend = fxoffload.offload_backend(min_bytes=0, strategy="offload", **options)
     for layer in model.model.layers:
         layer.compile(backend=backend)

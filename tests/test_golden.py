@@ -32,6 +32,7 @@ def fxoffload_args(gm):
 def compile_mlp(**options):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(3, 5, 8)
+    options.setdefault("all_eligible", "memory_budget" not in options)  # no budget: pin every eligible transfer
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
     loss = torch.compile(model, backend=backend)(x)
     loss.backward()
@@ -122,7 +123,7 @@ def test_explain_lists_every_saved_activation_with_reason():
 
 def test_explain_shows_symbolic_bytes_under_dynamic_shapes():
     torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True)
     compiled = torch.compile(MLP(), backend=backend, dynamic=True)
     compiled(torch.randn(3, 5, 8)).backward()
     record = backend.records[0]
@@ -133,7 +134,7 @@ def test_explain_shows_symbolic_bytes_under_dynamic_shapes():
         assert str(d.nbytes) in text  # e.g. 64*s27*s77: the sympy form, not a number
         # No budget, min_bytes=0: storages of symbolic size are offloaded like any other.
         assert d.reason.startswith("graph input") or d.action == "offload" and d.reason in (
-            "offloaded (>= min_bytes)", "view of relu; offloaded through its base, rebuilt after prefetch")
+            "offloaded (all_eligible, >= min_bytes)", "view of relu; offloaded through its base, rebuilt after prefetch")
     # The memory model evaluates the symbols at their hints: 3 x 5 x 16 floats for tanh.
     tanh = next(lt for lt in record.timeline.lifetimes if lt.name == "tanh")
     assert tanh.nbytes == 3 * 5 * 16 * 4

@@ -63,7 +63,7 @@ def compile_and_read(horizon, pin=True, monkeypatch=None):
     if not pin:
         monkeypatch.setattr(fxoffload.backend, "pin_offload_order", lambda module: 0)
     torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, horizon=horizon)
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, horizon=horizon, all_eligible=True)
     compiled = torch.compile(MLP(), backend=backend)
     x = torch.randn(3, 5, 8)
     _, (fw_code, bw_code) = run_fw_bw_and_get_code(lambda: compiled(x))

@@ -115,3 +115,16 @@ def test_checkpointing_is_refused_where_it_cannot_apply(capsys, tmp_path):
         """))
     flat = run_error(capsys, "--model", str(path), "--seq", "64", "--checkpointing", "selective")
     assert f"--checkpointing selective: model file {str(path)!r} has no list of repeated layers" in flat
+
+
+@pytest.mark.slow
+def test_full_checkpointing_without_a_budget_offloads_the_layer_inputs_of_llama_2_7b(capsys):
+    """The issue's command: a fully checkpointed layer saves only its input, so without a budget the
+    plan offloads the 32 layer inputs (32 x 1 x 4096 x 4096 x 2 B) and little else: not the logits
+    (read as the backward starts; offloading every eligible tensor moved them, +30%)."""
+    report = run_json(capsys, "--preset", "llama-2-7b", "--checkpointing", "full", "--budget", "none",
+                      "--strategy", "offload")
+    (graph,) = report["graphs"]
+    layer_inputs = 32 * 1 * 4096 * 4096 * 2
+    assert layer_inputs <= graph["offloaded_bytes"] <= 1.05 * layer_inputs, graph["offloaded_bytes"] / layer_inputs
+    assert graph["activation_peak_after"] < graph["activation_peak_before"] / 4

@@ -12,7 +12,8 @@ from tests.conftest import assert_same_step, loss_and_grads
 
 def compiled(model, **options):
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(**{"inner": "eager", "min_bytes": 0, **options})
+    budgeted = {"memory_budget", "device_budget"} & options.keys()
+    backend = fxoffload.offload_backend(**{"inner": "eager", "min_bytes": 0, "all_eligible": not budgeted, **options})
     return torch.compile(model, backend=backend), backend
 
 

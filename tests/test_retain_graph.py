@@ -18,7 +18,7 @@ def test_two_backwards_through_a_retained_graph_match_eager(inner):
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    backend = fxoffload.offload_backend(min_bytes=0, inner=inner)
+    backend = fxoffload.offload_backend(min_bytes=0, inner=inner, all_eligible=True)
     loss = torch.compile(model, backend=backend)(x)
     with runtime.copy_delay(0.001):  # a prefetch that read a freed host copy would show
         loss.backward(retain_graph=True)

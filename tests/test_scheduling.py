@@ -12,7 +12,7 @@ from tests.conftest import MLP
 
 def mlp_placements(horizon):
     torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon=horizon)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon=horizon, all_eligible=True)
     torch.compile(MLP(), backend=backend)(torch.randn(3, 5, 8)).backward()
     record = backend.records[0]
     return {
@@ -71,7 +71,8 @@ def long_then_short(v, u, p, x, w):
 
 def long_then_short_placement(horizon):
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon=horizon, device_profile="h100-pcie5")
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon=horizon, device_profile="h100-pcie5",
+                                        all_eligible=True)
     args = [torch.randn(1024, 64), torch.randn(64, 1024), torch.randn(1024, 1024), torch.randn(1024, 1024),
             torch.randn(1024, 4096)]
     torch.compile(long_then_short, backend=backend)(*[a.requires_grad_() for a in args]).backward()

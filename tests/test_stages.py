@@ -42,6 +42,7 @@ def viewed_relu_inputs():
 
 
 def plan_for(fn, inputs, **options):
+    options.setdefault("all_eligible", "budget" not in options)  # no budget: every eligible tensor moves
     fw, bw, n = partitioned_pair(fn, *inputs)
     return plan_pair(fw, bw, n, options=PlanOptions(**options), horizon=2, profile=PROFILES["h100-pcie5"]).plan
 

@@ -34,7 +34,7 @@ def main() -> int:
     eager = model()
     expected = step(DDP(eager), eager, x)
     inner = model()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True)
     actual = step(torch.compile(DDP(inner), backend=backend), inner, x)
     transfers = sum(len(r.plan.transfers) for r in backend.records)
     same = torch.allclose(expected[0], actual[0]) and all(

@@ -21,8 +21,9 @@ def main(mode: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
                                 torch.nn.Linear(256, 1))
-    budget = None if mode == "differ" and rank == 1 else 0.6  # None: offload every candidate
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=budget, strategy="offload")
+    differ = mode == "differ" and rank == 1  # rank 1 offloads every candidate, rank 0 what the budget needs
+    budget = {"all_eligible": True} if differ else {"memory_budget": 0.6}
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload", **budget)
     try:
         torch.compile(model, backend=backend)(torch.randn(32, 64)).sum().backward()
         line = f"rank {rank}: digest {plan_digest(backend.records[0].plan, backend.records[0].schedule)}"
