@@ -5,8 +5,10 @@ the original eager code instead of the compiled graphs, silently) sees every
 op the step dispatches, including the ops of compiled graphs run eagerly and
 the fxoffload ops. Each op output whose storage is new (not one of the op's
 inputs) is tracked with a weak reference, from that op until the first op at
-which the storage is gone. Outputs of ``fxoffload.offload`` are host memory;
-everything else counts as device memory. After the step:
+which the storage is gone. In a step on a CPU (the CPU engine), outputs of
+``fxoffload.offload`` are host memory and everything else device memory; in a
+step that made any accelerator tensor, every CPU tensor is host memory. After
+the step:
 
 * a storage is an *activation* (saved for backward) if it was born in the
   forward, was alive when the backward started (the call of
@@ -59,7 +61,8 @@ class _Storage:
     ref: StorageWeakRef
     nbytes: int
     born: int
-    host: bool
+    on_cpu: bool
+    offloaded: bool  # an output of fxoffload.offload (host memory on either engine)
     prefetched: bool
     died: int | None = None
 
@@ -99,9 +102,8 @@ class _Tracker(TorchDispatchMode):
         ref = StorageWeakRef(t.untyped_storage())
         if ref.cdata in inputs or ref.cdata in self.storages and not self.storages[ref.cdata].ref.expired():
             return  # a view or an in-place result, or already tracked
-        # On a CUDA machine host memory is the CPU; on the CPU engine, only offload buffers.
-        host = t.device.type == "cpu" if torch.cuda.is_available() else func is OFFLOAD
-        entry = _Storage(ref, t.untyped_storage().nbytes(), self.step, host, func is PREFETCH)
+        entry = _Storage(ref, t.untyped_storage().nbytes(), self.step, t.device.type == "cpu", func is OFFLOAD,
+                         func is PREFETCH)
         self.storages[ref.cdata] = entry
         self.live.append(entry)
 
@@ -154,7 +156,11 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
     del returned
     end = tracker.step
     entries = list(tracker.storages.values())
-    device = [e for e in entries if not e.host]
+    # A step that ran on an accelerator keeps host memory on the CPU; a CPU step (the CPU engine) only
+    # in offload buffers. Whether CUDA is merely present says nothing of where this step ran.
+    accelerated = any(not e.on_cpu for e in entries)
+    host = [e for e in entries if (e.on_cpu if accelerated else e.offloaded)]
+    device = [e for e in entries if not (e.on_cpu if accelerated else e.offloaded)]
     start = tracker.backward_start
 
     def is_activation(e: _Storage) -> bool:
@@ -164,7 +170,7 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
 
     total_peak, curve = _peak(device, end)
     activation_peak, _ = _peak([e for e in device if is_activation(e)], end)
-    host_peak, _ = _peak([e for e in entries if e.host], end)
+    host_peak, _ = _peak(host, end)
     return MemoryMeasurement(
         total_peak=total_peak,
         activation_peak=activation_peak,

@@ -15,6 +15,9 @@ against 26 GB/s for large copies implies 15-25 us. We use 10 us everywhere.
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 
 from passes.cost_model import DeviceProfile
@@ -79,13 +82,40 @@ DEFAULT_PROFILE = "h100-pcie5"
 """Used by ``device_profile="auto"`` when no CUDA device is present."""
 
 
+# The profile of each GPU model, by the model's word in the CUDA device name ("NVIDIA H100 80GB HBM3",
+# "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"). Whole words: "L40S" is not an "L4", nor "H200"
+# an "H100" (their links and compute differ: an H20 computes at about 15% of an H100).
+_MODEL_WORDS = {"gh200": "gh200", "h100": "h100-pcie5", "a100": "a100-pcie4", "l4": "l4", "4090": "rtx4090"}
+_warned_names: set[str] = set()
+
+
 def _from_cuda_name(name: str) -> str:
-    lowered = name.lower()
-    for key, pattern in (("gh200", "gh200"), ("h100-pcie5", "h100"), ("a100-pcie4", "a100"),
-                         ("l4", " l4"), ("rtx4090", "4090")):
-        if pattern in lowered:
-            return key
+    """The profile for a CUDA device name; the default, with a warning once per name, for a GPU without one."""
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    for word in words:
+        if word in _MODEL_WORDS:
+            return _MODEL_WORDS[word]
+    if name not in _warned_names:
+        _warned_names.add(name)
+        warnings.warn(
+            f"fxoffload: no device profile for {name!r} (profiles: {', '.join(sorted(PROFILES))}); predicting "
+            f"with {DEFAULT_PROFILE!r}, whose link and compute may be far from this GPU's. Pass "
+            "device_profile=fxoffload.calibrate() to measure it, or a named profile", stacklevel=3)
     return DEFAULT_PROFILE
+
+
+def _cuda_index(device: "int | str | torch.device | None", current: int) -> int:
+    """The CUDA device index ``calibrate`` measures: ``current`` (this process's device, one per rank)
+    unless ``device`` names another."""
+    if device is None:
+        return current
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        raise ValueError(f"calibrate: device {device!r} is not a CUDA device; accepted: None (the current CUDA "
+                         "device), an index, 'cuda', 'cuda:N' or a torch.device of type cuda")
+    return current if parsed.index is None else parsed.index
 
 
 def resolve_profile(spec: "str | DeviceProfile") -> DeviceProfile:
@@ -132,7 +162,7 @@ def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int =
             "fxoffload.calibrate needs a CUDA device and this machine has none "
             f"(torch.cuda.is_available() is False); use a named profile instead: {', '.join(sorted(PROFILES))}"
         )
-    device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
+    device = torch.device("cuda", _cuda_index(device, torch.cuda.current_device()))
     with torch.cuda.device(device):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

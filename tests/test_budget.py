@@ -156,3 +156,21 @@ def test_without_a_budget_the_plan_reaches_the_smallest_peak_and_makes_no_needle
         d.name for d in smallest.decisions if d.action == "offload"}
     # Measured on the CPU engine: the fewer copies hold the step's activations as low as every copy does.
     assert measured.activation_peak <= every_measured.activation_peak
+
+
+def test_a_cpu_step_is_measured_alike_whether_or_not_cuda_is_present(monkeypatch):
+    """On a GPU machine a CPU model's step is still device memory (the CPU engine's), and its host
+    memory only the offload buffers: that CUDA is present says nothing of where the step ran."""
+    model, ids = build("llama")
+    plan, without, _ = compiled_run(model, ids, memory_budget=0.5, strategy="offload")
+    assert plan.transfers and without.host_peak > 0
+    compiled = torch.compile(model, backend=fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5,
+                                                                     strategy="offload"))
+    loss_and_grads(compiled, ids)
+    # A CUDA machine, as measure_peak sees one (its CUDA memory statistics are not used for CPU tensors).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "max_memory_allocated": 0}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, value=value, **k: value)
+    with_cuda = fxoffload.measure_peak(loss_step, compiled, ids)
+    assert (with_cuda.total_peak, with_cuda.activation_peak, with_cuda.host_peak) == (
+        without.total_peak, without.activation_peak, without.host_peak)

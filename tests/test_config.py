@@ -111,6 +111,35 @@ def test_profiles_are_complete_and_cited():
         assert resolve_profile("auto") is expected  # the documented default without a CUDA device
 
 
+@pytest.mark.parametrize("name, profile", [
+    ("NVIDIA H100 80GB HBM3", "h100-pcie5"), ("NVIDIA H100 PCIe", "h100-pcie5"), ("NVIDIA GH200 480GB", "gh200"),
+    ("NVIDIA A100-SXM4-80GB", "a100-pcie4"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+])
+def test_a_cuda_device_name_picks_its_profile(name, profile):
+    from fxoffload.profiles import _from_cuda_name
+
+    assert _from_cuda_name(name) == profile
+
+
+@pytest.mark.parametrize("name", ["NVIDIA L40S", "NVIDIA H200", "NVIDIA H20", "NVIDIA A800-SXM4-80GB", "NVIDIA A10G",
+                                  "NVIDIA GB200"])
+def test_a_gpu_without_a_profile_warns_naming_it_instead_of_matching_a_lookalike(name):
+    from fxoffload import profiles
+
+    profiles._warned_names.discard(name)
+    with pytest.warns(UserWarning, match=f"no device profile for '{name}'.*predicting with 'h100-pcie5'.*calibrate"):
+        assert profiles._from_cuda_name(name) == profiles.DEFAULT_PROFILE
+
+
+def test_calibrate_measures_this_process_device_unless_told_another():
+    from fxoffload.profiles import _cuda_index
+
+    # Each rank sets its own device: "cuda" and None mean that one, not GPU 0.
+    assert [_cuda_index(d, current=3) for d in (None, "cuda", torch.device("cuda"), "cuda:1", 2)] == [3, 3, 3, 1, 2]
+    with pytest.raises(ValueError, match="device 'cpu' is not a CUDA device"):
+        _cuda_index("cpu", current=0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
 def test_calibrate_without_cuda_says_why():
     with pytest.raises(RuntimeError, match="needs a CUDA device.*use a named profile instead: a100-pcie4"):
