@@ -20,6 +20,12 @@ Each compiled graph leaves a :class:`GraphRecord` in ``backend.records``.
 The backend is also registered with dynamo as ``"fxoffload"`` (entry point
 ``torch_dynamo_backends``): ``torch.compile(m, backend="fxoffload", options={...})``.
 
+CUDA graphs are refused: a captured graph would replay its ``offload`` and ``wait``
+nodes without registering their transfers. ``mode="reduce-overhead"`` and
+``"max-autotune"`` raise; ``"max-autotune-no-cudagraphs"`` applies its Inductor
+options; the global ``torch._inductor.config.triton.cudagraphs`` is turned off for
+our graphs, with a warning.
+
 Limits: graphs compiled for inference (no grad) go through unchanged and
 leave no record. AOTAutograd's cache is off for our graphs, so that every
 compile runs the passes and leaves its record; Inductor's FX-graph cache (keyed
@@ -138,9 +144,11 @@ class _Replan:
     module: fx.GraphModule
     example_inputs: list[Any]
     input_activations: frozenset[int]  # as the first call's inputs showed (fake copies cannot)
+    patches: dict  # Inductor options of the torch.compile mode
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, example_inputs: list[Any], activations: frozenset[int]) -> "_Replan | None":
+    def of(cls, gm: fx.GraphModule, example_inputs: list[Any], activations: frozenset[int],
+           patches: dict) -> "_Replan | None":
         """None for graphs with symbolic sizes: compiling them again outside dynamo would add
         guards dynamo never checks."""
         sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
@@ -156,7 +164,7 @@ class _Replan:
             mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
             example_inputs = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) if isinstance(t, torch.Tensor)
                               else t for t in example_inputs]
-        return cls(fx.GraphModule(gm, graph), list(example_inputs), activations)
+        return cls(fx.GraphModule(gm, graph), list(example_inputs), activations, patches)
 
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -310,23 +318,19 @@ class OffloadBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **unknown: Any) -> Callable:
-        if mode not in (None, "default") or unknown:
-            given = f"mode={mode!r}" if mode not in (None, "default") else ", ".join(map(repr, unknown))
-            raise ValueError(
-                f"fxoffload: torch.compile({given}) is not supported; accepted: no mode (or 'default'). "
-                "CUDA graphs ('reduce-overhead') replay fixed addresses and cannot follow host copies and "
-                "releases; pass fxoffload options through offload_backend(...) or options={...}")
+        patches = _mode_patches(mode, unknown)
         # AOTAutograd's cache would return compiled graphs without running the
         # partitioner, so without our passes' record: keep it off for our graphs.
         # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs.)
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            return self._compile(gm, example_inputs)
+            return self._compile(gm, example_inputs, patches)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], patches: dict) -> Callable:
         region = self._region_key()
         activations = input_activations(example_inputs)
-        replan = _Replan.of(gm, example_inputs, activations) if self.config.runs_per_step == "auto" else None
-        compiled = self._compile_region(gm, example_inputs, region, activations)
+        replan = (_Replan.of(gm, example_inputs, activations, patches) if self.config.runs_per_step == "auto"
+                  else None)
+        compiled = self._compile_region(gm, example_inputs, region, activations, patches)
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
         warn = budget is not None and budget.nbytes is not None and replan is None
@@ -370,7 +374,8 @@ class OffloadBackend:
         log.info("fxoffload: compiled region %d ran %d times in one step (one graph serving several layers): "
                  "re-planning it for the whole step and recompiling it, once", self._place(region), runs)
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            compiled = self._compile_region(replan.module, replan.example_inputs, region, replan.input_activations)
+            compiled = self._compile_region(replan.module, replan.example_inputs, region, replan.input_activations,
+                                            replan.patches)
         self._record_of[region].runs_learned = True
         return compiled
 
@@ -402,8 +407,9 @@ class OffloadBackend:
             f"covers the whole step.", stacklevel=2)
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
-                        activations: frozenset[int]) -> Callable:
-        """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`)."""
+                        activations: frozenset[int], patches: dict) -> Callable:
+        """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
+        ``patches``: Inductor options of the compile's mode (:func:`_mode_patches`)."""
         compilation = _Compilation(self, region, activations)
         partitioner = _Partitioner(compilation.on_pair, compilation.input_activations)
         if self.config.inner == "inductor":
@@ -413,7 +419,7 @@ class OffloadBackend:
                 gm,
                 example_inputs,
                 inner_compile=compilation.inductor_inner,
-                config_patches={"custom_partitioner_fn": partitioner},
+                config_patches={**patches, **_no_cudagraphs(), "custom_partitioner_fn": partitioner},
             )
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
@@ -425,6 +431,38 @@ class OffloadBackend:
             decompositions=select_decomp_table(),
         )
         return compiler(gm, example_inputs)
+
+
+_MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
+
+
+def _mode_patches(mode: str | None, unknown: dict) -> dict:
+    """The Inductor options of a ``torch.compile`` mode; ValueError for modes with CUDA graphs and unknown keywords."""
+    if mode in _MODES and not unknown:
+        from torch._inductor import list_mode_options
+
+        return dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+    given = f"mode={mode!r}" if mode not in _MODES else ", ".join(map(repr, unknown))
+    raise ValueError(
+        f"fxoffload: torch.compile({given}) is not supported; accepted: no mode, 'default' or "
+        "'max-autotune-no-cudagraphs'. CUDA graphs ('reduce-overhead', 'max-autotune') replay fixed addresses "
+        "and cannot follow host copies and releases; pass fxoffload options through offload_backend(...) or "
+        "options={...}")
+
+
+_warned_cudagraphs: list[bool] = []
+
+
+def _no_cudagraphs() -> dict:
+    """Inductor options that keep CUDA graphs off our graphs, warning once when the global setting asked for them."""
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.triton.cudagraphs and not _warned_cudagraphs:
+        _warned_cudagraphs.append(True)
+        warnings.warn("fxoffload: torch._inductor.config.triton.cudagraphs is on; fxoffload compiles its graphs "
+                      "without CUDA graphs (a captured graph would replay its copies and waits without their "
+                      "transfers). Other backends' graphs keep the setting", stacklevel=2)
+    return {"triton.cudagraphs": False}
 
 
 def input_activations(example_inputs: list[Any]) -> frozenset[int]:

@@ -2,6 +2,8 @@
 and boolean saved tensors, channels-last and transposed tensors, in-place updates, compile modes,
 and an exception in the middle of a step. Numerics are compared with eager PyTorch."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -54,11 +56,46 @@ def test_double_backward_is_refused_clearly():
         grad.sum().backward()
 
 
-@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_compile_modes_are_refused_by_name(mode):
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "turbo"])
+def test_compile_modes_with_cuda_graphs_are_refused_by_name(mode):
     step = torch.compile(Tanh(), backend=fxoffload.offload_backend(), mode=mode)
-    with pytest.raises(Exception, match=f"torch.compile\\(mode='{mode}'\\) is not supported; accepted: no mode"):
+    with pytest.raises(Exception, match=f"torch.compile\\(mode='{mode}'\\) is not supported; accepted: no mode, "
+                                        "'default' or 'max-autotune-no-cudagraphs'"):
         step(torch.randn(2, 16))
+
+
+def inductor_settings_seen(monkeypatch, **compile_kwargs):
+    """Compile Tanh with fxoffload's Inductor path; the CUDA-graph and autotune settings Inductor's
+    inner compile saw for each graph, and the warnings."""
+    import torch._inductor.compile_fx as compile_fx
+
+    seen, original = [], compile_fx.compile_fx_inner
+
+    def watched(*args, **kwargs):
+        seen.append((torch._inductor.config.triton.cudagraphs, torch._inductor.config.max_autotune))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", watched)
+    model, x = Tanh(), torch.randn(8, 16, requires_grad=True)
+    expected = loss_and_grads(model, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = torch.compile(model, backend=fxoffload.offload_backend(min_bytes=0, all_eligible=True), **compile_kwargs)
+        assert_same_step(expected, loss_and_grads(step, x))
+    return seen, [str(w.message) for w in caught if "cudagraphs" in str(w.message)]
+
+
+def test_the_global_cuda_graphs_setting_is_turned_off_for_our_graphs_with_a_warning(monkeypatch):
+    fxoffload.backend._warned_cudagraphs.clear()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        seen, warned = inductor_settings_seen(monkeypatch)
+    assert seen and all(cudagraphs is False for cudagraphs, _ in seen)  # forward and backward
+    assert len(warned) == 1 and "compiles its graphs without CUDA graphs" in warned[0]
+
+
+def test_max_autotune_without_cuda_graphs_is_accepted_and_reaches_inductor(monkeypatch):
+    seen, warned = inductor_settings_seen(monkeypatch, mode="max-autotune-no-cudagraphs")
+    assert seen and all(autotune and not cudagraphs for cudagraphs, autotune in seen) and warned == []
 
 
 class IntBoolSaved(torch.nn.Module):
