@@ -10,9 +10,15 @@ where it does not hold (a different model or option on one rank, or
 ``device_profile="auto"`` reading different GPUs).
 
 Algorithm: after a graph is planned, each rank of the process group gathers
-every rank's ``(graph index, plan digest)`` (``all_gather_object``: one
-collective of a few bytes per compiled graph, at compile time) and raises
-:class:`PlanMismatchError` on every rank when they differ.
+every rank's ``(graph index, plan digest)`` as three int64 (``all_gather`` of
+fixed-size tensors on the group's device: one collective of 24 bytes per rank
+and compiled graph, at compile time) and raises :class:`PlanMismatchError` on
+every rank when they differ. The gathered tensors are kept for the life of the
+process (24 bytes per rank and compile): a collective's work object, released
+by the backend's own thread, then never holds the last reference to a Python
+tensor, whose release would need the GIL there (``all_gather_object``'s
+temporaries did; one FSDP2 test run hung with a gloo thread waiting for the GIL
+while destroying an all-gather's work).
 
 Limits: every rank of the group must compile the same graphs in the same
 order, as DDP and FSDP2 require. A rank that fails before the gather (an
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -61,10 +68,31 @@ def check_plans_agree(graph_index: int, digest: str, group: Any = None) -> None:
     size = dist.get_world_size(group)
     if size == 1:
         return
-    gathered: list[Any] = [None] * size
     # Planning runs inside AOTAutograd's fake-tensor mode: the collective needs real tensors.
     with unset_fake_temporarily():
-        dist.all_gather_object(gathered, (graph_index, digest), group=group)
-    if any(tuple(seen) != (graph_index, digest) for seen in gathered):
+        gathered = _gather(_encode(graph_index, digest), size, group)
+    if any(seen != (graph_index, digest) for seen in gathered):
         global_rank = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
-        raise PlanMismatchError({global_rank(i): tuple(seen) for i, seen in enumerate(gathered)})
+        raise PlanMismatchError({global_rank(i): seen for i, seen in enumerate(gathered)})
+
+
+_kept: list[torch.Tensor] = []  # every gather's tensors (see the module docstring)
+
+
+def _encode(graph_index: int, digest: str) -> list[int]:
+    """``(graph index, 64-bit hex digest)`` as three integers that fit int64."""
+    if not isinstance(digest, str) or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"check_plans_agree: digest {digest!r} is not 16 lowercase hex digits (plan_digest's form)")
+    value = int(digest, 16)
+    return [graph_index, value >> 32, value & 0xFFFFFFFF]
+
+
+def _gather(mine: list[int], size: int, group: Any) -> list[tuple[int, str]]:
+    """Every rank's encoded ``(graph index, digest)``, decoded, in rank order."""
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else "cpu"
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(gathered, local, group=group)
+    _kept.extend([local, *gathered])
+    rows = [t.tolist() for t in gathered]
+    return [(index, f"{(high << 32) | low:016x}") for index, high, low in rows]
