@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-import fxoffload  # noqa: E402
+from _recipes import Run, drift, hf_table, machine_line, plain_backend, report, train_hf  # noqa: E402
 
 SEQ, VOCAB = 64, 256
 
@@ -64,64 +60,23 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-@dataclass(frozen=True)
-class Run:
-    losses: list[float]  # Trainer's logged loss, one per step
-    params: dict[str, torch.Tensor]  # after training
-    seconds_per_step: float  # after the first step (which compiles)
-    activation_peak: int  # one more forward and backward, measured (bytes)
-    predicted: tuple[int, int] | None  # the largest activation peak a compiled graph's plan predicts, before, after
-    moves: tuple[int, int]  # planned transfers and recomputations, over every compiled graph (0, 0 eager)
-    graphs: int  # compiled graphs (Trainer's first step passes no num_items_in_batch: a graph of its own)
-
-
 def train(backend: str | dict | None, steps: int = 8, batch: int = 4, layers: int = 2, seed: int = 0) -> Run:
     """Train with Trainer; ``backend`` None: eager; a dict: compiled with ``backend="fxoffload"`` and these
     options; a name: compiled with that backend (plain compile, no offloading)."""
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     torch._dynamo.reset()
     torch.manual_seed(seed)
-    model = tiny_llama(layers)
-    known = 0
-    if isinstance(backend, dict):
-        known = len(fxoffload.named_backend(**backend).records)  # the backend is shared by every such compile
-        model.compile(backend="fxoffload", options=backend)
-    elif backend is not None:
-        model.compile(backend=backend)
-    stamps: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-3,
                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=seed,
                                  dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(steps * batch, seed),
-                          callbacks=[StepTimes()])
-        trainer.remove_callback(PrinterCallback)  # the losses are returned, not printed
-        trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    ids = RandomTokens(batch, seed + 1).ids
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        def make_trainer(model, callbacks):
+            return Trainer(model=model, args=args, train_dataset=RandomTokens(steps * batch, seed), callbacks=callbacks)
 
-    peak = fxoffload.measure_peak(step).activation_peak
-    model.zero_grad(set_to_none=True)
-    records = fxoffload.named_backend(**backend).records[known:] if isinstance(backend, dict) else []
-    moves = (sum(len(r.plan.transfers) for r in records), sum(len(r.plan.recomputes) for r in records))
-    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    predicted = None if not records else (max(r.plan.activation_peak_before for r in records),
-                                          max(r.plan.activation_peak_after for r in records))
-    return Run(losses, params, per_step, peak, predicted, moves, len(records))
-
-
-def kib(nbytes: int) -> str:
-    return f"{nbytes / 2**10:.0f} KiB"
+        return train_hf(tiny_llama(layers), backend, make_trainer, RandomTokens(batch, seed + 1).ids)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,34 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     options = {"memory_budget": args.budget, "strategy": args.strategy, "inner": args.inner}
-    plain_backend = "aot_eager_decomp_partition" if args.inner == "eager" else "inductor"  # fxoffload minus its passes
-    eager, plain, compiled = train(None, args.steps), train(plain_backend, args.steps), train(options, args.steps)
-    drift = max((eager.params[n] - compiled.params[n]).abs().max().item() for n in eager.params)
-    lines = [
-        f"Command: `python examples/hf_trainer.py --steps {args.steps} --budget {args.budget} --strategy "
-        f"{args.strategy} --inner {args.inner}`, "
-        f"{time.strftime('%Y-%m-%d')}, this machine's CPU (measured; device and host are the same memory here, so "
-        "times show the protocol's cost, not a GPU's).",
-        "",
-        "| run | final loss | s/step (after the first) | activation peak, measured | activation peak, predicted "
-        "| planned: graphs, transfers, recomputations |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, run in (("eager", eager), (f"model.compile(backend={plain_backend!r})", plain),
-                      (f"fxoffload, budget {args.budget}", compiled)):
-        # Inductor's kernels allocate buffers measure_peak does not see: no measured peak then.
-        measured = "n/a (Inductor)" if run is not eager and args.inner == "inductor" else kib(run.activation_peak)
-        predicted = "" if run.predicted is None else f"{kib(run.predicted[0])} -> {kib(run.predicted[1])}"
-        lines.append(f"| {name} | {run.losses[-1]:.4f} | {run.seconds_per_step:.3f} | {measured} | {predicted} | "
-                     f"{run.graphs}, {run.moves[0]}, {run.moves[1]} |")
-    lines += ["", f"Largest parameter difference after {args.steps} steps: {drift:.2e}."]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from benchmarks.results import write_section
-
-        print("wrote", write_section("Recipe: Hugging Face Trainer (measured, CPU)", text))
+    plain = plain_backend(args.inner)
+    runs = {"eager": train(None, args.steps), f"model.compile(backend={plain!r})": train(plain, args.steps),
+            f"fxoffload, budget {args.budget}": train(options, args.steps)}
+    eager, compiled = runs["eager"], runs[f"fxoffload, budget {args.budget}"]
+    command = (f"python examples/hf_trainer.py --steps {args.steps} --budget {args.budget} --strategy {args.strategy} "
+               f"--inner {args.inner}")
+    lines = [machine_line(command), "", *hf_table(runs, args.inner), "",
+             f"Largest parameter difference after {args.steps} steps: {drift(eager, compiled):.2e}."]
+    report("\n".join(lines), "Recipe: Hugging Face Trainer (measured, CPU)", args.write)
     return 0
 
 

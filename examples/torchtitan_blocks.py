@@ -28,16 +28,15 @@ and, under ``--inner eager``, the step's activation peak measured on this CPU
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fxoffload
+from _recipes import drift, kib, machine_line, plain_backend, report, seconds_per_step
 
 
 class Attention(nn.Module):
@@ -138,10 +137,9 @@ def train(backend: str | dict | None, steps: int = 4, layers: int = 8, batch: in
     model.zero_grad(set_to_none=True)
     records = fxoffload.named_backend(**backend).records[known:] if isinstance(backend, dict) else []
     plan = records[-1].plan if records else None  # the graph as re-planned for the step
-    timed = stamps[1:]
-    per_step = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
     params = {n.replace("._orig_mod", ""): p.detach().clone() for n, p in model.named_parameters()}
-    return Run(losses, params, per_step, peak, plan.runs if plan else 0, len(plan.transfers) if plan else 0)
+    return Run(losses, params, seconds_per_step(stamps[1:]), peak, plan.runs if plan else 0,
+               len(plan.transfers) if plan else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,35 +151,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     options = {"memory_budget": args.budget, "strategy": "offload", "inner": args.inner}
-    plain_backend = "aot_eager_decomp_partition" if args.inner == "eager" else "inductor"  # fxoffload minus its passes
-    eager, plain = train(None, args.steps, args.layers), train(plain_backend, args.steps, args.layers)
-    compiled = train(options, args.steps, args.layers)
-    drift = max((eager.params[n] - compiled.params[n]).abs().max().item() for n in eager.params)
+    plain = plain_backend(args.inner)
+    runs = {"eager": train(None, args.steps, args.layers), f"torch.compile, backend {plain!r}": train(plain, args.steps,
+                                                                                                   args.layers),
+            f"fxoffload, budget {args.budget}": train(options, args.steps, args.layers)}
+    eager, compiled = runs["eager"], runs[f"fxoffload, budget {args.budget}"]
+    command = (f"python examples/torchtitan_blocks.py --steps {args.steps} --layers {args.layers} --budget "
+               f"{args.budget} --inner {args.inner}")
     lines = [
-        f"Command: `python examples/torchtitan_blocks.py --steps {args.steps} --layers {args.layers} --budget "
-        f"{args.budget} --inner {args.inner}`, {time.strftime('%Y-%m-%d')}, this machine's CPU (measured; device and "
-        "host are the same memory here, so times show the protocol's cost, not a GPU's). Options: "
-        f"`{options}`.",
+        machine_line(command) + f" Options: `{options}`.",
         "",
         "| run | final loss | s/step (after the second) | activation peak of a step, measured | graph runs per step "
         "| transfers per run |",
         "|---|---|---|---|---|---|",
     ]
-    for name, run in (("eager", eager), (f"torch.compile, backend {plain_backend!r}", plain),
-                      (f"fxoffload, budget {args.budget}", compiled)):
-        measured = "n/a (Inductor)" if run is not eager and args.inner == "inductor" else f"{run.activation_peak / 2**10:.0f} KiB"
+    for name, run in runs.items():
+        measured = "n/a (Inductor)" if run is not eager and args.inner == "inductor" else kib(run.activation_peak)
         lines.append(f"| {name} | {run.losses[-1]:.4f} | {run.seconds_per_step:.3f} | {measured} | {run.runs} | "
                      f"{run.transfers} |")
-    lines += ["", f"Largest parameter difference after {args.steps} steps: {drift:.2e}. The measured peak covers "
-              "the whole step (embeddings, head and loss included, which no compiled block sees); the budget "
-              "bounds what the blocks save."]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from benchmarks.results import write_section
-
-        print("wrote", write_section("Recipe: torchtitan-style per-block compile (measured, CPU)", text))
+    lines += ["", f"Largest parameter difference after {args.steps} steps: {drift(eager, compiled):.2e}. The measured "
+              "peak covers the whole step (embeddings, head and loss included, which no compiled block sees); the "
+              "budget bounds what the blocks save."]
+    report("\n".join(lines), "Recipe: torchtitan-style per-block compile (measured, CPU)", args.write)
     return 0
 
 

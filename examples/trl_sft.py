@@ -37,18 +37,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-import fxoffload  # noqa: E402
+from _recipes import Run, drift, hf_table, machine_line, plain_backend, report, train_hf  # noqa: E402
 
 SEQ = 128
 MODULES = ["argparse", "collections", "contextlib", "dataclasses", "functools", "itertools", "json", "pathlib"]
@@ -87,61 +83,26 @@ def tiny_llama(layers: int = 2, hidden: int = 256):
     return LlamaForCausalLM(config)
 
 
-@dataclass(frozen=True)
-class Run:
-    losses: list[float]  # SFTTrainer's logged loss, one per step
-    params: dict[str, torch.Tensor]  # after training
-    seconds_per_step: float  # after the first step (which compiles)
-    activation_peak: int  # one more forward and backward on a full-length batch, measured (bytes)
-    predicted: tuple[int, int] | None  # the largest activation peak a compiled graph's plan predicts, before, after
-    transfers: int  # planned copies over every compiled graph (0 uncompiled)
-    graphs: int  # compiled graphs
-
-
 def train(backend: str | dict | None, steps: int = 6, batch: int = 4, seed: int = 0) -> Run:
     """Fine-tune with SFTTrainer; ``backend`` None: eager; a dict: compiled with ``backend="fxoffload"`` and
     these options; a name: compiled with that backend (plain compile, no offloading)."""
-    from transformers import PrinterCallback, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     torch._dynamo.reset()
     torch.manual_seed(seed)
-    model, known = tiny_llama(), 0
-    if isinstance(backend, dict):
-        known = len(fxoffload.named_backend(**backend).records)  # the backend is shared by every such compile
-        model.compile(backend="fxoffload", options=backend)
-    elif backend is not None:
-        model.compile(backend=backend)
-    stamps: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
     with tempfile.TemporaryDirectory() as out:
-        # Rows of one length (padding_free off, no packing): one compiled graph serves every step.
+        # Rows of one length (pad_to_multiple_of, no packing): one compiled graph serves every step.
         args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-3,
                          logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=seed,
                          max_length=SEQ, activation_offloading=False, disable_tqdm=True, dataloader_num_workers=0,
                          pad_to_multiple_of=SEQ)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=docstring_dataset(steps * batch),
-                             processing_class=byte_tokenizer(), callbacks=[StepTimes()])
-        trainer.remove_callback(PrinterCallback)  # the losses are returned, not printed
-        trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    ids = torch.randint(0, 256, (batch, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-    peak = fxoffload.measure_peak(lambda: model(input_ids=ids, labels=ids).loss.backward()).activation_peak
-    model.zero_grad(set_to_none=True)
-    records = fxoffload.named_backend(**backend).records[known:] if isinstance(backend, dict) else []
-    predicted = None if not records else (max(r.plan.activation_peak_before for r in records),
-                                          max(r.plan.activation_peak_after for r in records))
-    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return Run(losses, params, per_step, peak, predicted, sum(len(r.plan.transfers) for r in records), len(records))
 
+        def make_trainer(model, callbacks):
+            return SFTTrainer(model=model, args=args, train_dataset=docstring_dataset(steps * batch),
+                              processing_class=byte_tokenizer(), callbacks=callbacks)
 
-def kib(nbytes: int) -> str:
-    return f"{nbytes / 2**10:.0f} KiB"
+        ids = torch.randint(0, 256, (batch, SEQ), generator=torch.Generator().manual_seed(seed + 1))
+        return train_hf(tiny_llama(), backend, make_trainer, ids)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,37 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     budget = None if args.budget == "none" else float(args.budget) if args.budget[0] in "0." else args.budget
     options = {"memory_budget": budget, "strategy": "offload", "inner": args.inner}
-    plain_backend = "aot_eager_decomp_partition" if args.inner == "eager" else "inductor"  # fxoffload minus its passes
-    eager, plain, compiled = train(None, args.steps), train(plain_backend, args.steps), train(options, args.steps)
-    def drift(a: Run, b: Run) -> float:
-        return max((a.params[n] - b.params[n]).abs().max().item() for n in a.params)
-
-    lines = [
-        f"Command: `python examples/trl_sft.py --steps {args.steps} --budget {args.budget} --inner {args.inner}`, "
-        f"{time.strftime('%Y-%m-%d')}, this machine's CPU (measured; device and host are the same memory here, so "
-        "times show the protocol's cost, not a GPU's).",
-        "",
-        "| run | final loss | s/step (after the first) | activation peak, measured | activation peak, predicted "
-        "| planned: graphs, transfers |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, run in (("eager", eager), (f"model.compile(backend={plain_backend!r})", plain),
-                      (f"fxoffload, budget {args.budget}", compiled)):
-        # Inductor's kernels allocate buffers measure_peak does not see: no measured peak then.
-        measured = "n/a (Inductor)" if run is not eager and args.inner == "inductor" else kib(run.activation_peak)
-        predicted = "" if run.predicted is None else f"{kib(run.predicted[0])} -> {kib(run.predicted[1])}"
-        lines.append(f"| {name} | {run.losses[-1]:.4f} | {run.seconds_per_step:.3f} | {measured} | {predicted} | "
-                     f"{run.graphs}, {run.transfers} |")
-    lines += ["", f"Largest parameter difference after {args.steps} steps: {drift(plain, compiled):.2e} from plain "
-              f"compile, {drift(eager, compiled):.2e} from eager (as plain compile's: AdamW turns the last bits of "
-              "near-zero embedding gradients into steps of the learning rate's size)."]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from benchmarks.results import write_section
-
-        print("wrote", write_section("Recipe: TRL supervised fine-tuning (measured, CPU)", text))
+    plain = plain_backend(args.inner)
+    runs = {"eager": train(None, args.steps), f"model.compile(backend={plain!r})": train(plain, args.steps),
+            f"fxoffload, budget {args.budget}": train(options, args.steps)}
+    eager, compiled = runs["eager"], runs[f"fxoffload, budget {args.budget}"]
+    command = f"python examples/trl_sft.py --steps {args.steps} --budget {args.budget} --inner {args.inner}"
+    lines = [machine_line(command), "", *hf_table(runs, args.inner), "",
+             f"Largest parameter difference after {args.steps} steps: {drift(runs[f'model.compile(backend={plain!r})'], compiled):.2e} "
+             f"from plain compile, {drift(eager, compiled):.2e} from eager (as plain compile's: AdamW turns the last "
+             "bits of near-zero embedding gradients into steps of the learning rate's size)."]
+    report("\n".join(lines), "Recipe: TRL supervised fine-tuning (measured, CPU)", args.write)
     return 0
 
 

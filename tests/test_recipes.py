@@ -23,6 +23,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PLAIN = "aot_eager_decomp_partition"  # fxoffload with inner="eager", minus its passes: the same partition
 
 
+sys.path.insert(0, str(EXAMPLES))  # the scripts import their shared helpers (examples/_recipes.py)
+
+
 def example(name: str):
     spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -54,7 +57,7 @@ def test_hf_trainer_on_a_model_compiled_with_fxoffload_matches_eager_within_its_
     options = {"memory_budget": 0.5, "strategy": "offload", "inner": "eager", "min_bytes": 0}
     eager, plain, compiled = (recipe.train(backend, steps=3) for backend in (None, PLAIN, options))
     assert_same_training(eager, plain, compiled)
-    assert compiled.moves[0] > 0  # copies were planned, and the CPU engine ran them
+    assert compiled.transfers > 0  # copies were planned, and the CPU engine ran them
     before, after = compiled.predicted
     assert after <= 0.5 * before
     # Measured on the step's whole forward and backward (the loss is inside the compiled graph).
