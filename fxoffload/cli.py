@@ -390,6 +390,8 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
             "saved_activations": len(plan.decisions),
             "transfers": len(plan.transfers),
             "offloaded_bytes": plan.offloaded_bytes,
+            "host_bytes": plan.host_bytes * plan.runs,
+            "pinned_host_bytes": plan.pinned_host_bytes * plan.runs,
             "recomputes": len(plan.recomputes),
             "partition": plan.partition,
             "plan_digest": plan_digest(plan, record.schedule),
@@ -445,6 +447,9 @@ def _step_report(invocations: list, options: dict) -> dict:
         "overhead": sim.overhead,
         "stall": sim.stall,
         "crossing_copies": sim.crossing,
+        # Every forward of the step runs before the backwards: each invocation's host copies are alive then.
+        "host_bytes": sum(r.plan.host_bytes for r in invocations),
+        "pinned_host_bytes": sum(r.plan.pinned_host_bytes for r in invocations),
     }
 
 
@@ -489,6 +494,8 @@ def _print_report(report: dict, records: list) -> None:
         print(f"  graph inputs     {format_bytes(graph['input_bytes'])} (parameters, buffers, batch: resident "
               "throughout; optimizer state not modelled)")
         print(f"  offloaded        {format_bytes(graph['offloaded_bytes'])} in {graph['transfers']} transfers")
+        print(f"  host memory      {format_bytes(graph['host_bytes'])} when the forward ends; "
+              f"{format_bytes(graph['pinned_host_bytes'])} pinned on CUDA (power-of-two blocks)")
         print(f"  recomputed       {format_bytes(graph['recomputed_bytes'])} in {graph['recomputes']} chains "
               f"({format_seconds(graph['recompute_time'])} of compute, predicted)")
         print(f"  step time        {format_seconds(graph['step_time'])} (without offload "
@@ -505,6 +512,8 @@ def _print_report(report: dict, records: list) -> None:
     print(f"  step time        {format_seconds(step['step_time'])} (without offload "
           f"{format_seconds(step['step_time_without_offload'])}: overhead {step['overhead']:+.1%}); "
           f"{step['crossing_copies']} copies crossed a graph boundary")
+    print(f"  host memory      {format_bytes(step['host_bytes'])} when the last forward ends; "
+          f"{format_bytes(step['pinned_host_bytes'])} pinned on CUDA (power-of-two blocks)")
     seconds = report["seconds"]
     print(f"measured here: build {seconds['build']:.1f} s, trace and plan {seconds['trace_and_plan']:.1f} s "
           f"(fxoffload passes {format_stages(tuple(seconds['fxoffload_stages'].items()))})")

@@ -59,6 +59,9 @@ def _summary(record: Any) -> str:
            else ""),
         f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
         "(copies served in order per direction; see the placements)",
+        f"predicted host memory:     {format_bytes(plan.host_bytes * plan.runs)} of host copies when the forward "
+        f"ends{_runs(plan)}; {format_bytes(plan.pinned_host_bytes * plan.runs)} pinned on CUDA (the caching host "
+        "allocator's power-of-two blocks, kept for later steps)",
     ]
     if plan.device_bytes is not None:
         lines.append(
@@ -88,6 +91,10 @@ def _summary(record: Any) -> str:
     if plan.note:
         lines.append(f"note: {plan.note}")
     return "\n".join(lines)
+
+
+def _runs(plan: Any) -> str:
+    return f" (its {plan.runs} runs in a step)" if plan.runs > 1 else ""
 
 
 def _sizes(record: Any) -> list[str]:

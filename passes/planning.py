@@ -81,7 +81,8 @@ from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, so
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
     "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
-    "group_by_base", "over_runs", "plan_digest", "plan_offloads", "peaks_over_range", "step_peak", "why_kept",
+    "group_by_base", "over_runs", "pinned_block", "plan_digest", "plan_offloads", "peaks_over_range", "step_peak",
+    "why_kept",
     "with_scheduled_peaks",
 ]
 
@@ -298,6 +299,18 @@ class Plan:
     @property
     def offloaded_bytes(self) -> int:
         return sum(int(t.nbytes) for t in self.transfers)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory one run holds when its forward ends: every host copy is alive then (a copy is
+        dropped only once its prefetch has landed, in the backward)."""
+        return self.offloaded_bytes
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """The same in the pinned blocks PyTorch's caching host allocator hands out (:func:`pinned_block`),
+        which it keeps for later steps."""
+        return sum(pinned_block(int(t.nbytes)) for t in self.transfers)
 
     @property
     def recomputed_bytes(self) -> int:
@@ -857,6 +870,14 @@ def _select(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held):
         return _Choice(tuple(forced)), goal
     return _choose(problem, free, forced, limit, held), goal
+
+
+def pinned_block(nbytes: int) -> int:
+    """The pinned block PyTorch's CUDA caching host allocator gives a request of ``nbytes``: the next
+    power of two (an 86 MiB activation takes 128 MiB), as ``ATen/core/CachingHostAllocator.h`` rounds
+    every request by default (``pinned_max_round_threshold`` and ``pinned_max_cached_size`` unset in
+    ``PYTORCH_CUDA_ALLOC_CONF``). The CPU engine allocates exactly ``nbytes``."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def _held(problem: _Problem) -> list[tuple[dict, _Problem, int]]:

@@ -64,6 +64,8 @@ def test_budgets_hold_when_measured(name):
             assert measured.activation_peak <= plan.budget_bytes, (budget, measured)
         assert abs(plan.total_peak_after - measured.total_peak) <= 0.1 * measured.total_peak, (budget, plan, measured)
         assert measured.total_peak <= base.total_peak
+        # Host memory to the byte: every host copy is alive when the forward ends (CPU engine, exact sizes).
+        assert measured.host_peak == plan.host_bytes, (budget, measured.host_peak, plan.host_bytes)
     # Tighter budgets never offload less.
     assert plan.offloaded_bytes > 0
 
@@ -174,3 +176,13 @@ def test_a_cpu_step_is_measured_alike_whether_or_not_cuda_is_present(monkeypatch
     with_cuda = fxoffload.measure_peak(loss_step, compiled, ids)
     assert (with_cuda.total_peak, with_cuda.activation_peak, with_cuda.host_peak) == (
         without.total_peak, without.activation_peak, without.host_peak)
+
+
+def test_pinned_host_memory_is_predicted_in_the_caching_allocators_power_of_two_blocks():
+    from passes.planning import pinned_block
+
+    mib = 2**20
+    assert [pinned_block(n) for n in (0, 1, 4096, 4097, 86 * mib, 128 * mib)] == [0, 1, 4096, 8192, 128 * mib,
+                                                                                     128 * mib]
+    plan, _, _ = compiled_run(*build("llama"), memory_budget=0.5, strategy="offload")
+    assert plan.pinned_host_bytes == sum(pinned_block(t.nbytes) for t in plan.transfers) >= plan.host_bytes > 0
