@@ -181,7 +181,7 @@ def analyse_auto(joint: "Joint", profile, budget: float):
 def planned_recompute_flops(base, result) -> float:
     """FLOPs the backward runs again: the partition's recomputation beyond ``base``'s, and the plan's chains."""
     pos = result.timeline.positions
-    chains = sum(result.work[pos[n]][0] for r in result.plan.recomputes for n in r.cost.chain if result.work[pos[n]])
+    chains = sum(result.work[pos[n]].flops for r in result.plan.recomputes for n in r.cost.chain if result.work[pos[n]])
     return recomputed(base, result)[1] + float(chains)
 
 
@@ -361,7 +361,7 @@ def recomputed(base, other) -> tuple[int, float]:
         fw_names = {n.name for n in result.timeline.fw_nodes if n.op == "call_function"}
         forward = len(result.timeline.fw_nodes)
         again = [k for k, n in enumerate(result.timeline.bw_nodes) if n.name in fw_names]
-        return len(again), sum(result.work[forward + k][0] for k in again if result.work[forward + k])
+        return len(again), sum(result.work[forward + k].flops for k in again if result.work[forward + k])
 
     (n0, f0), (n1, f1) = counted(base), counted(other)
     return n1 - n0, float(f1 - f0)

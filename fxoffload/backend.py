@@ -43,7 +43,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -57,6 +56,7 @@ from passes import (
     Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
     plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
+from passes.analysis import tensor_storage_key
 from passes.planning import held_after_forward, plan_digest
 from passes.policies import offload_marked, read_policies, save_offload_marks
 
@@ -487,8 +487,8 @@ def _held_by_maker(t: torch.Tensor) -> bool:
         saved = node.saved_tensors
     except RuntimeError:  # already freed, or unpacked by a hook that refuses: count it (conservative)
         return False
-    key = StorageWeakRef(t.untyped_storage()).cdata
-    return any(isinstance(s, torch.Tensor) and StorageWeakRef(s.untyped_storage()).cdata == key for s in saved)
+    key = tensor_storage_key(t)
+    return any(isinstance(s, torch.Tensor) and tensor_storage_key(s) == key for s in saved)
 
 
 def offload_backend(**options: Any) -> OffloadBackend:

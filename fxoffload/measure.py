@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from passes.analysis import tensor_storage_key
 from passes.ops import FXOFFLOAD_OPS, OFFLOAD, PREFETCH
 
 __all__ = ["MemoryMeasurement", "measure_peak"]
@@ -90,7 +91,7 @@ class _Tracker(TorchDispatchMode):
         if self.backward_start is None and torch._C._current_graph_task_id() != -1:
             self.backward_start = self.step
         self.fxoffload_ops += func in FXOFFLOAD_OPS
-        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in pytree.tree_leaves((args, kwargs))
+        inputs = {tensor_storage_key(t) for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):

@@ -45,6 +45,7 @@ __all__ = [
     "saved_interface",
     "saved_activations",
     "storage_key",
+    "tensor_storage_key",
     "is_compute",
     "is_anchored_compute",
     "is_rng_state",
@@ -65,12 +66,16 @@ def _fake(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+def tensor_storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind ``t`` (real or fake): equal for every view of one storage, for as
+    long as the storage lives. Every stage and the runtime's tools key storages with it."""
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
 def storage_key(node: fx.Node) -> int | None:
     """Identity of the storage behind ``node``'s traced value (None if not a tensor)."""
     val = _fake(node)
-    if isinstance(val, torch.Tensor):
-        return StorageWeakRef(val.untyped_storage()).cdata
-    return None
+    return tensor_storage_key(val) if isinstance(val, torch.Tensor) else None
 
 
 def tensor_nbytes(val: torch.Tensor) -> Any:
@@ -99,7 +104,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
 def _output_storages(node: fx.Node) -> set[int]:
     val = _fake(node)
     values = val if isinstance(val, (list, tuple)) else [val]
-    return {StorageWeakRef(v.untyped_storage()).cdata for v in values if isinstance(v, torch.Tensor)}
+    return {tensor_storage_key(v) for v in values if isinstance(v, torch.Tensor)}
 
 
 def is_anchored_compute(node: fx.Node) -> bool:
@@ -275,7 +280,7 @@ def last_storage_use(fw: fx.Graph) -> dict[int, int]:
             elif isinstance(_fake(arg), (list, tuple)):
                 for v in _fake(arg):
                     if isinstance(v, torch.Tensor):
-                        k = StorageWeakRef(v.untyped_storage()).cdata
+                        k = tensor_storage_key(v)
                         last[k] = max(last.get(k, -1), position[node])
     return last
 

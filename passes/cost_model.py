@@ -16,7 +16,7 @@ are predictions, in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -25,7 +25,8 @@ from torch.utils.flop_counter import flop_registry
 from passes.analysis import is_compute, tensor_nbytes
 from passes.memory import concrete
 
-__all__ = ["DeviceProfile", "node_time", "node_times", "node_work", "roofline", "transfer_time", "value_nbytes"]
+__all__ = ["DeviceProfile", "Work", "node_time", "node_times", "node_work", "roofline", "transfer_time",
+           "value_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,12 @@ def _flops(node: fx.Node) -> int:
     return int(flops)
 
 
-Work = tuple  # (FLOPs, bytes moved, dtype) of one node, or None for a node that runs no kernel
+class Work(NamedTuple):
+    """What one node asks of the device (None instead, for a node that runs no kernel)."""
+
+    flops: int
+    moved: int  # bytes read and written
+    dtype: torch.dtype
 
 
 def node_work(node: fx.Node) -> Work | None:
@@ -83,15 +89,14 @@ def node_work(node: fx.Node) -> Work | None:
     out = node.meta.get("val")
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     moved = value_nbytes(out) + sum(value_nbytes(_fake(a)) for a in node.all_input_nodes)
-    return (_flops(node), moved, dtype)
+    return Work(flops=_flops(node), moved=moved, dtype=dtype)
 
 
 def roofline(work: Work | None, profile: DeviceProfile) -> float:
     """Predicted seconds for ``work`` on ``profile``: the slower of compute and memory."""
     if work is None:
         return 0.0
-    flops, moved, dtype = work
-    return max(flops / profile.throughput(dtype), moved / profile.memory_bandwidth)
+    return max(work.flops / profile.throughput(work.dtype), work.moved / profile.memory_bandwidth)
 
 
 def node_time(node: fx.Node, profile: DeviceProfile) -> float:

@@ -50,9 +50,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.analysis import SavedInterface, _aliased_input, symbol_sources, tensor_nbytes
+from passes.analysis import SavedInterface, _aliased_input, symbol_sources, tensor_nbytes, tensor_storage_key
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
            "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
@@ -112,7 +111,7 @@ class Timeline:
 
     def forward_lifetime(self, node: fx.Node) -> Lifetime:
         """The lifetime of the storage a forward node's value lives in."""
-        key = StorageWeakRef(node.meta["val"].untyped_storage()).cdata
+        key = tensor_storage_key(node.meta["val"])
         forward_end = len(self.fw_nodes)
         return next(lt for lt in self.lifetimes if lt.key == key and lt.birth < forward_end)
 
@@ -280,7 +279,7 @@ class _Walker:
     def node_keys(self, node: fx.Node) -> list[int]:
         keys = self.keys.get(node)
         if keys is None:
-            keys = [StorageWeakRef(v.untyped_storage()).cdata for v in _vals(node)]
+            keys = [tensor_storage_key(v) for v in _vals(node)]
             self.keys[node] = keys
         return keys
 
