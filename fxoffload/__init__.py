@@ -11,7 +11,7 @@
 
 from fxoffload import runtime
 from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend
-from fxoffload.config import OffloadConfig
+from fxoffload.config import OffloadConfig, OptionError
 from fxoffload.explain import explain
 from fxoffload.measure import MemoryMeasurement, measure_peak
 from fxoffload.plot import plot, plot_step
@@ -23,6 +23,6 @@ from passes.step import StepSimulation, simulate_step
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
-    "MemoryMeasurement", "OffloadConfig", "PlanMismatchError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
+    "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
     "offload_backend", "plot", "plot_step", "runtime", "simulate", "simulate_step",
 ]

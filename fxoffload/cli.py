@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from fxoffload.config import OffloadConfig, parse_budget
+    from fxoffload.config import OffloadConfig, OptionError, parse_budget
 
     budget: Any = None if args.budget.lower() == "none" else _number_or_text(args.budget)
     horizon: Any = args.horizon if args.horizon == "auto" else _number_or_text(args.horizon)
@@ -121,14 +121,20 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
                    solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs)
     try:
         OffloadConfig(**options)
-    except ValueError as e:
-        raise UsageError(str(e).replace("memory_budget:", "--budget:").replace("device_profile:", "--profile:")) from None
+    except OptionError as e:
+        flag = _FLAGS.get(e.option)
+        raise UsageError(f"{flag}: {e.detail}" if flag else str(e)) from None
     for flag in ("batch", "image_size", "layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
     _seq_range(args.seq)  # checked here with the other flags, before anything is built
     return options
+
+
+# The options the plan command sets from flags of other names (the rest are the option's own name).
+_FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
+          "strategy": "--strategy", "min_bytes": "--min-bytes"}
 
 
 def _number_or_text(text: str) -> Any:

@@ -12,7 +12,7 @@ from passes.cost_model import DeviceProfile
 from passes.planning import STRATEGIES, Budget, PlanOptions
 from passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD
 
-__all__ = ["OffloadConfig", "config_from_options", "parse_budget"]
+__all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]
 
 INNER_COMPILERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "warn")
@@ -25,9 +25,20 @@ BUDGET_FORMS = (
 )
 
 
+class OptionError(ValueError):
+    """A bad option. ``option``: the option's name (a field of :class:`OffloadConfig`); ``detail``: what
+    is wrong and what is accepted. The message is ``"<option>: <detail>"``, or ``detail`` alone where
+    it names the options itself (``named=True``). Callers that spell options otherwise (the CLI's
+    flags) build their own message from the fields."""
+
+    def __init__(self, option: str, detail: str, named: bool = False) -> None:
+        self.option, self.detail = option, detail
+        super().__init__(detail if named else f"{option}: {detail}")
+
+
 def parse_budget(value: Any) -> Budget | None:
-    """The budget a ``memory_budget`` value stands for; ValueError naming the accepted forms."""
-    bad = ValueError(f"memory_budget: got {value!r}; accepted: {BUDGET_FORMS}")
+    """The budget a ``memory_budget`` value stands for; :class:`OptionError` naming the accepted forms."""
+    bad = OptionError("memory_budget", f"got {value!r}; accepted: {BUDGET_FORMS}")
     if value is None:
         return None
     if isinstance(value, bool):
@@ -144,16 +155,18 @@ class OffloadConfig:
         _device_bytes("device_budget", self.device_budget)
         _device_bytes("reserved", self.reserved, allow_zero=True)
         if self.device_budget is not None and self.memory_budget is not None:
-            raise ValueError(f"memory_budget={self.memory_budget!r} and device_budget={self.device_budget!r}: give "
-                             "one; accepted: memory_budget (saved activations) or device_budget (the device peak)")
+            raise OptionError("memory_budget", f"memory_budget={self.memory_budget!r} and device_budget={self.device_budget!r}: give "
+                              "one; accepted: memory_budget (saved activations) or device_budget (the device peak)",
+                              named=True)
         if self.reserved and self.device_budget is None:
-            raise ValueError(f"reserved={self.reserved!r}: counts against device_budget, which is not given")
+            raise OptionError("reserved", f"reserved={self.reserved!r}: counts against device_budget, which is not given",
+                              named=True)
         if not isinstance(self.all_eligible, bool):
-            raise ValueError(f"all_eligible: got {self.all_eligible!r}; accepted: True or False")
+            raise OptionError("all_eligible", f"got {self.all_eligible!r}; accepted: True or False")
         if self.all_eligible and (self.memory_budget is not None or self.device_budget is not None):
-            raise ValueError(f"all_eligible=True with memory_budget={self.memory_budget!r}, device_budget="
-                             f"{self.device_budget!r}: a budget decides what moves; accepted: all_eligible=True "
-                             "with no budget, or a budget with all_eligible=False")
+            raise OptionError("all_eligible", f"all_eligible=True with memory_budget={self.memory_budget!r}, "
+                              f"device_budget={self.device_budget!r}: a budget decides what moves; accepted: "
+                              "all_eligible=True with no budget, or a budget with all_eligible=False", named=True)
         _check_int("min_bytes", self.min_bytes)
         if self.horizon != "auto":
             _check_int("horizon", self.horizon, also="or 'auto'")
@@ -163,19 +176,19 @@ class OffloadConfig:
         _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
         runs = self.runs_per_step
         if runs != "auto" and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
-            raise ValueError(f"runs_per_step: got {runs!r}; accepted: 'auto', or an int >= 1 (the number of "
+            raise OptionError("runs_per_step", f"got {runs!r}; accepted: 'auto', or an int >= 1 (the number of "
                              "layers one compiled graph serves)")
         if not isinstance(self.cross_graphs, bool):
-            raise ValueError(f"cross_graphs: got {self.cross_graphs!r}; accepted: True or False")
+            raise OptionError("cross_graphs", f"got {self.cross_graphs!r}; accepted: True or False")
         limit = self.solver_time_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
-            raise ValueError(f"solver_time_limit: got {limit!r}; accepted: a number of seconds > 0")
+            raise OptionError("solver_time_limit", f"got {limit!r}; accepted: a number of seconds > 0")
         if not isinstance(self.check_ranks, bool) and not _is_process_group(self.check_ranks):
-            raise ValueError(f"check_ranks: got {self.check_ranks!r}; accepted: True (every rank), False, or a "
+            raise OptionError("check_ranks", f"got {self.check_ranks!r}; accepted: True (every rank), False, or a "
                              "torch.distributed ProcessGroup (its ranks)")
         nodes = self.solver_node_limit
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"solver_node_limit: got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")
+            raise OptionError("solver_node_limit", f"got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")
         from fxoffload.profiles import resolve_profile
 
         resolve_profile(self.device_profile)
@@ -211,8 +224,8 @@ def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None
     except ValueError:
         budget = None
     if budget is None or budget.nbytes is None:
-        raise ValueError(f"{name}: got {value!r}; accepted: " + ("None, " if name == "device_budget" else "0, ")
-                         + accepted)
+        raise OptionError(name, f"got {value!r}; accepted: " + ("None, " if name == "device_budget" else "0, ")
+                          + accepted)
     return budget.nbytes
 
 
@@ -224,12 +237,12 @@ def _is_process_group(value: Any) -> bool:
 
 def _check_int(name: str, value: Any, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: got {value!r}; accepted: an int >= 0" + (f" {also}" if also else ""))
+        raise OptionError(name, f"got {value!r}; accepted: an int >= 0" + (f" {also}" if also else ""))
 
 
 def _check_choice(name: str, value: Any, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
-        raise ValueError(f"{name}: got {value!r}; accepted: {', '.join(map(repr, accepted))}")
+        raise OptionError(name, f"got {value!r}; accepted: {', '.join(map(repr, accepted))}")
 
 
 def config_from_options(options: Mapping[str, Any] | None) -> OffloadConfig:
@@ -238,5 +251,6 @@ def config_from_options(options: Mapping[str, Any] | None) -> OffloadConfig:
     known = [f.name for f in dataclasses.fields(OffloadConfig)]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"unknown fxoffload option(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(known)}")
+        raise OptionError(unknown[0], f"unknown fxoffload option(s) {', '.join(map(repr, unknown))}; accepted: "
+                          f"{', '.join(known)}", named=True)
     return OffloadConfig(**options)

@@ -127,10 +127,10 @@ def resolve_profile(spec: "str | DeviceProfile") -> DeviceProfile:
             return PROFILES[_from_cuda_name(torch.cuda.get_device_name())]
         return PROFILES[DEFAULT_PROFILE]
     if spec not in PROFILES:
-        raise ValueError(
-            f"device_profile: unknown profile {spec!r}; known: {', '.join(sorted(PROFILES))}, "
-            "'auto', or a fxoffload.DeviceProfile"
-        )
+        from fxoffload.config import OptionError
+
+        raise OptionError("device_profile", f"unknown profile {spec!r}; known: {', '.join(sorted(PROFILES))}, "
+                          "'auto', or a fxoffload.DeviceProfile")
     return PROFILES[spec]
 
 

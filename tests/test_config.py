@@ -151,3 +151,16 @@ def test_device_budget_less_reserved_is_what_the_planner_bounds():
     assert config.plan_options.device_bytes == (1 << 30) - 100 * (1 << 20)
     assert config.plan_options.budget is None
     assert OffloadConfig().plan_options.device_bytes is None
+
+
+@pytest.mark.parametrize("options, option, detail", [
+    ({"memory_budget": "lots"}, "memory_budget", "got 'lots'; accepted: None, a fraction"),
+    ({"min_bytes": -1}, "min_bytes", "got -1; accepted: an int >= 0"),
+    ({"device_profile": "tpu"}, "device_profile", "unknown profile 'tpu'; known: "),
+    ({"memory_budget": 0.5, "device_budget": "1GiB"}, "memory_budget", "memory_budget=0.5 and device_budget='1GiB'"),
+])
+def test_an_option_error_carries_the_option_and_what_is_wrong(options, option, detail):
+    with pytest.raises(fxoffload.OptionError) as raised:
+        fxoffload.offload_backend(**options)
+    assert raised.value.option == option and raised.value.detail.startswith(detail)
+    assert isinstance(raised.value, ValueError)  # what callers caught before
