@@ -13,6 +13,10 @@ from passes.planning import BudgetInfeasibleWarning
 from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
 
 BUDGETS = [0.1, 0.3, 0.5, 0.7]
+# Measured totals hold 8 bytes more than the memory model places, on both models, at every budget and
+# without offloading (a constant whose source is not identified yet; scalars made around the loss are
+# the likely ones): asserted exactly, so that an off-by-one lifetime or an unplaced copy shows.
+UNPLACED_BYTES = 8
 
 
 def build(name):
@@ -48,9 +52,9 @@ def test_budgets_hold_when_measured(name):
     expected = loss_and_grads(model, ids)
     base_plan, base, _ = compiled_run(model, ids, memory_budget=1.0)
     assert not base_plan.transfers and base.fxoffload_ops == 0
-    # The memory model predicts the unoffloaded step to within 10%.
-    assert abs(base_plan.total_peak_before - base.total_peak) <= 0.1 * base.total_peak
-    assert abs(base_plan.activation_peak_before - base.activation_peak) <= 0.1 * base.activation_peak
+    # The memory model predicts the unoffloaded step to the byte, but for UNPLACED_BYTES in the total.
+    assert base.total_peak - base_plan.total_peak_before == UNPLACED_BYTES
+    assert base_plan.activation_peak_before == base.activation_peak
     for budget in BUDGETS:
         # Offloading only: this test is about copies meeting budgets (strategy "auto" is
         # checked against measured memory in test_checkpointing).
@@ -61,8 +65,10 @@ def test_budgets_hold_when_measured(name):
         assert measured.fxoffload_ops == copy_ops(plan)  # the mode sees the compiled graphs' ops
         if plan.feasible:
             assert plan.activation_peak_after <= plan.budget_bytes
-            assert measured.activation_peak <= plan.budget_bytes, (budget, measured)
-        assert abs(plan.total_peak_after - measured.total_peak) <= 0.1 * measured.total_peak, (budget, plan, measured)
+            assert measured.activation_peak == plan.activation_peak_after, (budget, measured)  # to the byte
+        else:  # planned for the smallest peak: the model errs high there, never low
+            assert measured.activation_peak <= plan.activation_peak_after, (budget, measured)
+        assert measured.total_peak - plan.total_peak_after == UNPLACED_BYTES, (budget, plan, measured)
         assert measured.total_peak <= base.total_peak
         # Host memory to the byte: every host copy is alive when the forward ends (CPU engine, exact sizes).
         assert measured.host_peak == plan.host_bytes, (budget, measured.host_peak, plan.host_bytes)

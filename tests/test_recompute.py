@@ -12,6 +12,7 @@ import fxoffload
 from fxoffload import runtime
 from passes.simulator import simulate
 from tests.conftest import assert_same_step, loss_and_grads
+from tests.test_budget import UNPLACED_BYTES
 
 
 class GeluMLP(torch.nn.Module):
@@ -69,8 +70,10 @@ def test_recomputed_storages_leave_the_saved_tensors_and_are_rebuilt_before_thei
     assert decisions and all(d.reason.startswith("recomputed before") for d in decisions)
     if plan.feasible:
         assert measured.activation_peak <= plan.budget_bytes
+    assert measured.activation_peak == plan.activation_peak_after  # to the byte, recomputed storages included
     # The prediction of the total matches the measurement (chains' temporaries included).
-    assert abs(plan.total_peak_after - measured.total_peak) <= 0.1 * measured.total_peak
+    # To the byte but for the 8 bytes the model never places (tests/test_budget.py, UNPLACED_BYTES).
+    assert measured.total_peak - plan.total_peak_after == UNPLACED_BYTES, (plan.total_peak_after, measured.total_peak)
 
 
 def test_a_chain_reading_an_unsaved_bias_gets_it_as_a_new_backward_input():
