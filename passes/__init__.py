@@ -41,7 +41,8 @@ from passes.planning import (
 from passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.rewrite import rewrite_pair
 from passes.scheduling import (
-    AUTO, Placement, Schedule, place_candidates, recompute_costs, schedule_transfers, timeline_moves, transfer_costs,
+    AUTO_HORIZON, Placement, Schedule, place_candidates, recompute_costs, schedule_transfers, timeline_moves,
+    transfer_costs,
 )
 
 __all__ = [
@@ -121,7 +122,7 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     nbytes = {b: concrete(g[0].base_nbytes, b.meta["val"]) for b, g in candidates.items()}
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
-    costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO)
+    costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO_HORIZON)
     # A chain may read saved values, and graph inputs (saved for it if they were not).
     readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
     # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
@@ -138,7 +139,7 @@ def plan_analysed(analysis: _Analysis, *, options: PlanOptions, horizon: int | s
     a = analysis
     recomputes = {} if options.strategy == "offload" else a.recomputes
     plan = plan_offloads(a.interface, a.activations, a.timeline, a.moves, a.costs, options, policies, recomputes,
-                         queued=horizon == AUTO)
+                         queued=horizon == AUTO_HORIZON)
     watch.stamp("plan")
     schedule = schedule_transfers(plan, a.placements, horizon, timeline=a.timeline, times=list(a.times),
                                   profile=profile, cross_graphs=options.cross_graphs)

@@ -89,10 +89,10 @@ from passes.simulator import Copy, replay
 __all__ = [
     "Placement", "Schedule", "place_candidates", "schedule_transfers", "prefetch_index", "free_index",
     "recompute_costs",
-    "latest_starts", "issue_index", "bounded_start", "fifo_finish", "AUTO",
+    "latest_starts", "issue_index", "bounded_start", "fifo_finish", "AUTO_HORIZON",
 ]
 
-AUTO = "auto"
+AUTO_HORIZON = "auto"
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def place_candidates(
         birth = fw_pos[base]
         free = free_index(birth, last_use.get(storage_key(base), birth))
         consumer = min(bw_pos[u] for m in members for u in m.bw_node.users)
-        start = consumer if horizon == AUTO else prefetch_index(compute, consumer, horizon, first)
+        start = consumer if horizon == AUTO_HORIZON else prefetch_index(compute, consumer, horizon, first)
         placements[base] = Placement(
             transfer=-1,
             offload_after=base,
@@ -417,7 +417,7 @@ def schedule_transfers(
                            _room(held, moves, temporaries)) if cross_graphs else set()
     deferred = [k in deferred for k in range(len(chosen))]
     ahead: tuple[int, int, list[int]] | None = None
-    if horizon == AUTO:
+    if horizon == AUTO_HORIZON:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
         prefetches, ahead = _place_prefetches(timeline, chosen, _room(held, moves, temporaries), h2d, starts, pos,
