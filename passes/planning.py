@@ -697,6 +697,11 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         offloaded, recomputed = _split(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
     everything = _everything(items, conflicts)
+    if options.budget is None and not problem.device:
+        # No budget (the smallest peak is the limit): a solver that misses it (greedy, under conflicts)
+        # falls back on acting on every candidate, which reaches it by construction.
+        offloaded, recomputed = _split(owners, everything)
+        return _Choice(tuple(forced) + offloaded, recomputed, result.solver, False, math.nan)
     reached = curve_with(total, base, items, everything)
     smallest = int(reached.max(initial=0))
     worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
