@@ -256,6 +256,10 @@ def forward_invocation() -> Iterator[Invocation]:
     _reap()
     try:
         yield invocation
+    except BaseException:
+        if not outer:
+            _drop_invocation(invocation.index)
+        raise
     finally:
         _open.remove(invocation)
     _reap()
@@ -268,6 +272,22 @@ def forward_invocation() -> Iterator[Invocation]:
             _waiting.append(invocation)
             if len(_waiting) > _WAITING_KEPT:  # forwards whose backward never began: forget the oldest
                 del _waiting[: len(_waiting) - _WAITING_KEPT]
+
+
+def _drop_invocation(index: int) -> None:
+    """A forward invocation raised: complete its copies (so that nothing still reads their sources)
+    and forget them, with their sources; the waits that would have done so never run."""
+    with _registry_lock:
+        dropped = [t for t in _pending.values() if t.direction == "d2h" and t.invocation == index]
+        for transfer in dropped:
+            del _pending[transfer.key]
+            if transfer in _deferred:
+                _deferred.remove(transfer)
+    for transfer in dropped:
+        with contextlib.suppress(Exception):  # the step is failing already: its own error is the one to see
+            transfer.finish()
+        transfer.keep = ()
+    _event("dropped", index, len(dropped))
 
 
 def _complete_deferred_before(index: int) -> None:

@@ -195,3 +195,54 @@ def test_an_exception_in_the_middle_of_a_step_leaves_the_next_step_correct():
     assert runtime.pending_transfers() == 0  # no stale transfer in the CPU engine's registry
     with runtime.copy_delay(0.001):
         assert_same_step(expected, loss_and_grads(step, x))
+
+
+# An op that raises at run time when told to, traced into the compiled forward like any other: the
+# forward then raises after its first offloads have started (the graph's later ops never run).
+_TRIPPED = []
+
+
+@torch.library.custom_op("fxoffload_test::tripwire", mutates_args=())
+def tripwire(x: torch.Tensor) -> torch.Tensor:
+    if _TRIPPED:
+        raise Fails("raised inside the compiled forward")
+    return x.clone()
+
+
+@tripwire.register_fake
+def _tripwire_fake(x):
+    return torch.empty_like(x)
+
+
+tripwire.register_autograd(lambda ctx, grad: grad)
+
+
+class Tripwired(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        g = torch.tanh(self.b(h))  # h's offload is in flight here
+        g = tripwire(g)
+        return self.c(torch.tanh(g)).sum()
+
+
+def test_a_forward_that_raises_mid_graph_drops_its_transfers_and_the_next_step_is_exact():
+    torch.manual_seed(0)
+    model, x = Tripwired(), torch.randn(64, 16)
+    expected = loss_and_grads(model, x)
+    step, backend = compiled(model)
+    loss_and_grads(step, x)  # compiled, and one clean step
+    assert backend.records[0].plan.transfers
+    _TRIPPED.append(True)
+    try:
+        with runtime.copy_delay(0.001), pytest.raises(Fails):
+            step(x)
+    finally:
+        _TRIPPED.clear()
+    assert runtime.pending_transfers() == 0  # the raised forward's copies are completed and forgotten
+    with runtime.copy_delay(0.001):
+        assert_same_step(expected, loss_and_grads(step, x))
+    assert runtime.pending_transfers() == 0
