@@ -17,8 +17,8 @@ every rank when they differ. The gathered tensors are kept for the life of the
 process (24 bytes per rank and compile): a collective's work object, released
 by the backend's own thread, then never holds the last reference to a Python
 tensor, whose release would need the GIL there (``all_gather_object``'s
-temporaries did; one FSDP2 test run hung with a gloo thread waiting for the GIL
-while destroying an all-gather's work).
+temporaries could: one FSDP2 test run hung with a gloo thread waiting for the
+GIL while destroying an all-gather's work; which all-gather it was is not known).
 
 Limits: every rank of the group must compile the same graphs in the same
 order, as DDP and FSDP2 require. A rank that fails before the gather (an
