@@ -5,10 +5,11 @@ Hugging Face ``Trainer`` on a model compiled with ``backend="fxoffload"``
 data; the compiled run must match eager, equal plain ``torch.compile`` bit for bit, and hold less
 activation memory, measured.
 
-The tests run with one intra-op thread: with two, the last bits of this CPU's matmuls depend on
-where their buffers lie, and offloading moves buffers. Measured with two threads: runs of one plan
-(copies made synchronously, too) differ by up to 9e-5 in a weight after three AdamW steps; with one,
-every run equals plain compile exactly."""
+The tests run with one intra-op thread. Measured with two: runs of one fxoffload plan differ by up
+to 9e-5 in a weight after three AdamW steps, with the copies made synchronously too (so not a race
+of the copy threads), while plain compile's runs are identical; the cause is not found yet (buffer
+addresses reaching the matmuls' kernels is the suspect). With one thread every run equals plain
+compile exactly."""
 
 from __future__ import annotations
 
