@@ -132,7 +132,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-# The options the plan command sets from flags of other names (the rest are the option's own name).
+# The plan command's flag for each option it sets (an error about another option keeps its own name).
 _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
           "strategy": "--strategy", "min_bytes": "--min-bytes"}
 
@@ -453,9 +453,8 @@ def _step_report(invocations: list, options: dict) -> dict:
         "overhead": sim.overhead,
         "stall": sim.stall,
         "crossing_copies": sim.crossing,
-        # Every forward of the step runs before the backwards: each invocation's host copies are alive then.
-        "host_bytes": sum(r.plan.host_bytes for r in invocations),
-        "pinned_host_bytes": sum(r.plan.pinned_host_bytes for r in invocations),
+        "host_bytes": sim.host_bytes,
+        "pinned_host_bytes": sim.pinned_host_bytes,
     }
 
 

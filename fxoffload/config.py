@@ -155,12 +155,12 @@ class OffloadConfig:
         _device_bytes("device_budget", self.device_budget)
         _device_bytes("reserved", self.reserved, allow_zero=True)
         if self.device_budget is not None and self.memory_budget is not None:
-            raise OptionError("memory_budget", f"memory_budget={self.memory_budget!r} and device_budget={self.device_budget!r}: give "
-                              "one; accepted: memory_budget (saved activations) or device_budget (the device peak)",
-                              named=True)
+            raise OptionError("memory_budget", f"memory_budget={self.memory_budget!r} and device_budget="
+                              f"{self.device_budget!r}: give one; accepted: memory_budget (saved activations) or "
+                              "device_budget (the device peak)", named=True)
         if self.reserved and self.device_budget is None:
-            raise OptionError("reserved", f"reserved={self.reserved!r}: counts against device_budget, which is not given",
-                              named=True)
+            raise OptionError("reserved", f"reserved={self.reserved!r}: counts against device_budget, which is not "
+                              "given", named=True)
         if not isinstance(self.all_eligible, bool):
             raise OptionError("all_eligible", f"got {self.all_eligible!r}; accepted: True or False")
         if self.all_eligible and (self.memory_budget is not None or self.device_budget is not None):
@@ -177,7 +177,7 @@ class OffloadConfig:
         runs = self.runs_per_step
         if runs != "auto" and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
             raise OptionError("runs_per_step", f"got {runs!r}; accepted: 'auto', or an int >= 1 (the number of "
-                             "layers one compiled graph serves)")
+                              "layers one compiled graph serves)")
         if not isinstance(self.cross_graphs, bool):
             raise OptionError("cross_graphs", f"got {self.cross_graphs!r}; accepted: True or False")
         limit = self.solver_time_limit
@@ -185,7 +185,7 @@ class OffloadConfig:
             raise OptionError("solver_time_limit", f"got {limit!r}; accepted: a number of seconds > 0")
         if not isinstance(self.check_ranks, bool) and not _is_process_group(self.check_ranks):
             raise OptionError("check_ranks", f"got {self.check_ranks!r}; accepted: True (every rank), False, or a "
-                             "torch.distributed ProcessGroup (its ranks)")
+                              "torch.distributed ProcessGroup (its ranks)")
         nodes = self.solver_node_limit
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise OptionError("solver_node_limit", f"got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")

@@ -40,7 +40,7 @@ def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, 
     unit, scale = _unit(max(sim.peak, max((b for _, b in sim.baseline_memory), default=0)))
     clock = (1e3, "ms") if sim.step_time >= 1e-3 else (1e6, "us")
     _draw_memory(memory_ax, sim, record.plan.budget_bytes, (unit, scale), clock[0])
-    _note_host(memory_ax, [record])
+    _note_host(memory_ax, record.plan.host_bytes, record.plan.pinned_host_bytes)
     _draw_lanes(lanes_ax, sim, profile.duplex, clock[0])
     figure.suptitle(title or f"graph {record.index}: predicted on {profile.name} (simulated, not measured)")
     lanes_ax.set_xlabel(
@@ -73,7 +73,7 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
     _draw_memory(memory_ax, sim, budget, (unit, scale), clock[0])
     for at in sim.boundaries:  # where each run's forward or backward graph begins
         memory_ax.axvline(at * clock[0], color="black", linewidth=0.3, alpha=0.25)
-    _note_host(memory_ax, invocations)
+    _note_host(memory_ax, sim.host_bytes, sim.pinned_host_bytes)
     _draw_lanes(lanes_ax, sim, profile.duplex, clock[0])
     figure.suptitle(title or f"step of {sim.invocations} graph runs: predicted on {profile.name} "
                              "(simulated, not measured)")
@@ -86,11 +86,8 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
     return sim
 
 
-def _note_host(ax: Any, invocations: Sequence[Any]) -> None:
-    """The host memory the runs' copies hold when the last forward ends (``Plan.host_bytes``), and in
-    CUDA's pinned power-of-two blocks."""
-    host = sum(r.plan.host_bytes for r in invocations)
-    pinned = sum(r.plan.pinned_host_bytes for r in invocations)
+def _note_host(ax: Any, host: int, pinned: int) -> None:
+    """The host memory the copies hold when the (last) forward ends, and in CUDA's pinned blocks."""
     ax.text(0.99, 0.98, f"host memory when the forward ends: {format_bytes(host)} "
             f"({format_bytes(pinned)} pinned on CUDA)", transform=ax.transAxes, ha="right", va="top", fontsize=8)
 

@@ -62,6 +62,10 @@ class StepSimulation:
     ops: tuple[tuple[float, float], ...] = ()  # (start, seconds) per op, every run's forward then backward
     copies: tuple[SimulatedCopy, ...] = ()  # in issue order; ``name`` is "run j"
     boundaries: tuple[float, ...] = ()  # when each run's forward and each run's backward begins
+    # Host memory when the last forward ends, every run's copies alive then (``Plan.host_bytes``), and
+    # the same in CUDA's pinned power-of-two blocks (``Plan.pinned_host_bytes``).
+    host_bytes: int = 0
+    pinned_host_bytes: int = 0
 
     @property
     def overhead(self) -> float:
@@ -193,6 +197,8 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
                           end - c.copy.seconds, end, at, stall)
             for c, end, at, stall in zip(issued, run.finishes, run.waited_at, run.stalls)),
         boundaries=tuple(sorted(run.starts[q] for q in (*fw_off, *bw_off))),
+        host_bytes=sum(r.plan.host_bytes for r in invocations),
+        pinned_host_bytes=sum(r.plan.pinned_host_bytes for r in invocations),
     )
 
 

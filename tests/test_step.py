@@ -116,6 +116,8 @@ def test_planned_for_the_step_a_copy_that_would_raise_its_peak_stays_in_its_grap
     assert not any(p.deferred for p in records[8].schedule.placements)  # planned for the step: kept
     per_run, per_step = (simulate_step([records[r]] * 8) for r in (1, 8))
     assert per_run.activation_peak > per_step.activation_peak == records[8].plan.step_peak_after
+    # Every run's host copies are alive when the last forward ends.
+    assert per_step.host_bytes == 8 * records[8].plan.host_bytes > 0
 
 
 class LayerStack(torch.nn.Module):
