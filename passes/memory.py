@@ -51,7 +51,9 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from passes.analysis import SavedInterface, _aliased_input, symbol_sources, tensor_nbytes, tensor_storage_key
+from passes.analysis import (
+    SavedInterface, _aliased_input, is_anchored_compute, symbol_sources, tensor_nbytes, tensor_storage_key,
+)
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
            "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
@@ -109,11 +111,25 @@ class Timeline:
             object.__setattr__(self, "_pos", cache)
         return cache
 
+    @property
+    def anchored(self) -> tuple[bool, ...]:
+        """Whether each timeline position is an anchored compute op (computed once)."""
+        cache = self.__dict__.get("_anchored")
+        if cache is None:
+            cache = tuple(is_anchored_compute(n) for n in self.nodes)
+            object.__setattr__(self, "_anchored", cache)
+        return cache
+
     def forward_lifetime(self, node: fx.Node) -> Lifetime:
         """The lifetime of the storage a forward node's value lives in."""
-        key = tensor_storage_key(node.meta["val"])
-        forward_end = len(self.fw_nodes)
-        return next(lt for lt in self.lifetimes if lt.key == key and lt.birth < forward_end)
+        by_key = self.__dict__.get("_forward_by_key")
+        if by_key is None:  # the first forward lifetime of each storage, as a scan would find it
+            forward_end, by_key = len(self.fw_nodes), {}
+            for lifetime in self.lifetimes:
+                if lifetime.birth < forward_end:
+                    by_key.setdefault(lifetime.key, lifetime)
+            object.__setattr__(self, "_forward_by_key", by_key)
+        return by_key[tensor_storage_key(node.meta["val"])]
 
 
 def concrete(expr: Any, val: Any = None) -> int:

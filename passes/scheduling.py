@@ -569,7 +569,7 @@ def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, tim
     copies += [Copy(prefetches[k], pos[chosen[k].wait_before], h2d[k], "h2d") for k in order]
     run = replay(times, copies)
     backward_stall = {k: run.stalls[len(chosen) + j] for j, k in enumerate(order)}
-    compute = [is_anchored_compute(n) for n in nodes]
+    compute = timeline.anchored
     result = []
     for k, p in enumerate(chosen):
         consumer = pos[p.wait_before]

@@ -185,6 +185,7 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Soluti
     started = time.perf_counter()
     cur = _curve(length, base)
     clash = _conflicting(conflicts)
+    total_cost = [[option.cost + sum(w[2] for w in option.work) for option in options] for options in items]
     chosen: dict[int, int] = {}
     while cur.size and cur.max() > budget:
         t = int(cur.argmax())
@@ -195,10 +196,10 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Soluti
                 continue
             for o, option in enumerate(options):
                 saved = _saved_at(option, t)
-                if saved <= 0 or clash.get((i, o), set()) & taken:
+                blocked = clash.get((i, o))
+                if saved <= 0 or (blocked and not blocked.isdisjoint(taken)):
                     continue
-                cost = option.cost + sum(w[2] for w in option.work)
-                key = (cost / saved, -saved, i, o)
+                key = (total_cost[i][o] / saved, -saved, i, o)
                 if best_key is None or key < best_key:
                     best, best_key = (i, o), key
         if best is None:
@@ -206,7 +207,7 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Soluti
         chosen[best[0]] = best[1]
         _apply(cur, items[best[0]][best[1]])
     if cur.size and cur.max() <= budget:
-        by_cost = sorted(chosen.items(), key=lambda p: -(items[p[0]][p[1]].cost + sum(w[2] for w in items[p[0]][p[1]].work)))
+        by_cost = sorted(chosen.items(), key=lambda p: -total_cost[p[0]][p[1]])
         for i, o in by_cost:  # undo what is not needed
             _apply(cur, items[i][o], -1)
             if cur.max() <= budget:
