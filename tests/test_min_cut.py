@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
+from torch._functorch import partitioners
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
@@ -73,13 +74,14 @@ def test_boykov_kolmogorov_cuts_where_preflow_push_does_on_graphs_with_many_mini
 
 
 def test_the_context_restores_the_default_flow_and_the_collector_after_a_raise():
-    default = nx.algorithms.flow.maxflow.default_flow_func
+    default, solve = nx.algorithms.flow.maxflow.default_flow_func, partitioners.solve_min_cut
     assert gc.isenabled()
     with pytest.raises(RuntimeError), _quick_min_cut():
         assert not gc.isenabled()
         assert nx.algorithms.flow.maxflow.default_flow_func is nx.algorithms.flow.boykov_kolmogorov
         raise RuntimeError("inside")
     assert gc.isenabled() and nx.algorithms.flow.maxflow.default_flow_func is default
+    assert partitioners.solve_min_cut is solve
 
 
 def _joint_graph():
@@ -101,21 +103,21 @@ def _joint_graph():
 
 @pytest.mark.parametrize("budget", [1.0, 0.5, 0.1])
 def test_the_partitioner_makes_the_same_pair_under_the_quick_min_cut(budget):
-    """At budget 1 one min-cut runs; below it PyTorch's recompute-only search runs up to four."""
+    """As the backend runs it: the default partition, then (below budget 1, PyTorch's recompute-only
+    search: up to four solves) the partition at ``budget`` of the same joint graph, whose first
+    solve is the remembered one."""
     joint = _joint_graph()
 
-    def pair(quick: bool):
-        gm = copy.deepcopy(joint["gm"])
-        with functorch_config.patch(activation_memory_budget=budget), (_quick_min_cut() if quick else _nothing()):
+    def partition(gm, at):
+        with functorch_config.patch(activation_memory_budget=at):
             fw, bw = min_cut_rematerialization_partition(gm, joint["inputs"], **joint["kwargs"])
         return fw.code, bw.code
 
-    assert pair(quick=True) == pair(quick=False)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    plain = partition(copy.deepcopy(joint["gm"]), budget)
+    gm = copy.deepcopy(joint["gm"])
+    with _quick_min_cut():
+        memo = partitioners.solve_min_cut
+        partition(gm, 1.0)
+        quick = partition(gm, budget)
+    assert memo.hits == 1  # the second partition's default solve was the first one's
+    assert quick == plain
