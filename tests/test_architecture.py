@@ -1,0 +1,66 @@
+"""docs/architecture.md stays true to the code: its import table is every module's real imports."""
+
+import ast
+import re
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("passes", "fxoffload")
+
+
+def _module_name(path: Path) -> str:
+    package = path.parent.name
+    return package if path.stem == "__init__" else f"{package}.{path.stem}"
+
+
+def _imports(statements, known: set[str]) -> set[str]:
+    """Our modules named by ``import`` statements: ``from a import b`` counts as ``a.b`` when that is
+    a module of ours, else as ``a``."""
+    found = set()
+    for node in statements:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in PACKAGES:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                          for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
+    return found
+
+
+def actual_imports() -> dict[str, tuple[set[str], set[str]]]:
+    """Module -> (module-level imports, imports made only inside functions or classes)."""
+    files = {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).glob("*.py"))}
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        top = _imports(tree.body, set(files)) - {name}
+        every = _imports(ast.walk(tree), set(files)) - {name}
+        graph[name] = (top, every - top)
+    return graph
+
+
+def documented_imports() -> dict[str, tuple[set[str], set[str]]]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"```imports\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```imports block"
+    graph = {}
+    for line in block.group(1).strip().splitlines():
+        name, _, rest = line.partition(":")
+        top, _, lazy = rest.partition("; lazy:")
+        graph[name.strip()] = tuple({m.strip() for m in part.split(",") if m.strip()} for part in (top, lazy))
+    return graph
+
+
+def test_the_documented_import_table_is_the_code_s():
+    actual, documented = actual_imports(), documented_imports()
+    assert sorted(documented) == sorted(actual), "modules missing from, or extra in, docs/architecture.md"
+    wrong = {name: {"code": actual[name], "docs": documented[name]}
+             for name in actual if actual[name] != documented[name]}
+    assert not wrong, f"docs/architecture.md's imports differ from the code's: {wrong}"
+
+
+def test_module_level_imports_have_no_cycle():
+    graph = nx.DiGraph((name, dep) for name, (top, _) in actual_imports().items() for dep in top)
+    assert nx.is_directed_acyclic_graph(graph), next(iter(nx.simple_cycles(graph)))
