@@ -139,3 +139,28 @@ def test_elementwise_time_is_bytes_over_bandwidth_and_views_are_free():
 
 def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
     assert transfer_time(10**6, 1e9, 1e-5) == pytest.approx(1e-5 + 1e-3)
+
+
+def test_the_rewritten_backward_issues_prefetches_at_one_node_in_the_schedule_s_order():
+    """Where several prefetches start at one node, the scheduler orders them by consumer (the copy
+    engine serves them in issue order, so the first needed goes first); the rewrite must keep that
+    order rather than the plan's transfer order, which differs on this model."""
+    from tests.conftest import tiny_llama
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
+    model = tiny_llama()
+    torch.compile(model, backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
+    record = backend.records[0]
+    schedule, transfers = record.schedule, record.plan.transfers
+    starts: dict[str, list[int]] = {}  # prefetch node -> transfers prefetched there, in schedule order
+    for k in schedule.prefetch_order:
+        starts.setdefault(schedule.placements[k].prefetch_before.name, []).append(k)
+    shared = {node: ks for node, ks in starts.items() if len(ks) > 1}
+    assert any(ks != sorted(ks) for ks in shared.values()), "no node where the two orders differ: test is void"
+    # The host buffer each prefetch reads is the backward input named after its transfer's base.
+    transfer_of = {f"{t.base_name}_host": k for k, t in enumerate(transfers)}
+    issued = [transfer_of[n.args[0].name] for n in record.backward.graph.nodes
+              if n.op == "call_function" and n.target is torch.ops.fxoffload.prefetch.default]
+    for node, ks in shared.items():
+        assert [k for k in issued if k in ks] == ks, f"prefetches before {node}"
