@@ -98,3 +98,36 @@ def test_sizes_between_cover_every_integer_of_a_short_range_and_both_ends_of_a_l
     both = sizes_between({"b": (1, 4), "s": (10, 40)}, points=4)
     assert both[0] == {"b": 1, "s": 10} and both[-1] == {"b": 4, "s": 40}
     assert sizes_between({}) == []
+
+
+def test_the_logits_are_held_to_the_end_of_the_forward_predicted_and_measured():
+    """The logits a model hands back are its largest storage; the memory model holds every user
+    output until the forward returns. Here the step's peak is in the backward, so a model that let
+    the logits die at their last use inside the graph would still predict every peak: the curve at
+    the forward's end, measured, is what shows it (64 KiB short)."""
+    import fxoffload
+    from tests.conftest import tiny_llama
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1.0)
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, 32))
+    compiled = torch.compile(model, backend=backend)
+
+    def step(m, i):
+        loss = m(input_ids=i).logits.sum()
+        loss.backward()
+        return loss
+
+    step(compiled, ids)  # compiles
+    model.zero_grad(set_to_none=True)
+    measured = fxoffload.measure_peak(step, compiled, ids)
+    timeline = backend.records[0].timeline
+    logits = max(timeline.lifetimes, key=lambda lt: lt.nbytes)
+    forward_end = len(timeline.fw_nodes) - 1
+    assert logits.nbytes == 2 * 32 * 256 * 4 and logits.death == forward_end
+    predicted = curve(timeline.length, intervals(timeline, {}, residual_only=False))
+    # The last op before backward() is the loss's sum, outside the graph: its 4-byte result is the
+    # only storage the measurement holds beyond the compiled forward's.
+    at_return = measured.total_curve[measured.backward_started - 1] - 4
+    assert predicted[forward_end] == at_return
