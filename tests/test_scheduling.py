@@ -164,3 +164,24 @@ def test_the_rewritten_backward_issues_prefetches_at_one_node_in_the_schedule_s_
               if n.op == "call_function" and n.target is torch.ops.fxoffload.prefetch.default]
     for node, ks in shared.items():
         assert [k for k in issued if k in ks] == ks, f"prefetches before {node}"
+
+
+def test_every_prefetched_tensor_reaches_its_readers_only_through_its_wait():
+    """Structure of the rewritten backward: a prefetch's only user is its wait; the host buffer is
+    read only by its prefetch and, as the keepalive, its wait; and every wait has a reader. A rewrite
+    that let a consumer read the prefetch (or the host buffer) directly would race the copy."""
+    from passes.ops import PREFETCH, WAIT
+    from tests.conftest import tiny_llama
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
+    torch.compile(tiny_llama(), backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
+    record = backend.records[0]
+    prefetches = [n for n in record.backward.graph.nodes if n.op == "call_function" and n.target is PREFETCH]
+    assert len(prefetches) == len(record.plan.transfers) > 0
+    for prefetch in prefetches:
+        (wait,) = prefetch.users
+        host = prefetch.args[0]
+        assert wait.target is WAIT and wait.args == (prefetch, host)
+        assert host.op == "placeholder" and set(host.users) == {prefetch, wait}
+        assert wait.users, f"{wait.name} has no reader"
