@@ -3,7 +3,8 @@
 ``networkx.minimum_cut`` reads the cut off the residual network as the nodes that can still reach
 the sink. Every maximum flow (and preflow-push's maximum preflow) leaves that same set, so
 Boykov-Kolmogorov must cut where the default preflow-push does. These tests check it on graphs
-with many minimum cuts, where a solver that picked another one would be caught.
+with many minimum cuts, where a solver that picked another one would be caught, and check that the
+partitioner, with its solves remembered across its two runs, makes the pair it makes without.
 """
 
 import copy
