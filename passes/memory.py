@@ -44,6 +44,7 @@ FX graphs is what this predicts.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -102,34 +103,28 @@ class Timeline:
     def nodes(self) -> tuple[fx.Node, ...]:
         return self.fw_nodes + self.bw_nodes
 
-    @property
+    # Derived once per timeline (cached_property writes the instance dict, which a frozen dataclass allows).
+    @functools.cached_property
     def positions(self) -> dict[fx.Node, int]:
-        """Timeline position of every node of the pair (computed once)."""
-        cache = self.__dict__.get("_pos")
-        if cache is None:
-            cache = {n: i for i, n in enumerate(self.nodes)}
-            object.__setattr__(self, "_pos", cache)
-        return cache
+        """Timeline position of every node of the pair."""
+        return {n: i for i, n in enumerate(self.nodes)}
 
-    @property
+    @functools.cached_property
     def anchored(self) -> tuple[bool, ...]:
-        """Whether each timeline position is an anchored compute op (computed once)."""
-        cache = self.__dict__.get("_anchored")
-        if cache is None:
-            cache = tuple(is_anchored_compute(n) for n in self.nodes)
-            object.__setattr__(self, "_anchored", cache)
-        return cache
+        """Whether each timeline position is an anchored compute op."""
+        return tuple(is_anchored_compute(n) for n in self.nodes)
+
+    @functools.cached_property
+    def _forward_by_key(self) -> dict[int, Lifetime]:
+        forward_end, by_key = len(self.fw_nodes), {}
+        for lifetime in self.lifetimes:  # the first forward lifetime of each storage
+            if lifetime.birth < forward_end:
+                by_key.setdefault(lifetime.key, lifetime)
+        return by_key
 
     def forward_lifetime(self, node: fx.Node) -> Lifetime:
         """The lifetime of the storage a forward node's value lives in."""
-        by_key = self.__dict__.get("_forward_by_key")
-        if by_key is None:  # the first forward lifetime of each storage, as a scan would find it
-            forward_end, by_key = len(self.fw_nodes), {}
-            for lifetime in self.lifetimes:
-                if lifetime.birth < forward_end:
-                    by_key.setdefault(lifetime.key, lifetime)
-            object.__setattr__(self, "_forward_by_key", by_key)
-        return by_key[tensor_storage_key(node.meta["val"])]
+        return self._forward_by_key[tensor_storage_key(node.meta["val"])]
 
 
 def concrete(expr: Any, val: Any = None) -> int:

@@ -82,6 +82,20 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(scope="session")
+def offloaded_llama_record():
+    """The record of a tiny Llama's forward and backward with every eligible activation offloaded
+    (eager inner compiler, no size floor): the rewritten graphs, the plan and the schedule. Shared:
+    tests only read it."""
+    import fxoffload
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
+    torch.compile(tiny_llama(), backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
+    fxoffload.runtime.reset()
+    return backend.records[0]
+
+
 class CausalLMLoss(torch.nn.Module):
     """A causal LM and its next-token loss in one module, so that dynamo makes one graph of both
     (GPT-2's own loss path breaks the graph in two)."""

@@ -1,23 +1,16 @@
 """Ordering edges for Inductor (``fxoffload.ordering``), checked on graphs without compiling them (fast)."""
 
-import torch
-
-import fxoffload
 from fxoffload.ordering import _ordering_edges
 from passes.analysis import is_anchored_compute, storage_key
 from passes.ops import RELEASES
-from tests.conftest import tiny_llama
 
 
-def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees():
+def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees(offloaded_llama_record):
     """Fast (no Inductor compile): on the rewritten forward of a small Llama, each ``wait``/``defer``
     gets an ordering edge from every earlier compute op that reads its storage through any alias,
     not only from the op just before it. Inductor may fuse or move a reader later; without the edge
     the device copy could be freed under it."""
-    torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
-    torch.compile(tiny_llama(), backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
-    graph = backend.records[0].forward.graph
+    graph = offloaded_llama_record.forward.graph
     edges = _ordering_edges(graph)
     seen, several = [], 0
     for node in graph.nodes:

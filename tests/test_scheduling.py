@@ -141,17 +141,11 @@ def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
     assert transfer_time(10**6, 1e9, 1e-5) == pytest.approx(1e-5 + 1e-3)
 
 
-def test_the_rewritten_backward_issues_prefetches_at_one_node_in_the_schedule_s_order():
+def test_the_rewritten_backward_issues_prefetches_at_one_node_in_the_schedule_s_order(offloaded_llama_record):
     """Where several prefetches start at one node, the scheduler orders them by consumer (the copy
     engine serves them in issue order, so the first needed goes first); the rewrite must keep that
     order rather than the plan's transfer order, which differs on this model."""
-    from tests.conftest import tiny_llama
-
-    torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
-    model = tiny_llama()
-    torch.compile(model, backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
-    record = backend.records[0]
+    record = offloaded_llama_record
     schedule, transfers = record.schedule, record.plan.transfers
     starts: dict[str, list[int]] = {}  # prefetch node -> transfers prefetched there, in schedule order
     for k in schedule.prefetch_order:
@@ -166,17 +160,13 @@ def test_the_rewritten_backward_issues_prefetches_at_one_node_in_the_schedule_s_
         assert [k for k in issued if k in ks] == ks, f"prefetches before {node}"
 
 
-def test_every_prefetched_tensor_reaches_its_readers_only_through_its_wait():
+def test_every_prefetched_tensor_reaches_its_readers_only_through_its_wait(offloaded_llama_record):
     """Structure of the rewritten backward: a prefetch's only user is its wait; the host buffer is
     read only by its prefetch and, as the keepalive, its wait; and every wait has a reader. A rewrite
     that let a consumer read the prefetch (or the host buffer) directly would race the copy."""
     from passes.ops import PREFETCH, WAIT
-    from tests.conftest import tiny_llama
 
-    torch.manual_seed(0)
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
-    torch.compile(tiny_llama(), backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
-    record = backend.records[0]
+    record = offloaded_llama_record
     prefetches = [n for n in record.backward.graph.nodes if n.op == "call_function" and n.target is PREFETCH]
     assert len(prefetches) == len(record.plan.transfers) > 0
     for prefetch in prefetches:
