@@ -17,6 +17,8 @@ Protocol (the rewrite emits exactly these pairs)::
   source of every copy is kept alive by the transfer record (and, in the graph,
   by the ``keepalive`` argument of ``wait``) until the compute stream has waited
   for the copy's event, after which freeing it is ordered after the copy.
+  The tests run it on CPU over ``tests/fake_cuda.py``, a fake of the stream and
+  event API that flags a storage dying before compute waited for its copy.
 * CPU engine: the same protocol with real asynchrony. Each direction has one
   background worker thread; ``offload``/``prefetch`` submit the copy and
   ``wait`` joins it. Destinations are poisoned (NaN for floating dtypes) before
@@ -76,14 +78,15 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from passes.ops import LIB as _lib
 
 __all__ = [
-    "Invocation", "backward_begins", "copy_delay", "forward_invocation", "pending_transfers", "reset", "trace",
+    "CpuEngine", "CudaEngine", "Invocation", "backward_begins", "copy_delay", "forward_invocation",
+    "pending_transfers", "reset", "trace", "use_engine",
 ]
 
 
@@ -395,39 +398,49 @@ class CpuEngine:
 class CudaEngine:
     """One copy stream per direction and device; completion by CUDA events.
 
-    Written against the CUDA stream/event API; this project's CI has no GPU, so
-    this class is exercised only where CUDA is present (see README, limits).
+    Written against the CUDA stream/event API: ``streams`` is the slice of
+    ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``).
+    This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
+    fake of that API on CPU tensors, with ``pin_memory=False`` (pinning raises on a
+    CPU-only build).
     """
 
-    def __init__(self) -> None:
-        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+    def __init__(self, streams: Any = None, pin_memory: bool = True) -> None:
+        self._api = streams
+        self._pin_memory = pin_memory
+        self._streams: dict[tuple[torch.device, str], Any] = {}
 
-    def _stream(self, device: torch.device, direction: str) -> "torch.cuda.Stream":
+    @property
+    def api(self) -> Any:
+        return self._api if self._api is not None else torch.cuda  # looked up late: import needs no CUDA
+
+    def _stream(self, device: torch.device, direction: str) -> Any:
         key = (device, direction)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=device)
+            self._streams[key] = self.api.Stream(device=device)
         return self._streams[key]
 
     def _copy(self, direction: str, device: torch.device, dst, src, invocation: int | None) -> _Transfer:
-        compute = torch.cuda.current_stream(device)
+        api = self.api
+        compute = api.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
         # read, by kernels queued on the compute stream: start after them.
         stream.wait_stream(compute)
-        event = torch.cuda.Event()
-        with torch.cuda.stream(stream):
+        event = api.Event()
+        with api.stream(stream):
             dst.copy_(src, non_blocking=True)
             event.record(stream)
 
         def finish() -> None:
-            torch.cuda.current_stream(device).wait_event(event)
+            api.current_stream(device).wait_event(event)
 
         # ``event.query()`` is true once the copy has run on the device: a deferred source
         # may then be freed without ordering compute after the event.
         return _Transfer(finish, (src, dst), direction, event.query, invocation=invocation)
 
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
-        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=self._pin_memory)
         _register(host, self._copy("d2h", x.device, host, x, invocation))
         return host
 
@@ -443,14 +456,31 @@ _cpu_engine = CpuEngine()
 _cuda_engine = CudaEngine()
 
 
+_engines: dict[str, CpuEngine | CudaEngine] = {"cuda": _cuda_engine, "cpu": _cpu_engine}
+
+
 def _engine_for(device: torch.device):
-    if device.type == "cuda":
-        return _cuda_engine
-    if device.type == "cpu":
-        return _cpu_engine
-    raise NotImplementedError(
-        f"fxoffload: no copy engine for device type {device.type!r}; supported: 'cuda', 'cpu'"
-    )
+    engine = _engines.get(device.type)
+    if engine is None:
+        raise NotImplementedError(
+            f"fxoffload: no copy engine for device type {device.type!r}; supported: 'cuda', 'cpu'"
+        )
+    return engine
+
+
+@contextlib.contextmanager
+def use_engine(device_type: str, engine: CpuEngine | CudaEngine) -> Iterator[None]:
+    """Copy tensors of ``device_type`` with ``engine`` inside the block (the tests run the
+    CUDA engine on CPU tensors, over a fake of the stream API). Transfers still pending when
+    the block ends are completed and forgotten, as by :func:`reset`."""
+    if device_type not in _engines:
+        raise ValueError(f"fxoffload: no copy engine for device type {device_type!r}; supported: 'cuda', 'cpu'")
+    previous, _engines[device_type] = _engines[device_type], engine
+    try:
+        yield
+    finally:
+        reset()
+        _engines[device_type] = previous
 
 
 @contextlib.contextmanager

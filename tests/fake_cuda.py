@@ -1,0 +1,227 @@
+"""A fake of the CUDA stream and event API on CPU tensors, to run ``runtime.CudaEngine`` without a GPU.
+
+It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Event``,
+``current_stream``, ``stream``) and models what makes a GPU copy go wrong:
+
+* **The compute stream runs at once.** Outside ``stream(side)`` the current stream is the
+  compute stream of the device, and the ops issued there are plain eager CPU ops.
+* **A side stream is a queue.** A ``Tensor.copy_`` issued inside ``with fake.stream(side)``
+  is queued, not run. Its destination is filled with poison (NaN, or the dtype's minimum) at
+  once: its contents are undefined until the copy runs, so a reader that skipped its wait
+  reads poison, as it would read a recycled block on a GPU.
+* **Events mark queue positions.** ``event.record(side)`` marks the side queue's end;
+  ``compute.wait_event(event)`` runs that queue up to the mark (compute now comes after
+  those copies); ``event.synchronize()`` does the same. ``event.query()`` reports whether the
+  copies up to the mark have run; with ``complete_on_query=True`` (a link that keeps up) it
+  runs them first and says True, so both answers a real GPU can give are exercised.
+* **The caching allocator's rule.** The queue holds only weak references to the storages
+  its copies use, as a GPU's stream holds no reference at all. A storage that dies while a
+  copy using it has not run, that is before compute waited on an event recorded after the
+  copy (or the host saw the event complete), is a violation: on a GPU the allocator could
+  hand that block to the next kernel while the copy still reads or writes it. Violations are
+  collected in ``fake.violations`` (a weak-reference callback cannot raise); a queued copy
+  whose storage died is skipped when its turn comes.
+
+Not modelled: copies that run concurrently with compute (here they run when waited for,
+the latest a GPU could run them), kernels other than ``copy_`` on side streams (they run at
+once), more than one device, and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(math.nan)
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+@dataclass(frozen=True)
+class _View:
+    """A tensor by weak reference to its storage, rebuilt when its copy runs."""
+
+    storage: weakref.ref
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    def tensor(self) -> torch.Tensor | None:
+        storage = self.storage()
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+@dataclass(eq=False)
+class _Copy:
+    dst: _View
+    src: _View
+    stream: "FakeStream"
+    number: int  # the fake's count of copies queued, from 0
+    ran: bool = False
+
+
+@dataclass(eq=False)
+class FakeStream:
+    fake: "FakeCuda"
+    device: torch.device
+    compute: bool = False
+    queue: list[_Copy | None] = field(default_factory=list)  # every copy queued, in order; None once run
+    done: int = 0  # the copies before this index have run (a stream runs in order)
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.fake._check(other)
+        if not other.compute:  # the compute stream has nothing pending: its ops ran when issued
+            self.fake._run(other, len(other.queue))
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        event.synchronize()
+
+
+class FakeEvent:
+    def __init__(self, fake: "FakeCuda") -> None:
+        self.fake = fake
+        self.stream: FakeStream | None = None
+        self.mark = 0
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream if stream is not None else self.fake._current
+        self.fake._check(stream)
+        self.stream, self.mark = stream, len(stream.queue)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.fake._run(self.stream, self.mark)
+
+    def query(self) -> bool:
+        if self.stream is None:
+            return True
+        if self.fake.complete_on_query:
+            self.synchronize()
+        return self.mark <= self.stream.done
+
+
+class _QueueCopies(TorchFunctionMode):
+    """Inside ``stream(side)``: ``copy_`` is queued on the side stream instead of run."""
+
+    def __init__(self, fake: "FakeCuda", stream: FakeStream) -> None:
+        super().__init__()
+        self.fake, self.stream = fake, stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            dst, src = args[0], args[1]
+            self.fake._queue(self.stream, dst, src)
+            return dst
+        return func(*args, **kwargs)
+
+
+class FakeCuda:
+    """The fake API; pass it as ``CudaEngine(streams=fake, pin_memory=False)``."""
+
+    def __init__(self, complete_on_query: bool = False) -> None:
+        self.complete_on_query = complete_on_query
+        self.violations: list[str] = []
+        self.copies_queued = 0
+        self.copies_run = 0
+        self._compute: dict[torch.device, FakeStream] = {}
+        self._side: list[FakeStream] = []
+        self._current: FakeStream | None = None
+        self._watches: dict[int, weakref.ref] = {}  # keeps the weak references (and their callbacks) alive
+
+    # ----------------------------------------------------------------- the torch.cuda slice
+
+    def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 (torch.cuda's name)
+        stream = FakeStream(self, torch.device(device or "cpu"))
+        self._side.append(stream)
+        return stream
+
+    def Event(self) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
+        return FakeEvent(self)
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        if self._current is not None:
+            return self._current
+        return self._compute_of(torch.device(device or "cpu"))
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        previous, self._current = self._current, stream
+        try:
+            if stream.compute:
+                yield
+            else:
+                with _QueueCopies(self, stream):
+                    yield
+        finally:
+            self._current = previous
+
+    # ----------------------------------------------------------------- for tests
+
+    def pending(self) -> int:
+        """Copies queued and not run yet."""
+        return sum(len(s.queue) - s.done for s in self._side)
+
+    def synchronize(self) -> None:
+        """Run every queued copy (``torch.cuda.synchronize``)."""
+        for stream in self._side:
+            self._run(stream, len(stream.queue))
+
+    # ----------------------------------------------------------------- the model
+
+    def _compute_of(self, device: torch.device) -> FakeStream:
+        if device not in self._compute:
+            self._compute[device] = FakeStream(self, device, compute=True)
+        return self._compute[device]
+
+    def _check(self, stream: Any) -> None:
+        if not isinstance(stream, FakeStream) or stream.fake is not self:
+            raise TypeError(f"fake_cuda: expected a stream of this fake, got {stream!r}")
+
+    def _queue(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        copy = _Copy(self._view(dst), self._view(src), stream, self.copies_queued)
+        self.copies_queued += 1
+        with torch._C.DisableTorchFunction():
+            poison(dst)  # undefined until the copy runs
+        for role, t in (("destination", dst), ("source", src)):
+            self._watch(t.untyped_storage(), copy, role)
+        stream.queue.append(copy)
+
+    def _view(self, t: torch.Tensor) -> _View:
+        return _View(weakref.ref(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _watch(self, storage: torch.UntypedStorage, copy: _Copy, role: str) -> None:
+        def died(ref: weakref.ref) -> None:
+            del self._watches[id(ref)]
+            if not copy.ran:
+                self.violations.append(
+                    f"copy {copy.number}: its {role}'s storage died before compute waited for the copy")
+
+        ref = weakref.ref(storage, died)
+        self._watches[id(ref)] = ref
+
+    def _run(self, stream: FakeStream, mark: int) -> None:
+        while stream.done < mark:
+            copy = stream.queue[stream.done]
+            assert copy is not None
+            stream.done += 1
+            copy.ran = True
+            with torch._C.DisableTorchFunction():
+                dst, src = copy.dst.tensor(), copy.src.tensor()
+                if dst is None or src is None:
+                    continue  # the violation was recorded when the storage died
+                dst.copy_(src)
+            self.copies_run += 1
+            stream.queue[stream.done - 1] = None  # nothing left to hold

@@ -1,0 +1,185 @@
+"""The real ``runtime.CudaEngine`` run end to end on CPU, over a fake of the CUDA stream/event API.
+
+``tests/fake_cuda.py`` queues side-stream copies until compute waits for their event, poisons
+their destinations meanwhile, and flags any storage that dies before compute waited for a copy
+using it (the caching allocator's rule). Loss and gradients are compared with eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from tests.conftest import MODELS, assert_same_step, lm_step
+from tests.fake_cuda import FakeCuda
+from tests.test_cross_graphs import per_layer_llama, returned_in_flight, started_before_own_backward
+
+ops = torch.ops.fxoffload
+CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def cuda_engine_on_cpu(engine_class=runtime.CudaEngine, complete_on_query=False):
+    """CPU tensors copied by ``engine_class`` (the CUDA engine) over a fresh fake; yields the fake."""
+    fake = FakeCuda(complete_on_query=complete_on_query)
+    with runtime.use_engine("cpu", engine_class(streams=fake, pin_memory=False)):
+        yield fake
+
+
+def same_step(expected, actual) -> bool:
+    try:
+        assert_same_step(expected, actual)
+    except AssertionError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- the fake itself
+
+
+def test_the_fake_runs_a_side_stream_copy_only_when_compute_waits_for_its_event():
+    fake = FakeCuda()
+    side, compute = fake.Stream(CPU), fake.current_stream(CPU)
+    src, dst = torch.arange(6.0), torch.zeros(6)
+    event = fake.Event()
+    with fake.stream(side):
+        dst.copy_(src, non_blocking=True)
+        event.record(side)
+    assert torch.isnan(dst).all() and not event.query() and fake.pending() == 1
+    compute.wait_event(event)
+    assert torch.equal(dst, src) and event.query() and fake.pending() == 0 and fake.violations == []
+
+
+@pytest.mark.parametrize("wait_first", [True, False])
+def test_the_fake_flags_a_storage_that_dies_before_compute_waited_for_its_copy(wait_first):
+    fake = FakeCuda()
+    side = fake.Stream(CPU)
+    src, dst = torch.randn(64), torch.empty(64)
+    event = fake.Event()
+    with fake.stream(side):
+        dst.copy_(src, non_blocking=True)
+        event.record(side)
+    if wait_first:
+        fake.current_stream(CPU).wait_event(event)
+    del src
+    assert (fake.violations == []) == wait_first, fake.violations
+
+
+def test_a_query_completes_the_copy_only_when_the_fake_is_told_the_link_keeps_up():
+    for complete_on_query in (False, True):
+        fake = FakeCuda(complete_on_query=complete_on_query)
+        side, src, dst, event = fake.Stream(CPU), torch.ones(4), torch.empty(4), fake.Event()
+        with fake.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event.record(side)
+        assert event.query() == complete_on_query
+        assert torch.equal(dst, src) == complete_on_query
+
+
+# --------------------------------------------------------------------------- the engine's ops
+
+
+def test_round_trip_through_the_cuda_engine_over_the_fake():
+    with cuda_engine_on_cpu() as fake:
+        x = torch.randn(8, 16)[:, ::2]  # not contiguous: the destinations keep the layout asked for
+        host = ops.wait(ops.offload(x), x)
+        dev = ops.wait(ops.prefetch(host, CPU, list(x.shape), list(x.stride())), host)
+        assert torch.equal(dev, x) and dev.stride() == x.stride()
+        assert runtime.pending_transfers() == 0 and fake.pending() == 0
+    assert fake.copies_run == 2 and fake.violations == []
+
+
+def test_reading_a_prefetch_before_its_wait_reads_poison_under_the_fake():
+    with cuda_engine_on_cpu():
+        x = torch.randn(32)
+        host = ops.wait(ops.offload(x), x)
+        dev = ops.prefetch(host, CPU, [32], [1])
+        assert torch.isnan(dev).all()  # the copy has not run: compute never waited for it
+        assert torch.equal(ops.wait(dev, host), x)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+class SourceDroppedEarly(runtime.CudaEngine):
+    """Broken on purpose: a transfer lets go of its source when issued, not when compute waited."""
+
+    def _copy(self, direction, device, dst, src, invocation):
+        return dataclasses.replace(super()._copy(direction, device, dst, src, invocation), keep=(dst,))
+
+
+class WaitSkipped(runtime.CudaEngine):
+    """Broken on purpose: ``wait`` does not order compute after the copy's event."""
+
+    def _copy(self, direction, device, dst, src, invocation):
+        return dataclasses.replace(super()._copy(direction, device, dst, src, invocation), finish=lambda: None)
+
+
+def whole_model_steps(engine_class, inner="eager", complete_on_query=False, steps=2):
+    torch.manual_seed(0)
+    model = MODELS["llama"]().train()
+    ids = torch.randint(0, 256, (2, 32))
+    expected = lm_step(model, ids)
+    backend = fxoffload.offload_backend(min_bytes=0, inner=inner)
+    compiled = torch.compile(model, backend=backend)
+    with cuda_engine_on_cpu(engine_class, complete_on_query) as fake:
+        matched = [same_step(expected, lm_step(compiled, ids)) for _ in range(steps)]
+        left = runtime.pending_transfers(), fake.pending()
+    return fake, matched, left, backend
+
+
+@pytest.mark.parametrize("inner, complete_on_query", [
+    ("eager", False), ("eager", True), pytest.param("inductor", False, marks=pytest.mark.slow),
+])
+def test_whole_model_through_the_cuda_engine_matches_eager(inner, complete_on_query):
+    fake, matched, left, backend = whole_model_steps(runtime.CudaEngine, inner, complete_on_query)
+    assert matched == [True, True]
+    assert fake.violations == [] and left == (0, 0)
+    transfers = len(backend.records[0].plan.transfers)
+    assert transfers >= 10 and fake.copies_run == 2 * 2 * transfers  # both directions, both steps
+
+
+@pytest.mark.parametrize("broken", [SourceDroppedEarly, WaitSkipped])
+def test_a_broken_cuda_engine_is_caught_by_the_fake(broken):
+    fake, matched, _, _ = whole_model_steps(broken, steps=1)
+    runtime.reset()
+    if broken is SourceDroppedEarly:  # the graph's keepalive holds each source until its wait
+        assert matched == [True] and fake.violations == []
+    else:  # sources die at their wait with the copy still queued; the backward reads poison
+        assert fake.violations and matched == [False]
+
+
+def per_layer_steps(engine_class, inner="eager", complete_on_query=False, steps=2):
+    eager, model, backend = per_layer_llama(inner=inner, cross_graphs=True, runs_per_step=1)
+    ids = torch.randint(0, 256, (2, 32))
+    expected = lm_step(eager, ids)
+    with cuda_engine_on_cpu(engine_class, complete_on_query) as fake, runtime.trace() as events:
+        matched = [same_step(expected, lm_step(model, ids)) for _ in range(steps)]
+        left = runtime.pending_transfers(), fake.pending()
+    last_step = max(i for i, e in enumerate(events) if e == ("forward_begin", 0))
+    return fake, matched, left, backend, events[last_step:]
+
+
+@pytest.mark.parametrize("inner, complete_on_query", [
+    ("eager", False), ("eager", True), pytest.param("inductor", False, marks=pytest.mark.slow),
+])
+def test_per_layer_copies_crossing_graphs_through_the_cuda_engine_match_eager(inner, complete_on_query):
+    fake, matched, left, backend, events = per_layer_steps(runtime.CudaEngine, inner, complete_on_query)
+    assert matched == [True, True]
+    assert fake.violations == [] and left == (0, 0)
+    assert any(p.deferred for r in backend.records for p in r.schedule.placements)
+    assert started_before_own_backward(events) == list(range(7)), events
+    # A copy not yet run is in flight when its forward returns; one the link kept up with is not.
+    assert bool(returned_in_flight(events)) != complete_on_query, events
+
+
+def test_a_cuda_engine_that_drops_a_deferred_source_early_is_caught_by_the_fake():
+    fake, matched, _, _, _ = per_layer_steps(SourceDroppedEarly, steps=1)
+    runtime.reset()
+    assert any("source's storage died" in v for v in fake.violations), fake.violations
+    assert matched == [False]  # the copy of a dead source never ran: its host buffer is poison
