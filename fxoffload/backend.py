@@ -280,16 +280,31 @@ class _Compilation:
     def eager(self, is_backward: bool) -> Callable:
         def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
             self.capture(gm, is_backward)
-            return _eager_compile(gm, example_inputs)
+            compiled = _eager_compile(gm, example_inputs)
+            return _dropping_copies_on_raise(compiled) if is_backward else compiled
 
         return compile_graph
 
     def inductor_inner(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx_inner
 
+        is_backward = kwargs.get("is_backward", False)
         if not kwargs.get("is_inference", False):
-            self.capture(gm, kwargs.get("is_backward", False))
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+            self.capture(gm, is_backward)
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        return _dropping_copies_on_raise(compiled) if is_backward else compiled
+
+
+def _dropping_copies_on_raise(compiled: Callable) -> Callable:
+    """A boxed backward that, when it raises, drops the copies it left in flight
+    (:func:`fxoffload.runtime.backward_graph`); forwards are run inside ``forward_invocation``."""
+
+    def run(args: list) -> Any:
+        with fxoffload.runtime.backward_graph():
+            return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 class OffloadBackend:

@@ -37,8 +37,14 @@ Dropping references can never free memory an alias still uses.
 Every transfer is registered by the data pointer of the tensor ``offload`` or
 ``prefetch`` returned; ``wait`` pops it. Protocol errors raise
 ``RuntimeError``: a ``wait`` with no pending transfer, and a ``prefetch`` of a
-host buffer whose offload was never waited (or deferred). A record left behind
-by a step that raised is completed and replaced when its address is reused;
+host buffer whose offload was never waited (or deferred).
+
+A compiled graph that raises drops what it started: the backend runs each
+forward inside :func:`forward_invocation` and each backward inside
+:func:`backward_graph`, and on a raise the copies the graph registered are
+completed (nothing reads or writes their buffers any more) and forgotten,
+with their buffers. A record left behind otherwise (ops called outside a
+compiled graph) is completed and replaced when its address is reused;
 :func:`reset` drains all of them.
 
 Copies that cross graph boundaries (one compiled graph per layer). The backend
@@ -61,8 +67,9 @@ them in) until its backward begins.
   not begun: the backward that runs next. Its graph's own ``prefetch`` of such
   a host returns the copy in flight (if the layout matches; otherwise it
   copies again), and its ``wait`` waits for it as usual. Copies started ahead
-  and never claimed (a step that raised) are completed and dropped when the
-  next forward outside a backward begins, or by :func:`reset`.
+  and never claimed (a step that raised) are completed and dropped when a
+  compiled backward raises, else when the next forward outside a backward
+  begins, or by :func:`reset`.
 
 :func:`trace` records these events (forward and backward boundaries, copies
 issued and landed, per invocation) for tests and debugging.
@@ -85,8 +92,8 @@ import torch
 from passes.ops import LIB as _lib
 
 __all__ = [
-    "CpuEngine", "CudaEngine", "Invocation", "backward_begins", "copy_delay", "forward_invocation",
-    "pending_transfers", "reset", "trace", "use_engine",
+    "CpuEngine", "CudaEngine", "Invocation", "backward_begins", "backward_graph", "copy_delay",
+    "forward_invocation", "pending_transfers", "reset", "trace", "use_engine",
 ]
 
 
@@ -102,10 +109,12 @@ class _Transfer:
     deferred: bool = False  # a d2h copy the forward returned without waiting for
     invocation: int | None = None  # the forward invocation it belongs to (a prefetch's: while tracing)
     key: int = 0  # its key in the registry: the data pointer of the tensor the op returned
+    serial: int = 0  # registered after every transfer with a smaller one
 
 
 _pending: dict[int, _Transfer] = {}
 _registry_lock = threading.Lock()
+_serials = itertools.count(1)
 
 
 def _register(result: torch.Tensor, transfer: _Transfer) -> None:
@@ -119,6 +128,7 @@ def _register(result: torch.Tensor, transfer: _Transfer) -> None:
         stale.finish()
     transfer.key = key
     with _registry_lock:
+        transfer.serial = next(_serials)
         _pending[key] = transfer
 
 
@@ -280,8 +290,14 @@ def forward_invocation() -> Iterator[Invocation]:
 def _drop_invocation(index: int) -> None:
     """A forward invocation raised: complete its copies (so that nothing still reads their sources)
     and forget them, with their sources; the waits that would have done so never run."""
+    dropped = _drop(lambda t: t.direction == "d2h" and t.invocation == index)
+    _event("dropped", index, dropped)
+
+
+def _drop(which: Callable[[_Transfer], bool]) -> int:
+    """Complete the pending transfers ``which`` selects and forget them, with their buffers."""
     with _registry_lock:
-        dropped = [t for t in _pending.values() if t.direction == "d2h" and t.invocation == index]
+        dropped = [t for t in _pending.values() if which(t)]
         for transfer in dropped:
             del _pending[transfer.key]
             if transfer in _deferred:
@@ -290,7 +306,24 @@ def _drop_invocation(index: int) -> None:
         with contextlib.suppress(Exception):  # the step is failing already: its own error is the one to see
             transfer.finish()
         transfer.keep = ()
-    _event("dropped", index, len(dropped))
+    return len(dropped)
+
+
+@contextlib.contextmanager
+def backward_graph() -> Iterator[None]:
+    """Run one compiled backward graph inside this (the backend does). If it raises, autograd abandons
+    the whole backward: the copies the graph started, and every copy started ahead for a backward
+    that will not run now, are completed and forgotten with their buffers, so that device and host
+    memory are back where they were and the next step starts clean."""
+    with _registry_lock:
+        first = next(_serials)
+    try:
+        yield
+    except BaseException:
+        dropped = _drop(lambda t: t.serial > first)
+        _drop_ahead()
+        _event("backward_dropped", dropped)
+        raise
 
 
 def _complete_deferred_before(index: int) -> None:

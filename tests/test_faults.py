@@ -1,0 +1,137 @@
+"""A compiled graph that raises mid-step leaves nothing behind, on the CPU engine and on the CUDA engine
+(over ``tests/fake_cuda.py``): no transfer stays registered, every buffer a copy used is freed once the
+failed step is dropped, and the next step equals eager PyTorch.
+
+The raise comes from inside the compiled graphs: a custom op traced into the forward, and its gradient
+op traced into the backward, raise when told to, with copies in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from tests.conftest import assert_same_step, loss_and_grads
+from tests.fake_cuda import FakeCuda
+
+
+class Fails(Exception):
+    pass
+
+
+_TRIPPED: set[str] = set()  # "forward" and/or "backward": where the tripwire raises
+
+
+@torch.library.custom_op("fxoffload_test::tripwire", mutates_args=())
+def tripwire(x: torch.Tensor) -> torch.Tensor:
+    if "forward" in _TRIPPED:
+        raise Fails("raised inside the compiled forward")
+    return x.clone()
+
+
+@torch.library.custom_op("fxoffload_test::tripwire_grad", mutates_args=())
+def tripwire_grad(grad: torch.Tensor) -> torch.Tensor:
+    if "backward" in _TRIPPED:
+        raise Fails("raised inside the compiled backward")
+    return grad.clone()
+
+
+for _op in (tripwire, tripwire_grad):
+    _op.register_fake(torch.empty_like)
+tripwire.register_autograd(lambda ctx, grad: tripwire_grad(grad))
+
+
+class Tripwired(torch.nn.Module):
+    """The tripwire sits between layers whose activations are offloaded: ``h``'s copy is in flight when
+    the forward raises, and the backward raises after ``c``'s gradient, with ``h`` and ``g`` still to load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        g = torch.tanh(self.b(h))
+        g = tripwire(g)
+        return self.c(torch.tanh(g)).sum()
+
+
+class _Watched:
+    """Weak references to every storage an engine's copies used (destinations and sources)."""
+
+    def __init__(self) -> None:
+        self.storages: list[weakref.ref] = []
+
+    def watch(self, *tensors: torch.Tensor) -> None:
+        self.storages += [weakref.ref(t.untyped_storage()) for t in tensors]
+
+    def live(self) -> int:
+        return sum(ref() is not None for ref in self.storages)
+
+
+class WatchedCpuEngine(runtime.CpuEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay_s = 0.001  # every copy lands late
+        self.watched = _Watched()
+
+    def _copy(self, direction, dst, src, invocation):
+        self.watched.watch(dst, src)
+        return super()._copy(direction, dst, src, invocation)
+
+
+class WatchedCudaEngine(runtime.CudaEngine):
+    def __init__(self) -> None:
+        super().__init__(streams=FakeCuda(), pin_memory=False)
+        self.watched = _Watched()
+
+    def _copy(self, direction, device, dst, src, invocation):
+        self.watched.watch(dst, src)
+        return super()._copy(direction, device, dst, src, invocation)
+
+
+ENGINES = {"cpu": WatchedCpuEngine, "cuda-fake": WatchedCudaEngine}
+
+
+@contextlib.contextmanager
+def tripped(where: str):
+    _TRIPPED.add(where)
+    try:
+        yield
+    finally:
+        _TRIPPED.clear()
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_graph_that_raises_mid_step_drops_its_transfers_and_the_next_step_is_exact(engine, where, inner):
+    torch.manual_seed(0)
+    model, x = Tripwired(), torch.randn(64, 16)
+    expected = loss_and_grads(model, x)
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner=inner, min_bytes=0, all_eligible=True)
+    step = torch.compile(model, backend=backend)
+    copier = ENGINES[engine]()
+    with runtime.use_engine("cpu", copier), runtime.trace() as events:
+        assert_same_step(expected, loss_and_grads(step, x))  # compiled, and one clean step
+        assert len(backend.records[0].plan.transfers) >= 3
+        before = len(events)
+        with tripped(where), pytest.raises(Fails, match=f"inside the compiled {where}"):
+            loss = step(x)
+            loss.backward()
+        # Copies were in flight when it raised, and were dropped there.
+        dropped = [e[-1] for e in events[before:] if e[0] == ("dropped" if where == "forward" else "backward_dropped")]
+        assert dropped and dropped[0] > 0, events[before:]
+        assert runtime.pending_transfers() == 0
+        loss = None  # the failed step's graph goes, with the activations it saved
+        assert copier.watched.live() == 0, "a buffer or source of the failed step is still held"
+        assert_same_step(expected, loss_and_grads(step, x))
+        assert runtime.pending_transfers() == 0
+    if engine == "cuda-fake":
+        assert copier.api.violations == []
