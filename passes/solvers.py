@@ -11,7 +11,9 @@ recomputation needs), costs fixed seconds, and may put work on in-order
 engines (:class:`Queue`: the copy engines). Some option pairs conflict (a
 recomputation that reads a tensor rules out recomputing that tensor too).
 Minimise the total cost plus every queue's *lateness*, subject to the curve
-<= budget everywhere.
+<= budget everywhere and, when a ``host_budget`` is given, the chosen options'
+``host`` bytes (the host memory their copies hold) <= it: one knapsack row in
+the exact program; greedy skips an option that no longer fits.
 
 A queue's slots are ordered by deadline; ``capacity[k]`` is the engine time
 available to the work of slots ``0..k`` together. Work served in deadline
@@ -52,7 +54,8 @@ the forward's end backwards, by their births (offloads).
 saves ``keep`` minus its ``offload`` intervals), kept for its simpler form.
 
 Limits. Greedy may miss a feasible answer when options add memory or
-conflict, or when an item has several options (it takes the cheapest per
+conflict, or under a host budget (it spends the host bytes on the first
+options it takes), or when an item has several options (it takes the cheapest per
 byte saved at the current peak, which may free less at the next one); the
 exact program does not; the queue model lets every copy start
 as early as its slot's capacity says, ignoring the memory that an early
@@ -74,7 +77,7 @@ import numpy as np
 
 __all__ = [
     "Candidate", "Option", "Queue", "SolverResult", "Solution", "choose_offloads", "solve", "solve_greedy",
-    "solve_milp", "evaluate", "min_peak", "lateness",
+    "solve_milp", "evaluate", "min_peak", "lateness", "host_of",
 ]
 
 Interval = tuple[int, int]
@@ -97,6 +100,7 @@ class Option:
     changes: tuple[Change, ...]
     cost: float  # seconds, whatever else is chosen
     work: tuple[tuple[int, int, float], ...] = ()  # (queue, slot, seconds) on in-order engines
+    host: int = 0  # bytes of a second, flat capacity it takes (host memory); bounded by ``host_budget``
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ class Solution:
     gap: float  # relative optimality gap (0 when optimal; nan when unknown)
     seconds: float
     stopped: str = ""  # "node limit" or "time limit" when the exact search stopped there, else ""
+    host: int = 0  # the chosen options' host bytes
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -159,11 +164,19 @@ def objective(items, queues, chosen) -> float:
     return float(sum(items[i][o].cost for i, o in chosen)) + lateness(items, queues, chosen)
 
 
-def _solution(length, base, items, queues, chosen, budget, solver, optimal, gap, started) -> Solution:
+def host_of(items, chosen) -> int:
+    """The host bytes the chosen (item, option) pairs take together."""
+    return sum(items[i][o].host for i, o in chosen)
+
+
+def _solution(length, base, items, queues, chosen, budget, solver, optimal, gap, started,
+              host_budget: int | None = None) -> Solution:
     chosen = tuple(sorted(chosen))
     top = int(curve_with(length, base, items, chosen).max(initial=0))
-    return Solution(chosen, top, objective(items, queues, chosen), top <= budget, solver, optimal, gap,
-                    time.perf_counter() - started)
+    host = host_of(items, chosen)
+    feasible = top <= budget and (host_budget is None or host <= host_budget)
+    return Solution(chosen, top, objective(items, queues, chosen), feasible, solver, optimal, gap,
+                    time.perf_counter() - started, host=host)
 
 
 def _conflicting(conflicts) -> dict[tuple[int, int], set[tuple[int, int]]]:
@@ -181,11 +194,12 @@ def _saved_at(option: Option, t: int) -> int:
     return -sum(d for a, b, d in option.changes if a <= t <= b)
 
 
-def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Solution:
+def solve_greedy(length, base, items, budget, queues=(), conflicts=(), host_budget: int | None = None) -> Solution:
     started = time.perf_counter()
     cur = _curve(length, base)
     clash = _conflicting(conflicts)
     total_cost = [[option.cost + sum(w[2] for w in option.work) for option in options] for options in items]
+    host_left = math.inf if host_budget is None else host_budget
     chosen: dict[int, int] = {}
     while cur.size and cur.max() > budget:
         t = int(cur.argmax())
@@ -197,7 +211,7 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Soluti
             for o, option in enumerate(options):
                 saved = _saved_at(option, t)
                 blocked = clash.get((i, o))
-                if saved <= 0 or (blocked and not blocked.isdisjoint(taken)):
+                if saved <= 0 or option.host > host_left or (blocked and not blocked.isdisjoint(taken)):
                     continue
                 key = (total_cost[i][o] / saved, -saved, i, o)
                 if best_key is None or key < best_key:
@@ -205,6 +219,7 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Soluti
         if best is None:
             break  # nothing can lower this point: the budget is infeasible
         chosen[best[0]] = best[1]
+        host_left -= items[best[0]][best[1]].host
         _apply(cur, items[best[0]][best[1]])
     if cur.size and cur.max() <= budget:
         by_cost = sorted(chosen.items(), key=lambda p: -total_cost[p[0]][p[1]])
@@ -214,7 +229,8 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=()) -> Soluti
                 del chosen[i]
             else:
                 _apply(cur, items[i][o])
-    return _solution(length, base, items, queues, chosen.items(), budget, "greedy", False, math.nan, started)
+    return _solution(length, base, items, queues, chosen.items(), budget, "greedy", False, math.nan, started,
+                     host_budget)
 
 
 # --------------------------------------------------------------------------- exact program
@@ -304,7 +320,7 @@ class _Rows:
         return first
 
 
-def _program(length, base, items, budget, queues, conflicts) -> _Program | None:
+def _program(length, base, items, budget, queues, conflicts, host_budget: int | None = None) -> _Program | None:
     """Rows of the program, or None when the budget holds with nothing taken."""
     from scipy.sparse import coo_matrix
 
@@ -327,6 +343,10 @@ def _program(length, base, items, budget, queues, conflicts) -> _Program | None:
             rows.row([(column[i, o], 1.0) for o in range(len(opts))], -np.inf, 1.0)
     for a, b in conflicts:  # conflicting options not together
         rows.row([(column[a], 1.0), (column[b], 1.0)], -np.inf, 1.0)
+    host_unit = float(max((opt.host for opt in options), default=0))
+    if host_budget is not None and host_unit:  # the options' host bytes together within the host budget
+        rows.row([(col, opt.host / host_unit) for col, opt in enumerate(options) if opt.host],
+                 -np.inf, host_budget / host_unit)
     cost = np.array([opt.cost for opt in options], dtype=float)
     work_max = max((w[2] for opt in options for w in opt.work), default=0.0)
     cost_unit = max(float(cost.max(initial=0.0)), work_max) or 1.0
@@ -382,9 +402,9 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def lower_bound(length, base, items, budget, queues=(), conflicts=()) -> float:
+def lower_bound(length, base, items, budget, queues=(), conflicts=(), host_budget: int | None = None) -> float:
     """A lower bound on the least cost: the LP relaxation of the program (HiGHS)."""
-    program = _program(length, base, items, budget, queues, conflicts)
+    program = _program(length, base, items, budget, queues, conflicts, host_budget)
     if program is None:
         return 0.0
     res = _highs(program, integral=False, options={})
@@ -392,15 +412,16 @@ def lower_bound(length, base, items, budget, queues=(), conflicts=()) -> float:
 
 
 def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, gap: float = OPTIMALITY_GAP,
-               node_limit: int = NODE_LIMIT, time_limit: float = TIME_GUARD) -> Solution | None:
+               node_limit: int = NODE_LIMIT, time_limit: float = TIME_GUARD,
+               host_budget: int | None = None) -> Solution | None:
     """The exact program, solved to within ``gap`` of its bound (relative), or until branch and bound
     has explored ``node_limit`` nodes (a count of work, the same on every machine and under any load),
     or until the ``time_limit`` guard (seconds: a plan stopped there may differ between runs; the
     answer's ``stopped`` says so). None if HiGHS found no feasible answer."""
     started = time.perf_counter()
-    program = _program(length, base, items, budget, queues, conflicts)
+    program = _program(length, base, items, budget, queues, conflicts, host_budget)
     if program is None:  # nothing to choose, or nothing needed: the empty answer
-        return _solution(length, base, items, queues, (), budget, "milp", True, 0.0, started)
+        return _solution(length, base, items, queues, (), budget, "milp", True, 0.0, started, host_budget)
     res = _highs(program, integral=True,
                  options={"mip_rel_gap": gap, "node_limit": node_limit, "time_limit": time_limit})
     if res.x is None:
@@ -411,7 +432,7 @@ def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, gap: flo
     stopped = "" if res.status == 0 else "time limit" if "Time limit" in res.message else "node limit"
     label = f"milp, stopped at its {stopped}" if stopped else "milp"
     solution = _solution(length, base, items, queues, chosen, budget, label, res.status == 0 and found <= OPTIMALITY_GAP,
-                         found, started)
+                         found, started, host_budget)
     return dataclasses.replace(solution, stopped=stopped)
 
 
@@ -421,11 +442,13 @@ def min_peak(length, base, items) -> int:
 
 
 def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str = "auto",
-          node_limit: int = NODE_LIMIT, time_limit: float = TIME_GUARD) -> Solution:
-    """Options so the curve stays within ``budget`` at least cost (see the module docstring)."""
+          node_limit: int = NODE_LIMIT, time_limit: float = TIME_GUARD, host_budget: int | None = None) -> Solution:
+    """Options so the curve stays within ``budget``, and the options' host bytes within ``host_budget``
+    (None: unbounded), at least cost (see the module docstring)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver: got {solver!r}; accepted: {', '.join(map(repr, SOLVERS))}")
-    greedy = solve_greedy(length, base, items, budget, queues, conflicts) if solver in ("auto", "greedy") else None
+    greedy = (solve_greedy(length, base, items, budget, queues, conflicts, host_budget)
+              if solver in ("auto", "greedy") else None)
     if solver == "greedy":
         return greedy
     if greedy is not None and not greedy.feasible and _proven_infeasible(length, base, items, budget):
@@ -433,7 +456,7 @@ def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str =
     if greedy is not None and greedy.feasible and greedy.cost > 0:
         # The LP relaxation bounds every answer from below: when greedy meets it,
         # greedy is optimal and the (slower) branch and bound is not needed.
-        bound = lower_bound(length, base, items, budget, queues, conflicts)
+        bound = lower_bound(length, base, items, budget, queues, conflicts, host_budget)
         gap = max((greedy.cost - bound) / greedy.cost, 0.0)
         if gap <= ACCEPTED_GAP:
             return dataclasses.replace(greedy, solver="greedy, LP-bounded", optimal=gap <= OPTIMALITY_GAP, gap=gap)
@@ -443,9 +466,9 @@ def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str =
     # and bound had not closed the last 0.5% after 30 s (measured); the answer it had by then cost
     # 0.07% less than the one within 1%.
     exact = solve_milp(length, base, items, budget, queues, conflicts, gap=ACCEPTED_GAP if greedy else OPTIMALITY_GAP,
-                       node_limit=node_limit, time_limit=time_limit)
+                       node_limit=node_limit, time_limit=time_limit, host_budget=host_budget)
     if greedy is None:
-        return exact if exact is not None else solve_greedy(length, base, items, budget, queues, conflicts)
+        return exact if exact is not None else solve_greedy(length, base, items, budget, queues, conflicts, host_budget)
     if exact is not None and exact.feasible and (not greedy.feasible or exact.cost <= greedy.cost + 1e-12):
         return exact
     return greedy

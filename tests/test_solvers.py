@@ -1,6 +1,7 @@
 """Solvers on plain numbers: hand-computed cases and properties (hypothesis)."""
 
 
+import dataclasses
 import math
 
 import pytest
@@ -116,7 +117,7 @@ from passes.solvers import Option, Queue, curve_with, lateness, solve, solve_gre
 from passes.solvers import solve_milp as milp_options  # noqa: E402
 
 
-def brute_force(length, base, items, budget, queues, conflicts):
+def brute_force(length, base, items, budget, queues, conflicts, host_budget=None):
     """The least cost over every combination (keep = -1), or None when none fits."""
     best = None
     clash = {frozenset(c) for c in conflicts}
@@ -125,6 +126,8 @@ def brute_force(length, base, items, budget, queues, conflicts):
         if any(frozenset(p) in clash for p in itertools.combinations(chosen, 2)):
             continue
         if curve_with(length, base, items, chosen).max(initial=0) > budget:
+            continue
+        if host_budget is not None and sum(items[i][o].host for i, o in chosen) > host_budget:
             continue
         cost = sum(items[i][o].cost for i, o in chosen) + lateness(items, queues, chosen)
         best = cost if best is None else min(best, cost)
@@ -219,3 +222,41 @@ def test_greedy_failing_with_several_options_is_not_taken_as_proof_of_infeasibil
     assert chosen.feasible and chosen.chosen == ((0, 1),) and chosen.peak == 0
     # A budget below what every choice leaves is still reported at once, without the exact search.
     assert solve(10, [(8, 9, 2)], items, 0).solver == "greedy"
+
+
+@st.composite
+def host_problems(draw):
+    """``option_problems`` whose options also take host bytes, with a host budget."""
+    length, base, items, budget, queues, conflicts = draw(option_problems())
+    items = [tuple(dataclasses.replace(o, host=draw(st.integers(0, 100))) for o in options) for options in items]
+    return length, base, items, budget, queues, conflicts, draw(st.integers(0, 250))
+
+
+@settings(max_examples=80, deadline=None)
+@given(host_problems())
+def test_a_host_budget_bounds_every_solver_and_the_exact_one_matches_brute_force(problem):
+    length, base, items, budget, queues, conflicts, host_budget = problem
+    best = brute_force(length, base, items, budget, queues, conflicts, host_budget)
+    exact = milp_options(length, base, items, budget, queues, conflicts, time_limit=5, host_budget=host_budget)
+    for answer in (exact, greedy_options(length, base, items, budget, queues, conflicts, host_budget),
+                   solve(length, base, items, budget, queues, conflicts, host_budget=host_budget)):
+        if answer is not None and answer.feasible:
+            assert answer.host == sum(items[i][o].host for i, o in answer.chosen) <= host_budget
+            assert answer.peak <= budget
+    if best is None:
+        assert exact is None or not exact.feasible
+        return
+    assert exact is not None and exact.feasible and abs(exact.cost - best) <= 1e-6 * max(1.0, best)
+    assert solve(length, base, items, budget, queues, conflicts, host_budget=host_budget).cost <= best * (1 + 1e-2) + 1e-9
+
+
+def test_a_host_budget_turns_an_offload_into_a_recomputation_by_hand():
+    # One item of 100 bytes over 1..8, on 10 fixed bytes: offloading it (cheap, 60 host bytes) or
+    # recomputing it (dear, no host bytes) saves all of it.
+    base = [(1, 8, 100), (0, 9, 10)]
+    items = [(Option(((1, 8, -100),), 1.0, host=60), Option(((1, 8, -100),), 5.0))]
+    for solver in ("greedy", "milp", "auto"):
+        assert solve(10, base, items, 50, solver=solver).chosen == ((0, 0),)
+        capped = solve(10, base, items, 50, solver=solver, host_budget=59)
+        assert capped.chosen == ((0, 1),) and capped.host == 0 and capped.cost == 5.0
+        assert not solve(10, base, [items[0][:1]], 50, solver=solver, host_budget=59).feasible
