@@ -316,6 +316,8 @@ class OffloadBackend:
         # Activation bytes each compiled region leaves on the device after its forward (predicted),
         # by region, in the order regions were first compiled (the forward's order).
         self._held: dict[tuple, int] = {}
+        # Pinned host bytes each region's copies take per run (predicted), by region, in the same order.
+        self._host_held: dict[tuple, int] = {}
         self._compile_count: dict[Any, int] = {}
         # Forwards of each region since the last backward began (see _count_forwards).
         self._forwards: dict[tuple, int] = {}
@@ -355,6 +357,9 @@ class OffloadBackend:
         """The plan options of the region at ``place``, and the bytes earlier regions hold: an
         absolute budget is for the whole step, so a region gets what earlier regions leave of it."""
         options = dataclasses.replace(self.config.plan_options, runs=self._runs_of(region))
+        if options.host_bytes is not None:  # the step's host budget, less what earlier regions' copies take
+            host = sum(self._host_held.get(r, 0) * self._runs_of(r) for r in list(self._held)[:place])
+            options = dataclasses.replace(options, host_bytes=max(options.host_bytes - host, 0))
         held = sum(nbytes * self._runs_of(r) for r, nbytes in list(self._held.items())[:place])  # every run
         if options.device_bytes is not None and held:
             return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
@@ -388,6 +393,7 @@ class OffloadBackend:
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
         self._held[region] = held_after_forward(result.plan, result.timeline, result.schedule)
+        self._host_held[region] = result.plan.pinned_host_bytes
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
             result.timeline, self.config.profile, result.work, place, held_before,

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", default="0.5",
                       help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
                            "plans for the smallest peak, at least cost (default 0.5)")
+    plan.add_argument("--host-budget", default="none",
+                      help="host_budget: pinned host memory the step's copies may take, as a size (64GiB) or bytes; "
+                           "'none' (default): unbounded")
     plan.add_argument("--horizon", default="auto", help="prefetch horizon: 'auto' or a number of compute ops")
     plan.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
     plan.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")
@@ -117,8 +120,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             min_bytes = parse_budget(str(min_bytes)).nbytes
         except (ValueError, AttributeError):
             raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
+    host_budget: Any = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
-                   solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs)
+                   solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
+                   host_budget=host_budget)
     try:
         OffloadConfig(**options)
     except OptionError as e:
@@ -134,7 +139,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 # The plan command's flag for each option it sets (an error about another option keeps its own name).
 _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
-          "strategy": "--strategy", "min_bytes": "--min-bytes"}
+          "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget"}
 
 
 def _number_or_text(text: str) -> Any:
@@ -398,6 +403,7 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
             "offloaded_bytes": plan.offloaded_bytes,
             "host_bytes": plan.host_bytes * plan.runs,
             "pinned_host_bytes": plan.pinned_host_bytes * plan.runs,
+            "host_budget_bytes": plan.host_budget_bytes,
             "recomputes": len(plan.recomputes),
             "partition": plan.partition,
             "plan_digest": plan_digest(plan, record.schedule),
@@ -500,7 +506,9 @@ def _print_report(report: dict, records: list) -> None:
               "throughout; optimizer state not modelled)")
         print(f"  offloaded        {format_bytes(graph['offloaded_bytes'])} in {graph['transfers']} transfers")
         print(f"  host memory      {format_bytes(graph['host_bytes'])} when the forward ends; "
-              f"{format_bytes(graph['pinned_host_bytes'])} pinned on CUDA (power-of-two blocks)")
+              f"{format_bytes(graph['pinned_host_bytes'])} pinned on CUDA (power-of-two blocks)"
+              + ("" if graph["host_budget_bytes"] is None else
+                 f"; host budget {format_bytes(graph['host_budget_bytes'])}"))
         print(f"  recomputed       {format_bytes(graph['recomputed_bytes'])} in {graph['recomputes']} chains "
               f"({format_seconds(graph['recompute_time'])} of compute, predicted)")
         print(f"  step time        {format_seconds(graph['step_time'])} (without offload "

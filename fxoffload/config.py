@@ -145,6 +145,13 @@ class OffloadConfig:
     naming the ranks that differ. ``True``: every rank; a ``ProcessGroup``: its ranks (a pipeline
     stage); ``False``: no check."""
 
+    host_budget: Any = None
+    """Bound on the host memory the step's copies hold (they are all alive when the last forward
+    ends), counted in the pinned blocks PyTorch's CUDA caching host allocator hands out (each copy
+    rounded up to a power of two; the CPU engine takes at most that). Bytes or a size string (no
+    fraction), for the whole step: later graphs get what earlier ones leave. What does not fit stays
+    on the device or is recomputed, with a reason. None: unbounded."""
+
     all_eligible: bool = False
     """Without a budget, offload every eligible saved tensor (under strategy ``"recompute"``,
     recompute every recomputable one) whether or not that lowers the peak, as naive offloading
@@ -154,6 +161,7 @@ class OffloadConfig:
         parse_budget(self.memory_budget)
         _device_bytes("device_budget", self.device_budget)
         _device_bytes("reserved", self.reserved, allow_zero=True)
+        _device_bytes("host_budget", self.host_budget)
         if self.device_budget is not None and self.memory_budget is not None:
             raise OptionError("memory_budget", f"memory_budget={self.memory_budget!r} and device_budget="
                               f"{self.device_budget!r}: give one; accepted: memory_budget (saved activations) or "
@@ -201,6 +209,7 @@ class OffloadConfig:
             node_limit=self.solver_node_limit, strategy=self.strategy,
             cross_graphs=self.cross_graphs, all_eligible=self.all_eligible,
             runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
+            host_bytes=_device_bytes("host_budget", self.host_budget),
             device_bytes=(None if self.device_budget is None else
                           _device_bytes("device_budget", self.device_budget) - _device_bytes("reserved", self.reserved,
                                                                                               allow_zero=True)),
@@ -214,7 +223,7 @@ class OffloadConfig:
 
 
 def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None:
-    """Bytes of a device_budget or reserved value: an int, or a size string; no fraction."""
+    """Bytes of a device_budget, reserved or host_budget value: an int, or a size string; no fraction."""
     if value is None or (allow_zero and value == 0 and not isinstance(value, bool)):
         return None if value is None else 0
     accepted = ("an int number of bytes > 0, or a size string such as '70GiB' or '512MB' (KB/MB/GB are powers "
@@ -224,7 +233,7 @@ def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None
     except ValueError:
         budget = None
     if budget is None or budget.nbytes is None:
-        raise OptionError(name, f"got {value!r}; accepted: " + ("None, " if name == "device_budget" else "0, ")
+        raise OptionError(name, f"got {value!r}; accepted: " + ("0, " if name == "reserved" else "None, ")
                           + accepted)
     return budget.nbytes
 

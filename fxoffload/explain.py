@@ -61,7 +61,10 @@ def _summary(record: Any) -> str:
         "(copies served in order per direction; see the placements)",
         f"predicted host memory:     {format_bytes(plan.host_bytes * plan.runs)} of host copies when the forward "
         f"ends{_runs(plan)}; {format_bytes(plan.pinned_host_bytes * plan.runs)} pinned on CUDA (the caching host "
-        "allocator's power-of-two blocks, kept for later steps)",
+        "allocator's power-of-two blocks, kept for later steps)"
+        + ("" if plan.host_budget_bytes is None else
+           f"; host_budget left this graph {format_bytes(plan.host_budget_bytes)} pinned, "
+           f"{'within' if plan.pinned_host_bytes * plan.runs <= plan.host_budget_bytes else 'OVER'}"),
     ]
     if plan.device_bytes is not None:
         lines.append(

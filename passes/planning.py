@@ -45,6 +45,13 @@ the rest are candidates.
   memory raised by the plan's budget less its own, so that one budget bounds
   them all (:func:`_stacked`). The plan records each size's budget and peaks
   (``Plan.sizes``); the scheduler keeps them too.
+* A host budget (``PlanOptions.host_bytes``) bounds the pinned host bytes of
+  the copies over the step's runs (each copy in its power-of-two block,
+  :func:`pinned_block`): a knapsack row for the solvers, first fit in birth
+  order under ``all_eligible``; without a memory budget, the smallest peak
+  within it is greedy's lowest, found by bisection on the budget
+  (:func:`_reachable`). MUST_CPU_OFFLOAD copies count first; a kept
+  candidate that did not fit says so.
 * If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
   raises :class:`BudgetInfeasibleError` with the smallest achievable peak;
   ``"warn"`` plans the cheapest choice at that smallest peak and says so.
@@ -76,7 +83,7 @@ from passes.analysis import (
 )
 from passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, solve
+from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, host_of, solve
 
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
@@ -170,6 +177,9 @@ class PlanOptions:
     # Without a budget: act on every candidate, whether or not that lowers the peak (the naive
     # baseline), instead of the cheapest choice that reaches the smallest peak.
     all_eligible: bool = False
+    # A bound on the host memory of the graph's copies over its runs, in CUDA's pinned blocks
+    # (:func:`pinned_block`): what does not fit is kept or recomputed. None: unbounded.
+    host_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +305,7 @@ class Plan:
     # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
     # (``passes.memory.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
+    host_budget_bytes: int | None = None  # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
 
     @property
     def offloaded_bytes(self) -> int:
@@ -468,6 +479,15 @@ class _Problem:
     def lifetime(self, base: fx.Node):
         return self.timeline.forward_lifetime(base)
 
+    def host(self, base: fx.Node) -> int:
+        """Pinned host bytes offloading ``base`` takes over the step's runs."""
+        return pinned_block(self.lifetime(base).nbytes) * self.options.runs
+
+    def host_left(self, forced: Sequence[fx.Node]) -> int | None:
+        """Pinned host bytes the free candidates may take: the host budget less the forced copies'."""
+        cap = self.options.host_bytes
+        return None if cap is None else max(cap - sum(self.host(b) for b in forced), 0)
+
     def rebuilt_at(self, base: fx.Node) -> int:
         return self.timeline.positions[self.recomputes[base].consumer]
 
@@ -591,7 +611,7 @@ def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
             if kind == RECOMPUTE and problem.device and problem.recomputes[b].transient:
                 at = problem.rebuilt_at(b)  # the chain's other outputs, alive while it runs
                 changes += ((at, at, problem.recomputes[b].transient),)
-            options.append(Option(changes, cost, work))
+            options.append(Option(changes, cost, work, problem.host(b) if kind == OFFLOAD else 0))
         items.append(tuple(options))
         owners.append((b, tuple(kinds)))
     return items, owners, queues, _conflicts(problem, owners)
@@ -687,8 +707,9 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     length = problem.timeline.length
     base, items = _stacked(length, parts)
     total = length * len(parts)
-    result = solve(total, base, items, budget, queues, conflicts,
-                   solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
+    host_left = problem.host_left(forced)
+    result = solve(total, base, items, budget, queues, conflicts, solver=options.solver,
+                   node_limit=options.node_limit, time_limit=options.time_limit, host_budget=host_left)
     if result.stopped == "time limit":
         warnings.warn(f"fxoffload: the exact solver stopped at solver_time_limit={options.time_limit:g} s before its "
                       f"node limit ({options.node_limit}): this plan depends on the machine's speed and load, and may "
@@ -696,7 +717,7 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     if result.feasible:
         offloaded, recomputed = _split(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
-    everything = _everything(items, conflicts)
+    everything = _reachable(problem, forced, total, base, items, queues, conflicts)
     if options.budget is None and not problem.device:
         # No budget (the smallest peak is the limit): a solver that misses it (greedy, under conflicts)
         # falls back on acting on every candidate, which reaches it by construction.
@@ -706,12 +727,16 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     smallest = int(reached.max(initial=0))
     worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
+    acting, smallest_words = _ALL[options.strategy], "smallest achievable"
+    if host_left is not None and host_of(items, _everything(items, conflicts)) > host_left:
+        acting = f"as far as host_budget's {options.host_bytes} B of pinned host memory allows"
+        smallest_words = "lowest"  # greedy's, by bisection: the host bound makes it a knapsack
     if problem.device:
         inputs = options.device_bytes - budget
         message = (
-            f"device_budget: the smallest achievable device peak{runs} is {smallest + inputs} B "
+            f"device_budget: the {smallest_words} device peak{runs} is {smallest + inputs} B "
             f"({(smallest + inputs) / 2**20:.1f} MiB: graph inputs {inputs} B + the step's tensors {smallest} B, "
-            f"{_ALL[options.strategy]}), {smallest - budget} B above the {options.device_bytes} B the budget "
+            f"{acting}), {smallest - budget} B above the {options.device_bytes} B the budget "
             f"leaves after reserved"
         )
     else:
@@ -722,8 +747,8 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
             given += " at that size"
         reach, limit = smallest - lift, budget - lift
         message = (
-            f"memory_budget: {where}the smallest achievable activation peak{runs} is {reach} B "
-            f"({reach / 2**20:.1f} MiB, {_ALL[options.strategy]}), above the budget of {limit} B "
+            f"memory_budget: {where}the {smallest_words} activation peak{runs} is {reach} B "
+            f"({reach / 2**20:.1f} MiB, {acting}), above the budget of {limit} B "
             f"({limit / 2**20:.1f} MiB{given})"
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
@@ -732,27 +757,57 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
                   ADVICE_WARN)
         raise BudgetInfeasibleError(message, *shortfall, advice)
     # The cheapest plan that reaches the smallest peak (not just "everything").
-    lowest = solve(total, base, items, smallest, queues, conflicts,
-                   solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
+    lowest = solve(total, base, items, smallest, queues, conflicts, solver=options.solver,
+                   node_limit=options.node_limit, time_limit=options.time_limit, host_budget=host_left)
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = _split(owners, chosen)
     return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
 
 
+def _reachable(problem: _Problem, forced: Sequence[fx.Node], length: int, base, items, queues, conflicts):
+    """A choice that reaches the smallest peak: each item's least-memory option (that does not conflict), or,
+    where those copies would not fit the host budget, the lowest peak greedy meets within it, found by
+    bisection on the budget to within 0.1% (not proven the lowest: the host bound makes it a knapsack)."""
+    everything = _everything(items, conflicts)
+    left = problem.host_left(forced)
+    if left is None or host_of(items, everything) <= left:
+        return everything
+    best: list = []
+    low = int(curve_with(length, base, items, everything).max(initial=0))
+    high = int(curve_with(length, base, items, ()).max(initial=0))
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        found = solve(length, base, items, middle, queues, conflicts, solver="greedy", host_budget=left)
+        if found.feasible:
+            high, best = found.peak, list(found.chosen)
+        else:
+            low = middle + 1
+    return best
+
+
 def _all_eligible(problem: _Problem, wanted: Sequence[fx.Node], forced: Sequence[fx.Node]) -> _Choice:
-    """Offload (or, under strategy "recompute", recompute) every candidate in ``wanted``."""
+    """Offload (or, under strategy "recompute", recompute) every candidate in ``wanted``; under a host
+    budget, those that fit it, in the order they are born."""
     if problem.options.strategy != RECOMPUTE:
-        return _Choice(tuple(forced) + tuple(wanted))
+        left = problem.host_left(forced)
+        taken = []
+        for b in sorted(wanted, key=lambda b: problem.lifetime(b).birth):
+            if left is None or problem.host(b) <= left:
+                taken.append(b)
+                left = None if left is None else left - problem.host(b)
+        return _Choice(tuple(forced) + tuple(taken))
     items, owners, _, conflicts = _items(problem, wanted, forced)
     return _Choice(tuple(forced), _split(owners, _everything(items, conflicts))[1])
 
 
 def _smallest_peak(problem: _Problem, wanted: Sequence[fx.Node], forced: Sequence[fx.Node]) -> int:
     """The bounded activation peak with every candidate in ``wanted`` acted on (each item's first option)."""
-    items, _, _, conflicts = _items(problem, wanted, forced)
+    items, _, queues, conflicts = _items(problem, wanted, forced)
     base, spans = _constraint(problem, wanted, forced, items)
-    return int(curve_with(problem.timeline.length, base, spans, _everything(items, conflicts)).max(initial=0))
+    length = problem.timeline.length
+    chosen = _reachable(problem, forced, length, base, spans, queues, conflicts)
+    return int(curve_with(length, base, spans, chosen).max(initial=0))
 
 
 def _recomputable(
@@ -815,6 +870,7 @@ def plan_offloads(
     first_use = {b: min(pos[u] for a in groups[b] for u in a.bw_node.users) for b in candidates}
     problem = _Problem(timeline, moves, costs, _recomputable(timeline, groups, recomputes or {}, free, forced, first_use),
                        first_use, marks, options, queued)
+    _check_forced_host(problem, forced)
 
     act_before = problem.peak((), (), True)
     step_before = problem.step_peak((), ())
@@ -826,6 +882,7 @@ def plan_offloads(
     held = _held(problem) if limit is not None else []
     choice, goal = _select(problem, free, forced, limit, held)
     transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, goal)
+    decisions = _host_reasons(problem, decisions, groups, choice)
     budget_bytes = None if problem.device or options.budget is None else limit
     return Plan(
         decisions=decisions,
@@ -855,7 +912,39 @@ def plan_offloads(
         shortfall=choice.shortfall,
         sizes=tuple(SizeBudget(tuple(values.items()), n, at.step_peak((), ()),
                                at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
+        host_budget_bytes=options.host_bytes,
     )
+
+
+def _check_forced_host(problem: _Problem, forced: Sequence[fx.Node]) -> None:
+    """MUST_CPU_OFFLOAD copies are made whatever the host budget: say so when they alone exceed it."""
+    cap = problem.options.host_bytes
+    need = sum(problem.host(b) for b in forced)
+    if cap is None or need <= cap:
+        return
+    message = (f"host_budget: the saved tensors marked MUST_CPU_OFFLOAD alone take {need} B of pinned host memory "
+               f"({need / 2**20:.1f} MiB over {problem.options.runs} run(s)), above host_budget's {cap} B")
+    if problem.options.on_infeasible == "error":
+        raise BudgetInfeasibleError(message, need, cap, ("raise host_budget", "drop some MUST_CPU_OFFLOAD marks",
+                                                         ADVICE_WARN))
+    warnings.warn(BudgetInfeasibleWarning(message + "; offloading them anyway, and nothing else"), stacklevel=3)
+
+
+def _host_reasons(problem: _Problem, decisions: tuple[Decision, ...], groups, choice: _Choice) -> tuple[Decision, ...]:
+    """Under a host budget, a kept candidate whose copy would not fit what the plan's copies leave of it
+    says so: the host budget, not the device budget, kept it."""
+    cap = problem.options.host_bytes
+    if cap is None:
+        return decisions
+    left = cap - sum(problem.host(b) for b in choice.offloaded)
+    moved = set(choice.offloaded) | set(choice.recomputed)
+    blocked = {a.index: problem.host(b) for b, group in groups.items() if b not in moved and b in problem.moves
+               and problem.host(b) > left for a in group}
+    return tuple(
+        dataclasses.replace(d, reason=f"kept: its copy would take {blocked[d.index]} B of pinned host memory over the "
+                                      f"step's runs; host_budget leaves {max(left, 0)} B")
+        if d.index in blocked and d.action == KEEP and d.reason.startswith("kept: the") else d
+        for d in decisions)
 
 
 def _select(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], limit: int | None,

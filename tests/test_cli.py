@@ -190,6 +190,7 @@ def test_impossible_budget(capsys, tmp_path):
     (["--seq", "long"], "--seq: got 'long'; accepted"),
     (["--seq", "0"], "--seq: got '0'; accepted"),
     (["--min-bytes", "big"], "--min-bytes: got 'big'"),
+    (["--host-budget", "0.5"], "--host-budget: got 0.5; accepted: None, an int number of bytes > 0"),
 ])
 def test_bad_options_are_named(capsys, argv, message):
     argv = ["--preset", "gpt2-xl", *argv]
@@ -285,3 +286,13 @@ def test_a_length_range_plans_one_dynamic_graph_with_figures_at_both_ends(capsys
     text = capsys.readouterr().out
     assert "at length 256" in text and "at length 1024" in text
     assert "planned and timed at" in text and "(the largest the guards allow)" in text
+
+
+def test_a_host_budget_bounds_the_pinned_host_memory_of_the_plan(capsys, tmp_path):
+    args = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "128", "--budget", "none",
+            "--output", str(tmp_path / "plan.svg"))
+    free = run_json(capsys, *args)["step"]["pinned_host_bytes"]
+    assert free > 0
+    capped = run_json(capsys, *args, "--host-budget", str(free // 2))
+    assert 0 < capped["step"]["pinned_host_bytes"] <= free // 2
+    assert [g["host_budget_bytes"] for g in capped["graphs"]] == [free // 2]

@@ -1,0 +1,133 @@
+"""``host_budget``: the step's copies fit the host memory it allows, predicted and measured on the CPU engine.
+
+The budget counts CUDA's pinned blocks (each copy rounded up to a power of two, ``pinned_block``); the
+CPU engine allocates the exact bytes, which ``measure_peak`` sees as host memory alive at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.config import OptionError
+from passes.planning import pinned_block
+from tests.conftest import MLP, MODELS, CausalLMLoss, assert_same_step, lm_step, loss_and_grads, loss_step
+from tests.test_cross_graphs import per_layer_llama
+
+
+def build():
+    torch.manual_seed(0)
+    return CausalLMLoss(MODELS["llama"]()).train(), torch.randint(0, 256, (2, 32))
+
+
+def planned(model, ids, **options):
+    """One compiled step (checked against eager), the plan, and the host memory measured on the CPU engine."""
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
+    compiled = torch.compile(model, backend=backend)
+    step = loss_and_grads(compiled, ids)
+    measured = fxoffload.measure_peak(loss_step, compiled, ids)
+    model.zero_grad(set_to_none=True)
+    assert len(backend.records) == 1
+    return backend.records[0], step, measured
+
+
+MODES = {
+    "smallest peak": {},
+    "all_eligible": {"all_eligible": True},
+    "memory budget": {"memory_budget": 0.7, "strategy": "offload", "on_infeasible": "warn"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_host_budget_below_the_uncapped_plans_host_memory_gives_a_plan_within_it(mode):
+    model, ids = build()
+    expected = loss_and_grads(model, ids)
+    free, _, _ = planned(model, ids, **MODES[mode])
+    assert free.plan.pinned_host_bytes > 0
+    cap = free.plan.pinned_host_bytes // 2
+    record, step, measured = planned(model, ids, host_budget=cap, **MODES[mode])
+    plan = record.plan
+    assert_same_step(expected, step)
+    assert plan.transfers and plan.host_budget_bytes == cap
+    assert sum(pinned_block(int(t.nbytes)) for t in plan.transfers) == plan.pinned_host_bytes <= cap
+    # Host bytes alive at once on the CPU engine: exactly the plan's (unrounded) copies, within the cap.
+    assert measured.host_peak == plan.host_bytes <= cap, (measured.host_peak, plan.host_bytes, cap)
+    kept = [d.reason for d in plan.decisions if "host_budget leaves" in d.reason]
+    if mode != "smallest peak":  # all_eligible and the offload strategy can only keep what does not fit
+        assert kept, fxoffload.explain(record)
+    assert "host_budget left this graph" in fxoffload.explain(record)
+
+
+def test_the_host_budget_keeps_the_copies_and_recomputes_the_rest_under_strategy_auto():
+    model, ids = build()
+    free, _, _ = planned(model, ids)  # the smallest peak, strategy auto
+    cap = free.plan.pinned_host_bytes // 4
+    record, _, measured = planned(model, ids, host_budget=cap)
+    assert record.plan.pinned_host_bytes <= cap and measured.host_peak <= cap
+    assert record.plan.recomputes  # the host budget moved work from copies to recomputation
+
+
+def test_a_memory_budget_out_of_reach_within_the_host_budget_raises_naming_it():
+    model, ids = build()
+    with pytest.raises(Exception, match=r"memory_budget: the lowest activation peak is \d+ B \(.*, as far as "
+                                        r"host_budget's 4096 B of pinned host memory allows\), above the budget"):
+        planned(model, ids, memory_budget=0.5, strategy="offload", host_budget=4096)
+
+
+def test_one_graph_serving_several_layers_holds_the_host_budget_over_its_runs():
+    ids = torch.randint(0, 256, (2, 32))
+    _, model, backend = per_layer_llama(layers=4, runs_per_step=4)  # every eligible copy, in each of 4 runs
+    lm_step(model, ids)
+    uncapped = backend.records[0].plan
+    assert uncapped.runs == 4 and uncapped.pinned_host_bytes > 0
+    cap = uncapped.pinned_host_bytes * 4 // 2  # half of what the four runs' copies take
+    eager, model, backend = per_layer_llama(layers=4, runs_per_step=4, host_budget=cap)
+    assert_same_step(lm_step(eager, ids), lm_step(model, ids))
+    plan = backend.records[0].plan
+    assert plan.transfers and plan.pinned_host_bytes * 4 <= cap
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.5, "lots", True])
+def test_a_bad_host_budget_is_refused_naming_the_option(value):
+    with pytest.raises(OptionError, match=r"^host_budget: got .*; accepted: None, an int number of bytes > 0"):
+        fxoffload.offload_backend(host_budget=value)
+
+
+def test_a_host_budget_size_string_is_bytes():
+    assert fxoffload.offload_backend(host_budget="2GiB").config.plan_options.host_bytes == 2 * 2**30
+
+
+class TwoGraphs(torch.nn.Module):
+    """Two MLPs with a graph break between them: two compiled graphs in one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = MLP(), MLP()
+        self.middle = torch.nn.Linear(1, 8)
+
+    def forward(self, x):
+        y = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(self.middle(y.reshape(1, 1)).expand(64, 8) + x)
+
+
+def test_graphs_compiled_apart_share_the_step_host_budget():
+    torch.manual_seed(0)
+    model, x = TwoGraphs().train(), torch.randn(64, 8)
+    expected = loss_and_grads(model, x)
+
+    def records(**options):
+        torch._dynamo.reset()
+        backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, **options)
+        assert_same_step(expected, loss_and_grads(torch.compile(model, backend=backend), x))
+        assert len(backend.records) == 2
+        return [r.plan for r in backend.records]
+
+    free = [p.pinned_host_bytes for p in records()]
+    cap = sum(free) - free[1] // 2  # the first graph fits whole; the second gets what it leaves
+    capped = records(host_budget=cap)
+    assert [p.pinned_host_bytes for p in capped][0] == free[0]
+    assert capped[1].host_budget_bytes == cap - free[0]
+    assert sum(p.pinned_host_bytes for p in capped) <= cap
