@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
 import torch
+
+import fxoffload
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -36,11 +39,11 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama(layers: int = 2) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         bos_token_id=0, eos_token_id=0, use_cache=False,
     )
@@ -126,3 +129,43 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, *more: torch.Tenso
              if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+def measured_run(model: torch.nn.Module, batch: torch.Tensor, **options):
+    """Compile ``model`` with fxoffload (inner "eager", ``min_bytes`` 0, ``options``), run one step and
+    measure a second with ``fxoffload.measure_peak``: (its one graph's record, the first step's loss
+    and gradients, what was measured)."""
+    import fxoffload
+
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(**{"inner": "eager", "min_bytes": 0, **options})
+    compiled = torch.compile(model, backend=backend)
+    result = loss_and_grads(compiled, batch)
+    measured = fxoffload.measure_peak(loss_step, compiled, batch)
+    model.zero_grad(set_to_none=True)
+    assert len(backend.records) == 1
+    return backend.records[0], result, measured
+
+
+def per_layer_llama(layers: int = 8, **options):
+    """A Llama of ``layers`` decoder layers, each compiled on its own (torchtitan's and FSDP2's recipe),
+    and the same model in eager."""
+    torch.manual_seed(0)
+    eager = tiny_llama(layers).train()
+    model = copy.deepcopy(eager)
+    options.setdefault("all_eligible", options.get("memory_budget") is None)  # no budget: every copy it can make
+    backend = fxoffload.offload_backend(min_bytes=0, strategy="offload", **options)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    return eager, model, backend
+
+
+def returned_in_flight(events) -> list[int]:
+    """Invocations whose forward returned while one of its device-to-host copies was still running."""
+    return [e[1] for e in events if e[0] == "forward_end" and e[2] > 0]
+
+
+def started_before_own_backward(events) -> list[int]:
+    """Invocations with a host-to-device copy issued (ahead) before their own backward began."""
+    begun = {e[1]: i for i, e in enumerate(events) if e[0] == "backward_begin"}
+    return sorted({e[1] for i, e in enumerate(events) if e[0] == "h2d_issue" and i < begun[e[1]]})

@@ -10,7 +10,7 @@ import torch
 
 import fxoffload
 from passes.planning import BudgetInfeasibleWarning
-from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
+from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step, measured_run
 
 BUDGETS = [0.1, 0.3, 0.5, 0.7]
 # Measured totals hold 8 bytes more than the memory model places, on both models, at every budget and
@@ -25,16 +25,10 @@ def build(name):
 
 
 def compiled_run(model, ids, **options):
-    torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
-    compiled = torch.compile(model, backend=backend)
-    result = loss_and_grads(compiled, ids)  # compiles, and checks numerics below
-    measured = fxoffload.measure_peak(loss_step, compiled, ids)
-    model.zero_grad(set_to_none=True)
-    assert len(backend.records) == 1
+    record, result, measured = measured_run(model, ids, **options)  # numerics are checked by the callers
     global last_schedule
-    last_schedule = backend.records[0].schedule
-    return backend.records[0].plan, measured, result
+    last_schedule = record.schedule
+    return record.plan, measured, result
 
 
 last_schedule = None  # the schedule of compiled_run's last record

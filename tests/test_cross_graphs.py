@@ -6,16 +6,14 @@ in flight. Shown on the CPU engine, whose copies run on background threads, land
 ``copy_delay`` and leave poison (NaN) until they land.
 """
 
-import copy
 import gc
 import weakref
 
 import pytest
 import torch
 
-import fxoffload
 from fxoffload import runtime
-from tests.conftest import assert_same_step, lm_step
+from tests.conftest import assert_same_step, lm_step, per_layer_llama, returned_in_flight, started_before_own_backward
 
 ops = torch.ops.fxoffload
 CPU = torch.device("cpu")
@@ -128,30 +126,6 @@ def test_copies_started_ahead_and_never_claimed_are_dropped_when_the_next_step_b
 # --------------------------------------------------------------------------- layers compiled one at a time
 
 
-def tiny_llama(layers: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-def per_layer_llama(layers: int = 8, **options):
-    """A Llama of ``layers`` decoder layers, each compiled on its own (torchtitan's and FSDP2's recipe),
-    and the same model in eager."""
-    torch.manual_seed(0)
-    eager = tiny_llama(layers).train()
-    model = copy.deepcopy(eager)
-    options.setdefault("all_eligible", options.get("memory_budget") is None)  # no budget: every copy it can make
-    backend = fxoffload.offload_backend(min_bytes=0, strategy="offload", **options)
-    for layer in model.model.layers:
-        layer.compile(backend=backend)
-    return eager, model, backend
-
-
 def traced_steps(inner: str, cross_graphs: bool, steps: int = 2):
     # Planned per run (runs_per_step=1): planned for the step, this toy's copies (latency-bound:
     # 10 us each against a forward of a few us) would outlast the next layer's whole forward and
@@ -166,17 +140,6 @@ def traced_steps(inner: str, cross_graphs: bool, steps: int = 2):
     assert backend.records and all(r.plan.transfers for r in backend.records)
     last_step = max(i for i, e in enumerate(events) if e == ("forward_begin", 0))
     return backend, events[last_step:]
-
-
-def returned_in_flight(events) -> list[int]:
-    """Invocations whose forward returned while one of its device-to-host copies was still running."""
-    return [e[1] for e in events if e[0] == "forward_end" and e[2] > 0]
-
-
-def started_before_own_backward(events) -> list[int]:
-    """Invocations with a host-to-device copy issued (ahead) before their own backward began."""
-    begun = {e[1]: i for i, e in enumerate(events) if e[0] == "backward_begin"}
-    return sorted({e[1] for i, e in enumerate(events) if e[0] == "h2d_issue" and i < begun[e[1]]})
 
 
 @pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

@@ -4,8 +4,7 @@ checked against measured memory on GPT-2, Llama and ViT built from configs (inne
 import pytest
 import torch
 
-import fxoffload
-from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
+from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, measured_run
 
 
 class ImageLoss(torch.nn.Module):
@@ -40,14 +39,8 @@ OUTSIDE_THE_GRAPHS = 8
 
 
 def compiled_run(model, batch, **options):
-    torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
-    compiled = torch.compile(model, backend=backend)
-    result = loss_and_grads(compiled, batch)
-    measured = fxoffload.measure_peak(loss_step, compiled, batch)
-    model.zero_grad(set_to_none=True)
-    assert len(backend.records) == 1
-    return backend.records[0].plan, measured, result
+    record, result, measured = measured_run(model, batch, **options)
+    return record.plan, measured, result
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])

@@ -12,25 +12,14 @@ import torch
 import fxoffload
 from fxoffload.config import OptionError
 from passes.planning import pinned_block
-from tests.conftest import MLP, MODELS, CausalLMLoss, assert_same_step, lm_step, loss_and_grads, loss_step
-from tests.test_cross_graphs import per_layer_llama
+from tests.conftest import (
+    MLP, MODELS, CausalLMLoss, assert_same_step, lm_step, loss_and_grads, measured_run, per_layer_llama,
+)
 
 
 def build():
     torch.manual_seed(0)
     return CausalLMLoss(MODELS["llama"]()).train(), torch.randint(0, 256, (2, 32))
-
-
-def planned(model, ids, **options):
-    """One compiled step (checked against eager), the plan, and the host memory measured on the CPU engine."""
-    torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
-    compiled = torch.compile(model, backend=backend)
-    step = loss_and_grads(compiled, ids)
-    measured = fxoffload.measure_peak(loss_step, compiled, ids)
-    model.zero_grad(set_to_none=True)
-    assert len(backend.records) == 1
-    return backend.records[0], step, measured
 
 
 MODES = {
@@ -44,10 +33,10 @@ MODES = {
 def test_a_host_budget_below_the_uncapped_plans_host_memory_gives_a_plan_within_it(mode):
     model, ids = build()
     expected = loss_and_grads(model, ids)
-    free, _, _ = planned(model, ids, **MODES[mode])
+    free, _, _ = measured_run(model, ids, **MODES[mode])
     assert free.plan.pinned_host_bytes > 0
     cap = free.plan.pinned_host_bytes // 2
-    record, step, measured = planned(model, ids, host_budget=cap, **MODES[mode])
+    record, step, measured = measured_run(model, ids, host_budget=cap, **MODES[mode])
     plan = record.plan
     assert_same_step(expected, step)
     assert plan.transfers and plan.host_budget_bytes == cap
@@ -62,9 +51,9 @@ def test_a_host_budget_below_the_uncapped_plans_host_memory_gives_a_plan_within_
 
 def test_the_host_budget_keeps_the_copies_and_recomputes_the_rest_under_strategy_auto():
     model, ids = build()
-    free, _, _ = planned(model, ids)  # the smallest peak, strategy auto
+    free, _, _ = measured_run(model, ids)  # the smallest peak, strategy auto
     cap = free.plan.pinned_host_bytes // 4
-    record, _, measured = planned(model, ids, host_budget=cap)
+    record, _, measured = measured_run(model, ids, host_budget=cap)
     assert record.plan.pinned_host_bytes <= cap and measured.host_peak <= cap
     assert record.plan.recomputes  # the host budget moved work from copies to recomputation
 
@@ -73,7 +62,7 @@ def test_a_memory_budget_out_of_reach_within_the_host_budget_raises_naming_it():
     model, ids = build()
     with pytest.raises(Exception, match=r"memory_budget: the lowest activation peak is \d+ B \(.*, as far as "
                                         r"host_budget's 4096 B of pinned host memory allows\), above the budget"):
-        planned(model, ids, memory_budget=0.5, strategy="offload", host_budget=4096)
+        measured_run(model, ids, memory_budget=0.5, strategy="offload", host_budget=4096)
 
 
 def test_one_graph_serving_several_layers_holds_the_host_budget_over_its_runs():

@@ -7,8 +7,7 @@ import torch
 
 from passes.simulator import simulate
 from passes.step import simulate_step
-from tests.conftest import lm_step
-from tests.test_cross_graphs import per_layer_llama
+from tests.conftest import lm_step, per_layer_llama
 from tests.test_regions import per_layer_step
 
 
@@ -127,7 +126,7 @@ class LayerStack(torch.nn.Module):
 
     def __init__(self, layers: int) -> None:
         super().__init__()
-        from tests.test_cross_graphs import tiny_llama
+        from tests.conftest import tiny_llama
 
         llama = tiny_llama(layers).model
         self.embed, self.layers, self.rotary = llama.embed_tokens, llama.layers, llama.rotary_emb
