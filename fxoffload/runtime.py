@@ -428,11 +428,20 @@ class CpuEngine:
 # --------------------------------------------------------------------------- CUDA engine
 
 
+_CAPTURING = (
+    "fxoffload: a copy was issued while the current CUDA stream is capturing a CUDA graph. A replay would "
+    "run the copy without the runtime's bookkeeping (its wait, its source's lifetime), so fxoffload's "
+    "graphs cannot be captured: compile without mode='reduce-overhead' or 'max-autotune' (use "
+    "'max-autotune-no-cudagraphs'), and do not wrap the step in torch.cuda.graph or make_graphed_callables"
+)
+
+
 class CudaEngine:
     """One copy stream per direction and device; completion by CUDA events.
 
     Written against the CUDA stream/event API: ``streams`` is the slice of
-    ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``).
+    ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``,
+    ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises).
     This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
     fake of that API on CPU tensors, with ``pin_memory=False`` (pinning raises on a
     CPU-only build).
@@ -455,6 +464,8 @@ class CudaEngine:
 
     def _copy(self, direction: str, device: torch.device, dst, src, invocation: int | None) -> _Transfer:
         api = self.api
+        if api.is_current_stream_capturing():
+            raise RuntimeError(_CAPTURING)
         compute = api.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been

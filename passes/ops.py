@@ -36,14 +36,17 @@ from torch.fx.node import has_side_effect
 
 # flexible_layout: a compiler hands these ops its tensors as they are, rather
 # than copying them to the traced strides first (a wait on such a copy would
-# wait on a transfer that never happened).
-_TAGS = (torch.Tag.flexible_layout,)
+# wait on a transfer that never happened). cudagraph_unsafe: Inductor's CUDA
+# graph partitioning leaves them out of any captured region (a replay would
+# skip the runtime's bookkeeping); the CUDA engine also raises under capture.
+_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)  # older torch: none
+_TAGS = (torch.Tag.flexible_layout, *_UNSAFE)
 LIB = torch.library.Library("fxoffload", "DEF")
 LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_TAGS)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)
 LIB.define("wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)", tags=_TAGS)
 LIB.define("defer(Tensor(a) host, Tensor source) -> Tensor(a)", tags=_TAGS)
-LIB.define("prefetch_ahead(Tensor after, int nbytes) -> ()")
+LIB.define("prefetch_ahead(Tensor after, int nbytes) -> ()", tags=_UNSAFE)
 
 
 @torch.library.register_fake("fxoffload::offload", lib=LIB)

@@ -1,7 +1,7 @@
 """A fake of the CUDA stream and event API on CPU tensors, to run ``runtime.CudaEngine`` without a GPU.
 
 It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Event``,
-``current_stream``, ``stream``) and models what makes a GPU copy go wrong:
+``current_stream``, ``stream``, ``is_current_stream_capturing``) and models what makes a GPU copy go wrong:
 
 * **The compute stream runs at once.** Outside ``stream(side)`` the current stream is the
   compute stream of the device, and the ops issued there are plain eager CPU ops.
@@ -133,6 +133,7 @@ class FakeCuda:
 
     def __init__(self, complete_on_query: bool = False) -> None:
         self.complete_on_query = complete_on_query
+        self.capturing = False  # tests set it: a CUDA graph capture is under way on the current stream
         self.violations: list[str] = []
         self.copies_queued = 0
         self.copies_run = 0
@@ -150,6 +151,9 @@ class FakeCuda:
 
     def Event(self) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
         return FakeEvent(self)
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
 
     def current_stream(self, device: Any = None) -> FakeStream:
         if self._current is not None:

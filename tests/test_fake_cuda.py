@@ -15,9 +15,8 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from tests.conftest import MODELS, assert_same_step, lm_step
+from tests.conftest import MODELS, assert_same_step, lm_step, per_layer_llama, returned_in_flight, started_before_own_backward
 from tests.fake_cuda import FakeCuda
-from tests.test_cross_graphs import per_layer_llama, returned_in_flight, started_before_own_backward
 
 ops = torch.ops.fxoffload
 CPU = torch.device("cpu")
@@ -183,3 +182,20 @@ def test_a_cuda_engine_that_drops_a_deferred_source_early_is_caught_by_the_fake(
     runtime.reset()
     assert any("source's storage died" in v for v in fake.violations), fake.violations
     assert matched == [False]  # the copy of a dead source never ran: its host buffer is poison
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+def test_a_copy_issued_under_cuda_graph_capture_raises_clearly():
+    with cuda_engine_on_cpu() as fake:
+        fake.capturing = True
+        with pytest.raises(RuntimeError, match="capturing a CUDA graph.*cannot be captured.*max-autotune-no-cudagraphs"):
+            ops.offload(torch.randn(16))
+        fake.capturing = False
+        assert runtime.pending_transfers() == 0 and fake.copies_queued == 0
+
+
+def test_the_ops_are_tagged_for_inductors_cuda_graph_partitioning():
+    for op in (ops.offload, ops.prefetch, ops.wait, ops.defer, ops.prefetch_ahead):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op
