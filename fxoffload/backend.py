@@ -281,7 +281,7 @@ class _Compilation:
         def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
             self.capture(gm, is_backward)
             compiled = _eager_compile(gm, example_inputs)
-            return _dropping_copies_on_raise(compiled) if is_backward else compiled
+            return _run_backward(compiled, self.backend.config.debug) if is_backward else compiled
 
         return compile_graph
 
@@ -292,15 +292,15 @@ class _Compilation:
         if not kwargs.get("is_inference", False):
             self.capture(gm, is_backward)
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        return _dropping_copies_on_raise(compiled) if is_backward else compiled
+        return _run_backward(compiled, self.backend.config.debug) if is_backward else compiled
 
 
-def _dropping_copies_on_raise(compiled: Callable) -> Callable:
+def _run_backward(compiled: Callable, debug: bool) -> Callable:
     """A boxed backward that, when it raises, drops the copies it left in flight
-    (:func:`fxoffload.runtime.backward_graph`); forwards are run inside ``forward_invocation``."""
+    (:func:`fxoffload.runtime.backward_graph`), in debug mode under ``debug`` (forwards: see ``_track``)."""
 
     def run(args: list) -> Any:
-        with fxoffload.runtime.backward_graph():
+        with fxoffload.runtime.backward_graph(), fxoffload.runtime.debugging(debug):
             return compiled(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
@@ -446,7 +446,7 @@ class OffloadBackend:
                 if self._counted[region] > self._runs_of(region):
                     current[0] = self._replan(region, pending[0])
                 pending[0] = None  # once: the graph copy and its inputs go
-            with fxoffload.runtime.forward_invocation() as invocation:
+            with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
                 out = current[0](*args)
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:

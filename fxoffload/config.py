@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -145,6 +146,13 @@ class OffloadConfig:
     naming the ranks that differ. ``True``: every rank; a ``ProcessGroup``: its ranks (a pipeline
     stage); ``False``: no check."""
 
+    debug: bool = dataclasses.field(default_factory=lambda: os.environ.get("FXOFFLOAD_DEBUG", "") not in ("", "0"))
+    """Debug mode for the runtime (``fxoffload.runtime.debugging``): the CUDA engine fills each copy's
+    destination with NaN before the copy, so a consumer that misses its wait reads NaN instead of
+    stale memory, and every wait counts whether it stalled (``fxoffload.runtime.debug_counts()``).
+    Costs a fill per copy; plans are unchanged. Default: on when the environment sets
+    ``FXOFFLOAD_DEBUG`` (to anything but ``0``)."""
+
     host_budget: Any = None
     """Bound on the host memory the step's copies hold (they are all alive when the last forward
     ends), counted in the pinned blocks PyTorch's CUDA caching host allocator hands out (each copy
@@ -169,6 +177,8 @@ class OffloadConfig:
         if self.reserved and self.device_budget is None:
             raise OptionError("reserved", f"reserved={self.reserved!r}: counts against device_budget, which is not "
                               "given", named=True)
+        if not isinstance(self.debug, bool):
+            raise OptionError("debug", f"got {self.debug!r}; accepted: True or False")
         if not isinstance(self.all_eligible, bool):
             raise OptionError("all_eligible", f"got {self.all_eligible!r}; accepted: True or False")
         if self.all_eligible and (self.memory_budget is not None or self.device_budget is not None):

@@ -78,6 +78,7 @@ issued and landed, per invocation) for tests and debugging.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import threading
@@ -92,8 +93,8 @@ import torch
 from passes.ops import LIB as _lib
 
 __all__ = [
-    "CpuEngine", "CudaEngine", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "forward_invocation", "pending_transfers", "reset", "trace", "use_engine",
+    "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
+    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "reset", "trace", "use_engine",
 ]
 
 
@@ -115,6 +116,48 @@ class _Transfer:
 _pending: dict[int, _Transfer] = {}
 _registry_lock = threading.Lock()
 _serials = itertools.count(1)
+
+
+@dataclass
+class DebugCounts:
+    """What debug mode (:func:`debugging`) saw: ``waits`` checked, of which ``stalls`` found their copy
+    still running (compute waited there: a copy the schedule did not hide), and ``filled``
+    destinations the CUDA engine filled with NaN before their copy."""
+
+    waits: int = 0
+    stalls: int = 0
+    filled: int = 0
+
+
+_debug_depth = 0
+_debug_counts = DebugCounts()
+
+
+@contextlib.contextmanager
+def debugging(enabled: bool = True) -> Iterator[None]:
+    """Debug mode inside the block (the backend enters it around its graphs under ``debug=True``): the
+    CUDA engine fills each destination with NaN on the compute stream before its copy, so a consumer
+    that runs before its ``wait`` reads NaN rather than a recycled block that may hold last step's
+    identical values (the CPU engine always poisons); and every ``wait`` checks whether its copy
+    had landed, counting the stalls (:func:`debug_counts`)."""
+    global _debug_depth
+    if not enabled:
+        yield
+        return
+    _debug_depth += 1
+    try:
+        yield
+    finally:
+        _debug_depth -= 1
+
+
+def debug_counts(reset: bool = False) -> DebugCounts:
+    """A copy of what debug mode has counted so far; ``reset`` starts the counts again from zero."""
+    global _debug_counts
+    counts = dataclasses.replace(_debug_counts)
+    if reset:
+        _debug_counts = DebugCounts()
+    return counts
 
 
 def _register(result: torch.Tensor, transfer: _Transfer) -> None:
@@ -466,6 +509,9 @@ class CudaEngine:
         api = self.api
         if api.is_current_stream_capturing():
             raise RuntimeError(_CAPTURING)
+        if _debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
+            _poison(dst)
+            _debug_counts.filled += 1
         compute = api.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
@@ -606,6 +652,9 @@ def _wait(t: torch.Tensor, keepalive: torch.Tensor) -> torch.Tensor:
             "fxoffload.wait: no pending transfer for this tensor; every wait must "
             "follow the offload or prefetch that produced it, exactly once"
         )
+    if _debug_depth:
+        _debug_counts.waits += 1
+        _debug_counts.stalls += not transfer.done()
     transfer.finish()
     transfer.keep = ()  # the copy's source (and, on CUDA, its destination) may go now
     return t

@@ -8,7 +8,8 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
 * **A side stream is a queue.** A ``Tensor.copy_`` issued inside ``with fake.stream(side)``
   is queued, not run. Its destination is filled with poison (NaN, or the dtype's minimum) at
   once: its contents are undefined until the copy runs, so a reader that skipped its wait
-  reads poison, as it would read a recycled block on a GPU.
+  reads poison. ``poison=False`` leaves the destination as it was, as a GPU does (a recycled
+  block, often holding last step's identical values): what debug mode is for.
 * **Events mark queue positions.** ``event.record(side)`` marks the side queue's end;
   ``compute.wait_event(event)`` runs that queue up to the mark (compute now comes after
   those copies); ``event.synchronize()`` does the same. ``event.query()`` reports whether the
@@ -131,8 +132,9 @@ class _QueueCopies(TorchFunctionMode):
 class FakeCuda:
     """The fake API; pass it as ``CudaEngine(streams=fake, pin_memory=False)``."""
 
-    def __init__(self, complete_on_query: bool = False) -> None:
+    def __init__(self, complete_on_query: bool = False, poison: bool = True) -> None:
         self.complete_on_query = complete_on_query
+        self.poison = poison
         self.capturing = False  # tests set it: a CUDA graph capture is under way on the current stream
         self.violations: list[str] = []
         self.copies_queued = 0
@@ -197,8 +199,9 @@ class FakeCuda:
     def _queue(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy = _Copy(self._view(dst), self._view(src), stream, self.copies_queued)
         self.copies_queued += 1
-        with torch._C.DisableTorchFunction():
-            poison(dst)  # undefined until the copy runs
+        if self.poison:
+            with torch._C.DisableTorchFunction():
+                poison(dst)  # undefined until the copy runs
         for role, t in (("destination", dst), ("source", src)):
             self._watch(t.untyped_storage(), copy, role)
         stream.queue.append(copy)

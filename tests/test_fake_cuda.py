@@ -23,9 +23,9 @@ CPU = torch.device("cpu")
 
 
 @contextlib.contextmanager
-def cuda_engine_on_cpu(engine_class=runtime.CudaEngine, complete_on_query=False):
+def cuda_engine_on_cpu(engine_class=runtime.CudaEngine, complete_on_query=False, poison=True):
     """CPU tensors copied by ``engine_class`` (the CUDA engine) over a fresh fake; yields the fake."""
-    fake = FakeCuda(complete_on_query=complete_on_query)
+    fake = FakeCuda(complete_on_query=complete_on_query, poison=poison)
     with runtime.use_engine("cpu", engine_class(streams=fake, pin_memory=False)):
         yield fake
 
@@ -199,3 +199,67 @@ def test_a_copy_issued_under_cuda_graph_capture_raises_clearly():
 def test_the_ops_are_tagged_for_inductors_cuda_graph_partitioning():
     for op in (ops.offload, ops.prefetch, ops.wait, ops.defer, ops.prefetch_ahead):
         assert torch.Tag.cudagraph_unsafe in op.default.tags, op
+
+
+# --------------------------------------------------------------------------- debug mode
+
+
+def compiled_llama(**options):
+    torch.manual_seed(0)
+    model = MODELS["llama"]().train()
+    ids = torch.randint(0, 256, (2, 16))
+    expected = lm_step(model, ids)
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(min_bytes=0, inner="eager", **options)
+    return torch.compile(model, backend=backend), backend, ids, expected
+
+
+def test_debug_mode_turns_a_missing_wait_into_nan_where_a_gpu_would_read_stale_memory():
+    """The fake without poison leaves a destination as a GPU does: whatever the block held. A backward
+    with a wait removed then reads that, silently; in debug mode it reads NaN."""
+    compiled, backend, ids, expected = compiled_llama(debug=True)
+    with cuda_engine_on_cpu(poison=False) as fake:
+        assert_same_step(expected, lm_step(compiled, ids))
+        assert fake.violations == []
+        bw = backend.records[0].backward
+        wait = next(n for n in bw.graph.nodes if n.target is torch.ops.fxoffload.wait.default)
+        wait.replace_all_uses_with(wait.args[0])  # its consumers read the prefetch's result: a race
+        bw.graph.erase_node(wait)
+        bw.recompile()
+        _, grads = lm_step(compiled, ids)
+    assert any(not torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("complete_on_query", [False, True])
+def test_debug_mode_counts_the_waits_whose_copy_had_not_landed(complete_on_query):
+    compiled, backend, ids, expected = compiled_llama(debug=True)
+    runtime.debug_counts(reset=True)
+    with cuda_engine_on_cpu(complete_on_query=complete_on_query) as fake:
+        assert_same_step(expected, lm_step(compiled, ids))
+    counts = runtime.debug_counts(reset=True)
+    transfers = len(backend.records[0].plan.transfers)
+    assert counts.waits == 2 * transfers and counts.filled == fake.copies_queued == 2 * transfers
+    # A link that keeps up has landed every copy by its wait. One that never does runs a stream's copies
+    # only when a wait comes for one of them (and those queued before it): the first wait on each
+    # stream stalls, a wait whose copy an earlier wait pulled through does not.
+    if complete_on_query:
+        assert counts.stalls == 0
+    else:
+        assert 2 <= counts.stalls < counts.waits
+
+
+def test_without_debug_mode_nothing_is_filled_or_counted():
+    compiled, _, ids, expected = compiled_llama()
+    runtime.debug_counts(reset=True)
+    with cuda_engine_on_cpu():
+        assert_same_step(expected, lm_step(compiled, ids))
+    assert runtime.debug_counts() == runtime.DebugCounts()
+
+
+def test_the_environment_turns_debug_mode_on(monkeypatch):
+    monkeypatch.setenv("FXOFFLOAD_DEBUG", "1")
+    assert fxoffload.offload_backend().config.debug
+    monkeypatch.setenv("FXOFFLOAD_DEBUG", "0")
+    assert not fxoffload.offload_backend().config.debug
+    with pytest.raises(fxoffload.OptionError, match="^debug: got 'yes'; accepted: True or False"):
+        fxoffload.offload_backend(debug="yes")
