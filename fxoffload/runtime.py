@@ -471,6 +471,19 @@ class CpuEngine:
 # --------------------------------------------------------------------------- CUDA engine
 
 
+def _dense_ends(src: torch.Tensor, dst: torch.Tensor):
+    """Both ends of a copy as contiguous blocks, made on the compute stream: ``copy_`` between
+    layouts that differ (a transposed, channels-last or padded device tensor against the contiguous
+    host buffer) would build a full-size temporary on the copy stream, in a pool compute cannot
+    reuse. A device source is made contiguous first; a strided device destination gets a contiguous
+    landing buffer, copied into it when compute waits (``strided``, returned third)."""
+    if not src.is_contiguous():
+        src = src.contiguous()
+    if dst.is_contiguous():
+        return src, dst, None
+    return src, torch.empty(dst.shape, dtype=dst.dtype, device=dst.device), dst
+
+
 _CAPTURING = (
     "fxoffload: a copy was issued while the current CUDA stream is capturing a CUDA graph. A replay would "
     "run the copy without the runtime's bookkeeping (its wait, its source's lifetime), so fxoffload's "
@@ -512,6 +525,7 @@ class CudaEngine:
         if _debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
             _poison(dst)
             _debug_counts.filled += 1
+        src, dst, strided = _dense_ends(src, dst)
         compute = api.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
@@ -524,10 +538,13 @@ class CudaEngine:
 
         def finish() -> None:
             api.current_stream(device).wait_event(event)
+            if strided is not None:  # on the compute stream, after the copy: the layout the graph asked for
+                strided.copy_(dst)
 
         # ``event.query()`` is true once the copy has run on the device: a deferred source
         # may then be freed without ordering compute after the event.
-        return _Transfer(finish, (src, dst), direction, event.query, invocation=invocation)
+        keep = (src, dst) if strided is None else (src, dst, strided)
+        return _Transfer(finish, keep, direction, event.query, invocation=invocation)
 
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=self._pin_memory)

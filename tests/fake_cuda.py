@@ -22,6 +22,8 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
   hand that block to the next kernel while the copy still reads or writes it. Violations are
   collected in ``fake.violations`` (a weak-reference callback cannot raise); a queued copy
   whose storage died is skipped when its turn comes.
+* **One block per copy.** A side-stream copy between layouts that differ (or a strided,
+  padded one) would make ``copy_`` build a full-size temporary on that stream: a violation.
 
 Not modelled: copies that run concurrently with compute (here they run when waited for,
 the latest a GPU could run them), kernels other than ``copy_`` on side streams (they run at
@@ -45,6 +47,26 @@ def poison(t: torch.Tensor) -> None:
         t.fill_(math.nan)
     elif t.dtype != torch.bool:
         t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers one block of memory exactly (dense and non-overlapping, in some dim order)."""
+    expected = 1
+    dims = sorted(((st, s) for s, st in zip(t.shape, t.stride()) if s != 1))
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _one_block(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``copy_`` between the two is one block copy: the same strides, each dense."""
+    def layout(t: torch.Tensor) -> tuple:  # the stride of a dim of size 1 never matters
+        return tuple(st for s, st in zip(t.shape, t.stride()) if s != 1)
+
+    with torch._C.DisableTorchFunction():
+        return layout(dst) == layout(src) and _dense(dst) and _dense(src)
 
 
 @dataclass(frozen=True)
@@ -199,6 +221,10 @@ class FakeCuda:
     def _queue(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy = _Copy(self._view(dst), self._view(src), stream, self.copies_queued)
         self.copies_queued += 1
+        if not _one_block(dst, src):
+            self.violations.append(
+                f"copy {copy.number}: layouts {tuple(src.stride())} -> {tuple(dst.stride())} on a side stream: copy_ "
+                "would build a full-size temporary there, in a pool compute cannot reuse")
         if self.poison:
             with torch._C.DisableTorchFunction():
                 poison(dst)  # undefined until the copy runs

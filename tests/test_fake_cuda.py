@@ -83,9 +83,20 @@ def test_a_query_completes_the_copy_only_when_the_fake_is_told_the_link_keeps_up
 # --------------------------------------------------------------------------- the engine's ops
 
 
-def test_round_trip_through_the_cuda_engine_over_the_fake():
+LAYOUTS = {
+    "contiguous": lambda: torch.randn(8, 16),
+    "transposed": lambda: torch.randn(16, 8).t(),
+    "padded": lambda: torch.randn(8, 16)[:, ::2],
+    "channels-last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_round_trip_through_the_cuda_engine_copies_one_block_each_way(layout):
+    """The copy streams see dense blocks only (a strided end would make copy_ allocate a temporary
+    on the copy stream); the prefetched tensor has the layout asked for."""
     with cuda_engine_on_cpu() as fake:
-        x = torch.randn(8, 16)[:, ::2]  # not contiguous: the destinations keep the layout asked for
+        x = LAYOUTS[layout]()
         host = ops.wait(ops.offload(x), x)
         dev = ops.wait(ops.prefetch(host, CPU, list(x.shape), list(x.stride())), host)
         assert torch.equal(dev, x) and dev.stride() == x.stride()
@@ -145,12 +156,14 @@ def test_whole_model_through_the_cuda_engine_matches_eager(inner, complete_on_qu
 
 @pytest.mark.parametrize("broken", [SourceDroppedEarly, WaitSkipped])
 def test_a_broken_cuda_engine_is_caught_by_the_fake(broken):
+    # WaitSkipped: sources die at their wait with the copy still queued, and the backward reads poison.
+    # SourceDroppedEarly: the graph's keepalive holds each source it passes until its wait, but not the
+    # contiguous copy the engine makes of a strided source (the tiny Llama's transposed ones): only the
+    # transfer holds that, and it dies unread.
     fake, matched, _, _ = whole_model_steps(broken, steps=1)
     runtime.reset()
-    if broken is SourceDroppedEarly:  # the graph's keepalive holds each source until its wait
-        assert matched == [True] and fake.violations == []
-    else:  # sources die at their wait with the copy still queued; the backward reads poison
-        assert fake.violations and matched == [False]
+    assert any("storage died" in v for v in fake.violations), fake.violations
+    assert matched == [False]
 
 
 def per_layer_steps(engine_class, inner="eager", complete_on_query=False, steps=2):
