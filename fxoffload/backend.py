@@ -54,8 +54,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.config import OffloadConfig, config_from_options
-from fxoffload.explain import explain
+from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
+from fxoffload.profiles import available_host_memory
 from fxoffload.ranks import check_plans_agree
 from passes import (
     Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
@@ -318,6 +319,7 @@ class OffloadBackend:
         self._held: dict[tuple, int] = {}
         # Pinned host bytes each region's copies take per run (predicted), by region, in the same order.
         self._host_held: dict[tuple, int] = {}
+        self._host_warned = False
         self._compile_count: dict[Any, int] = {}
         # Forwards of each region since the last backward began (see _count_forwards).
         self._forwards: dict[tuple, int] = {}
@@ -394,6 +396,7 @@ class OffloadBackend:
             warnings.warn(warning, stacklevel=2)
         self._held[region] = held_after_forward(result.plan, result.timeline, result.schedule)
         self._host_held[region] = result.plan.pinned_host_bytes
+        self._check_host_memory(fw)
         record = GraphRecord(
             len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
             result.timeline, self.config.profile, result.work, place, held_before,
@@ -472,6 +475,23 @@ class OffloadBackend:
                                             replan.patches)
         self._record_of[region].runs_learned = True
         return compiled
+
+    def _check_host_memory(self, fw: fx.GraphModule) -> None:
+        """On CUDA, warn once when the copies' predicted pinned host memory (every region, every run)
+        exceeds what this process may still take (``available_host_memory``: cgroup-aware). The plan
+        does not read it: plans do not depend on the machine's state."""
+        if self._host_warned or not _on_cuda(fw):
+            return
+        need = sum(nbytes * self._runs_of(r) for r, nbytes in self._host_held.items())
+        free = available_host_memory()
+        if free is None or need <= free:
+            return
+        self._host_warned = True
+        warnings.warn(
+            f"fxoffload: the step's copies are predicted to take {need} B of pinned host memory ({format_bytes(need)} "
+            f"in the caching host allocator's power-of-two blocks, every compiled graph and run), more than the "
+            f"{free} B ({format_bytes(free)}) this process may still take (MemAvailable, and its cgroup's memory "
+            "limit). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
 
     def _note_forward(self, region: tuple) -> None:
         if self._backward_seen:  # the first forward of a new step
@@ -570,6 +590,12 @@ def input_activations(example_inputs: list[Any]) -> frozenset[int]:
     counted there, not again."""
     return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
                      and t.requires_grad and not t.is_leaf and not _held_by_maker(t))
+
+
+def _on_cuda(fw: fx.GraphModule) -> bool:
+    """Whether the forward graph takes CUDA tensors (its copies then take pinned host memory)."""
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
+               for n in fw.graph.nodes if n.op == "placeholder")
 
 
 def _held_by_maker(t: torch.Tensor) -> bool:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import torch
 
 from passes.cost_model import DeviceProfile
 
-__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "calibrate", "resolve_profile"]
+__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "resolve_profile"]
 
 GB = 1e9
 T = 1e12
@@ -191,3 +192,28 @@ def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int =
             flops.append((dtype, 2 * n**3 / _timed(lambda: a @ a, repeats)))
     name = f"calibrated:{torch.cuda.get_device_name(device)}"
     return DeviceProfile(name, tuple(flops), memory, h2d, d2h, duplex, latency, "fxoffload.calibrate() on this machine")
+
+
+def available_host_memory(meminfo: "str | Path" = "/proc/meminfo", cgroup: "str | Path" = "/sys/fs/cgroup") -> int | None:
+    """Bytes of host memory this process may still take: the smaller of the kernel's ``MemAvailable``
+    and what its cgroup's limit leaves (v2 ``memory.max`` less ``memory.current``; v1
+    ``memory/memory.limit_in_bytes`` less ``memory/memory.usage_in_bytes``). None where neither can
+    be read (not Linux). Containers and batch schedulers cap memory by cgroup, below what
+    ``/proc/meminfo`` shows."""
+    figures = []
+    meminfo, cgroup = Path(meminfo), Path(cgroup)
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
+        if match:
+            figures.append(int(match.group(1)) * 1024)
+    except OSError:
+        pass
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap, used = (cgroup / limit).read_text().strip(), (cgroup / usage).read_text().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and used.isdigit() and int(cap) < 1 << 60:  # "max", or v1's huge "unlimited"
+            figures.append(max(int(cap) - int(used), 0))
+    return min(figures) if figures else None

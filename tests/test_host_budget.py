@@ -6,6 +6,8 @@ CPU engine allocates the exact bytes, which ``measure_peak`` sees as host memory
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -120,3 +122,44 @@ def test_graphs_compiled_apart_share_the_step_host_budget():
     assert [p.pinned_host_bytes for p in capped][0] == free[0]
     assert capped[1].host_budget_bytes == cap - free[0]
     assert sum(p.pinned_host_bytes for p in capped) <= cap
+
+
+# --------------------------------------------------------------------------- available host memory
+
+
+def test_available_host_memory_is_the_smaller_of_memavailable_and_the_cgroup_limit(tmp_path):
+    from fxoffload.profiles import available_host_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir(), (v1 / "memory").mkdir(parents=True)
+    (v2 / "memory.max").write_text("8000000000\n")
+    (v2 / "memory.current").write_text("3000000000\n")
+    assert available_host_memory(meminfo, v2) == 5_000_000_000  # the cgroup leaves less than the machine
+    (v2 / "memory.max").write_text("max\n")
+    assert available_host_memory(meminfo, v2) == 20_000_000 * 1024  # no cgroup limit
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "unlimited"
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("1000\n")
+    assert available_host_memory(meminfo, v1) == 20_000_000 * 1024
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("4096\n")
+    assert available_host_memory(meminfo, v1) == 3096
+    assert available_host_memory(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_on_cuda_a_step_whose_copies_exceed_the_free_host_memory_warns_once(monkeypatch):
+    import fxoffload.backend as backend_module
+
+    # This machine has no CUDA tensors to trace: the graph is taken to be on CUDA, and the host to
+    # have 1000 B left, so that the warning's own logic runs.
+    monkeypatch.setattr(backend_module, "_on_cuda", lambda fw: True)
+    monkeypatch.setattr(backend_module, "available_host_memory", lambda: 1000)
+    model, ids = build()
+    with pytest.warns(UserWarning, match=r"predicted to take \d+ B of pinned host memory .* more than the 1000 B "
+                                         r".* this process may still take .* pass host_budget") as caught:
+        record, _, _ = measured_run(model, ids, all_eligible=True)
+    assert len([w for w in caught if "pinned host memory" in str(w.message)]) == 1
+    assert record.plan.pinned_host_bytes > 1000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the host budget: nothing to say
+        measured_run(model, ids, all_eligible=True, host_budget=1000)
