@@ -62,6 +62,30 @@ PROFILES: dict[str, DeviceProfile] = {
         "gh200", _flops(990, 990, 67), 3.6e12, 335 * GB, 292 * GB, False, LATENCY,
         "bandwidthTest slitvinov/grace; NVIDIA/nvbandwidth#23,#41",
     ),
+    # Four GH200 superchips in one node (NV6 between the GPUs). Link: nvbandwidth, CE CPU->GPU 411.6-421.1 /
+    # GPU->CPU 169.9-170.1 GB/s per GPU, the same with every GPU copying at once (NVIDIA/Megatron-LM#6491):
+    # unlike a lone superchip (the "gh200" profile), host-to-device runs at about 2.4x device-to-host.
+    # Not duplex (as "gh200"). Compute and memory: as "gh200". Auto-detection cannot tell the two
+    # apart from the device name: pass device_profile="gh200-x4" on such nodes.
+    "gh200-x4": DeviceProfile(
+        "gh200-x4", _flops(990, 990, 67), 3.6e12, 411 * GB, 170 * GB, False, LATENCY,
+        "nvbandwidth 4xGH200 NVIDIA/Megatron-LM#6491",
+    ),
+    # H200 SXM (HGX H200), host link PCIe Gen5 x16 as on HGX H100. Link: no H200 measurement found;
+    # estimated as the H100 SXM's measured Gen5 link (51 / 52 GB/s, "h100-pcie5"), full duplex as there.
+    # Compute: the same GH100 die as H100, dense BF16/FP16 989, FP32 67 (datasheet). Memory: 4.8 TB/s
+    # HBM3e (datasheet; no sustained measurement found).
+    "h200": DeviceProfile(
+        "h200", _flops(989, 989, 67), 4.8e12, 51 * GB, 52 * GB, True, LATENCY,
+        "estimate (link as h100-pcie5; no H200 measurement found); H200 datasheet",
+    ),
+    # L40S on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards (25 GB/s each
+    # way, not duplex, as "l4"). Compute: L40S datasheet dense BF16/FP16 362, FP32 91.6. Memory: 864 GB/s
+    # spec.
+    "l40s": DeviceProfile(
+        "l40s", _flops(362, 362, 91.6), 864 * GB, 25 * GB, 25 * GB, False, LATENCY,
+        "estimate (Gen4 class; no L40S measurement found); L40S datasheet",
+    ),
     # L4 on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards,
     # ~25 GB/s each way, not duplex. Compute: L4 datasheet dense BF16/FP16 121, FP32 30.3.
     # Memory: 300 GB/s spec.
@@ -86,7 +110,8 @@ DEFAULT_PROFILE = "h100-pcie5"
 # The profile of each GPU model, by the model's word in the CUDA device name ("NVIDIA H100 80GB HBM3",
 # "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"). Whole words: "L40S" is not an "L4", nor "H200"
 # an "H100" (their links and compute differ: an H20 computes at about 15% of an H100).
-_MODEL_WORDS = {"gh200": "gh200", "h100": "h100-pcie5", "a100": "a100-pcie4", "l4": "l4", "4090": "rtx4090"}
+_MODEL_WORDS = {"gh200": "gh200", "h100": "h100-pcie5", "h200": "h200", "a100": "a100-pcie4", "l40s": "l40s", "l4": "l4",
+                "4090": "rtx4090"}
 _warned_names: set[str] = set()
 
 

@@ -88,7 +88,7 @@ def test_memory_budget_forms(value, fraction, nbytes):
         ({"solver_node_limit": 0}, r"solver_node_limit: got 0; accepted: an int >= 1"),
         ({"solver_node_limit": 10.5}, r"solver_node_limit: got 10.5"),
         ({"check_ranks": "yes"}, r"check_ranks: got 'yes'; accepted: True \(every rank\), False, or a torch.distributed"),
-        ({"device_profile": "tpu-v5"}, "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, h100-pcie5"),
+        ({"device_profile": "tpu-v5"}, "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, gh200-x4, h100-pcie5, h200, l4, l40s, rtx4090"),
     ],
 )
 def test_bad_planner_options(options, message):
@@ -114,6 +114,7 @@ def test_profiles_are_complete_and_cited():
 @pytest.mark.parametrize("name, profile", [
     ("NVIDIA H100 80GB HBM3", "h100-pcie5"), ("NVIDIA H100 PCIe", "h100-pcie5"), ("NVIDIA GH200 480GB", "gh200"),
     ("NVIDIA A100-SXM4-80GB", "a100-pcie4"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200"), ("NVIDIA L40S", "l40s"),
 ])
 def test_a_cuda_device_name_picks_its_profile(name, profile):
     from fxoffload.profiles import _from_cuda_name
@@ -121,8 +122,7 @@ def test_a_cuda_device_name_picks_its_profile(name, profile):
     assert _from_cuda_name(name) == profile
 
 
-@pytest.mark.parametrize("name", ["NVIDIA L40S", "NVIDIA H200", "NVIDIA H20", "NVIDIA A800-SXM4-80GB", "NVIDIA A10G",
-                                  "NVIDIA GB200"])
+@pytest.mark.parametrize("name", ["NVIDIA H20", "NVIDIA A800-SXM4-80GB", "NVIDIA A10G", "NVIDIA GB200", "NVIDIA L40"])
 def test_a_gpu_without_a_profile_warns_naming_it_instead_of_matching_a_lookalike(name):
     from fxoffload import profiles
 
@@ -164,3 +164,19 @@ def test_an_option_error_carries_the_option_and_what_is_wrong(options, option, d
         fxoffload.offload_backend(**options)
     assert raised.value.option == option and raised.value.detail.startswith(detail)
     assert isinstance(raised.value, ValueError)  # what callers caught before
+
+
+def test_a_planned_copy_on_the_gh200_node_takes_each_direction_at_its_own_bandwidth():
+    """Megatron-LM#6491 (nvbandwidth, 4xGH200): host-to-device 411, device-to-host 170 GB/s. Each placed
+    copy's predicted seconds, less the link latency, are its bytes over its direction's bandwidth."""
+    from tests.conftest import MODELS, CausalLMLoss, measured_run
+
+    torch.manual_seed(0)
+    record, _, _ = measured_run(CausalLMLoss(MODELS["llama"]()).train(), torch.randint(0, 256, (2, 32)),
+                                all_eligible=True, device_profile="gh200-x4")
+    profile = record.profile
+    assert profile.name == "gh200-x4"
+    for placement in record.schedule.placements:
+        nbytes = int(record.plan.transfers[placement.transfer].nbytes)
+        assert placement.d2h_seconds - profile.copy_latency == pytest.approx(nbytes / 170e9)
+        assert placement.h2d_seconds - profile.copy_latency == pytest.approx(nbytes / 411e9)
