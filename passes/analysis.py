@@ -50,6 +50,7 @@ __all__ = [
     "is_anchored_compute",
     "is_rng_state",
     "tensor_nbytes",
+    "traced_value",
     "recompute_chain",
     "is_random",
     "MAX_CHAIN",
@@ -62,7 +63,8 @@ __all__ = [
 MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the partitioner's own recomputation
 
 
-def _fake(node: Any) -> Any:
+def traced_value(node: Any) -> Any:
+    """The value a node was traced with (a fake tensor, a symbol, a list of them); None for a non-node."""
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
@@ -74,7 +76,7 @@ def tensor_storage_key(t: torch.Tensor) -> int:
 
 def storage_key(node: fx.Node) -> int | None:
     """Identity of the storage behind ``node``'s traced value (None if not a tensor)."""
-    val = _fake(node)
+    val = traced_value(node)
     return tensor_storage_key(val) if isinstance(val, torch.Tensor) else None
 
 
@@ -102,7 +104,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
 
 
 def _output_storages(node: fx.Node) -> set[int]:
-    val = _fake(node)
+    val = traced_value(node)
     values = val if isinstance(val, (list, tuple)) else [val]
     return {tensor_storage_key(v) for v in values if isinstance(v, torch.Tensor)}
 
@@ -148,10 +150,10 @@ def saved_interface(fw: fx.Graph, bw: fx.Graph, num_user_outputs: int) -> SavedI
     """Read the saved-tensor contract off a partitioned pair (see module docstring)."""
     outputs = tuple(fw.output_node().args[0])
     saved = outputs[num_user_outputs:]
-    tensors = [n for n in saved if isinstance(_fake(n), torch.Tensor)]
+    tensors = [n for n in saved if isinstance(traced_value(n), torch.Tensor)]
     if tuple(saved[: len(tensors)]) != tuple(tensors):
         raise AssertionError("fxoffload: saved tensors are not a prefix of the saved values")
-    num_syms = sum(isinstance(_fake(n), (torch.SymInt, torch.SymFloat, torch.SymBool, int)) for n in saved)
+    num_syms = sum(isinstance(traced_value(n), (torch.SymInt, torch.SymFloat, torch.SymBool, int)) for n in saved)
     placeholders = list(bw.find_nodes(op="placeholder"))
     bw_saved = placeholders[num_syms : num_syms + len(tensors)]
     for f, b in zip(tensors, bw_saved):
@@ -260,7 +262,7 @@ def saved_activations(interface: SavedInterface) -> tuple[SavedActivation, ...]:
                 base=base,
                 view_chain=chain,
                 nbytes=tensor_nbytes(f.meta["val"]),
-                base_nbytes=tensor_nbytes(base.meta["val"]) if isinstance(_fake(base), torch.Tensor) else 0,
+                base_nbytes=tensor_nbytes(base.meta["val"]) if isinstance(traced_value(base), torch.Tensor) else 0,
             )
         )
     return tuple(result)
@@ -277,8 +279,8 @@ def last_storage_use(fw: fx.Graph) -> dict[int, int]:
             key = storage_key(arg)
             if key is not None:
                 last[key] = max(last.get(key, -1), position[node])
-            elif isinstance(_fake(arg), (list, tuple)):
-                for v in _fake(arg):
+            elif isinstance(traced_value(arg), (list, tuple)):
+                for v in traced_value(arg):
                     if isinstance(v, torch.Tensor):
                         k = tensor_storage_key(v)
                         last[k] = max(last.get(k, -1), position[node])

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from passes.analysis import is_compute, tensor_nbytes
+from passes.analysis import is_compute, tensor_nbytes, traced_value
 from passes.memory import concrete
 
 __all__ = ["DeviceProfile", "Work", "node_time", "node_times", "node_work", "roofline", "transfer_time",
@@ -47,10 +47,6 @@ class DeviceProfile:
         return table.get(dtype, table.get(torch.float32, min(table.values())))
 
 
-def _fake(arg: Any) -> Any:
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-
 def value_nbytes(val: Any) -> int:
     """Bytes of a traced value: a tensor, or the tensors of a list or tuple (0 for anything else)."""
     if isinstance(val, torch.Tensor):
@@ -64,7 +60,7 @@ def _flops(node: fx.Node) -> int:
     counter = flop_registry.get(getattr(node.target, "overloadpacket", None))
     if counter is None:
         return 0
-    args, kwargs = fx.map_arg((node.args, node.kwargs), _fake)
+    args, kwargs = fx.map_arg((node.args, node.kwargs), traced_value)
     try:
         flops = counter(*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # an unusual overload the counter does not handle: bandwidth-only estimate
@@ -88,7 +84,7 @@ def node_work(node: fx.Node) -> Work | None:
         return None
     out = node.meta.get("val")
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
-    moved = value_nbytes(out) + sum(value_nbytes(_fake(a)) for a in node.all_input_nodes)
+    moved = value_nbytes(out) + sum(value_nbytes(traced_value(a)) for a in node.all_input_nodes)
     return Work(flops=_flops(node), moved=moved, dtype=dtype)
 
 
