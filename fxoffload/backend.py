@@ -71,9 +71,9 @@ log = logging.getLogger(__name__)
 __all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GraphRecord:
-    """What fxoffload did to one compiled graph."""
+    """What fxoffload did to one compiled graph (built by keyword: its fields are many and alike)."""
 
     index: int
     forward: fx.GraphModule  # rewritten forward, as handed to the inner compiler
@@ -398,9 +398,10 @@ class OffloadBackend:
         self._host_held[region] = result.plan.pinned_host_bytes
         self._check_host_memory(fw)
         record = GraphRecord(
-            len(self.records), fw, bw, result.plan, result.schedule, result.seconds, self.config.inner,
-            result.timeline, self.config.profile, result.work, place, held_before,
-            held_before + self._held[region],
+            index=len(self.records), forward=fw, backward=bw, plan=result.plan, schedule=result.schedule,
+            pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
+            profile=self.config.profile, work=result.work, region=place, held_before=held_before,
+            held_after=held_before + self._held[region],
         )
         self.records.append(record)
         self._record_of[region] = record
