@@ -1,0 +1,105 @@
+"""Host cost of one transfer: the four op calls (offload, its wait, prefetch, its wait), measured here.
+
+Issue 17, defect 8: the cost model prices a copy by its link time, but each transfer also costs four
+Python op calls on the thread that issues compute (registry, lock, streams, events). This script
+measures that, per op and per transfer, with a 4 KiB tensor so that the copy itself is negligible:
+
+* on the CPU engine (background copy threads): the path CI runs;
+* on the CUDA engine's own Python path over ``tests/fake_cuda.py`` (a copy runs when its wait comes).
+  The fake's streams and events are Python objects, not CUDA's C++ calls, so this is the engine's
+  bookkeeping on this CPU, not what a GPU host pays: the figure to compare with ``calibrate``-style
+  measurements once a GPU is lent.
+
+Beside them, the predicted link time of a 64 KiB copy on ``h100-pcie5`` (the default ``min_bytes``),
+from the profile: what the cost model charges today. The model does not add the host cost yet.
+
+    python benchmarks/op_cost.py [--calls 3000] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from fxoffload import runtime  # noqa: E402
+from fxoffload.profiles import PROFILES  # noqa: E402
+from results import write_section  # noqa: E402
+from tests.fake_cuda import FakeCuda  # noqa: E402
+
+OPS = ("offload", "wait (offload)", "prefetch", "wait (prefetch)")
+
+
+def per_op_seconds(calls: int) -> dict[str, float]:
+    """Median seconds per call of each op, on whatever engine copies CPU tensors now."""
+    ops, cpu = torch.ops.fxoffload, torch.device("cpu")
+    x = torch.randn(1024)  # 4 KiB
+    spent: dict[str, list[float]] = {op: [] for op in OPS}
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        host = ops.offload(x)
+        t1 = time.perf_counter()
+        host = ops.wait(host, x)
+        t2 = time.perf_counter()
+        dev = ops.prefetch(host, cpu, [1024], [1])
+        t3 = time.perf_counter()
+        ops.wait(dev, host)
+        t4 = time.perf_counter()
+        for op, seconds in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            spent[op].append(seconds)
+    return {op: statistics.median(v) for op, v in spent.items()}
+
+
+def measure(calls: int) -> dict[str, dict[str, float]]:
+    out = {"CPU engine": per_op_seconds(calls)}
+    with runtime.use_engine("cpu", runtime.CudaEngine(streams=FakeCuda(), pin_memory=False)):
+        out["CUDA engine over the fake"] = per_op_seconds(calls)
+    return out
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    lines = ["| engine | " + " | ".join(OPS) + " | per transfer |", "|---" * (len(OPS) + 2) + "|"]
+    for engine, ops in results.items():
+        cells = [f"{ops[op] * 1e6:.1f} us" for op in OPS]
+        lines.append(f"| {engine} | " + " | ".join(cells) + f" | {sum(ops.values()) * 1e6:.1f} us |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    results = measure(args.calls)
+    profile = PROFILES["h100-pcie5"]
+    link = profile.copy_latency + 64 * 1024 / profile.d2h_bandwidth
+    body = "\n".join([
+        f"`python benchmarks/op_cost.py --calls {args.calls} --write`, {datetime.date.today()}, on this machine "
+        f"({os.cpu_count()} cores, torch {torch.__version__}): median host seconds per op call, 4 KiB tensors "
+        "(measured).",
+        "",
+        table(results),
+        "",
+        f"For comparison, the cost model's link time of one 64 KiB copy on h100-pcie5 (the default min_bytes): "
+        f"{link * 1e6:.1f} us (predicted: {profile.copy_latency * 1e6:.0f} us latency + bytes over "
+        f"{profile.d2h_bandwidth / 1e9:.0f} GB/s). The CUDA engine row runs its Python path over the test fake "
+        "(Python streams and events), not CUDA: a GPU host's figure needs a GPU. The cost model does not add "
+        "this host cost yet (issue 17, defect 8).",
+    ])
+    print(body)
+    if args.write:
+        print(f"written to {write_section('Host cost per transfer (measured, CPU)', body)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
