@@ -264,3 +264,14 @@ def test_marks_survive_a_second_read_of_the_same_joint_graph():
     save_offload_marks(graph)
     assert offloaded.meta["recompute"] == CheckpointPolicy.MUST_SAVE  # what the partitioner needs to save it
     assert read_policies(graph) == expected
+
+
+def test_must_cpu_offload_beyond_the_host_budget_raises_or_warns_naming_it():
+    torch.manual_seed(0)
+    model, x = Checkpointed(MUST, blocks=2), torch.randn(8, 16)  # two 1 KiB tanh marked MUST_CPU_OFFLOAD
+    with pytest.raises(Exception, match=r"host_budget: the saved tensors marked MUST_CPU_OFFLOAD alone take 2048 B "
+                                        r"of pinned host memory .* above host_budget's 1500 B"):
+        run(model, x, host_budget=1500)
+    with pytest.warns(UserWarning, match="alone take 2048 B .* offloading them anyway, and nothing else"):
+        record = run(model, x, host_budget=1500, on_infeasible="warn", min_bytes=0)
+    assert {t.base_name for t in record.plan.transfers} == {"tanh", "tanh_1"}
