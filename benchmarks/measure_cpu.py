@@ -111,23 +111,10 @@ def measure_model(name: str, build, inner: str, reps: int) -> dict:
 
 
 def op_costs(calls: int = 2000) -> dict:
-    """Median host-side microseconds per call of each op on the CPU engine."""
-    ops, cpu = torch.ops.fxoffload, torch.device("cpu")
-    x = torch.randn(1024)
-    spent = {"offload": [], "wait (offload)": [], "prefetch": [], "wait (prefetch)": []}
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        host = ops.offload(x)
-        t1 = time.perf_counter()
-        host = ops.wait(host, x)
-        t2 = time.perf_counter()
-        dev = ops.prefetch(host, cpu, [1024], [1])
-        t3 = time.perf_counter()
-        ops.wait(dev, host)
-        t4 = time.perf_counter()
-        for key, seconds in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            seconds and spent[key].append(seconds)
-    return {k: statistics.median(v) * 1e6 for k, v in spent.items()}
+    """Median host-side microseconds per call of each op on the CPU engine (``op_cost.per_op_seconds``)."""
+    from op_cost import per_op_seconds  # beside this script
+
+    return {op: seconds * 1e6 for op, seconds in per_op_seconds(calls).items()}
 
 
 def _peaks(peak: dict, inner: str) -> str:

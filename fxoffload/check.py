@@ -28,6 +28,7 @@ on a CPU it is "not comparable".
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,9 +76,8 @@ class CheckConfig:
 
     def on(self, cuda: bool) -> "CheckConfig":
         """This config with its defaults filled in for the device."""
-        return CheckConfig(self.layers, self.hidden or (512 if cuda else 64), self.heads, self.vocab,
-                           self.seq or (512 if cuda else 64), self.batch, self.steps, self.memory_budget,
-                           self.inner or ("inductor" if cuda else "eager"), self.seed)
+        return dataclasses.replace(self, hidden=self.hidden or (512 if cuda else 64), seq=self.seq or (512 if cuda else 64),
+                                   inner=self.inner or ("inductor" if cuda else "eager"))
 
 
 class _Block(torch.nn.Module):
