@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
+from fxoffload.profiles import op_call_seconds  # noqa: E402
 from fxoffload.models import TrainingStep  # noqa: E402
 
 BATCH, SEQ = 4, 128
@@ -111,10 +112,8 @@ def measure_model(name: str, build, inner: str, reps: int) -> dict:
 
 
 def op_costs(calls: int = 2000) -> dict:
-    """Median host-side microseconds per call of each op on the CPU engine (``op_cost.per_op_seconds``)."""
-    from op_cost import per_op_seconds  # beside this script
-
-    return {op: seconds * 1e6 for op, seconds in per_op_seconds(calls).items()}
+    """Median host-side microseconds per call of each op on the CPU engine (``fxoffload.profiles.op_call_seconds``)."""
+    return {op: seconds * 1e6 for op, seconds in op_call_seconds("cpu", calls).items()}
 
 
 def _peaks(peak: dict, inner: str) -> str:

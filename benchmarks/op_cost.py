@@ -11,7 +11,8 @@ measures that, per op and per transfer, with a 4 KiB tensor so that the copy its
   measurements once a GPU is lent.
 
 Beside them, the predicted link time of a 64 KiB copy on ``h100-pcie5`` (the default ``min_bytes``),
-from the profile: what the cost model charges today. The model does not add the host cost yet.
+from the profile, and the host cost per op call the named profiles charge (``op_seconds``, an estimate
+rounded from the CUDA engine row below; ``fxoffload.calibrate`` measures it on a GPU machine).
 
     python benchmarks/op_cost.py [--calls 3000] [--write]
 """
@@ -21,9 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -32,44 +31,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from fxoffload import runtime  # noqa: E402
-from fxoffload.profiles import PROFILES  # noqa: E402
+from fxoffload.profiles import OP_CALLS, PROFILES, op_call_seconds  # noqa: E402
 from results import write_section  # noqa: E402
 from tests.fake_cuda import FakeCuda  # noqa: E402
 
-OPS = ("offload", "wait (offload)", "prefetch", "wait (prefetch)")
-
-
-def per_op_seconds(calls: int) -> dict[str, float]:
-    """Median seconds per call of each op, on whatever engine copies CPU tensors now."""
-    ops, cpu = torch.ops.fxoffload, torch.device("cpu")
-    x = torch.randn(1024)  # 4 KiB
-    spent: dict[str, list[float]] = {op: [] for op in OPS}
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        host = ops.offload(x)
-        t1 = time.perf_counter()
-        host = ops.wait(host, x)
-        t2 = time.perf_counter()
-        dev = ops.prefetch(host, cpu, [1024], [1])
-        t3 = time.perf_counter()
-        ops.wait(dev, host)
-        t4 = time.perf_counter()
-        for op, seconds in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            spent[op].append(seconds)
-    return {op: statistics.median(v) for op, v in spent.items()}
-
-
 def measure(calls: int) -> dict[str, dict[str, float]]:
-    out = {"CPU engine": per_op_seconds(calls)}
+    out = {"CPU engine": op_call_seconds("cpu", calls)}
     with runtime.use_engine("cpu", runtime.CudaEngine(streams=FakeCuda(), pin_memory=False)):
-        out["CUDA engine over the fake"] = per_op_seconds(calls)
+        out["CUDA engine over the fake"] = op_call_seconds("cpu", calls)
     return out
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
-    lines = ["| engine | " + " | ".join(OPS) + " | per transfer |", "|---" * (len(OPS) + 2) + "|"]
+    lines = ["| engine | " + " | ".join(OP_CALLS) + " | per transfer |", "|---" * (len(OP_CALLS) + 2) + "|"]
     for engine, ops in results.items():
-        cells = [f"{ops[op] * 1e6:.1f} us" for op in OPS]
+        cells = [f"{ops[op] * 1e6:.1f} us" for op in OP_CALLS]
         lines.append(f"| {engine} | " + " | ".join(cells) + f" | {sum(ops.values()) * 1e6:.1f} us |")
     return "\n".join(lines)
 
@@ -92,8 +68,10 @@ def main(argv=None) -> int:
         f"For comparison, the cost model's link time of one 64 KiB copy on h100-pcie5 (the default min_bytes): "
         f"{link * 1e6:.1f} us (predicted: {profile.copy_latency * 1e6:.0f} us latency + bytes over "
         f"{profile.d2h_bandwidth / 1e9:.0f} GB/s). The CUDA engine row runs its Python path over the test fake "
-        "(Python streams and events), not CUDA: a GPU host's figure needs a GPU. The cost model does not add "
-        "this host cost yet (issue 17, defect 8).",
+        "(Python streams and events), not CUDA: a GPU host's figure needs a GPU. The named profiles charge "
+        f"{profile.op_seconds * 1e6:.0f} us of host time per op call (op_seconds, an estimate rounded from that "
+        "row), on a host clock beside the device's: a step pays it only where the device would wait for the "
+        "host (passes.simulator).",
     ])
     print(body)
     if args.write:

@@ -11,11 +11,17 @@ cloud A100 measured 6 GB/s device-to-host): calibrate where you can
 Copy latency: NVIDIA states a ``cudaMemcpy`` costs about 6-7 us of overhead
 (NVIDIA/gdrcopy README); A100 ``bandwidthTest`` at 1 MB reaching 16-18 GB/s
 against 26 GB/s for large copies implies 15-25 us. We use 10 us everywhere.
+
+Host cost of an fxoffload op call (``op_seconds``): 12 us everywhere, an
+estimate from this project's CPU measurements (``OP_SECONDS`` below);
+``calibrate`` measures it.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
+import time
 import warnings
 from pathlib import Path
 
@@ -23,11 +29,17 @@ import torch
 
 from passes.cost_model import DeviceProfile
 
-__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "resolve_profile"]
+__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "op_call_seconds",
+           "resolve_profile"]
 
 GB = 1e9
 T = 1e12
 LATENCY = 10e-6
+# Host seconds per fxoffload op call: an estimate, 47 us per transfer of four calls measured for the CUDA
+# engine's Python path over the test fake of the stream API on a 2-core CPU (benchmarks/op_cost.py,
+# benchmarks/RESULTS.md), rounded to 12 us a call. Real CUDA stream and event calls are C++, not the fake's
+# Python, and GPU hosts have faster cores: calibrate() measures the real figure on the machine.
+OP_SECONDS = 12e-6
 
 
 def _flops(bf16: float, fp16: float, fp32: float) -> tuple:
@@ -44,6 +56,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "h100-pcie5": DeviceProfile(
         "h100-pcie5", _flops(989, 989, 67), 3.0e12, 51 * GB, 52 * GB, True, LATENCY,
         "nvbandwidth ND H100 v5 (Azure/AI-benchmarking-guide); H100 datasheet",
+        op_seconds=OP_SECONDS,
     ),
     # A100 on PCIe Gen4 x16. Link: bandwidthTest pinned, A100-PCIE-40GB ~26.2 GB/s both ways
     # (jdh4/della-gpu-A100 README); nvbandwidth 25-26 one-way (NVIDIA/nvbandwidth#11), and with
@@ -52,6 +65,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "a100-pcie4": DeviceProfile(
         "a100-pcie4", _flops(312, 312, 19.5), 1.555e12, 26 * GB, 26 * GB, False, LATENCY,
         "bandwidthTest jdh4/della-gpu-A100; NVIDIA/nvbandwidth#11,#53; A100 datasheet",
+        op_seconds=OP_SECONDS,
     ),
     # GH200, NVLink-C2C. Link: bandwidthTest pinned 32 MB, H2D 335 / D2H 292 GB/s
     # (slitvinov/grace README); nvbandwidth H2D 346 (NVIDIA/nvbandwidth#23). Both at once each
@@ -61,6 +75,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "gh200": DeviceProfile(
         "gh200", _flops(990, 990, 67), 3.6e12, 335 * GB, 292 * GB, False, LATENCY,
         "bandwidthTest slitvinov/grace; NVIDIA/nvbandwidth#23,#41",
+        op_seconds=OP_SECONDS,
     ),
     # Four GH200 superchips in one node (NV6 between the GPUs). Link: nvbandwidth, CE CPU->GPU 411.6-421.1 /
     # GPU->CPU 169.9-170.1 GB/s per GPU, the same with every GPU copying at once (NVIDIA/Megatron-LM#6491):
@@ -70,6 +85,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "gh200-x4": DeviceProfile(
         "gh200-x4", _flops(990, 990, 67), 3.6e12, 411 * GB, 170 * GB, False, LATENCY,
         "nvbandwidth 4xGH200 NVIDIA/Megatron-LM#6491",
+        op_seconds=OP_SECONDS,
     ),
     # H200 SXM (HGX H200), host link PCIe Gen5 x16 as on HGX H100. Link: no H200 measurement found;
     # estimated as the H100 SXM's measured Gen5 link (51 / 52 GB/s, "h100-pcie5"), full duplex as there.
@@ -78,6 +94,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
         "h200", _flops(989, 989, 67), 4.8e12, 51 * GB, 52 * GB, True, LATENCY,
         "estimate (link as h100-pcie5; no H200 measurement found); H200 datasheet",
+        op_seconds=OP_SECONDS,
     ),
     # L40S on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards (25 GB/s each
     # way, not duplex, as "l4"). Compute: L40S datasheet dense BF16/FP16 362, FP32 91.6. Memory: 864 GB/s
@@ -85,6 +102,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "l40s": DeviceProfile(
         "l40s", _flops(362, 362, 91.6), 864 * GB, 25 * GB, 25 * GB, False, LATENCY,
         "estimate (Gen4 class; no L40S measurement found); L40S datasheet",
+        op_seconds=OP_SECONDS,
     ),
     # L4 on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards,
     # ~25 GB/s each way, not duplex. Compute: L4 datasheet dense BF16/FP16 121, FP32 30.3.
@@ -92,6 +110,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "l4": DeviceProfile(
         "l4", _flops(121, 121, 30.3), 300 * GB, 25 * GB, 25 * GB, False, LATENCY,
         "estimate (Gen4 class; no L4 measurement found); L4 datasheet",
+        op_seconds=OP_SECONDS,
     ),
     # RTX 4090 on PCIe Gen4 x16. Link: nvbandwidth 8x4090, H2D 24-26.4 / D2H 26.3-27.1 GB/s,
     # bidirectional H2D 11-16 (NVIDIA/nvbandwidth#15): not duplex. Compute: Ada whitepaper,
@@ -100,6 +119,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "rtx4090": DeviceProfile(
         "rtx4090", _flops(165, 165, 82.6), 921 * GB, 25 * GB, 26.5 * GB, False, LATENCY,
         "nvbandwidth NVIDIA/nvbandwidth#15; Ada whitepaper",
+        op_seconds=OP_SECONDS,
     ),
 }
 
@@ -173,6 +193,35 @@ def _timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+OP_CALLS = ("offload", "wait (offload)", "prefetch", "wait (prefetch)")
+
+
+def op_call_seconds(device: "str | torch.device" = "cpu", calls: int = 300) -> dict[str, float]:
+    """Median host seconds of each fxoffload op call of one transfer (:data:`OP_CALLS`), on the engine
+    that copies ``device``'s tensors now, with a 4 KiB tensor (the copy itself negligible). On CUDA the
+    device is synchronised between transfers, outside the timing: this is what the issuing thread pays."""
+    from fxoffload import runtime  # noqa: F401  (the ops' engines)
+
+    ops, device = torch.ops.fxoffload, torch.device(device)
+    x = torch.randn(1024, device=device)
+    spent: dict[str, list[float]] = {op: [] for op in OP_CALLS}
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        host = ops.offload(x)
+        t1 = time.perf_counter()
+        host = ops.wait(host, x)
+        t2 = time.perf_counter()
+        back = ops.prefetch(host, device, [1024], [1])
+        t3 = time.perf_counter()
+        ops.wait(back, host)
+        t4 = time.perf_counter()
+        for op, seconds in zip(OP_CALLS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            spent[op].append(seconds)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {op: statistics.median(v) for op, v in spent.items()}
+
+
 def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int = 256 << 20,
               repeats: int = 5) -> DeviceProfile:
     """Measure this machine's CUDA device and host link; return a :class:`DeviceProfile`.
@@ -180,7 +229,8 @@ def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int =
     Pinned copies of ``nbytes`` each way (alone, then both at once to see
     whether the link is full duplex), 4 KiB copies for the latency, a device
     copy for memory bandwidth, and square matmuls for bf16/fp16/fp32
-    throughput; each the median of ``repeats`` runs timed with CUDA events.
+    throughput; each the median of ``repeats`` runs timed with CUDA events. The
+    host cost of an fxoffload op call is the mean of :func:`op_call_seconds`'s medians.
     Needs a CUDA device: raises ``RuntimeError`` otherwise.
     """
     if not torch.cuda.is_available():
@@ -215,8 +265,10 @@ def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int =
             n = 8192 if dtype != torch.float32 else 4096
             a = torch.randn(n, n, device=device, dtype=dtype)
             flops.append((dtype, 2 * n**3 / _timed(lambda: a @ a, repeats)))
+        op_seconds = statistics.fmean(op_call_seconds(device).values())
     name = f"calibrated:{torch.cuda.get_device_name(device)}"
-    return DeviceProfile(name, tuple(flops), memory, h2d, d2h, duplex, latency, "fxoffload.calibrate() on this machine")
+    return DeviceProfile(name, tuple(flops), memory, h2d, d2h, duplex, latency, "fxoffload.calibrate() on this machine",
+                         op_seconds=op_seconds)
 
 
 def available_host_memory(meminfo: "str | Path" = "/proc/meminfo", cgroup: "str | Path" = "/sys/fs/cgroup") -> int | None:

@@ -4,10 +4,15 @@ Algorithm. An op's time is a roofline: the larger of its FLOPs over the
 profile's dense throughput for its dtype (FLOPs from PyTorch's flop-counter
 registry, which covers matmuls, convolutions and attention) and the bytes it
 reads and writes over the memory bandwidth. Views, getitems and fxoffload ops
-cost nothing. A copy costs the link latency plus bytes over the link
-bandwidth of its direction.
+cost nothing on the device. A copy costs the link latency plus bytes over the
+link bandwidth of its direction. Each fxoffload op call (offload, its release,
+prefetch, its wait: :data:`OPS_PER_TRANSFER` per transfer) costs the profile's
+``op_seconds`` on the host thread that issues compute; the simulator runs a
+host clock beside the device's, so that host time shows only where the device
+would wait for it (a host-bound step).
 
-Limits. No kernel launch overhead, no fusion (Inductor fuses pointwise chains,
+Limits. No kernel launch overhead for compute ops (the host otherwise runs
+ahead at no cost), no fusion (Inductor fuses pointwise chains,
 so their memory traffic is overestimated), no cache effects, no overlap of
 compute with itself. Symbolic sizes are evaluated at their hints. All times
 are predictions, in seconds.
@@ -25,7 +30,7 @@ from torch.utils.flop_counter import flop_registry
 from passes.analysis import is_compute, tensor_nbytes, traced_value
 from passes.memory import concrete
 
-__all__ = ["DeviceProfile", "Work", "node_time", "node_times", "node_work", "roofline", "transfer_time",
+__all__ = ["DeviceProfile", "OPS_PER_TRANSFER", "Work", "node_time", "node_times", "node_work", "roofline", "transfer_time",
            "value_nbytes"]
 
 
@@ -41,10 +46,16 @@ class DeviceProfile:
     duplex: bool  # both directions at full rate at once
     copy_latency: float  # per copy, s
     source: str = ""  # where the figures come from
+    # Host seconds of one fxoffload op call (registry, lock, stream and event calls) on the thread
+    # that issues compute: the device waits for it only when the host falls behind.
+    op_seconds: float = 0.0
 
     def throughput(self, dtype: torch.dtype) -> float:
         table = dict(self.flops)
         return table.get(dtype, table.get(torch.float32, min(table.values())))
+
+
+OPS_PER_TRANSFER = 4  # offload, its release (wait or defer), prefetch, its wait
 
 
 def value_nbytes(val: Any) -> int:

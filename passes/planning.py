@@ -190,6 +190,12 @@ class TransferCost:
     h2d: float
     forward_window: float  # compute after the offload that may hide it (to the forward's end)
     backward_window: float  # compute between the prefetch and its wait
+    # Host seconds of its op calls (``passes.cost_model.OPS_PER_TRANSFER``), and the predicted device
+    # times from the step's start at which the forward's half (offload, release) and the backward's
+    # half (prefetch, wait) are needed: a host that has not issued them by then makes the device wait.
+    host: float = 0.0
+    issued_at: float = 0.0
+    needed_at: float = 0.0
 
     @property
     def stall(self) -> float:
@@ -578,18 +584,42 @@ def _queues(problem: _Problem, offloadable: Sequence[fx.Node], forced: Sequence[
     return slots, capacity
 
 
+def _host_queue(problem: _Problem, offloadable: Sequence[fx.Node], forced: Sequence[fx.Node]):
+    """The host thread as one more queue: each transfer's op calls, half in the forward (at its offload)
+    and half in the backward (at its consumer), must be issued before the device gets there, or the
+    device waits. Slots by the device time they are needed at; capacity, that time less the forced
+    transfers' calls up to it. None when op calls cost nothing."""
+    costs, everything = problem.costs, list(offloadable) + list(forced)
+    if not any(costs[b].host for b in everything):
+        return {}, None
+    calls = sorted((t, phase, k) for k, b in enumerate(everything)
+                   for phase, t in enumerate((costs[b].issued_at, costs[b].needed_at)))
+    slots: dict[tuple[fx.Node, int], int] = {}
+    taken, caps = 0.0, []
+    for slot, (t, phase, k) in enumerate(calls):
+        slots[everything[k], phase] = slot
+        taken += costs[everything[k]].host / 2 if everything[k] in forced else 0.0
+        caps.append(t - taken)
+    return slots, Queue(tuple(caps))
+
+
 def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]):
     """Solver items (offload listed first: it needs the least memory), their owners and conflicts."""
     strategy, costs, marks = problem.options.strategy, problem.costs, problem.marks
     offloadable = list(free) if strategy in (OFFLOAD, AUTO) else []
     recomputable = [b for b in free if b in problem.recomputes] if strategy in (RECOMPUTE, AUTO) else []
     slots, queues = _queues(problem, offloadable, forced) if problem.queued else ({}, [])
+    host_slots, host_queue = _host_queue(problem, offloadable, forced)
     raw: dict[tuple[fx.Node, str], tuple[float, tuple]] = {}
     for b in offloadable:
         c = costs[b]
         stall = 0.0 if problem.queued else c.stall
         work = ((0, slots[b][0], c.d2h), (1, slots[b][1], c.h2d)) if problem.queued else ()
+        if host_queue is not None:
+            work += tuple((len(queues), host_slots[b, phase], c.host / 2) for phase in (0, 1))
         raw[b, OFFLOAD] = (stall + COPY_WEIGHT * (c.d2h + c.h2d), work)
+    if host_queue is not None:
+        queues = [*queues, host_queue]
     for b in recomputable:
         raw[b, RECOMPUTE] = (problem.recomputes[b].seconds, ())
     scale = max((cost + sum(w[2] for w in work) for cost, work in raw.values()), default=0.0) or 1e-6

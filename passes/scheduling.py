@@ -81,7 +81,7 @@ import torch.fx as fx
 from passes.analysis import (
     SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
 )
-from passes.cost_model import DeviceProfile, transfer_time, value_nbytes
+from passes.cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
 from passes.memory import Timeline, curve, intervals, peak, timeline_at
 from passes.planning import Plan, RecomputeCost, TransferCost
 from passes.simulator import Copy, replay
@@ -273,6 +273,9 @@ def transfer_costs(
             # (optimistic when memory is tight; the schedule's stall is the real one).
             forward_window=window(birth + 1, len(timeline.fw_nodes)),
             backward_window=window(len(timeline.fw_nodes) if hide_backward else start, consumer),
+            host=OPS_PER_TRANSFER * profile.op_seconds,
+            issued_at=prefix[birth + 1],
+            needed_at=prefix[consumer],
         )
     return costs
 
@@ -424,7 +427,8 @@ def schedule_transfers(
                                               cross_graphs)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
-    schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon)
+    schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon,
+                            op_seconds=profile.op_seconds)
     if ahead is None:
         return schedule
     at, nbytes, which = ahead
@@ -558,8 +562,10 @@ def _place_ahead(room: _Room, starts, first, latest, early) -> tuple[int, int, l
     return None
 
 
-def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon) -> Schedule:
-    """Predict each wait's stall with the simulator's replay (one engine per direction)."""
+def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon, *,
+                 op_seconds: float) -> Schedule:
+    """Predict each wait's stall with the simulator's replay (one engine per direction, the host's op
+    calls on its own clock)."""
     nodes = timeline.nodes
     # Prefetches issued at the same node go in the order of their consumers.
     order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before], k))
@@ -567,7 +573,7 @@ def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, tim
     copies = [Copy(pos[p.offload_after] + 1, backward if deferred[k] else releases[k] + 1, d2h[k], "d2h")
               for k, p in enumerate(chosen)]
     copies += [Copy(prefetches[k], pos[chosen[k].wait_before], h2d[k], "h2d") for k in order]
-    run = replay(times, copies)
+    run = replay(times, copies, op_seconds)
     backward_stall = {k: run.stalls[len(chosen) + j] for j, k in enumerate(order)}
     compute = timeline.anchored
     result = []

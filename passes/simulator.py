@@ -6,7 +6,10 @@ Copies run on copy engines: one per direction, or one shared engine when the
 profile's link is not full duplex; an engine serves copies in the order they
 are issued, each starting when it is issued and the engine is free. A wait
 stalls the compute stream until its copy has ended, and a stall delays
-everything after it. A plan's recompute chains run on the compute stream right before their
+everything after it. The host issues every op: compute ops cost it nothing,
+each copy's issue and each wait cost it the profile's ``op_seconds``
+(``passes.cost_model``), and the device never runs ahead of the host (where
+the host falls behind, the device waits: ``host_wait``). A plan's recompute chains run on the compute stream right before their
 consumers. Device memory follows the memory model's intervals
 (``passes.memory``) under the plan, placed on the simulated clock, so the
 simulated peak is the planner's predicted total peak.
@@ -53,10 +56,17 @@ class Replay:
     stalls: tuple[float, ...]  # per copy, the stall at its wait
     finishes: tuple[float, ...]  # per copy, when it ended
     waited_at: tuple[float, ...]  # per copy, when compute reached its wait (a stall starts there)
+    host_wait: float = 0.0  # device time idle while the host issued fxoffload ops (a host-bound step)
 
 
-def replay(times: Sequence[float], copies: Sequence[Copy]) -> Replay:
-    """Run ops of ``times`` in order; copies on in-order engines; waits stall compute."""
+def replay(times: Sequence[float], copies: Sequence[Copy], op_seconds: float = 0.0) -> Replay:
+    """Run ops of ``times`` in order; copies on in-order engines; waits stall compute.
+
+    The host issues every op; compute ops cost it nothing (it runs ahead), but each copy's issue and
+    each wait cost it ``op_seconds``, on a host clock beside the device's. A copy starts no earlier
+    than its issue on the host, and the op at a position no earlier than the host has issued
+    everything before it: where the host falls behind, the device waits (``Replay.host_wait``).
+    """
     issued: dict[int, list[int]] = {}
     waited: dict[int, list[int]] = {}
     for k, c in enumerate(copies):
@@ -64,16 +74,21 @@ def replay(times: Sequence[float], copies: Sequence[Copy]) -> Replay:
             raise ValueError(f"copy {k}: need 0 <= issue ({c.issue}) <= wait ({c.wait}) <= {len(times)}")
         issued.setdefault(c.issue, []).append(k)
         waited.setdefault(c.wait, []).append(k)
-    now, engines = 0.0, {}
+    now = host = host_wait = 0.0  # the device's clock, the host's
+    engines: dict[str, float] = {}
     finish = [0.0] * len(copies)
     stalls = [0.0] * len(copies)
     waited_at = [0.0] * len(copies)
     starts = []
     for i in range(len(times) + 1):
         for k in issued.get(i, ()):
+            host += op_seconds
             engine = copies[k].engine
-            engines[engine] = max(now, engines.get(engine, 0.0)) + copies[k].seconds
+            engines[engine] = max(now, host, engines.get(engine, 0.0)) + copies[k].seconds
             finish[k] = engines[engine]
+        host += op_seconds * len(waited.get(i, ()))
+        host_wait += max(0.0, host - now)
+        now = max(now, host)
         for k in waited.get(i, ()):
             waited_at[k] = now
             stalls[k] = max(0.0, finish[k] - now)
@@ -81,7 +96,7 @@ def replay(times: Sequence[float], copies: Sequence[Copy]) -> Replay:
         starts.append(now)
         if i < len(times):
             now += times[i]
-    return Replay(now, tuple(starts), tuple(stalls), tuple(finish), tuple(waited_at))
+    return Replay(now, tuple(starts), tuple(stalls), tuple(finish), tuple(waited_at), host_wait)
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,7 @@ class Simulation:
     peak: int  # device bytes under the plan
     activation_peak: int
     recompute_time: float = 0.0  # compute the plan's recomputations add
+    host_wait: float = 0.0  # device time idle while the host issued fxoffload ops
 
     @property
     def overhead(self) -> float:
@@ -189,7 +205,7 @@ def simulate_movements(
     moved = recompute_moves(recomputes)
     moved.update({m.lifetime: (m.free_at - 1, m.prefetch_at) for m in movements})
     temporaries = recompute_temporaries(recomputes)
-    run = replay(times, down + up)
+    run = replay(times, down + up, profile.op_seconds)
     forward = len(timeline.fw_nodes)
     plan_clock, free_clock = run.starts[:-1], op_starts(base_times)
     plan_total, plan_saved, base_total, base_saved = (
@@ -200,6 +216,7 @@ def simulate_movements(
         step_time=run.step_time,
         compute_time=sum(base_times),
         recompute_time=sum(times) - sum(base_times),
+        host_wait=run.host_wait,
         floor=_floor(times[:forward], times[forward:], down, up),
         backward_start=run.starts[forward],
         ops=tuple(zip(plan_clock, times)),

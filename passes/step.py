@@ -66,6 +66,7 @@ class StepSimulation:
     # the same in CUDA's pinned power-of-two blocks (``Plan.pinned_host_bytes``).
     host_bytes: int = 0
     pinned_host_bytes: int = 0
+    host_wait: float = 0.0  # device time idle while the host issued fxoffload ops (``passes.simulator``)
 
     @property
     def overhead(self) -> float:
@@ -169,7 +170,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     first_backward = bw_off[-1]
     times, base_times = _step_times(graphs, fw_off, bw_off, length)
     issued = _copies(graphs, fw_off, bw_off, first_backward, profile)
-    run = replay(times, [c.copy for c in issued])
+    run = replay(times, [c.copy for c in issued], profile.op_seconds)
     act, base = _activations(graphs, fw_off, bw_off, length)
     for c, finish in zip(issued, run.finishes):
         if c.rank == 2:  # started ahead: held from its start until its own backward's first op
@@ -199,6 +200,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
         boundaries=tuple(sorted(run.starts[q] for q in (*fw_off, *bw_off))),
         host_bytes=sum(r.plan.host_bytes for r in invocations),
         pinned_host_bytes=sum(r.plan.pinned_host_bytes for r in invocations),
+        host_wait=run.host_wait,
     )
 
 

@@ -1,11 +1,14 @@
 """The simulator against hand-computed timelines, and against the planner on a real record."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxoffload
+from passes.cost_model import OPS_PER_TRANSFER
 from passes.simulator import Copy, replay, simulate
 from tests.conftest import MLP, lm_step, tiny_llama
 
@@ -37,6 +40,43 @@ def test_a_stall_delays_what_follows():
     # first: done at 3, wait at 1 stalls 2 s (now 3); second issued at 3+1=4? no: issued before
     # op 1 at time 3, done at 4, wait before op 2 at 4: no stall.
     assert run.stalls == (2.0, 0.0) and run.step_time == 6.0
+
+
+def test_op_calls_cost_the_host_and_a_host_bound_device_waits():
+    # Ops of 0.1 s; each op call costs the host 1 s. The offload is issued before op 0 (host at 1):
+    # the device waits for it (1 s), the copy runs 1..3. The wait before op 2 is issued at host 2,
+    # when the device is at 1.2: it waits 0.8 s for the host, then 1 s for the copy.
+    run = replay([0.1] * 4, [Copy(issue=0, wait=2, seconds=2.0, engine="d2h")], op_seconds=1.0)
+    assert run.finishes == (3.0,)
+    assert run.host_wait == pytest.approx(1.8) and run.stalls == (pytest.approx(1.0),)
+    assert run.step_time == pytest.approx(3.2)
+    # Without the host's cost: the copy runs 0..2 and the wait at 0.2 stalls 1.8 s.
+    assert replay([0.1] * 4, [Copy(0, 2, 2.0, "d2h")]).step_time == pytest.approx(2.2)
+
+
+def test_long_compute_hides_the_host_cost():
+    # The host issues the offload (host clock 1) while op 0 runs to 10, and the wait (2) while op 1 runs.
+    run = replay([10.0] * 3, [Copy(issue=1, wait=2, seconds=2.0, engine="d2h")], op_seconds=1.0)
+    assert run.host_wait == 0.0 and run.step_time == 30.0 and run.finishes == (12.0,)
+
+
+def test_a_record_on_a_host_bound_profile_predicts_the_op_calls():
+    """A tiny model's ops take microseconds on an H100: its op calls make the step host-bound, and the
+    simulator says by how much (at least the calls the device cannot pass before they are issued)."""
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon="auto", device_profile="h100-pcie5",
+                                        all_eligible=True)
+    torch.compile(MLP(), backend=backend)(torch.randn(3, 5, 8)).backward()
+    record = backend.records[0]
+    profile = fxoffload.PROFILES["h100-pcie5"]
+    free = dataclasses.replace(profile, op_seconds=0.0)
+    transfers = len(record.plan.transfers)
+    assert transfers and profile.op_seconds > 0
+    costly, cheap = simulate(record, profile), simulate(record, free)
+    assert cheap.host_wait == 0.0 and costly.host_wait > 0.0
+    calls = OPS_PER_TRANSFER * transfers * profile.op_seconds
+    # The whole model computes for less than its op calls take: the step lasts at least the calls.
+    assert costly.compute_time < calls <= costly.step_time <= cheap.step_time + calls + 1e-12
 
 
 def test_bad_copy_positions_are_refused():
@@ -99,6 +139,9 @@ def timelines(draw):
 def test_replay_properties(case):
     times, copies = case
     run = replay(times, copies)
+    # The host's op calls delay the step by at most their own time, and never speed it up.
+    costly = replay(times, copies, op_seconds=0.5)
+    assert run.step_time - 1e-9 <= costly.step_time <= run.step_time + 0.5 * 2 * len(copies) + 1e-9
     # Compute runs in order: the step is the compute plus every stall, and never less than either.
     assert run.step_time == pytest.approx(sum(times) + sum(run.stalls))
     for engine in {c.engine for c in copies}:

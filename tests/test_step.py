@@ -1,9 +1,12 @@
 """The step simulator: several compiled-graph invocations (one graph per layer) replayed as one step."""
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
+
+import fxoffload
 
 from passes.simulator import simulate
 from passes.step import simulate_step
@@ -105,10 +108,14 @@ def test_an_absolute_budget_is_planned_for_every_run_of_the_graph():
 def test_planned_for_the_step_a_copy_that_would_raise_its_peak_stays_in_its_graph():
     # This toy's copies are latency-bound (10 us against a forward of a few us): a source deferred
     # past a layer's end would live through the whole next layer's forward, on top of its peak.
+    # Op calls cost the host nothing here: at the profile's 12 us a call the toy is host-bound, and
+    # the device, waiting for the host, gives every copy time to land.
     ids = torch.randint(0, 256, (2, 32))
     records = {}
+    latency_bound = dataclasses.replace(fxoffload.PROFILES["h100-pcie5"], op_seconds=0.0)
     for runs in (1, 8):
-        _, model, backend = per_layer_llama(layers=8, inner="eager", runs_per_step=runs)
+        _, model, backend = per_layer_llama(layers=8, inner="eager", runs_per_step=runs,
+                                            device_profile=latency_bound)
         lm_step(model, ids)
         records[runs] = backend.records[-1]
     assert any(p.deferred for p in records[1].schedule.placements)  # planned per run: deferred
