@@ -588,19 +588,24 @@ def _host_queue(problem: _Problem, offloadable: Sequence[fx.Node], forced: Seque
     """The host thread as one more queue: each transfer's op calls, half in the forward (at its offload)
     and half in the backward (at its consumer), must be issued before the device gets there, or the
     device waits. Slots by the device time they are needed at; capacity, that time less the forced
-    transfers' calls up to it. None when op calls cost nothing."""
+    transfers' calls up to it. None when op calls cost nothing, or are hidden whatever is chosen."""
     costs, everything = problem.costs, list(offloadable) + list(forced)
     if not any(costs[b].host for b in everything):
         return {}, None
     calls = sorted((t, phase, k) for k, b in enumerate(everything)
                    for phase, t in enumerate((costs[b].issued_at, costs[b].needed_at)))
     slots: dict[tuple[fx.Node, int], int] = {}
-    taken, caps = 0.0, []
+    taken = every = late = 0.0
+    caps = []
     for slot, (t, phase, k) in enumerate(calls):
         slots[everything[k], phase] = slot
         taken += costs[everything[k]].host / 2 if everything[k] in forced else 0.0
+        every += costs[everything[k]].host / 2
         caps.append(t - taken)
-    return slots, Queue(tuple(caps))
+        late = max(late, every - t)
+    # Hidden even with every candidate offloaded (a large model): no choice can make the host late,
+    # and the queue would only slow the solver.
+    return (slots, Queue(tuple(caps))) if late > 0 else ({}, None)
 
 
 def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]):
