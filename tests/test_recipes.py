@@ -1,4 +1,4 @@
-"""The README's recipes, run as users run them (small models from configs, random weights):
+"""The recipes (docs/guide.md), run as users run them (small models from configs, random weights):
 Hugging Face ``Trainer`` on a model compiled with ``backend="fxoffload"``
 (``examples/hf_trainer.py``), and torchtitan's per-block compile by backend name
 (``examples/torchtitan_blocks.py``). Each trains eager and compiled with the same seed and
