@@ -30,8 +30,8 @@ from torch.utils.flop_counter import flop_registry
 from passes.analysis import is_compute, tensor_nbytes, traced_value
 from passes.memory import concrete
 
-__all__ = ["DeviceProfile", "OPS_PER_TRANSFER", "Work", "node_time", "node_times", "node_work", "roofline", "transfer_time",
-           "value_nbytes"]
+__all__ = ["DeviceProfile", "OPS_PER_TRANSFER", "Work", "node_time", "node_times", "node_work", "roofline",
+           "transfer_time", "value_nbytes"]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ the rest are candidates.
   solvers' queue lateness under horizon ``"auto"`` (where prefetches may start
   anywhere in the backward), else by the stall each copy alone would cause;
   plus a small weight on all copy time so that no copy is made for nothing.
+  A transfer's op calls are work on one more queue, the host thread (half at
+  its offload, half at its consumer, each due when the device gets there):
+  they cost only where the host would fall behind the device, and the queue
+  is left out where it cannot, even with every candidate offloaded.
   A recomputation reads saved values: those may not be recomputed too, nor
   offloaded unless they are waited for before it (conflicts for the solver).
 * Selective-checkpoint marks (``passes.policies``): ``MUST_SAVE`` keeps a

@@ -9,10 +9,11 @@ stalls the compute stream until its copy has ended, and a stall delays
 everything after it. The host issues every op: compute ops cost it nothing,
 each copy's issue and each wait cost it the profile's ``op_seconds``
 (``passes.cost_model``), and the device never runs ahead of the host (where
-the host falls behind, the device waits: ``host_wait``). A plan's recompute chains run on the compute stream right before their
-consumers. Device memory follows the memory model's intervals
-(``passes.memory``) under the plan, placed on the simulated clock, so the
-simulated peak is the planner's predicted total peak.
+the host falls behind, the device waits: ``host_wait``). A plan's recompute
+chains run on the compute stream right before their consumers. Device
+memory follows the memory model's intervals (``passes.memory``) under the
+plan, placed on the simulated clock, so the simulated peak is the planner's
+predicted total peak.
 
 The floor of a plan is what no schedule can beat: in each pass, the larger of
 its compute time and the time its copies need on the link.
@@ -21,7 +22,8 @@ its compute time and the time its copies need on the link.
 nothing of FX. :func:`simulate` reads a graph record (plan, schedule,
 timeline). Every figure is a prediction.
 
-Limits. Compute never overlaps compute; a shared engine serves both
+Limits. Compute never overlaps compute; compute kernels' launches cost the
+host nothing; a shared engine serves both
 directions in issue order (no bandwidth splitting); allocator effects are not
 modelled.
 """
