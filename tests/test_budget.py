@@ -5,6 +5,8 @@ mode sees every allocation of the FX graphs; Inductor's fused-kernel buffers
 would be invisible to it). Predictions come from the plan's memory model.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -186,3 +188,34 @@ def test_pinned_host_memory_is_predicted_in_the_caching_allocators_power_of_two_
                                                                                      128 * mib]
     plan, _, _ = compiled_run(*build("llama"), memory_budget=0.5, strategy="offload")
     assert plan.pinned_host_bytes == sum(pinned_block(t.nbytes) for t in plan.transfers) >= plan.host_bytes > 0
+
+
+class TanhChain(torch.nn.Module):
+    """Six Linear -> tanh layers of one width: every saved tanh output is a candidate of the same size."""
+
+    def __init__(self, layers: int = 6, width: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("horizon", [2, "auto"])
+def test_a_budget_one_offload_meets_gets_exactly_one_transfer(horizon):
+    """Copies the budget does not need cost copy time, even when compute hides them all: at 1 kFLOP/s
+    every copy is hidden, and only the planner's weight on copy time tells one transfer from four
+    (planted: that weight set to zero, the exact solver offloads four tanh outputs)."""
+    slow = dataclasses.replace(fxoffload.PROFILES["h100-pcie5"], flops=((torch.float32, 1e3),), memory_bandwidth=1e6)
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload", solver="milp",
+                                        device_profile=slow, memory_budget=0.9, horizon=horizon)
+    torch.compile(TanhChain(), backend=backend)(torch.randn(16, 64)).backward()
+    plan = backend.records[-1].plan
+    one = 16 * 64 * 4  # bytes of one tanh output
+    # The budget asks for less than one output's bytes off the peak: one transfer is enough.
+    assert plan.activation_peak_before - one <= plan.budget_bytes < plan.activation_peak_before
+    assert len(plan.transfers) == 1 and plan.transfers[0].nbytes == one
+    assert plan.activation_peak_after == plan.activation_peak_before - one <= plan.budget_bytes
