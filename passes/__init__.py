@@ -40,10 +40,10 @@ from passes.planning import (
 )
 from passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.rewrite import rewrite_pair
-from passes.scheduling import (
-    AUTO_HORIZON, Placement, Schedule, place_candidates, recompute_costs, schedule_transfers, timeline_moves,
-    transfer_costs,
+from passes.candidates import (
+    AUTO_HORIZON, Placement, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
+from passes.scheduling import Schedule, schedule_transfers
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",

@@ -1,5 +1,9 @@
 """Analysis of a partitioned forward/backward pair: what the forward saves, and aliasing.
 
+Inputs: the partitioned forward and backward graphs and the forward's number of user outputs.
+Outputs: the ``SavedInterface`` (what the forward saves, by position), each ``SavedActivation``
+with the base of its storage, storage keys and last uses (aliasing), and recompute chains.
+
 Algorithm. AOTAutograd's calling convention says the forward returns its user
 outputs, then the saved tensors, then saved symbolic ints (and opaque objects),
 and the backward takes saved symints, then the saved tensors in the same

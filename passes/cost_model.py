@@ -1,5 +1,8 @@
 """Cost model: predicted time of every op node and every copy on a device profile.
 
+Inputs: nodes with traced values, a ``DeviceProfile``. Outputs: each node's ``Work`` and
+predicted seconds (``roofline``), and a copy's predicted seconds (``transfer_time``).
+
 Algorithm. An op's time is a roofline: the larger of its FLOPs over the
 profile's dense throughput for its dtype (FLOPs from PyTorch's flop-counter
 registry, which covers matmuls, convolutions and attention) and the bytes it

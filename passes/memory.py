@@ -1,5 +1,9 @@
 """Memory model: device bytes over the joint forward/backward timeline.
 
+Inputs: the pair, its ``SavedInterface``, and which graph inputs are earlier graphs' activations.
+Outputs: the ``Timeline`` (every storage's ``Lifetime`` on one forward+backward timeline), and the
+device-bytes curve and peak under given moves (``intervals``, ``curve``, ``peak``).
+
 Algorithm. The forward's nodes, then the backward's, form one timeline
 (position ``i`` is the ``i``-th node of the forward, ``F + j`` the ``j``-th of
 the backward). Every storage the graphs create (not graph inputs: parameters,

@@ -1,5 +1,10 @@
 """Planning: decide, for every saved activation, whether to keep, offload or recompute it.
 
+Inputs: the saved activations, the ``Timeline``, each candidate's moves and costs
+(``passes.candidates``), ``PlanOptions`` and the user's marks (``passes.policies``).
+Outputs: a ``Plan``, an immutable value: one ``Decision`` per saved activation with its reason,
+the transfers and recompute chains, the predicted peaks.
+
 Algorithm. Saved tensors are grouped by the storage they live in (their
 *base*, see ``passes.analysis``): a view is never moved on its own; its base
 is offloaded (or recomputed) once and the view is rebuilt on the device after
@@ -85,13 +90,14 @@ from passes.analysis import (
     SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key, sym_exprs, symbol_sources,
     unbuildable,
 )
+from passes.candidates import RecomputeCost, TransferCost
 from passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, host_of, solve
 
 __all__ = [
-    "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions", "Recompute", "RecomputeCost", "SizeBudget",
-    "STRATEGIES", "Transfer", "TransferCost", "held_after_forward", "recompute_moves", "recompute_temporaries",
+    "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions", "Recompute", "SizeBudget",
+    "STRATEGIES", "Transfer", "held_after_forward", "recompute_moves", "recompute_temporaries",
     "group_by_base", "over_runs", "pinned_block", "plan_digest", "plan_offloads", "peaks_over_range", "step_peak",
     "why_kept",
     "with_scheduled_peaks",
@@ -187,26 +193,6 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
-class TransferCost:
-    """Predicted seconds for one candidate's copies and the compute that can hide them."""
-
-    d2h: float
-    h2d: float
-    forward_window: float  # compute after the offload that may hide it (to the forward's end)
-    backward_window: float  # compute between the prefetch and its wait
-    # Host seconds of its op calls (``passes.cost_model.OPS_PER_TRANSFER``), and the predicted device
-    # times from the step's start at which the forward's half (offload, release) and the backward's
-    # half (prefetch, wait) are needed: a host that has not issued them by then makes the device wait.
-    host: float = 0.0
-    issued_at: float = 0.0
-    needed_at: float = 0.0
-
-    @property
-    def stall(self) -> float:
-        return max(0.0, self.d2h - self.forward_window) + max(0.0, self.h2d - self.backward_window)
-
-
-@dataclass(frozen=True)
 class Decision:
     """What happens to one saved activation, and why."""
 
@@ -234,18 +220,6 @@ class Transfer:
     @property
     def base_name(self) -> str:
         return self.base.name
-
-
-@dataclass(frozen=True)
-class RecomputeCost:
-    """How one storage would be recomputed in the backward, and what that costs (predicted)."""
-
-    chain: tuple[fx.Node, ...]  # forward ops, in order, ending at the storage's base
-    reads: tuple[fx.Node, ...]  # saved forward values the chain reads
-    consumer: fx.Node  # backward node the chain runs right before (the first consumer)
-    seconds: float  # compute time of the chain
-    transient: int  # bytes of the chain's other outputs, alive while it runs
-    read_bases: tuple[fx.Node, ...] = ()  # bases of the storages of ``reads`` (set by the planner)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """Rewrite: insert the fxoffload ops into the forward and backward graphs.
 
+Inputs: the forward and backward graphs, the ``Plan`` and the ``Schedule``. Output: the pair,
+edited in place (``offload``, ``wait``, ``defer``, ``prefetch``, ``prefetch_ahead`` nodes and
+recompute chains).
+
 Reads a :class:`~passes.planning.Plan` and a :class:`~passes.scheduling.Schedule`
 and edits the pair in place; it decides nothing. Nodes are found through the
 plan and schedule (which hold the nodes themselves), never by name or position.

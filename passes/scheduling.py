@@ -1,4 +1,10 @@
-"""Scheduling: where each offload, release, prefetch and wait goes, and what it costs.
+"""Scheduling: where each chosen transfer's offload, release, prefetch and wait go, and what they cost.
+
+Inputs: the :class:`~passes.planning.Plan`, the candidates' placements
+(``passes.candidates``: where each copy could go alone), the ``Timeline``,
+predicted op times and the device profile. Output: a :class:`Schedule` (each
+transfer's final :class:`~passes.candidates.Placement`, the prefetch order,
+the copies started ahead, predicted stalls).
 
 Algorithm.
 * Offload: right after its base is computed. Post-AOTAutograd graphs are
@@ -37,7 +43,7 @@ Algorithm.
   before this graph's end, or later, as far as the memory bound over the rest
   of this backward requires. The graph's own prefetch of such a transfer then
   finds its copy in flight.
-* Recompute (priced for the planner by :func:`recompute_costs`): the chain
+* Recompute (priced for the planner by ``passes.candidates.recompute_costs``): the chain
   runs right before the first backward consumer, for the predicted compute
   time of its ops; its storage and the chain's temporaries are fixed memory
   for the moves above.
@@ -60,8 +66,7 @@ predicted by the simulator's replay (``passes.simulator``): each copy starts
 when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
 
-The helpers over plain lists (:func:`prefetch_index`, :func:`latest_starts`,
-:func:`issue_index`, :func:`bounded_start`, :func:`fifo_finish`) know nothing of
+The helpers over plain lists (:func:`latest_starts`, :func:`issue_index`, :func:`bounded_start`, :func:`fifo_finish`) know nothing of
 FX. The result is an immutable :class:`Schedule`; nothing here edits a graph.
 
 Limits. Compute never overlaps compute; copies in the two directions are
@@ -78,38 +83,13 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from passes.analysis import (
-    SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
-)
-from passes.cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
+from passes.candidates import AUTO_HORIZON, Placement, prefix_sums
+from passes.cost_model import DeviceProfile, transfer_time
 from passes.memory import Timeline, curve, intervals, peak, timeline_at
-from passes.planning import Plan, RecomputeCost, TransferCost
-from passes.simulator import Copy, replay
+from passes.planning import Plan
+from passes.replay import Copy, replay
 
-__all__ = [
-    "Placement", "Schedule", "place_candidates", "schedule_transfers", "prefetch_index", "free_index",
-    "recompute_costs",
-    "latest_starts", "issue_index", "bounded_start", "fifo_finish", "AUTO_HORIZON",
-]
-
-AUTO_HORIZON = "auto"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the four ops of one transfer go (nodes of the forward/backward graphs), and their predicted times."""
-
-    transfer: int  # index into Plan.transfers (-1 for an unchosen candidate)
-    offload_after: fx.Node  # forward: offload right after this node
-    free_after: fx.Node  # forward: offload wait (release) right after this node
-    prefetch_before: fx.Node  # backward: prefetch right before this node
-    wait_before: fx.Node  # backward: wait right before this node (first consumer)
-    ops_ahead: int  # compute ops between the prefetch and the wait
-    d2h_seconds: float = 0.0  # predicted copy times
-    h2d_seconds: float = 0.0
-    forward_stall: float = 0.0  # predicted compute stall at the release
-    backward_stall: float = 0.0  # predicted compute stall at the wait
-    deferred: bool = False  # the release does not wait: the graph returns with the copy in flight
+__all__ = ["Schedule", "schedule_transfers", "latest_starts", "issue_index", "bounded_start", "fifo_finish"]
 
 
 @dataclass(frozen=True)
@@ -130,26 +110,6 @@ class Schedule:
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def prefetch_index(compute: Sequence[bool], consumer: int, horizon: int, first: int) -> int:
-    """Index of the node to put a prefetch before: ``horizon`` compute ops ahead of ``consumer``.
-
-    ``compute[i]`` says whether node ``i`` counts; ``first`` is the earliest
-    allowed index (the first node after the graph's inputs).
-    """
-    if horizon < 0 or not first <= consumer < len(compute):
-        raise ValueError(f"bad prefetch query: horizon={horizon}, first={first}, consumer={consumer}")
-    index, seen = consumer, 0
-    while seen < horizon and index > first:
-        index -= 1
-        seen += compute[index]
-    return index
-
-
-def free_index(birth: int, last_use: int) -> int:
-    """Index of the node after which the device copy may first be released."""
-    return max(birth, last_use)
 
 
 def latest_starts(deadlines: Sequence[float], durations: Sequence[float]) -> list[float]:
@@ -186,146 +146,6 @@ def fifo_finish(ready: Sequence[float], durations: Sequence[float]) -> list[floa
         engine_free = max(r, engine_free) + d
         finish.append(engine_free)
     return finish
-
-
-# --------------------------------------------------------------------------- candidates (before planning)
-
-
-def place_candidates(
-    fw: fx.Graph,
-    bw: fx.Graph,
-    groups: Mapping[fx.Node, Sequence[SavedActivation]],
-    *,
-    horizon: int | str,
-) -> dict[fx.Node, Placement]:
-    """A placement for every candidate base, as if each were offloaded alone.
-
-    The release is at the last forward use; under ``"auto"`` the prefetch is at
-    its consumer. That is the least memory each transfer can take, so the
-    planner's feasibility is exact: a budget is met whenever some placement
-    meets it. Scheduling then moves prefetches earlier to hide copies, and
-    releases later, as far as the plan's bound allows.
-    """
-    fw_nodes = list(fw.nodes)
-    fw_pos = {n: i for i, n in enumerate(fw_nodes)}
-    last_use = last_storage_use(fw)
-    bw_nodes = list(bw.nodes)
-    bw_pos = {n: i for i, n in enumerate(bw_nodes)}
-    compute = [is_anchored_compute(n) for n in bw_nodes]
-    first = next(i for i, n in enumerate(bw_nodes) if n.op != "placeholder")
-    placements = {}
-    for base, members in groups.items():
-        birth = fw_pos[base]
-        free = free_index(birth, last_use.get(storage_key(base), birth))
-        consumer = min(bw_pos[u] for m in members for u in m.bw_node.users)
-        start = consumer if horizon == AUTO_HORIZON else prefetch_index(compute, consumer, horizon, first)
-        placements[base] = Placement(
-            transfer=-1,
-            offload_after=base,
-            free_after=fw_nodes[free],
-            prefetch_before=bw_nodes[start],
-            wait_before=bw_nodes[consumer],
-            ops_ahead=sum(compute[start:consumer]),
-        )
-    return placements
-
-
-def timeline_moves(timeline: Timeline, placements: Mapping[fx.Node, Placement]) -> dict[fx.Node, tuple[int, int]]:
-    """(release, prefetch) timeline positions of each placement, for the memory model."""
-    return {
-        base: (timeline.positions[p.free_after], timeline.positions[p.prefetch_before])
-        for base, p in placements.items()
-    }
-
-
-def _prefix(times: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for t in times:
-        out.append(out[-1] + t)
-    return out
-
-
-def transfer_costs(
-    timeline: Timeline,
-    placements: Mapping[fx.Node, Placement],
-    times: Sequence[float],
-    nbytes: Mapping[fx.Node, int],
-    profile: DeviceProfile,
-    *,
-    hide_backward: bool = False,
-) -> dict[fx.Node, TransferCost]:
-    """Each candidate's predicted copy times and the compute that could hide them, alone on its link.
-
-    ``hide_backward`` (``"auto"``): the prefetch may start anywhere in the backward, so its
-    window is all compute from the backward's start to the consumer.
-    """
-    prefix = _prefix(times)
-    window = lambda a, b: prefix[b] - prefix[a]  # compute time of positions a .. b-1
-    costs = {}
-    for base, p in placements.items():
-        pos = timeline.positions
-        birth, start, consumer = pos[base], pos[p.prefetch_before], pos[p.wait_before]
-        costs[base] = TransferCost(
-            d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
-            h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),
-            # The scheduler delays a release until its copy is done when the bound
-            # allows, so the planner prices the whole rest of the forward as cover
-            # (optimistic when memory is tight; the schedule's stall is the real one).
-            forward_window=window(birth + 1, len(timeline.fw_nodes)),
-            backward_window=window(len(timeline.fw_nodes) if hide_backward else start, consumer),
-            host=OPS_PER_TRANSFER * profile.op_seconds,
-            issued_at=prefix[birth + 1],
-            needed_at=prefix[consumer],
-        )
-    return costs
-
-
-def _temporaries(chain: Sequence[fx.Node], base: fx.Node) -> int:
-    """Most bytes a chain holds at once besides ``base``: its other outputs, each freed after its last use."""
-    owner: dict[fx.Node, fx.Node] = {}
-    for node in chain:  # views and getitems live in their source's storage
-        source = node.all_input_nodes[0] if not is_compute(node) and node.all_input_nodes else None
-        owner[node] = owner.get(source, node) if source in owner else node
-    last = {}
-    for i, node in enumerate(chain):
-        for arg in node.all_input_nodes:
-            if arg in owner:
-                last[owner[arg]] = i
-    live = top = 0
-    sizes = {}
-    for i, node in enumerate(chain):
-        if is_compute(node) and node is not base:
-            sizes[node] = value_nbytes(node.meta.get("val"))
-            if owner.get(base) is node:  # a multi-output op: the base is one of its outputs
-                sizes[node] -= value_nbytes(base.meta["val"])
-            live += sizes[node]
-        top = max(top, live)
-        for arg in set(node.all_input_nodes):
-            if arg in sizes and last.get(arg) == i and arg is not owner.get(base):
-                live -= sizes[arg]
-    return max(top, 0)
-
-
-def recompute_costs(
-    timeline: Timeline,
-    bases: Sequence[fx.Node],
-    placements: Mapping[fx.Node, Placement],
-    available: Sequence[fx.Node],
-    times: Sequence[float],
-) -> dict[fx.Node, RecomputeCost]:
-    """Each base's recompute chain from the ``available`` (saved) values, run right before its
-    first consumer, with the chain's predicted compute time; bases without a chain are left out."""
-    pos = timeline.positions
-    saved = set(available)
-    out = {}
-    for base in bases:
-        found = recompute_chain(base, saved, pos)
-        if isinstance(found, str):
-            continue
-        chain, reads = found
-        seconds = sum(times[pos[n]] for n in chain)
-        out[base] = RecomputeCost(chain, reads, placements[base].wait_before, seconds, _temporaries(chain, base))
-    return out
 
 
 # --------------------------------------------------------------------------- final schedule (after planning)
@@ -402,7 +222,7 @@ def schedule_transfers(
     chosen = [dataclasses.replace(placements[t.base], transfer=k) for k, t in enumerate(plan.transfers)]
     if not chosen:
         return Schedule(horizon, ())
-    starts = _prefix(times)  # predicted start time of each timeline position, before stalls
+    starts = prefix_sums(times)  # predicted start time of each timeline position, before stalls
     pos = timeline.positions
     sizes = [int(t.nbytes) for t in plan.transfers]
     lives = [t.lifetime for t in plan.transfers]

@@ -1,5 +1,8 @@
 """Simulator: a discrete-event replay of a planned step on a device profile.
 
+Inputs: a graph record (``Plan``, ``Schedule``, ``Timeline``, each node's ``Work``) and a
+``DeviceProfile``. Output: a ``Simulation`` (predicted step time, copies, stalls, memory).
+
 Algorithm. One compute stream runs the nodes of the forward, then the
 backward, in order, each for its predicted time (``passes.cost_model``).
 Copies run on copy engines: one per direction, or one shared engine when the
@@ -18,8 +21,9 @@ predicted total peak.
 The floor of a plan is what no schedule can beat: in each pass, the larger of
 its compute time and the time its copies need on the link.
 
-:func:`replay` is the core over plain lists (positions, durations); it knows
-nothing of FX. :func:`simulate` reads a graph record (plan, schedule,
+:func:`~passes.replay.replay` (``passes.replay``, which the scheduler uses
+too) is the core over plain lists (positions, durations); it knows nothing of
+FX. :func:`simulate` reads a graph record (plan, schedule,
 timeline). Every figure is a prediction.
 
 Limits. Compute never overlaps compute; compute kernels' launches cost the
@@ -36,69 +40,10 @@ from typing import Any, Sequence
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
 from passes.planning import recompute_moves, recompute_temporaries
+from passes.replay import Copy, Replay, op_starts, replay
 
 __all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "op_starts", "replay", "simulate",
            "simulate_movements"]
-
-
-@dataclass(frozen=True)
-class Copy:
-    """A copy issued right before position ``issue`` and waited for right before position ``wait``."""
-
-    issue: int
-    wait: int
-    seconds: float
-    engine: str  # "d2h" or "h2d" (or any name: copies on one name share an engine)
-
-
-@dataclass(frozen=True)
-class Replay:
-    step_time: float
-    starts: tuple[float, ...]  # start time of each position's op (len = positions + 1: the end)
-    stalls: tuple[float, ...]  # per copy, the stall at its wait
-    finishes: tuple[float, ...]  # per copy, when it ended
-    waited_at: tuple[float, ...]  # per copy, when compute reached its wait (a stall starts there)
-    host_wait: float = 0.0  # device time idle while the host issued fxoffload ops (a host-bound step)
-
-
-def replay(times: Sequence[float], copies: Sequence[Copy], op_seconds: float = 0.0) -> Replay:
-    """Run ops of ``times`` in order; copies on in-order engines; waits stall compute.
-
-    The host issues every op; compute ops cost it nothing (it runs ahead), but each copy's issue and
-    each wait cost it ``op_seconds``, on a host clock beside the device's. A copy starts no earlier
-    than its issue on the host, and the op at a position no earlier than the host has issued
-    everything before it: where the host falls behind, the device waits (``Replay.host_wait``).
-    """
-    issued: dict[int, list[int]] = {}
-    waited: dict[int, list[int]] = {}
-    for k, c in enumerate(copies):
-        if not 0 <= c.issue <= c.wait <= len(times):
-            raise ValueError(f"copy {k}: need 0 <= issue ({c.issue}) <= wait ({c.wait}) <= {len(times)}")
-        issued.setdefault(c.issue, []).append(k)
-        waited.setdefault(c.wait, []).append(k)
-    now = host = host_wait = 0.0  # the device's clock, the host's
-    engines: dict[str, float] = {}
-    finish = [0.0] * len(copies)
-    stalls = [0.0] * len(copies)
-    waited_at = [0.0] * len(copies)
-    starts = []
-    for i in range(len(times) + 1):
-        for k in issued.get(i, ()):
-            host += op_seconds
-            engine = copies[k].engine
-            engines[engine] = max(now, host, engines.get(engine, 0.0)) + copies[k].seconds
-            finish[k] = engines[engine]
-        host += op_seconds * len(waited.get(i, ()))
-        host_wait += max(0.0, host - now)
-        now = max(now, host)
-        for k in waited.get(i, ()):
-            waited_at[k] = now
-            stalls[k] = max(0.0, finish[k] - now)
-            now += stalls[k]
-        starts.append(now)
-        if i < len(times):
-            now += times[i]
-    return Replay(now, tuple(starts), tuple(stalls), tuple(finish), tuple(waited_at), host_wait)
 
 
 @dataclass(frozen=True)
@@ -233,15 +178,6 @@ def simulate_movements(
         peak=max(plan_total, default=0),
         activation_peak=max(plan_saved, default=0),
     )
-
-
-def op_starts(times: Sequence[float]) -> list[float]:
-    """When each op starts when ops of these times run back to back from 0 (no stalls)."""
-    out, now = [], 0.0
-    for t in times:
-        out.append(now)
-        now += t
-    return out
 
 
 def _floor(forward: Sequence[float], backward: Sequence[float], down: Sequence[Copy], up: Sequence[Copy]) -> float:

@@ -1,5 +1,8 @@
 """Step simulator: a training step made of several compiled-graph invocations, replayed as one.
 
+Inputs: the records of a step's compiled-graph invocations, in run order, and a
+``DeviceProfile``. Output: a ``StepSimulation`` (predicted step time and activation peak).
+
 With per-layer compile (FSDP2, torchtitan) one compiled graph runs once per
 layer: the step is k forward invocations, then their backwards in reverse
 order. :func:`simulate_step` replays such a step from the graphs' records,
@@ -40,7 +43,8 @@ from typing import Any, Sequence
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
 from passes.planning import held_after_forward, recompute_moves
-from passes.simulator import Copy, SimulatedCopy, op_starts, replay
+from passes.replay import Copy, op_starts, replay
+from passes.simulator import SimulatedCopy
 
 __all__ = ["StepSimulation", "simulate_step"]
 

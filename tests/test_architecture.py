@@ -1,6 +1,7 @@
 """docs/architecture.md stays true to the code: its import table is every module's real imports."""
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -64,3 +65,29 @@ def test_the_documented_import_table_is_the_code_s():
 def test_module_level_imports_have_no_cycle():
     graph = nx.DiGraph((name, dep) for name, (top, _) in actual_imports().items() for dep in top)
     assert nx.is_directed_acyclic_graph(graph), next(iter(nx.simple_cycles(graph)))
+
+
+# The pipeline's stages in order; a module may import only modules of its own or an earlier stage.
+# Rank 0: shared by every stage (the ops, the user's marks, the solvers, the replay core).
+STAGE_ORDER = {
+    "passes.ops": 0, "passes.policies": 0, "passes.solvers": 0, "passes.replay": 0,
+    "passes.analysis": 1, "passes.memory": 1,
+    "passes.cost_model": 2,
+    "passes.candidates": 3,
+    "passes.planning": 4,
+    "passes.scheduling": 5,
+    "passes.simulator": 6, "passes.step": 6, "passes.rewrite": 6,
+    "passes": 7,
+}
+
+
+def test_stages_import_only_earlier_stages():
+    actual = actual_imports()
+    stages = {name for name in actual if name == "passes" or name.startswith("passes.")}
+    assert stages == set(STAGE_ORDER), "a passes module without a stage, or a stage without a module"
+    upward = {(name, dep) for name in stages for dep in actual[name][0] if STAGE_ORDER[dep] > STAGE_ORDER[name]}
+    assert not upward, f"modules importing a later stage: {sorted(upward)}"
+    # A stage module's docstring names its inputs and outputs.
+    for name in stages - {"passes", "passes.ops", "passes.policies", "passes.solvers"}:
+        doc = importlib.import_module(name).__doc__ or ""
+        assert "Inputs:" in doc and ("Outputs:" in doc or "Output:" in doc), name

@@ -17,8 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fxoffload
 from fxoffload import runtime
-from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, loss_step
-from tests.test_golden import fxoffload_args, op_sequence
+from tests.conftest import assert_same_step, CausalLMLoss, fxoffload_args, loss_and_grads, loss_step, MODELS, op_sequence
 
 aten = torch.ops.aten
 MUST = {aten.addmm.default: CheckpointPolicy.MUST_SAVE, aten.tanh.default: CheckpointPolicy.MUST_CPU_OFFLOAD,

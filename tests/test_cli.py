@@ -11,34 +11,13 @@ import pytest
 
 from fxoffload.cli import main
 from fxoffload.models import PRESETS
+from tests.conftest import check_budget_held, run_error, run_json
 
 SMALL_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 128,
 }
-
-
-def run_json(capsys, *argv: str) -> dict:
-    assert main(["plan", *argv, "--json", "--quiet"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def run_error(capsys, *argv: str) -> str:
-    assert main(["plan", *argv, "--no-plot", "--quiet"]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    return captured.err
-
-
-def check_budget_held(report: dict, fraction: float) -> None:
-    for graph in report["graphs"]:
-        assert graph["budget_bytes"] == int(fraction * graph["activation_peak_before"])
-        assert graph["within_budget"] and graph["activation_peak_after"] <= graph["budget_bytes"]
-        close_below = 1 - 1e-12  # the same seconds summed in another order
-        assert graph["step_time"] >= graph["floor"] * close_below and graph["floor"] > 0
-        assert graph["step_time"] >= graph["step_time_without_offload"] * close_below
-        assert graph["bound"] in ("compute", "link")
 
 
 # A slice of each preset: a budget of 0.7 (a one- or two-layer slice keeps the logits and the

@@ -14,7 +14,7 @@ import numpy as np
 import fxoffload
 from passes.planning import plan_digest
 from passes.solvers import Option, Queue, solve_milp
-from tests.test_golden import compile_mlp  # (the golden MLP, compiled with min_bytes=0)
+from tests.conftest import compile_mlp  # the golden MLP, compiled with min_bytes=0
 
 ROOT = Path(__file__).resolve().parent.parent
 

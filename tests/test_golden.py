@@ -4,39 +4,10 @@ The expected sequences were derived by hand from the placement rules, with the
 reason next to each fxoffload op, and checked against the printed graphs.
 """
 
-import operator
-
 import torch
 
 import fxoffload
-from tests.conftest import MLP
-
-
-def op_sequence(gm: torch.fx.GraphModule) -> list[str]:
-    names = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            target = node.target
-            names.append("getitem" if target is operator.getitem else target.overloadpacket.__name__)
-    return names
-
-
-def fxoffload_args(gm):
-    return [
-        (n.target.overloadpacket.__name__, [a.name for a in n.all_input_nodes])
-        for n in gm.graph.nodes
-        if n.op == "call_function" and n.target.__module__ == "torch._ops.fxoffload"
-    ]
-
-
-def compile_mlp(**options):
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(3, 5, 8)
-    options.setdefault("all_eligible", "memory_budget" not in options)  # no budget: pin every eligible transfer
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, **options)
-    loss = torch.compile(model, backend=backend)(x)
-    loss.backward()
-    return backend.records[0]
+from tests.conftest import MLP, compile_mlp, fxoffload_args, op_sequence
 
 
 def test_mlp_forward_golden():

@@ -8,7 +8,7 @@ from passes import PlanOptions, plan_pair
 from passes.analysis import saved_interface
 from passes.memory import build_timeline, curve, intervals, peak
 from passes.planning import Budget, BudgetInfeasibleError
-from tests.test_stages import partitioned_pair, viewed_relu, viewed_relu_inputs
+from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
 
 
 def test_lifetimes_of_viewed_relu():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import check_budget_held, main, run_error, run_json
+from fxoffload.cli import main
+from tests.conftest import check_budget_held, run_error, run_json
 
 MODEL_FILE = Path(__file__).parent / "model_files" / "hf_model.py"
 

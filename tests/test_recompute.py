@@ -11,8 +11,7 @@ import torch
 import fxoffload
 from fxoffload import runtime
 from passes.simulator import simulate
-from tests.conftest import assert_same_step, loss_and_grads
-from tests.test_budget import UNPLACED_BYTES
+from tests.conftest import assert_same_step, loss_and_grads, UNPLACED_BYTES
 
 
 class GeluMLP(torch.nn.Module):

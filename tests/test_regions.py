@@ -1,14 +1,11 @@
 """A step compiled into several regions (graph breaks): an absolute budget covers the whole step."""
 
-import warnings
-from typing import Any
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import fxoffload
-from tests.conftest import assert_same_step, loss_and_grads, loss_step
+from tests.conftest import assert_same_step, Block, loss_and_grads, loss_step, per_layer_step
 
 
 class TwoRegions(torch.nn.Module):
@@ -94,40 +91,6 @@ def test_auto_reports_a_budget_no_alternative_meets():
     step = torch.compile(RandomMask(), backend=backend)
     with pytest.raises(Exception, match="smallest achievable .* with every alternative of strategy 'auto'"):
         step(torch.randn(256, 64)).backward()
-
-
-class Block(torch.nn.Module):
-    """A user-defined layer: compiled on its own with ``layer.compile``, one graph serves every block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-def per_layer_step(budget, layers: int = 3, steps: int = 2, reentrant: bool | None = None,
-                   runs_per_step: Any = 1, dynamic: bool | None = None) -> tuple[list, Any]:
-    """``steps`` training steps of ``layers`` blocks, each block compiled with one fxoffload backend
-    (and run under activation checkpointing, reentrant or not, unless ``reentrant`` is None).
-    ``runs_per_step=1``: each graph planned for one run, so that the run-time count is what warns."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    blocks = [Block() for _ in range(layers)]
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=budget, strategy="offload",
-                                        runs_per_step=runs_per_step)
-    for block in blocks:
-        block.compile(backend=backend, dynamic=dynamic)
-    x = torch.randn(256, 128, requires_grad=True)  # so the first block's graph is the others'
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(steps):
-            y = x
-            for block in blocks:
-                y = block(y) if reentrant is None else checkpoint(block, y, use_reentrant=reentrant)
-            y.sum().backward()
-    return [w for w in caught if "has run" in str(w.message)], backend
 
 
 def test_an_absolute_budget_warns_when_one_graph_serves_several_layers():

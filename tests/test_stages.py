@@ -1,44 +1,15 @@
 """Stage tests on tiny inputs with plain expected values (analysis, planning, scheduling)."""
 
-import copy
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.decomposition import select_decomp_table
 
 from fxoffload.profiles import PROFILES
 from passes import PlanOptions, plan_pair
 from passes.analysis import is_compute, saved_activations, saved_interface
-from passes.scheduling import free_index, prefetch_index
-
-
-def partitioned_pair(fn, *inputs):
-    """The (forward, backward, num_user_outputs) that the min-cut partitioner makes for ``fn``."""
-    captured = {}
-
-    def partition(gm, joint_inputs, **kwargs):
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        captured["pair"] = (copy.deepcopy(fw), copy.deepcopy(bw), kwargs["num_fwd_outputs"])
-        return fw, bw
-
-    nop = lambda gm, _: gm
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition, decompositions=select_decomp_table())
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend)(*inputs)
-    return captured["pair"]
-
-
-def viewed_relu(x, w1, w2):
-    h = torch.relu(x @ w1)  # 3-D: the next matmul views it as 2-D
-    return (h @ w2).sum()  # the partitioner saves relu.view(15, 6).t() for w2's gradient
-
-
-def viewed_relu_inputs():
-    return [torch.randn(3, 5, 8, requires_grad=True), torch.randn(8, 6, requires_grad=True),
-            torch.randn(6, 4, requires_grad=True)]
+from passes.candidates import free_index, prefetch_index
+from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
 
 
 def plan_for(fn, inputs, **options):

@@ -10,8 +10,7 @@ import fxoffload
 
 from passes.simulator import simulate
 from passes.step import simulate_step
-from tests.conftest import lm_step, per_layer_llama
-from tests.test_regions import per_layer_step
+from tests.conftest import lm_step, per_layer_llama, per_layer_step
 
 
 @pytest.mark.parametrize("cross_graphs", [True, False])
