@@ -46,82 +46,64 @@ def _flops(bf16: float, fp16: float, fp32: float) -> tuple:
     return ((torch.bfloat16, bf16 * T), (torch.float16, fp16 * T), (torch.float32, fp32 * T))
 
 
-PROFILES: dict[str, DeviceProfile] = {
+def _profile(name: str, flops: tuple, memory: float, h2d: float, d2h: float, duplex: bool,
+             source: str) -> DeviceProfile:
+    """A named profile: the figures of its GPU and link, with the latency and op-call cost every one shares."""
+    return DeviceProfile(name, flops, memory, h2d, d2h, duplex, LATENCY, source, op_seconds=OP_SECONDS)
+
+
+PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     # H100 SXM 80GB, host link PCIe Gen5 x16. Link: nvbandwidth on Azure ND H100 v5,
     # H2D 51 / D2H 52 GB/s (Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md).
     # Duplex: not measured on H100; Gen5 hosts keep ~90% per direction with both running
     # (tinygrad/open-gpu-kernel-modules#29, RTX 5090), so modelled as full duplex.
     # Compute: H100 datasheet, dense BF16/FP16 989 TFLOP/s, FP32 67. Memory: STREAM-style
     # 2.90-3.18 TB/s measured (Azure results above) against 3.35 spec: 3.0 TB/s.
-    "h100-pcie5": DeviceProfile(
-        "h100-pcie5", _flops(989, 989, 67), 3.0e12, 51 * GB, 52 * GB, True, LATENCY,
-        "nvbandwidth ND H100 v5 (Azure/AI-benchmarking-guide); H100 datasheet",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("h100-pcie5", _flops(989, 989, 67), 3.0e12, 51 * GB, 52 * GB, True,
+             "nvbandwidth ND H100 v5 (Azure/AI-benchmarking-guide); H100 datasheet"),
     # A100 on PCIe Gen4 x16. Link: bandwidthTest pinned, A100-PCIE-40GB ~26.2 GB/s both ways
     # (jdh4/della-gpu-A100 README); nvbandwidth 25-26 one-way (NVIDIA/nvbandwidth#11), and with
     # both directions running H2D falls to 11-13 while D2H holds 24-25 (#11, #53): not duplex.
     # Compute: A100 datasheet dense BF16/FP16 312, FP32 19.5. Memory: 1.555 TB/s (40GB PCIe spec).
-    "a100-pcie4": DeviceProfile(
-        "a100-pcie4", _flops(312, 312, 19.5), 1.555e12, 26 * GB, 26 * GB, False, LATENCY,
-        "bandwidthTest jdh4/della-gpu-A100; NVIDIA/nvbandwidth#11,#53; A100 datasheet",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("a100-pcie4", _flops(312, 312, 19.5), 1.555e12, 26 * GB, 26 * GB, False,
+             "bandwidthTest jdh4/della-gpu-A100; NVIDIA/nvbandwidth#11,#53; A100 datasheet"),
     # GH200, NVLink-C2C. Link: bandwidthTest pinned 32 MB, H2D 335 / D2H 292 GB/s
     # (slitvinov/grace README); nvbandwidth H2D 346 (NVIDIA/nvbandwidth#23). Both at once each
     # direction gets about half (160 H2D while D2H runs, microsoft/superbenchmark nvbandwidth
     # test data; NVIDIA/nvbandwidth#41): not duplex. Compute: Hopper figures as H100.
     # Memory: 3.6 TB/s read measured (mredenti/PowerCapping) for the 96 GB HBM3 part.
-    "gh200": DeviceProfile(
-        "gh200", _flops(990, 990, 67), 3.6e12, 335 * GB, 292 * GB, False, LATENCY,
-        "bandwidthTest slitvinov/grace; NVIDIA/nvbandwidth#23,#41",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("gh200", _flops(990, 990, 67), 3.6e12, 335 * GB, 292 * GB, False,
+             "bandwidthTest slitvinov/grace; NVIDIA/nvbandwidth#23,#41"),
     # Four GH200 superchips in one node (NV6 between the GPUs). Link: nvbandwidth, CE CPU->GPU 411.6-421.1 /
     # GPU->CPU 169.9-170.1 GB/s per GPU, the same with every GPU copying at once (NVIDIA/Megatron-LM#6491):
     # unlike a lone superchip (the "gh200" profile), host-to-device runs at about 2.4x device-to-host.
     # Not duplex (as "gh200"). Compute and memory: as "gh200". Auto-detection cannot tell the two
     # apart from the device name: pass device_profile="gh200-x4" on such nodes.
-    "gh200-x4": DeviceProfile(
-        "gh200-x4", _flops(990, 990, 67), 3.6e12, 411 * GB, 170 * GB, False, LATENCY,
-        "nvbandwidth 4xGH200 NVIDIA/Megatron-LM#6491",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("gh200-x4", _flops(990, 990, 67), 3.6e12, 411 * GB, 170 * GB, False,
+             "nvbandwidth 4xGH200 NVIDIA/Megatron-LM#6491"),
     # H200 SXM (HGX H200), host link PCIe Gen5 x16 as on HGX H100. Link: no H200 measurement found;
     # estimated as the H100 SXM's measured Gen5 link (51 / 52 GB/s, "h100-pcie5"), full duplex as there.
     # Compute: the same GH100 die as H100, dense BF16/FP16 989, FP32 67 (datasheet). Memory: 4.8 TB/s
     # HBM3e (datasheet; no sustained measurement found).
-    "h200": DeviceProfile(
-        "h200", _flops(989, 989, 67), 4.8e12, 51 * GB, 52 * GB, True, LATENCY,
-        "estimate (link as h100-pcie5; no H200 measurement found); H200 datasheet",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("h200", _flops(989, 989, 67), 4.8e12, 51 * GB, 52 * GB, True,
+             "estimate (link as h100-pcie5; no H200 measurement found); H200 datasheet"),
     # L40S on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards (25 GB/s each
     # way, not duplex, as "l4"). Compute: L40S datasheet dense BF16/FP16 362, FP32 91.6. Memory: 864 GB/s
     # spec.
-    "l40s": DeviceProfile(
-        "l40s", _flops(362, 362, 91.6), 864 * GB, 25 * GB, 25 * GB, False, LATENCY,
-        "estimate (Gen4 class; no L40S measurement found); L40S datasheet",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("l40s", _flops(362, 362, 91.6), 864 * GB, 25 * GB, 25 * GB, False,
+             "estimate (Gen4 class; no L40S measurement found); L40S datasheet"),
     # L4 on PCIe Gen4 x16. Link: no measurement found; estimated as other Gen4 cards,
     # ~25 GB/s each way, not duplex. Compute: L4 datasheet dense BF16/FP16 121, FP32 30.3.
     # Memory: 300 GB/s spec.
-    "l4": DeviceProfile(
-        "l4", _flops(121, 121, 30.3), 300 * GB, 25 * GB, 25 * GB, False, LATENCY,
-        "estimate (Gen4 class; no L4 measurement found); L4 datasheet",
-        op_seconds=OP_SECONDS,
-    ),
+    _profile("l4", _flops(121, 121, 30.3), 300 * GB, 25 * GB, 25 * GB, False,
+             "estimate (Gen4 class; no L4 measurement found); L4 datasheet"),
     # RTX 4090 on PCIe Gen4 x16. Link: nvbandwidth 8x4090, H2D 24-26.4 / D2H 26.3-27.1 GB/s,
     # bidirectional H2D 11-16 (NVIDIA/nvbandwidth#15): not duplex. Compute: Ada whitepaper,
     # 165 TFLOP/s BF16/FP16 with FP32 accumulate, FP32 82.6. Memory: 921 GB/s measured
     # (krrishnarraj/clpeak#106) against 1008 spec.
-    "rtx4090": DeviceProfile(
-        "rtx4090", _flops(165, 165, 82.6), 921 * GB, 25 * GB, 26.5 * GB, False, LATENCY,
-        "nvbandwidth NVIDIA/nvbandwidth#15; Ada whitepaper",
-        op_seconds=OP_SECONDS,
-    ),
-}
+    _profile("rtx4090", _flops(165, 165, 82.6), 921 * GB, 25 * GB, 26.5 * GB, False,
+             "nvbandwidth NVIDIA/nvbandwidth#15; Ada whitepaper"),
+)}
 
 DEFAULT_PROFILE = "h100-pcie5"
 """Used by ``device_profile="auto"`` when no CUDA device is present."""
