@@ -63,7 +63,7 @@ from passes import (
     plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
 from passes.analysis import tensor_storage_key
-from passes.planning import held_after_forward, plan_digest
+from passes.scheduling import held_after_forward, plan_digest
 from passes.policies import offload_marked, read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)

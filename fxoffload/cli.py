@@ -378,7 +378,7 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
     a fractional budget is the same fraction at every length."""
     from fxoffload.config import parse_budget
     from passes.memory import plan_sizes
-    from passes.planning import activation_peaks_at
+    from passes.scheduling import activation_peaks_at
 
     plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
@@ -421,7 +421,7 @@ def _plot_paths(path: Path, count: int) -> list[Path]:
 
 
 def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> dict:
-    from passes.planning import plan_digest
+    from passes.scheduling import plan_digest
     from passes.simulator import simulate
 
     graphs = []

@@ -36,14 +36,14 @@ from passes.cost_model import DeviceProfile, node_work, roofline
 from passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
 from passes.planning import (
     ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
-    group_by_base, plan_offloads, with_scheduled_peaks,
+    group_by_base, plan_offloads,
 )
 from passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from passes.rewrite import rewrite_pair
 from passes.candidates import (
     AUTO_HORIZON, Placement, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
-from passes.scheduling import Schedule, schedule_transfers
+from passes.scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",

@@ -77,7 +77,6 @@ compute them (:func:`backward_symbols`), never recomputed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -96,11 +95,9 @@ from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PRE
 from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, host_of, solve
 
 __all__ = [
-    "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions", "Recompute", "SizeBudget",
-    "STRATEGIES", "Transfer", "held_after_forward", "recompute_moves", "recompute_temporaries",
-    "group_by_base", "over_runs", "pinned_block", "plan_digest", "plan_offloads", "peaks_over_range", "step_peak",
-    "why_kept",
-    "with_scheduled_peaks",
+    "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
+    "Recompute", "SizeBudget", "STRATEGIES", "Transfer", "group_by_base", "over_runs", "pinned_block", "plan_offloads",
+    "recompute_moves", "recompute_temporaries", "step_peak", "why_kept",
 ]
 
 OFFLOAD = "offload"
@@ -1076,78 +1073,3 @@ def _warn_unhonoured(reasons: Mapping[fx.Node, str | None], marks: Mapping[fx.No
         if MUST_CPU_OFFLOAD in marks[base] and reason is not None:
             warnings.warn(f"fxoffload: {base.name} is marked MUST_CPU_OFFLOAD but stays on the device: {reason}",
                           stacklevel=3)
-
-
-def _scheduled_moves(plan: Plan, timeline: Timeline, schedule: Any) -> dict[int, tuple[int, int]]:
-    pos = timeline.positions
-    moved = plan.recompute_moves()
-    moved.update({
-        plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
-        for p in schedule.placements
-    })
-    return moved
-
-
-def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Any) -> Plan:
-    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
-    if not schedule.placements:
-        return plan
-    moved = _scheduled_moves(plan, timeline, schedule)
-    activations = curve(timeline.length, intervals(timeline, moved, True))
-    total = peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries())))
-    held = activations[len(timeline.fw_nodes) - 1] if activations else 0
-    sizes = tuple(dataclasses.replace(size, step_peak_after=activation_peaks_at(plan, timeline, schedule,
-                                                                              dict(size.values))[1])
-                  for size in plan.sizes)
-    return dataclasses.replace(
-        plan,
-        sizes=sizes,
-        activation_peak_after=peak(activations),
-        step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
-        device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
-        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
-    )
-
-
-def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Any, values: Mapping[Any, int]) -> tuple[int, int]:
-    """The step's activation peak without and with the plan, its symbolic sizes at ``values``."""
-    from passes.memory import timeline_at
-
-    at = timeline_at(timeline, dict(values))
-    before = curve(at.length, intervals(at, {}, True))
-    after = curve(at.length, intervals(at, _scheduled_moves(plan, at, schedule), True))
-    forward = len(at.fw_nodes)
-    return step_peak(before, forward, plan.runs), step_peak(after, forward, plan.runs)
-
-
-def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Any) -> list[tuple[dict, int, int]]:
-    """The step's activation peaks without and with the plan, at sizes across the range the plan
-    holds a fraction over (``passes.memory.sizes_between``): (sizes, before, after) each."""
-    from passes.memory import size_ranges, sizes_between
-
-    return [(values, *activation_peaks_at(plan, timeline, schedule, values))
-            for values in sizes_between(size_ranges(timeline))]
-
-
-def held_after_forward(plan: Plan, timeline: Timeline, schedule: Any) -> int:
-    """Predicted activation bytes the pair's forward leaves on the device for its backward."""
-    activations = curve(timeline.length, intervals(timeline, _scheduled_moves(plan, timeline, schedule), True))
-    return activations[len(timeline.fw_nodes) - 1] if activations else 0
-
-
-def plan_digest(plan: Plan, schedule: Any) -> str:
-    """A short hash of what the rewrite does with a pair: each saved activation's decision, each copy's
-    four places and each recomputation's chain, by node name, and the partition planned. Equal plans
-    give equal digests on every rank and in every process; predictions (seconds, peaks) are left out,
-    so that only a different rewrite changes it."""
-    name = lambda node: None if node is None else node.name  # noqa: E731
-    parts = [
-        plan.partition,
-        [(d.name, d.action) for d in plan.decisions],
-        [(t.base_name, str(t.nbytes), t.members) for t in plan.transfers],
-        [(r.base_name, r.at, r.release, [name(n) for n in r.cost.chain]) for r in plan.recomputes],
-        [(p.transfer, name(p.offload_after), name(p.free_after), name(p.prefetch_before), name(p.wait_before),
-          p.deferred) for p in schedule.placements],
-        schedule.prefetch_order, name(schedule.ahead_before), schedule.ahead,
-    ]
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

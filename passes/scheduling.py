@@ -4,7 +4,9 @@ Inputs: the :class:`~passes.planning.Plan`, the candidates' placements
 (``passes.candidates``: where each copy could go alone), the ``Timeline``,
 predicted op times and the device profile. Output: a :class:`Schedule` (each
 transfer's final :class:`~passes.candidates.Placement`, the prefetch order,
-the copies started ahead, predicted stalls).
+the copies started ahead, predicted stalls), and the plan's predicted peaks
+re-evaluated under it (:func:`with_scheduled_peaks`, :func:`activation_peaks_at`,
+:func:`held_after_forward`) and the digest of plan and schedule (:func:`plan_digest`).
 
 Algorithm.
 * Offload: right after its base is computed. Post-AOTAutograd graphs are
@@ -78,18 +80,20 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
 from passes.candidates import AUTO_HORIZON, Placement, prefix_sums
 from passes.cost_model import DeviceProfile, transfer_time
-from passes.memory import Timeline, curve, intervals, peak, timeline_at
-from passes.planning import Plan
+from passes.memory import Timeline, curve, intervals, peak, size_ranges, sizes_between, timeline_at
+from passes.planning import Plan, step_peak
 from passes.replay import Copy, replay
 
-__all__ = ["Schedule", "schedule_transfers", "latest_starts", "issue_index", "bounded_start", "fifo_finish"]
+__all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
+           "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "with_scheduled_peaks"]
 
 
 @dataclass(frozen=True)
@@ -411,3 +415,78 @@ def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, tim
             deferred=deferred[k],
         ))
     return Schedule(horizon, tuple(result), tuple(order))
+
+
+# --------------------------------------------------------------------------- the plan under its schedule
+
+
+def _scheduled_moves(plan: Plan, timeline: Timeline, schedule: Schedule) -> dict[int, tuple[int, int]]:
+    pos = timeline.positions
+    moved = plan.recompute_moves()
+    moved.update({
+        plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
+        for p in schedule.placements
+    })
+    return moved
+
+
+def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> Plan:
+    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
+    if not schedule.placements:
+        return plan
+    moved = _scheduled_moves(plan, timeline, schedule)
+    activations = curve(timeline.length, intervals(timeline, moved, True))
+    total = peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries())))
+    held = activations[len(timeline.fw_nodes) - 1] if activations else 0
+    sizes = tuple(dataclasses.replace(size, step_peak_after=activation_peaks_at(plan, timeline, schedule,
+                                                                              dict(size.values))[1])
+                  for size in plan.sizes)
+    return dataclasses.replace(
+        plan,
+        sizes=sizes,
+        activation_peak_after=peak(activations),
+        step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
+        device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
+        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
+    )
+
+
+def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,
+                        values: Mapping[Any, int]) -> tuple[int, int]:
+    """The step's activation peak without and with the plan, its symbolic sizes at ``values``."""
+    at = timeline_at(timeline, dict(values))
+    before = curve(at.length, intervals(at, {}, True))
+    after = curve(at.length, intervals(at, _scheduled_moves(plan, at, schedule), True))
+    forward = len(at.fw_nodes)
+    return step_peak(before, forward, plan.runs), step_peak(after, forward, plan.runs)
+
+
+def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Schedule) -> list[tuple[dict, int, int]]:
+    """The step's activation peaks without and with the plan, at sizes across the range the plan
+    holds a fraction over (``passes.memory.sizes_between``): (sizes, before, after) each."""
+    return [(values, *activation_peaks_at(plan, timeline, schedule, values))
+            for values in sizes_between(size_ranges(timeline))]
+
+
+def held_after_forward(plan: Plan, timeline: Timeline, schedule: Schedule) -> int:
+    """Predicted activation bytes the pair's forward leaves on the device for its backward."""
+    activations = curve(timeline.length, intervals(timeline, _scheduled_moves(plan, timeline, schedule), True))
+    return activations[len(timeline.fw_nodes) - 1] if activations else 0
+
+
+def plan_digest(plan: Plan, schedule: Schedule) -> str:
+    """A short hash of what the rewrite does with a pair: each saved activation's decision, each copy's
+    four places and each recomputation's chain, by node name, and the partition planned. Equal plans
+    give equal digests on every rank and in every process; predictions (seconds, peaks) are left out,
+    so that only a different rewrite changes it."""
+    name = lambda node: None if node is None else node.name  # noqa: E731
+    parts = [
+        plan.partition,
+        [(d.name, d.action) for d in plan.decisions],
+        [(t.base_name, str(t.nbytes), t.members) for t in plan.transfers],
+        [(r.base_name, r.at, r.release, [name(n) for n in r.cost.chain]) for r in plan.recomputes],
+        [(p.transfer, name(p.offload_after), name(p.free_after), name(p.prefetch_before), name(p.wait_before),
+          p.deferred) for p in schedule.placements],
+        schedule.prefetch_order, name(schedule.ahead_before), schedule.ahead,
+    ]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

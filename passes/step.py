@@ -23,7 +23,7 @@ in the order the invocations ran:
   first transfers, in prefetch order, while they fit in those bytes.
 * Memory (saved activations, what a budget bounds): each invocation's own
   curve under its plan, plus the bytes every earlier invocation still holds
-  for its backward (``passes.planning.held_after_forward``), plus copies
+  for its backward (``passes.scheduling.held_after_forward``), plus copies
   started ahead (from their start to the end of the backward that started
   them), plus deferred sources until their copy has landed on the simulated
   clock. The baseline is the same step without offloading or recomputing.
@@ -42,7 +42,8 @@ from typing import Any, Sequence
 
 from passes.cost_model import DeviceProfile, roofline
 from passes.memory import curve, intervals
-from passes.planning import held_after_forward, recompute_moves
+from passes.planning import recompute_moves
+from passes.scheduling import held_after_forward
 from passes.replay import Copy, op_starts, replay
 from passes.simulator import SimulatedCopy
 

@@ -1,5 +1,5 @@
 """Deterministic plans: the same graph and options give the same plan, named by its digest
-(``passes.planning.plan_digest``), in every process and under any load; a different rewrite gives
+(``passes.scheduling.plan_digest``), in every process and under any load; a different rewrite gives
 another digest."""
 
 import contextlib
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import fxoffload
-from passes.planning import plan_digest
+from passes.scheduling import plan_digest
 from passes.solvers import Option, Queue, solve_milp
 from tests.conftest import compile_mlp  # the golden MLP, compiled with min_bytes=0
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # solver) and prints each digest. (Under strategy auto, PyTorch's recompute-only partition wins here.)
 PLAN_IN_A_PROCESS = """
 import torch, fxoffload
-from passes.planning import plan_digest
+from passes.scheduling import plan_digest
 from tests.conftest import lm_step, tiny_llama
 torch.manual_seed(0)
 backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, strategy="offload",

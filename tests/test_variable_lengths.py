@@ -121,7 +121,7 @@ def test_the_fraction_holds_measured_at_every_length(build, strategy, setup):
 def test_a_bounded_plan_holds_the_fraction_predicted_at_every_length_of_its_range():
     """Held at the ends of the range, the plan holds at every length between (predicted by the
     memory model, which the measured test above checks at a few lengths)."""
-    from passes.planning import activation_peaks_at
+    from passes.scheduling import activation_peaks_at
 
     torch._dynamo.reset()
     torch.manual_seed(0)
