@@ -7,16 +7,17 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from passes.cost_model import DeviceProfile
-from passes.planning import STRATEGIES, Budget, PlanOptions
-from passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD
+from passes.candidates import AUTO_HORIZON
+from passes.planning import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
+from passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 
 __all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]
 
-INNER_COMPILERS = ("inductor", "eager")
-ON_INFEASIBLE = ("error", "warn")
+InnerCompiler = Literal["inductor", "eager"]
+INNER_COMPILERS: tuple[str, ...] = get_args(InnerCompiler)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)\s*$", re.IGNORECASE)
@@ -77,23 +78,23 @@ class OffloadConfig:
     """Smallest storage (bytes) worth a transfer; smaller saved tensors stay on the device.
     Copies below ~64 KiB are dominated by launch and link latency."""
 
-    horizon: Any = "auto"
+    horizon: int | Literal["auto"] = AUTO_HORIZON
     """Where prefetches start: ``"auto"`` (from predicted op and copy times, as late as hides the
     copy, as early as the memory bound allows), or an int: exactly that many compute ops before
     the first backward consumer (views, getitems and fxoffload ops do not count), clamped to the
     backward's start."""
 
-    inner: str = "inductor"
+    inner: InnerCompiler = "inductor"
     """Compiler for the rewritten graphs: ``"inductor"`` or ``"eager"`` (run the FX graphs as they are)."""
 
-    strategy: str = "auto"
+    strategy: Strategy = "auto"
     """What the planner may do to a saved tensor that does not fit the budget: ``"auto"`` (keep,
     offload or recompute, whichever is predicted fastest), ``"offload"`` (keep or offload only) or
     ``"recompute"`` (keep, or rebuild it in the backward from other saved tensors). Without a
     budget, the same choices reach the smallest peak the strategy can (``all_eligible``: every
     eligible tensor offloaded, or under ``"recompute"`` every recomputable one recomputed)."""
 
-    solver: str = "auto"
+    solver: SolverName = "auto"
     """``"auto"`` (greedy, or when greedy is more than 1% above the LP bound, the exact MILP within
     1% of its bound; never worse than greedy), ``"milp"`` (the exact MILP within 0.01%) or ``"greedy"``."""
 
@@ -106,7 +107,7 @@ class OffloadConfig:
     """Seconds the exact solver may take per program: a guard against a pathological program, not
     the normal exit. A plan stopped by it may differ between runs and ranks (fxoffload warns)."""
 
-    on_infeasible: str = "error"
+    on_infeasible: OnInfeasible = "error"
     """When no plan meets the budget: ``"error"`` raises, ``"warn"`` warns and plans for the smallest
     achievable activation peak instead (at least cost)."""
 
@@ -186,7 +187,7 @@ class OffloadConfig:
                               f"device_budget={self.device_budget!r}: a budget decides what moves; accepted: "
                               "all_eligible=True with no budget, or a budget with all_eligible=False", named=True)
         _check_int("min_bytes", self.min_bytes)
-        if self.horizon != "auto":
+        if self.horizon != AUTO_HORIZON:
             _check_int("horizon", self.horizon, also="or 'auto'")
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("inner", self.inner, INNER_COMPILERS)

@@ -80,7 +80,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 import torch
 import torch.fx as fx
@@ -92,19 +92,22 @@ from passes.analysis import (
 from passes.candidates import RecomputeCost, TransferCost
 from passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
 from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, curve_with, host_of, solve
+from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, SolverName, curve_with, host_of, solve
 
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
-    "Recompute", "SizeBudget", "STRATEGIES", "Transfer", "group_by_base", "over_runs", "pinned_block", "plan_offloads",
+    "ON_INFEASIBLE", "OnInfeasible", "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "group_by_base", "over_runs", "pinned_block", "plan_offloads",
     "recompute_moves", "recompute_temporaries", "step_peak", "why_kept",
 ]
 
 OFFLOAD = "offload"
 RECOMPUTE = "recompute"
 KEEP = "keep"
-AUTO = "auto"
-STRATEGIES = (AUTO, OFFLOAD, RECOMPUTE)
+AUTO_STRATEGY = "auto"  # keep, offload or recompute, per tensor (a horizon's "auto" is passes.candidates.AUTO_HORIZON)
+Strategy = Literal["auto", "offload", "recompute"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+OnInfeasible = Literal["error", "warn"]
+ON_INFEASIBLE: tuple[str, ...] = get_args(OnInfeasible)
 COPY_WEIGHT = 1e-3  # weight of hidden copy time next to stall time in the objective
 PREFER_SAVE_PENALTY = 10.0  # a PREFER_SAVE candidate costs this many times the costliest other one more
 
@@ -162,11 +165,11 @@ class Budget:
 class PlanOptions:
     min_bytes: int = 0
     budget: Budget | None = None
-    solver: str = "auto"
-    on_infeasible: str = "error"
+    solver: SolverName = "auto"
+    on_infeasible: OnInfeasible = "error"
     time_limit: float = TIME_GUARD  # seconds per program: a guard (see passes.solvers)
     node_limit: int = NODE_LIMIT  # branch-and-bound nodes per program: the deterministic bound
-    strategy: str = "auto"
+    strategy: Strategy = "auto"
     # A total peak (every tensor of the step, bytes) the copies' placement may not raise the total
     # above, when lower than the pair's own unoffloaded total: plain compile's, when the user's
     # CPU-offload marks made the partitioner save more than plain compile does.
@@ -257,7 +260,7 @@ class Plan:
     transfers: tuple[Transfer, ...]
     min_bytes: int
     recomputes: tuple[Recompute, ...] = ()
-    strategy: str = "offload"
+    strategy: Strategy = "offload"
     partition: str = "min-cut"  # the partition planned: PyTorch's min-cut, or its recompute-only one at a budget
     budget: str = "none"  # as the user gave it
     budget_bytes: int | None = None
@@ -586,8 +589,8 @@ def _host_queue(problem: _Problem, offloadable: Sequence[fx.Node], forced: Seque
 def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]):
     """Solver items (offload listed first: it needs the least memory), their owners and conflicts."""
     strategy, costs, marks = problem.options.strategy, problem.costs, problem.marks
-    offloadable = list(free) if strategy in (OFFLOAD, AUTO) else []
-    recomputable = [b for b in free if b in problem.recomputes] if strategy in (RECOMPUTE, AUTO) else []
+    offloadable = list(free) if strategy in (OFFLOAD, AUTO_STRATEGY) else []
+    recomputable = [b for b in free if b in problem.recomputes] if strategy in (RECOMPUTE, AUTO_STRATEGY) else []
     slots, queues = _queues(problem, offloadable, forced) if problem.queued else ({}, [])
     host_slots, host_queue = _host_queue(problem, offloadable, forced)
     raw: dict[tuple[fx.Node, str], tuple[float, tuple]] = {}
@@ -655,7 +658,7 @@ def _everything(items, conflicts) -> list[tuple[int, int]]:
 
 
 _ALL = {OFFLOAD: "offloading every eligible activation", RECOMPUTE: "recomputing every recomputable activation",
-        AUTO: "offloading or recomputing every eligible activation"}
+        AUTO_STRATEGY: "offloading or recomputing every eligible activation"}
 
 
 def _split(owners, chosen) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]]:
@@ -763,7 +766,7 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
     if options.on_infeasible == "error":
-        advice = ("raise the budget", "lower min_bytes", *(() if options.strategy == AUTO else ("try strategy='auto'",)),
+        advice = ("raise the budget", "lower min_bytes", *(() if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)),
                   ADVICE_WARN)
         raise BudgetInfeasibleError(message, *shortfall, advice)
     # The cheapest plan that reaches the smallest peak (not just "everything").

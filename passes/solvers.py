@@ -71,20 +71,21 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 import numpy as np
 
 __all__ = [
     "Candidate", "Option", "Queue", "SolverResult", "Solution", "choose_offloads", "solve", "solve_greedy",
-    "solve_milp", "evaluate", "min_peak", "lateness", "host_of",
+    "solve_milp", "evaluate", "min_peak", "lateness", "host_of", "SOLVERS", "SolverName",
 ]
 
 Interval = tuple[int, int]
 Change = tuple[int, int, int]  # (start, end inclusive, bytes added; negative when saved)
 OPTIMALITY_GAP = 1e-4  # relative; HiGHS's default for mixed-integer programs
 ACCEPTED_GAP = 1e-2  # "auto" keeps greedy without branch and bound when this close to the LP bound
-SOLVERS = ("auto", "milp", "greedy")
+SolverName = Literal["auto", "milp", "greedy"]
+SOLVERS: tuple[str, ...] = get_args(SolverName)
 # Branch and bound stops after this many nodes: a deterministic unit of work. The 7B graph's
 # programs close the accepted gap at the root node; the limit only bounds the rare hard one.
 NODE_LIMIT = 1000

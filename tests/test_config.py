@@ -180,3 +180,22 @@ def test_a_planned_copy_on_the_gh200_node_takes_each_direction_at_its_own_bandwi
         nbytes = int(record.plan.transfers[placement.transfer].nbytes)
         assert placement.d2h_seconds - profile.copy_latency == pytest.approx(nbytes / 170e9)
         assert placement.h2d_seconds - profile.copy_latency == pytest.approx(nbytes / 411e9)
+
+
+def test_choices_are_literal_types_and_validation_accepts_exactly_them():
+    from typing import get_args, get_type_hints
+
+    from fxoffload.config import INNER_COMPILERS, OptionError
+    from passes.planning import ON_INFEASIBLE, STRATEGIES, PlanOptions
+    from passes.solvers import SOLVERS
+
+    hints, plan_hints = get_type_hints(fxoffload.OffloadConfig), get_type_hints(PlanOptions)
+    for name, accepted in (("inner", INNER_COMPILERS), ("strategy", STRATEGIES), ("solver", SOLVERS),
+                           ("on_infeasible", ON_INFEASIBLE)):
+        assert get_args(hints[name]) == accepted, name
+        if name in plan_hints:
+            assert get_args(plan_hints[name]) == accepted, name
+        for value in accepted:
+            fxoffload.OffloadConfig(**{name: value})
+        with pytest.raises(OptionError, match=name):
+            fxoffload.OffloadConfig(**{name: "nonsense"})
