@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--solver", default="auto")
     parser.add_argument("--write", action="store_true", help="also write the figures to benchmarks/RESULTS.md")
     parser.add_argument("--strategy", default="offload",
-                        help="offload (default: the planning-speed figures in the README), recompute or auto "
+                        help="offload (default: the planning-speed figures in benchmarks/RESULTS.md), recompute or auto "
                              "(auto also plans its alternatives, PyTorch's recompute-only partition included)")
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
