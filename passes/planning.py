@@ -96,8 +96,8 @@ from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, SolverName, cu
 
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
-    "ON_INFEASIBLE", "OnInfeasible", "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "group_by_base", "over_runs", "pinned_block", "plan_offloads",
-    "recompute_moves", "recompute_temporaries", "step_peak", "why_kept",
+    "ON_INFEASIBLE", "OnInfeasible", "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "group_by_base",
+    "over_runs", "pinned_block", "plan_offloads", "recompute_moves", "recompute_temporaries", "step_peak", "why_kept",
 ]
 
 OFFLOAD = "offload"
@@ -567,7 +567,7 @@ def _host_queue(problem: _Problem, offloadable: Sequence[fx.Node], forced: Seque
     and half in the backward (at its consumer), must be issued before the device gets there, or the
     device waits. Slots by the device time they are needed at; capacity, that time less the forced
     transfers' calls up to it. None when op calls cost nothing, or are hidden whatever is chosen."""
-    costs, everything = problem.costs, list(offloadable) + list(forced)
+    costs, everything, made = problem.costs, list(offloadable) + list(forced), set(forced)
     if not any(costs[b].host for b in everything):
         return {}, None
     calls = sorted((t, phase, k) for k, b in enumerate(everything)
@@ -577,7 +577,7 @@ def _host_queue(problem: _Problem, offloadable: Sequence[fx.Node], forced: Seque
     caps = []
     for slot, (t, phase, k) in enumerate(calls):
         slots[everything[k], phase] = slot
-        taken += costs[everything[k]].host / 2 if everything[k] in forced else 0.0
+        taken += costs[everything[k]].host / 2 if everything[k] in made else 0.0
         every += costs[everything[k]].host / 2
         caps.append(t - taken)
         late = max(late, every - t)
@@ -766,8 +766,8 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
     if options.on_infeasible == "error":
-        advice = ("raise the budget", "lower min_bytes", *(() if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)),
-                  ADVICE_WARN)
+        other = () if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)
+        advice = ("raise the budget", "lower min_bytes", *other, ADVICE_WARN)
         raise BudgetInfeasibleError(message, *shortfall, advice)
     # The cheapest plan that reaches the smallest peak (not just "everything").
     lowest = solve(total, base, items, smallest, queues, conflicts, solver=options.solver,

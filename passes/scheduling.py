@@ -68,8 +68,8 @@ predicted by the simulator's replay (``passes.simulator``): each copy starts
 when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
 
-The helpers over plain lists (:func:`latest_starts`, :func:`issue_index`, :func:`bounded_start`, :func:`fifo_finish`) know nothing of
-FX. The result is an immutable :class:`Schedule`; nothing here edits a graph.
+The helpers over plain lists (:func:`latest_starts`, :func:`issue_index`,
+:func:`bounded_start`, :func:`fifo_finish`) know nothing of FX. The result is an immutable :class:`Schedule`; nothing here edits a graph.
 
 Limits. Compute never overlaps compute; copies in the two directions are
 modelled independently (see the simulator for a shared link); costs come from
