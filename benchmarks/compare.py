@@ -32,7 +32,7 @@ partitioner; every strategy below works from that joint graph:
 * ``fxoffload-auto``: the default, ``strategy="auto"``: keep, offload or
   recompute per storage, and PyTorch's recompute-only partition at the budget
   planned as well when the first plan has a predicted cost
-  (``passes.plan_best_partition``, as the backend does).
+  (``fxoffload.passes.plan_best_partition``, as the backend does).
 
 Budgets are fractions of ``none``'s activation peak (the residual bytes), as
 ``memory_budget`` defines them. Per row: predicted activation peak (and
@@ -42,7 +42,7 @@ simulated step time and overhead over ``none``,
 the step's ratio to the floor of that strategy's copies, what bounds the
 floor, bytes offloaded, FLOPs recomputed, and the measured wall time of
 deciding (planning, or the partitioner run that makes the strategy's graphs).
-Step times are **simulated** (``passes.simulator``) on ``h100-pcie5`` and on
+Step times are **simulated** (``fxoffload.passes.simulator``) on ``h100-pcie5`` and on
 ``a100-pcie4`` (PCIe Gen4, not full duplex); peaks are **predicted** by the
 memory model; only the decision times are measured.
 
@@ -76,12 +76,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from fxoffload import models  # noqa: E402
 from fxoffload.explain import format_bytes, format_stages  # noqa: E402
+from fxoffload.passes import plan_best_partition, plan_pair  # noqa: E402
+from fxoffload.passes.analysis import last_storage_use, storage_key  # noqa: E402
+from fxoffload.passes.cost_model import node_work, roofline, transfer_time  # noqa: E402
+from fxoffload.passes.planning import Budget, PlanOptions  # noqa: E402
+from fxoffload.passes.simulator import Movement, Simulation, simulate, simulate_movements  # noqa: E402
 from fxoffload.profiles import PROFILES  # noqa: E402
-from passes import plan_best_partition, plan_pair  # noqa: E402
-from passes.analysis import last_storage_use, storage_key  # noqa: E402
-from passes.cost_model import node_work, roofline, transfer_time  # noqa: E402
-from passes.planning import Budget, PlanOptions  # noqa: E402
-from passes.simulator import Movement, Simulation, simulate, simulate_movements  # noqa: E402
 
 OFFLOAD, RECOMPUTE, AUTO = "fxoffload-offload", "fxoffload-recompute", "fxoffload-auto"
 STRATEGIES = ("none", "sync", "torch-native", "recompute", "layer-horizon-2", OFFLOAD, RECOMPUTE, AUTO)

@@ -29,11 +29,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from results import write_section  # noqa: E402
 
 from fxoffload import runtime  # noqa: E402
 from fxoffload.profiles import OP_CALLS, PROFILES, op_call_seconds  # noqa: E402
-from results import write_section  # noqa: E402
 from tests.fake_cuda import FakeCuda  # noqa: E402
+
 
 def measure(calls: int) -> dict[str, dict[str, float]]:
     out = {"CPU engine": op_call_seconds("cpu", calls)}
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         "(Python streams and events), not CUDA: a GPU host's figure needs a GPU. The named profiles charge "
         f"{profile.op_seconds * 1e6:.0f} us of host time per op call (op_seconds, an estimate rounded from that "
         "row), on a host clock beside the device's: a step pays it only where the device would wait for the "
-        "host (passes.simulator).",
+        "host (fxoffload.passes.simulator).",
     ])
     print(body)
     if args.write:

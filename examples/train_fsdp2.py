@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
-from passes.scheduling import plan_digest  # noqa: E402
+from fxoffload.passes.scheduling import plan_digest  # noqa: E402
 
 
 def build_model(layers: int) -> torch.nn.Module:

@@ -7,19 +7,49 @@
     print(fxoffload.explain(backend.records[0]))
     fxoffload.plot(backend.records[0], "plan.png")  # the predicted step, simulated on the device profile
     fxoffload.plot_step(backend.step_invocations(), "step.png")  # several graph runs (one per layer)
+
+The graph passes (``fxoffload.passes``) live in the repository's top-level ``passes/`` folder;
+pyproject.toml installs them under this package. A checkout run without installing (``python
+examples/train_llama.py``, a GPU machine with nothing installed) is served the same way by
+:class:`_CheckoutPasses`.
 """
 
-from fxoffload import runtime
-from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend
-from fxoffload.config import OffloadConfig, OptionError
-from fxoffload.explain import explain
-from fxoffload.measure import MemoryMeasurement, measure_peak
-from fxoffload.plot import plot, plot_step
-from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate
-from fxoffload.ranks import PlanMismatchError
-from passes.planning import BudgetInfeasibleError, BudgetInfeasibleWarning
-from passes.simulator import Simulation, simulate
-from passes.step import StepSimulation, simulate_step
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
+
+
+class _CheckoutPasses(importlib.abc.MetaPathFinder):
+    """Finds ``fxoffload.passes`` when this package runs from a checkout (installed editable, or
+    not at all): the ``passes/`` folder beside it, as the install's package-dir mapping does. First
+    on the path, so a second checkout (a worktree) runs its own passes, not the editable install's.
+    An installed copy has ``fxoffload/passes/`` and never consults this finder."""
+
+    folder = Path(__file__).resolve().parent.parent / "passes"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != f"{__name__}.passes":
+            return None
+        return importlib.util.spec_from_file_location(name, self.folder / "__init__.py",
+                                                      submodule_search_locations=[str(self.folder)])
+
+
+_INSTALLED = (Path(__file__).resolve().parent / "passes").is_dir()
+if not _INSTALLED and (_CheckoutPasses.folder / "__init__.py").is_file():
+    sys.meta_path.insert(0, _CheckoutPasses())
+
+from fxoffload import runtime  # noqa: E402  (after the finder: runtime imports fxoffload.passes)
+from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend  # noqa: E402
+from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
+from fxoffload.explain import explain  # noqa: E402
+from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
+from fxoffload.passes.planning import BudgetInfeasibleError, BudgetInfeasibleWarning  # noqa: E402
+from fxoffload.passes.simulator import Simulation, simulate  # noqa: E402
+from fxoffload.passes.step import StepSimulation, simulate_step  # noqa: E402
+from fxoffload.plot import plot, plot_step  # noqa: E402
+from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
+from fxoffload.ranks import PlanMismatchError  # noqa: E402
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",

@@ -3,7 +3,7 @@
 ``offload_backend(**options)`` returns an :class:`OffloadBackend`. For every
 graph dynamo hands it, AOTAutograd traces the joint forward/backward graph,
 PyTorch's min-cut partitioner splits it, and our partition hook plans the
-pair as one timeline (``passes.plan_best_partition``: under strategy
+pair as one timeline (``fxoffload.passes.plan_best_partition``: under strategy
 ``"auto"``, alternatives are planned too when the first plan has a predicted
 cost, PyTorch's recompute-only partition at the budget among them, and the
 fastest predicted kept) and rewrites it before the inner compiler sees either
@@ -49,22 +49,32 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.fx.graph import _BoxedCodeGen
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
+from fxoffload.passes import (
+    Budget,
+    BudgetInfeasibleError,
+    DeviceProfile,
+    PassResult,
+    Plan,
+    PlanOptions,
+    Schedule,
+    Timeline,
+    plan_best_partition,
+    rewrite_planned,
+    unbounded_size_warning,
+    unoffloaded_total_peak,
+)
+from fxoffload.passes.analysis import tensor_storage_key
+from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
+from fxoffload.passes.scheduling import held_after_forward, plan_digest
 from fxoffload.profiles import available_host_memory
 from fxoffload.ranks import check_plans_agree
-from passes import (
-    Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
-    plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
-)
-from passes.analysis import tensor_storage_key
-from passes.scheduling import held_after_forward, plan_digest
-from passes.policies import offload_marked, read_policies, save_offload_marks
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +348,7 @@ class OffloadBackend:
 
     def step_invocations(self) -> list[GraphRecord]:
         """The latest step's forward invocations, in the order they ran: a region's record once per
-        run (one graph serving 32 layers appears 32 times). ``passes.step.simulate_step`` replays it."""
+        run (one graph serving 32 layers appears 32 times). ``fxoffload.passes.step.simulate_step`` replays it."""
         return [self._record_of[r] for r in self._step_regions if r in self._record_of]
 
     def _region_key(self) -> tuple:

@@ -262,7 +262,7 @@ def run_check(config: CheckConfig = CheckConfig(), progress: Callable[[str], Non
 
 def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile: Any, progress) -> None:
     import fxoffload
-    from passes.simulator import simulate
+    from fxoffload.passes.simulator import simulate
 
     cuda = report.cuda
     torch.manual_seed(config.seed)

@@ -323,7 +323,7 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
     budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
     from fxoffload.models import ModelError, one_line
-    from passes.planning import ADVICE_WARN, BudgetInfeasibleError
+    from fxoffload.passes.planning import ADVICE_WARN, BudgetInfeasibleError
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):
@@ -377,8 +377,8 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
     """The graph's predicted activation peaks at both ends of the range (planned at the longest);
     a fractional budget is the same fraction at every length."""
     from fxoffload.config import parse_budget
-    from passes.memory import plan_sizes
-    from passes.scheduling import activation_peaks_at
+    from fxoffload.passes.memory import plan_sizes
+    from fxoffload.passes.scheduling import activation_peaks_at
 
     plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
@@ -421,8 +421,8 @@ def _plot_paths(path: Path, count: int) -> list[Path]:
 
 
 def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> dict:
-    from passes.scheduling import plan_digest
-    from passes.simulator import simulate
+    from fxoffload.passes.scheduling import plan_digest
+    from fxoffload.passes.simulator import simulate
 
     graphs = []
     for record in records:
@@ -472,7 +472,7 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
 def _step_report(invocations: list, options: dict) -> dict:
     """The step's figures: every compiled-graph invocation replayed as one step (simulated)."""
     from fxoffload.config import parse_budget
-    from passes.step import simulate_step
+    from fxoffload.passes.step import simulate_step
 
     sim = simulate_step(invocations)
     budget = parse_budget(options["memory_budget"])

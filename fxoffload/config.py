@@ -9,10 +9,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
-from passes.cost_model import DeviceProfile
-from passes.candidates import AUTO_HORIZON
-from passes.planning import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
-from passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
+from fxoffload.passes.candidates import AUTO_HORIZON
+from fxoffload.passes.cost_model import DeviceProfile
+from fxoffload.passes.planning import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
+from fxoffload.passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 
 __all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]
 

@@ -37,8 +37,8 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from passes.analysis import tensor_storage_key
-from passes.ops import FXOFFLOAD_OPS, OFFLOAD, PREFETCH
+from fxoffload.passes.analysis import tensor_storage_key
+from fxoffload.passes.ops import FXOFFLOAD_OPS, OFFLOAD, PREFETCH
 
 __all__ = ["MemoryMeasurement", "measure_peak"]
 

@@ -28,8 +28,8 @@ import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from passes.analysis import is_anchored_compute, storage_key
-from passes.ops import FXOFFLOAD_OPS, RELEASES
+from fxoffload.passes.analysis import is_anchored_compute, storage_key
+from fxoffload.passes.ops import FXOFFLOAD_OPS, RELEASES
 
 __all__ = ["pin_offload_order"]
 

@@ -5,7 +5,7 @@ Top panel: saved-activation bytes on the device over the step, without
 offloading (on its own, stall-free clock) and under the plan, with the budget
 as a line; thin lines show all device tensors. Bottom panel: the compute lane
 (stalls in red) and one lane per copy engine, each copy a bar. Everything drawn
-is a prediction (``passes.simulator`` on a device profile), and the figure says
+is a prediction (``fxoffload.passes.simulator`` on a device profile), and the figure says
 so. Matplotlib is used through its object interface (no pyplot), so plotting
 touches no global state and needs no display.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes
-from passes.cost_model import DeviceProfile
-from passes.simulator import Simulation, simulate
+from fxoffload.passes.cost_model import DeviceProfile
+from fxoffload.passes.simulator import Simulation, simulate
 
 __all__ = ["format_seconds", "plot", "plot_step"]
 
@@ -55,9 +55,9 @@ def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, 
 
 def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DeviceProfile | None = None,
               title: str | None = None, budget: int | None = None) -> Any:
-    """Replay a step of several compiled-graph runs (``passes.step.simulate_step``: records in the
+    """Replay a step of several compiled-graph runs (``fxoffload.passes.step.simulate_step``: records in the
     order they ran) and draw it to ``path``: every run, copies crossing run boundaries included."""
-    from passes.step import simulate_step
+    from fxoffload.passes.step import simulate_step
 
     path = Path(path)
     if path.suffix.lower() not in FORMATS:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from passes.cost_model import DeviceProfile
+from fxoffload.passes.cost_model import DeviceProfile
 
 __all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "op_call_seconds",
            "resolve_profile"]

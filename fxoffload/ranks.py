@@ -3,7 +3,7 @@
 Ranks that plan one graph differently run different copies and waits, and
 under FSDP2 or tensor parallelism their collectives can fall out of step
 (torchtitan's automatic planner deadlocked NCCL this way). Plans here are
-deterministic (``passes.solvers`` stops branch and bound at a node count, not
+deterministic (``fxoffload.passes.solvers`` stops branch and bound at a node count, not
 a time), so ranks that see the same graph, options and device profile make
 the same plan; this check proves it on every compile, and names the ranks
 where it does not hold (a different model or option on one rank, or

@@ -90,7 +90,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from passes.ops import LIB as _lib
+from fxoffload.passes.ops import LIB as _lib
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",

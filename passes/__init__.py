@@ -29,21 +29,39 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from passes.analysis import (
-    SavedActivation, SavedInterface, inputs_at, is_random, saved_activations, saved_interface,
+from fxoffload.passes.analysis import (
+    SavedActivation,
+    SavedInterface,
+    inputs_at,
+    is_random,
+    saved_activations,
+    saved_interface,
 )
-from passes.cost_model import DeviceProfile, node_work, roofline
-from passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
-from passes.planning import (
-    ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
-    group_by_base, plan_offloads,
+from fxoffload.passes.candidates import (
+    AUTO_HORIZON,
+    Placement,
+    place_candidates,
+    recompute_costs,
+    timeline_moves,
+    transfer_costs,
 )
-from passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
-from passes.rewrite import rewrite_pair
-from passes.candidates import (
-    AUTO_HORIZON, Placement, place_candidates, recompute_costs, timeline_moves, transfer_costs,
+from fxoffload.passes.cost_model import DeviceProfile, node_work, roofline
+from fxoffload.passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
+from fxoffload.passes.planning import (
+    ADVICE_WARN,
+    Budget,
+    BudgetInfeasibleError,
+    BudgetInfeasibleWarning,
+    Decision,
+    Plan,
+    PlanOptions,
+    Transfer,
+    group_by_base,
+    plan_offloads,
 )
-from passes.scheduling import Schedule, schedule_transfers, with_scheduled_peaks
+from fxoffload.passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
+from fxoffload.passes.rewrite import rewrite_pair
+from fxoffload.passes.scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
@@ -162,7 +180,7 @@ def plan_pair(
 ) -> PassResult:
     """Analyse, estimate, plan and schedule the pair; the graphs are not changed.
 
-    ``policies``: the user's selective-checkpoint marks by forward node name (``passes.policies``).
+    ``policies``: the user's selective-checkpoint marks by forward node name (``fxoffload.passes.policies``).
     ``input_activations``: positions, among the compiled function's inputs, of those an earlier
     compiled graph of the step made (hidden states between layers): the step holds the ones this
     pair saves, once per run, and the budget counts them (not under a fraction for one run).
@@ -209,7 +227,7 @@ PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION = 1e-3
 
 
 def _predicted_step(result: PassResult, profile: DeviceProfile, watch: _Stopwatch) -> float:
-    from passes.simulator import simulate
+    from fxoffload.passes.simulator import simulate
 
     watch.restart()
     step = simulate(result, profile).step_time

@@ -5,17 +5,17 @@ placed as if it were offloaded alone (:func:`place_candidates`): its release
 at the last forward use of any alias, its prefetch ``horizon`` compute ops
 before its first backward consumer (under ``"auto"``: at the consumer). That
 is the least memory each transfer can take, so the planner's feasibility is
-exact; the scheduler (``passes.scheduling``) later moves the chosen ones to
+exact; the scheduler (``fxoffload.passes.scheduling``) later moves the chosen ones to
 hide their copies. :func:`transfer_costs` prices each candidate's copies on a
-device profile (``passes.cost_model``) with the compute that could hide them
+device profile (``fxoffload.passes.cost_model``) with the compute that could hide them
 and the device times its host op calls are due at; :func:`recompute_costs`
-finds each candidate's recompute chain (``passes.analysis.recompute_chain``)
+finds each candidate's recompute chain (``fxoffload.passes.analysis.recompute_chain``)
 and prices it.
 
 Inputs: the partitioned forward and backward graphs, their saved activations
-grouped by base, the ``Timeline`` (``passes.memory``), predicted op times.
+grouped by base, the ``Timeline`` (``fxoffload.passes.memory``), predicted op times.
 Outputs: :class:`Placement` per candidate, :class:`TransferCost` and
-:class:`RecomputeCost` per candidate, which the planner (``passes.planning``)
+:class:`RecomputeCost` per candidate, which the planner (``fxoffload.passes.planning``)
 reads.
 
 The helpers over plain lists (:func:`prefetch_index`, :func:`free_index`) know
@@ -33,11 +33,16 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from passes.analysis import (
-    SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
+from fxoffload.passes.analysis import (
+    SavedActivation,
+    is_anchored_compute,
+    is_compute,
+    last_storage_use,
+    recompute_chain,
+    storage_key,
 )
-from passes.cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
-from passes.memory import Timeline
+from fxoffload.passes.cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
+from fxoffload.passes.memory import Timeline
 
 __all__ = [
     "AUTO_HORIZON", "Placement", "RecomputeCost", "TransferCost", "free_index", "place_candidates",
@@ -72,7 +77,7 @@ class TransferCost:
     h2d: float
     forward_window: float  # compute after the offload that may hide it (to the forward's end)
     backward_window: float  # compute between the prefetch and its wait
-    # Host seconds of its op calls (``passes.cost_model.OPS_PER_TRANSFER``), and the predicted device
+    # Host seconds of its op calls (``fxoffload.passes.cost_model.OPS_PER_TRANSFER``), and the predicted device
     # times from the step's start at which the forward's half (offload, release) and the backward's
     # half (prefetch, wait) are needed: a host that has not issued them by then makes the device wait.
     host: float = 0.0

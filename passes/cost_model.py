@@ -30,8 +30,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from passes.analysis import is_compute, tensor_nbytes, traced_value
-from passes.memory import concrete
+from fxoffload.passes.analysis import is_compute, tensor_nbytes, traced_value
+from fxoffload.passes.memory import concrete
 
 __all__ = ["DeviceProfile", "OPS_PER_TRANSFER", "Work", "node_time", "node_times", "node_work", "roofline",
            "transfer_time", "value_nbytes"]

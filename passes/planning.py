@@ -1,12 +1,12 @@
 """Planning: decide, for every saved activation, whether to keep, offload or recompute it.
 
 Inputs: the saved activations, the ``Timeline``, each candidate's moves and costs
-(``passes.candidates``), ``PlanOptions`` and the user's marks (``passes.policies``).
+(``fxoffload.passes.candidates``), ``PlanOptions`` and the user's marks (``fxoffload.passes.policies``).
 Outputs: a ``Plan``, an immutable value: one ``Decision`` per saved activation with its reason,
 the transfers and recompute chains, the predicted peaks.
 
 Algorithm. Saved tensors are grouped by the storage they live in (their
-*base*, see ``passes.analysis``): a view is never moved on its own; its base
+*base*, see ``fxoffload.passes.analysis``): a view is never moved on its own; its base
 is offloaded (or recomputed) once and the view is rebuilt on the device after
 it. :func:`why_kept` says why a group must stay (one rule per early return);
 the rest are candidates.
@@ -14,7 +14,7 @@ the rest are candidates.
 * Options per candidate (``strategy``): *offload* (device copy until its
   release, prefetched copy from its prefetch to its last use, at the positions
   the scheduler would give it) and *recompute* (freed at its last forward use;
-  its chain of forward ops, found by ``passes.analysis.recompute_chain`` from
+  its chain of forward ops, found by ``fxoffload.passes.analysis.recompute_chain`` from
   saved values and graph inputs, runs again right before its first backward
   consumer, and the storage lives from there to its last use). A recomputed
   storage counts as activation memory from its rebuild on, like a prefetched
@@ -27,10 +27,10 @@ the rest are candidates.
   ``all_eligible`` acts on every candidate instead, as naive offloading does
   (PREFER_SAVE ones stay).
 * With a budget (bytes, or a fraction of the activation peak without
-  offloading), the activation curve of ``passes.memory`` and each option's
-  saving are handed to ``passes.solvers`` as plain intervals. The objective is
+  offloading), the activation curve of ``fxoffload.passes.memory`` and each option's
+  saving are handed to ``fxoffload.passes.solvers`` as plain intervals. The objective is
   predicted step time: a recomputation costs its chain's compute time (from
-  ``passes.cost_model``); copies are work on the copy engines, priced by the
+  ``fxoffload.passes.cost_model``); copies are work on the copy engines, priced by the
   solvers' queue lateness under horizon ``"auto"`` (where prefetches may start
   anywhere in the backward), else by the stall each copy alone would cause;
   plus a small weight on all copy time so that no copy is made for nothing.
@@ -40,7 +40,7 @@ the rest are candidates.
   is left out where it cannot, even with every candidate offloaded.
   A recomputation reads saved values: those may not be recomputed too, nor
   offloaded unless they are waited for before it (conflicts for the solver).
-* Selective-checkpoint marks (``passes.policies``): ``MUST_SAVE`` keeps a
+* Selective-checkpoint marks (``fxoffload.passes.policies``): ``MUST_SAVE`` keeps a
   storage; ``MUST_CPU_OFFLOAD`` offloads it whatever the budget and
   ``min_bytes`` (its offloaded intervals are fixed memory for the solver);
   ``PREFER_CPU_OFFLOAD`` makes its offload cost nothing and its
@@ -48,7 +48,7 @@ the rest are candidates.
   unmarked option, so the budget takes them first and last.
   Every reason names the mark it honours or overrides.
 * Under symbolic sizes, a fractional budget is held at the plan's size and at
-  the other sizes of ``passes.memory.held_sizes`` (the other end of the range
+  the other sizes of ``fxoffload.passes.memory.held_sizes`` (the other end of the range
   the graph serves), each against the fraction of its own unoffloaded peak:
   the solver gets one timeline per size laid end to end, each size's fixed
   memory raised by the plan's budget less its own, so that one budget bounds
@@ -70,7 +70,7 @@ Limits: queue lateness lets a prefetch start wherever compute allows,
 ignoring the memory it then holds (the schedule's stall is the prediction);
 chains with random ops are not recomputed (their generator state is not
 saved); symbolic sizes are evaluated at the largest size the guards allow, or
-the traced one (``passes.memory.concrete``), and offloaded when the backward can
+the traced one (``fxoffload.passes.memory.concrete``), and offloaded when the backward can
 compute them (:func:`backward_symbols`), never recomputed.
 """
 
@@ -85,14 +85,21 @@ from typing import Any, Literal, Mapping, Sequence, get_args
 import torch
 import torch.fx as fx
 
-from passes.analysis import (
-    SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key, sym_exprs, symbol_sources,
+from fxoffload.passes.analysis import (
+    SavedActivation,
+    SavedInterface,
+    is_compute,
+    is_rng_state,
+    output_storages,
+    storage_key,
+    sym_exprs,
+    symbol_sources,
     unbuildable,
 )
-from passes.candidates import RecomputeCost, TransferCost
-from passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
-from passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, SolverName, curve_with, host_of, solve
+from fxoffload.passes.candidates import RecomputeCost, TransferCost
+from fxoffload.passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
+from fxoffload.passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
+from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, SolverName, curve_with, host_of, solve
 
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
@@ -103,7 +110,7 @@ __all__ = [
 OFFLOAD = "offload"
 RECOMPUTE = "recompute"
 KEEP = "keep"
-AUTO_STRATEGY = "auto"  # keep, offload or recompute, per tensor (a horizon's "auto" is passes.candidates.AUTO_HORIZON)
+AUTO_STRATEGY = "auto"  # keep, offload or recompute, per tensor (a horizon's "auto" is candidates.AUTO_HORIZON)
 Strategy = Literal["auto", "offload", "recompute"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 OnInfeasible = Literal["error", "warn"]
@@ -167,14 +174,14 @@ class PlanOptions:
     budget: Budget | None = None
     solver: SolverName = "auto"
     on_infeasible: OnInfeasible = "error"
-    time_limit: float = TIME_GUARD  # seconds per program: a guard (see passes.solvers)
+    time_limit: float = TIME_GUARD  # seconds per program: a guard (see fxoffload.passes.solvers)
     node_limit: int = NODE_LIMIT  # branch-and-bound nodes per program: the deterministic bound
     strategy: Strategy = "auto"
     # A total peak (every tensor of the step, bytes) the copies' placement may not raise the total
     # above, when lower than the pair's own unoffloaded total: plain compile's, when the user's
     # CPU-offload marks made the partitioner save more than plain compile does.
     total_cap: int | None = None
-    # Copies may cross the graph's boundaries (``passes.scheduling``): deferred releases at the
+    # Copies may cross the graph's boundaries (``fxoffload.passes.scheduling``): deferred releases at the
     # forward's end, and copies started ahead by the backward that runs before this one.
     cross_graphs: bool = True
     # How many times the graph runs in one training step (one compiled graph serving that many
@@ -287,7 +294,7 @@ class Plan:
     note: str = ""
     shortfall: tuple[int, int] | None = None  # when infeasible: (smallest achievable peak, budget), bytes
     # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
-    # (``passes.memory.held_sizes``), each with its budget and the predicted peaks there.
+    # (``fxoffload.passes.memory.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
     host_budget_bytes: int | None = None  # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
 
@@ -363,7 +370,7 @@ def why_kept(
 ) -> str | None:
     """Why this storage group must stay on the device, or None if it may be offloaded.
 
-    ``marks`` are the group's selective-checkpoint marks (``passes.policies``); ``symbols`` the
+    ``marks`` are the group's selective-checkpoint marks (``fxoffload.passes.policies``); ``symbols`` the
     size symbols the backward finds in inputs it keeps whatever the plan (:func:`backward_symbols`).
     """
     base = group[0].base
@@ -512,8 +519,8 @@ class _Problem:
 def graph_input_bytes(timeline: Timeline) -> int:
     """Bytes of the forward graph's tensor inputs (parameters, buffers, batch): resident all step.
     Inputs that are an earlier graph's activations, saved here, have lifetimes instead."""
-    from passes.analysis import tensor_nbytes
-    from passes.memory import concrete
+    from fxoffload.passes.analysis import tensor_nbytes
+    from fxoffload.passes.memory import concrete
 
     held = set(timeline.input_activations)
     vals = [n.meta.get("val") for n in timeline.fw_nodes if n.op == "placeholder" and n not in held]
@@ -861,7 +868,7 @@ def plan_offloads(
     ``moves`` maps each candidate base to the (release, prefetch) timeline
     positions the scheduler gives it; ``costs`` to its predicted copy costs;
     ``recomputes`` to its recompute chain, where it has one; ``policies`` the
-    user's selective-checkpoint marks by forward node name (``passes.policies``);
+    user's selective-checkpoint marks by forward node name (``fxoffload.passes.policies``);
     ``queued``: price copies as queues on the copy engines (prefetches placed
     freely, horizon ``"auto"``) rather than each alone on its link.
     """
@@ -990,7 +997,7 @@ def pinned_block(nbytes: int) -> int:
 def _held(problem: _Problem) -> list[tuple[dict, _Problem, int]]:
     """The other sizes the budget binds, each with the problem there and its budget in bytes.
 
-    A fraction is the same fraction at every size of :func:`passes.memory.held_sizes`; a budget held
+    A fraction is the same fraction at every size of :func:`fxoffload.passes.memory.held_sizes`; a budget held
     to another plan's sizes (``Budget.at_sizes``) gives its bytes. A budget in bytes binds the plan's
     own size only: that is the largest the guards allow where they bound it, and every activation's
     bytes grow with every symbol (under an unbounded size the backend warns instead)."""

@@ -11,8 +11,8 @@ never runs ahead of the host.
 Inputs: op durations by position, :class:`Copy` s (issue and wait positions,
 duration, engine). Output: a :class:`Replay` (step time, op starts, each
 copy's stall, end and wait time, the device's time waiting for the host).
-Nothing here knows FX; ``passes.scheduling`` predicts its stalls with it and
-``passes.simulator`` and ``passes.step`` replay whole plans with it.
+Nothing here knows FX; ``fxoffload.passes.scheduling`` predicts its stalls with it and
+``fxoffload.passes.simulator`` and ``fxoffload.passes.step`` replay whole plans with it.
 
 Limits. Compute never overlaps compute; an engine serves one copy at a time,
 in issue order (no bandwidth splitting).

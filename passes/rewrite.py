@@ -4,7 +4,7 @@ Inputs: the forward and backward graphs, the ``Plan`` and the ``Schedule``. Outp
 edited in place (``offload``, ``wait``, ``defer``, ``prefetch``, ``prefetch_ahead`` nodes and
 recompute chains).
 
-Reads a :class:`~passes.planning.Plan` and a :class:`~passes.scheduling.Schedule`
+Reads a :class:`~fxoffload.passes.planning.Plan` and a :class:`~fxoffload.passes.scheduling.Schedule`
 and edits the pair in place; it decides nothing. Nodes are found through the
 plan and schedule (which hold the nodes themselves), never by name or position.
 
@@ -41,10 +41,10 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from passes.analysis import SavedActivation, SavedInterface, symbol_sources
-from passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
-from passes.planning import Plan, replayable
-from passes.scheduling import Schedule
+from fxoffload.passes.analysis import SavedActivation, SavedInterface, symbol_sources
+from fxoffload.passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
+from fxoffload.passes.planning import Plan, replayable
+from fxoffload.passes.scheduling import Schedule
 
 __all__ = ["rewrite_pair"]
 

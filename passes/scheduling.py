@@ -1,9 +1,9 @@
 """Scheduling: where each chosen transfer's offload, release, prefetch and wait go, and what they cost.
 
-Inputs: the :class:`~passes.planning.Plan`, the candidates' placements
-(``passes.candidates``: where each copy could go alone), the ``Timeline``,
+Inputs: the :class:`~fxoffload.passes.planning.Plan`, the candidates' placements
+(``fxoffload.passes.candidates``: where each copy could go alone), the ``Timeline``,
 predicted op times and the device profile. Output: a :class:`Schedule` (each
-transfer's final :class:`~passes.candidates.Placement`, the prefetch order,
+transfer's final :class:`~fxoffload.passes.candidates.Placement`, the prefetch order,
 the copies started ahead, predicted stalls), and the plan's predicted peaks
 re-evaluated under it (:func:`with_scheduled_peaks`, :func:`activation_peaks_at`,
 :func:`held_after_forward`) and the digest of plan and schedule (:func:`plan_digest`).
@@ -45,7 +45,7 @@ Algorithm.
   before this graph's end, or later, as far as the memory bound over the rest
   of this backward requires. The graph's own prefetch of such a transfer then
   finds its copy in flight.
-* Recompute (priced for the planner by ``passes.candidates.recompute_costs``): the chain
+* Recompute (priced for the planner by ``fxoffload.passes.candidates.recompute_costs``): the chain
   runs right before the first backward consumer, for the predicted compute
   time of its ops; its storage and the chain's temporaries are fixed memory
   for the moves above.
@@ -64,7 +64,7 @@ temporaries or gradients pile up. A stricter bound (the total peak of the
 least-memory placement, releases at last use and prefetches at their consumers)
 would give up hiding a copy behind a long op whose output meets the prefetched
 copy at the peak. Stalls are
-predicted by the simulator's replay (``passes.simulator``): each copy starts
+predicted by the simulator's replay (``fxoffload.passes.simulator``): each copy starts
 when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
 
@@ -86,11 +86,11 @@ from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
-from passes.candidates import AUTO_HORIZON, Placement, prefix_sums
-from passes.cost_model import DeviceProfile, transfer_time
-from passes.memory import Timeline, curve, intervals, peak, size_ranges, sizes_between, timeline_at
-from passes.planning import Plan, step_peak
-from passes.replay import Copy, replay
+from fxoffload.passes.candidates import AUTO_HORIZON, Placement, prefix_sums
+from fxoffload.passes.cost_model import DeviceProfile, transfer_time
+from fxoffload.passes.memory import Timeline, curve, intervals, peak, size_ranges, sizes_between, timeline_at
+from fxoffload.passes.planning import Plan, step_peak
+from fxoffload.passes.replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
            "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "with_scheduled_peaks"]
@@ -463,7 +463,7 @@ def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,
 
 def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Schedule) -> list[tuple[dict, int, int]]:
     """The step's activation peaks without and with the plan, at sizes across the range the plan
-    holds a fraction over (``passes.memory.sizes_between``): (sizes, before, after) each."""
+    holds a fraction over (``fxoffload.passes.memory.sizes_between``): (sizes, before, after) each."""
     return [(values, *activation_peaks_at(plan, timeline, schedule, values))
             for values in sizes_between(size_ranges(timeline))]
 

@@ -4,24 +4,24 @@ Inputs: a graph record (``Plan``, ``Schedule``, ``Timeline``, each node's ``Work
 ``DeviceProfile``. Output: a ``Simulation`` (predicted step time, copies, stalls, memory).
 
 Algorithm. One compute stream runs the nodes of the forward, then the
-backward, in order, each for its predicted time (``passes.cost_model``).
+backward, in order, each for its predicted time (``fxoffload.passes.cost_model``).
 Copies run on copy engines: one per direction, or one shared engine when the
 profile's link is not full duplex; an engine serves copies in the order they
 are issued, each starting when it is issued and the engine is free. A wait
 stalls the compute stream until its copy has ended, and a stall delays
 everything after it. The host issues every op: compute ops cost it nothing,
 each copy's issue and each wait cost it the profile's ``op_seconds``
-(``passes.cost_model``), and the device never runs ahead of the host (where
+(``fxoffload.passes.cost_model``), and the device never runs ahead of the host (where
 the host falls behind, the device waits: ``host_wait``). A plan's recompute
 chains run on the compute stream right before their consumers. Device
-memory follows the memory model's intervals (``passes.memory``) under the
+memory follows the memory model's intervals (``fxoffload.passes.memory``) under the
 plan, placed on the simulated clock, so the simulated peak is the planner's
 predicted total peak.
 
 The floor of a plan is what no schedule can beat: in each pass, the larger of
 its compute time and the time its copies need on the link.
 
-:func:`~passes.replay.replay` (``passes.replay``, which the scheduler uses
+:func:`~fxoffload.passes.replay.replay` (``fxoffload.passes.replay``, which the scheduler uses
 too) is the core over plain lists (positions, durations); it knows nothing of
 FX. :func:`simulate` reads a graph record (plan, schedule,
 timeline). Every figure is a prediction.
@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from passes.cost_model import DeviceProfile, roofline
-from passes.memory import curve, intervals
-from passes.planning import recompute_moves, recompute_temporaries
-from passes.replay import Copy, Replay, op_starts, replay
+from fxoffload.passes.cost_model import DeviceProfile, roofline
+from fxoffload.passes.memory import curve, intervals
+from fxoffload.passes.planning import recompute_moves, recompute_temporaries
+from fxoffload.passes.replay import Copy, Replay, op_starts, replay
 
 __all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "op_starts", "replay", "simulate",
            "simulate_movements"]
@@ -136,7 +136,7 @@ def simulate_movements(
 
     ``work`` is each timeline node's (FLOPs, bytes, dtype) from the cost model;
     prefetches issued at the same position go in ``prefetch_order`` (default:
-    the order of ``movements``). ``recomputes`` (``passes.planning.Recompute``)
+    the order of ``movements``). ``recomputes`` (``fxoffload.passes.planning.Recompute``)
     run their chains right before their rebuild position: the op before it
     takes their time (profile-independent: the planner's prediction).
     """

@@ -23,7 +23,7 @@ in the order the invocations ran:
   first transfers, in prefetch order, while they fit in those bytes.
 * Memory (saved activations, what a budget bounds): each invocation's own
   curve under its plan, plus the bytes every earlier invocation still holds
-  for its backward (``passes.scheduling.held_after_forward``), plus copies
+  for its backward (``fxoffload.passes.scheduling.held_after_forward``), plus copies
   started ahead (from their start to the end of the backward that started
   them), plus deferred sources until their copy has landed on the simulated
   clock. The baseline is the same step without offloading or recomputing.
@@ -40,12 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from passes.cost_model import DeviceProfile, roofline
-from passes.memory import curve, intervals
-from passes.planning import recompute_moves
-from passes.scheduling import held_after_forward
-from passes.replay import Copy, op_starts, replay
-from passes.simulator import SimulatedCopy
+from fxoffload.passes.cost_model import DeviceProfile, roofline
+from fxoffload.passes.memory import curve, intervals
+from fxoffload.passes.planning import recompute_moves
+from fxoffload.passes.replay import Copy, op_starts, replay
+from fxoffload.passes.scheduling import held_after_forward
+from fxoffload.passes.simulator import SimulatedCopy
 
 __all__ = ["StepSimulation", "simulate_step"]
 
@@ -71,7 +71,7 @@ class StepSimulation:
     # the same in CUDA's pinned power-of-two blocks (``Plan.pinned_host_bytes``).
     host_bytes: int = 0
     pinned_host_bytes: int = 0
-    host_wait: float = 0.0  # device time idle while the host issued fxoffload ops (``passes.simulator``)
+    host_wait: float = 0.0  # device time idle while the host issued fxoffload ops (``fxoffload.passes.simulator``)
 
     @property
     def overhead(self) -> float:

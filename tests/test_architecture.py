@@ -8,11 +8,12 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("passes", "fxoffload")
+# Folder -> the package it is installed as (pyproject.toml maps passes/ to fxoffload.passes).
+FOLDERS = {"passes": "fxoffload.passes", "fxoffload": "fxoffload"}
 
 
 def _module_name(path: Path) -> str:
-    package = path.parent.name
+    package = FOLDERS[path.parent.name]
     return package if path.stem == "__init__" else f"{package}.{path.stem}"
 
 
@@ -22,17 +23,17 @@ def _imports(statements, known: set[str]) -> set[str]:
     found = set()
     for node in statements:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] in PACKAGES:
+            if node.module.split(".")[0] == "fxoffload":
                 found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
                           for a in node.names}
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "fxoffload"}
     return found
 
 
 def actual_imports() -> dict[str, tuple[set[str], set[str]]]:
     """Module -> (module-level imports, imports made only inside functions or classes)."""
-    files = {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).glob("*.py"))}
+    files = {_module_name(p): p for folder in FOLDERS for p in sorted((ROOT / folder).glob("*.py"))}
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text())
@@ -70,24 +71,26 @@ def test_module_level_imports_have_no_cycle():
 # The pipeline's stages in order; a module may import only modules of its own or an earlier stage.
 # Rank 0: shared by every stage (the ops, the user's marks, the solvers, the replay core).
 STAGE_ORDER = {
-    "passes.ops": 0, "passes.policies": 0, "passes.solvers": 0, "passes.replay": 0,
-    "passes.analysis": 1, "passes.memory": 1,
-    "passes.cost_model": 2,
-    "passes.candidates": 3,
-    "passes.planning": 4,
-    "passes.scheduling": 5,
-    "passes.simulator": 6, "passes.step": 6, "passes.rewrite": 6,
-    "passes": 7,
+    "fxoffload.passes.ops": 0, "fxoffload.passes.policies": 0,
+    "fxoffload.passes.solvers": 0, "fxoffload.passes.replay": 0,
+    "fxoffload.passes.analysis": 1, "fxoffload.passes.memory": 1,
+    "fxoffload.passes.cost_model": 2,
+    "fxoffload.passes.candidates": 3,
+    "fxoffload.passes.planning": 4,
+    "fxoffload.passes.scheduling": 5,
+    "fxoffload.passes.simulator": 6, "fxoffload.passes.step": 6, "fxoffload.passes.rewrite": 6,
+    "fxoffload.passes": 7,
 }
 
 
 def test_stages_import_only_earlier_stages():
     actual = actual_imports()
-    stages = {name for name in actual if name == "passes" or name.startswith("passes.")}
+    stages = {name for name in actual if name == "fxoffload.passes" or name.startswith("fxoffload.passes.")}
     assert stages == set(STAGE_ORDER), "a passes module without a stage, or a stage without a module"
     upward = {(name, dep) for name in stages for dep in actual[name][0] if STAGE_ORDER[dep] > STAGE_ORDER[name]}
     assert not upward, f"modules importing a later stage: {sorted(upward)}"
     # A stage module's docstring names its inputs and outputs.
-    for name in stages - {"passes", "passes.ops", "passes.policies", "passes.solvers"}:
+    unstaged = {"fxoffload.passes", "fxoffload.passes.ops", "fxoffload.passes.policies", "fxoffload.passes.solvers"}
+    for name in stages - unstaged:
         doc = importlib.import_module(name).__doc__ or ""
         assert "Inputs:" in doc and ("Outputs:" in doc or "Output:" in doc), name

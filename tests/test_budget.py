@@ -11,8 +11,16 @@ import pytest
 import torch
 
 import fxoffload
-from passes.planning import BudgetInfeasibleWarning
-from tests.conftest import assert_same_step, CausalLMLoss, loss_and_grads, loss_step, measured_run, MODELS, UNPLACED_BYTES
+from fxoffload.passes.planning import BudgetInfeasibleWarning
+from tests.conftest import (
+    MODELS,
+    UNPLACED_BYTES,
+    CausalLMLoss,
+    assert_same_step,
+    loss_and_grads,
+    loss_step,
+    measured_run,
+)
 
 BUDGETS = [0.1, 0.3, 0.5, 0.7]
 
@@ -177,7 +185,7 @@ def test_a_cpu_step_is_measured_alike_whether_or_not_cuda_is_present(monkeypatch
 
 
 def test_pinned_host_memory_is_predicted_in_the_caching_allocators_power_of_two_blocks():
-    from passes.planning import pinned_block
+    from fxoffload.passes.planning import pinned_block
 
     mib = 2**20
     assert [pinned_block(n) for n in (0, 1, 4096, 4097, 86 * mib, 128 * mib)] == [0, 1, 4096, 8192, 128 * mib,

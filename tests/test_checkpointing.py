@@ -17,7 +17,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fxoffload
 from fxoffload import runtime
-from tests.conftest import assert_same_step, CausalLMLoss, fxoffload_args, loss_and_grads, loss_step, MODELS, op_sequence
+from tests.conftest import (
+    MODELS,
+    CausalLMLoss,
+    assert_same_step,
+    fxoffload_args,
+    loss_and_grads,
+    loss_step,
+    op_sequence,
+)
 
 aten = torch.ops.aten
 MUST = {aten.addmm.default: CheckpointPolicy.MUST_SAVE, aten.tanh.default: CheckpointPolicy.MUST_CPU_OFFLOAD,
@@ -179,7 +187,8 @@ def checkpointed_lm(name, how, marks=SAC_MARKS):
     checkpointing), "wrapper" (apply_activation_checkpointing + checkpoint_wrapper) or "sac"
     (the wrapper with the selective policy ``marks``, using each MUST mark); "none": not checkpointed."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing, checkpoint_wrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
     )
 
     torch.manual_seed(0)
@@ -250,7 +259,7 @@ def test_must_cpu_offload_total_peak_against_plain_compile():
 
 
 def test_marks_survive_a_second_read_of_the_same_joint_graph():
-    from passes.policies import read_policies, save_offload_marks
+    from fxoffload.passes.policies import read_policies, save_offload_marks
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

@@ -1,5 +1,5 @@
 """Deterministic plans: the same graph and options give the same plan, named by its digest
-(``passes.scheduling.plan_digest``), in every process and under any load; a different rewrite gives
+(``fxoffload.passes.scheduling.plan_digest``), in every process and under any load; a different rewrite gives
 another digest."""
 
 import contextlib
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 import fxoffload
-from passes.scheduling import plan_digest
-from passes.solvers import Option, Queue, solve_milp
+from fxoffload.passes.scheduling import plan_digest
+from fxoffload.passes.solvers import Option, Queue, solve_milp
 from tests.conftest import compile_mlp  # the golden MLP, compiled with min_bytes=0
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # solver) and prints each digest. (Under strategy auto, PyTorch's recompute-only partition wins here.)
 PLAN_IN_A_PROCESS = """
 import torch, fxoffload
-from passes.scheduling import plan_digest
+from fxoffload.passes.scheduling import plan_digest
 from tests.conftest import lm_step, tiny_llama
 torch.manual_seed(0)
 backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, strategy="offload",
@@ -116,7 +116,7 @@ def test_a_busy_cpu_does_not_change_where_the_exact_search_stops():
 def test_what_the_solver_library_prints_does_not_reach_stdout(capfd):
     """HiGHS prints a debug line on file descriptor 1 for some programs; ``fxoffload plan --json``
     writes its JSON there. The solver's calls send descriptor 1 to stderr meanwhile."""
-    from passes.solvers import _stdout_to_stderr
+    from fxoffload.passes.solvers import _stdout_to_stderr
 
     print("before", flush=True)
     with _stdout_to_stderr():

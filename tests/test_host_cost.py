@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fxoffload
-from passes.cost_model import OPS_PER_TRANSFER
-from passes.simulator import simulate
+from fxoffload.passes.cost_model import OPS_PER_TRANSFER
+from fxoffload.passes.simulator import simulate
 from tests.conftest import MLP
 
 FREE_LINK = dataclasses.replace(fxoffload.PROFILES["h100-pcie5"], h2d_bandwidth=1e18, d2h_bandwidth=1e18,

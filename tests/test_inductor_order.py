@@ -8,7 +8,7 @@ from torch._inductor.utils import run_fw_bw_and_get_code
 
 import fxoffload
 import fxoffload.backend
-from passes.ops import FXOFFLOAD_OPS, PREFETCH, WAIT
+from fxoffload.passes.ops import FXOFFLOAD_OPS, PREFETCH, WAIT
 from tests.conftest import MLP
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def planned_backward(gm):
 
 
 def fxoffload_compute(node):
-    from passes.analysis import is_compute
+    from fxoffload.passes.analysis import is_compute
 
     return is_compute(node)
 

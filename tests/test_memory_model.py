@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from fxoffload.passes import PlanOptions, plan_pair
+from fxoffload.passes.analysis import saved_interface
+from fxoffload.passes.memory import build_timeline, curve, intervals, peak
+from fxoffload.passes.planning import Budget, BudgetInfeasibleError
 from fxoffload.profiles import PROFILES
-from passes import PlanOptions, plan_pair
-from passes.analysis import saved_interface
-from passes.memory import build_timeline, curve, intervals, peak
-from passes.planning import Budget, BudgetInfeasibleError
 from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
 
 
@@ -86,7 +86,7 @@ def test_an_input_made_by_an_earlier_graph_is_an_activation_from_the_start():
 
 
 def test_sizes_between_cover_every_integer_of_a_short_range_and_both_ends_of_a_long_one():
-    from passes.memory import sizes_between
+    from fxoffload.passes.memory import sizes_between
 
     short = sizes_between({"s": (32, 80)})
     assert [v["s"] for v in short] == list(range(32, 81))  # 49 sizes: every one

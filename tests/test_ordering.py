@@ -1,8 +1,8 @@
 """Ordering edges for Inductor (``fxoffload.ordering``), checked on graphs without compiling them (fast)."""
 
 from fxoffload.ordering import _ordering_edges
-from passes.analysis import is_anchored_compute, storage_key
-from passes.ops import RELEASES
+from fxoffload.passes.analysis import is_anchored_compute, storage_key
+from fxoffload.passes.ops import RELEASES
 
 
 def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees(offloaded_llama_record):

@@ -10,8 +10,8 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from passes.simulator import simulate
-from tests.conftest import assert_same_step, loss_and_grads, UNPLACED_BYTES
+from fxoffload.passes.simulator import simulate
+from tests.conftest import UNPLACED_BYTES, assert_same_step, loss_and_grads
 
 
 class GeluMLP(torch.nn.Module):

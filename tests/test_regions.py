@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxoffload
-from tests.conftest import assert_same_step, Block, loss_and_grads, loss_step, per_layer_step
+from tests.conftest import Block, assert_same_step, loss_and_grads, loss_step, per_layer_step
 
 
 class TwoRegions(torch.nn.Module):
@@ -134,7 +134,7 @@ def test_runs_per_step_auto_replans_a_graph_that_serves_several_layers_once(capl
     first, replanned = backend.records  # the first step's plan, and one re-plan (not one per step)
     assert (first.plan.runs, replanned.plan.runs) == (1, 3) and replanned.runs_learned
     # Three runs of the first plan leave the budget behind; the re-plan holds it (simulated).
-    from passes.step import simulate_step
+    from fxoffload.passes.step import simulate_step
 
     assert simulate_step([first] * 3).activation_peak > budget >= simulate_step([replanned] * 3).activation_peak
     assert backend.step_invocations() == [replanned] * 3

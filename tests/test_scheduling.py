@@ -5,8 +5,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxoffload
-from passes.cost_model import DeviceProfile, node_time, transfer_time
-from passes.scheduling import bounded_start, fifo_finish, issue_index, latest_starts
+from fxoffload.passes.cost_model import DeviceProfile, node_time, transfer_time
+from fxoffload.passes.scheduling import bounded_start, fifo_finish, issue_index, latest_starts
 from tests.conftest import MLP
 
 
@@ -164,7 +164,7 @@ def test_every_prefetched_tensor_reaches_its_readers_only_through_its_wait(offlo
     """Structure of the rewritten backward: a prefetch's only user is its wait; the host buffer is
     read only by its prefetch and, as the keepalive, its wait; and every wait has a reader. A rewrite
     that let a consumer read the prefetch (or the host buffer) directly would race the copy."""
-    from passes.ops import PREFETCH, WAIT
+    from fxoffload.passes.ops import PREFETCH, WAIT
 
     record = offloaded_llama_record
     prefetches = [n for n in record.backward.graph.nodes if n.op == "call_function" and n.target is PREFETCH]

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxoffload
-from passes.cost_model import OPS_PER_TRANSFER
-from passes.simulator import Copy, replay, simulate
+from fxoffload.passes.cost_model import OPS_PER_TRANSFER
+from fxoffload.passes.simulator import Copy, replay, simulate
 from tests.conftest import MLP, lm_step, tiny_llama
 
 OPS = [1.0, 1.0, 1.0, 1.0]  # four ops of one second each

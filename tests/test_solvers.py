@@ -5,10 +5,21 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from passes.solvers import (
-    Candidate, choose_offloads, evaluate, offload_greedy as solve_greedy, offload_milp as solve_milp,
+from fxoffload.passes.solvers import (
+    Candidate,
+    choose_offloads,
+    evaluate,
+)
+from fxoffload.passes.solvers import (
+    offload_greedy as solve_greedy,
+)
+from fxoffload.passes.solvers import (
+    offload_milp as solve_milp,
+)
+from fxoffload.passes.solvers import (
     offload_min_peak as min_peak,
 )
 
@@ -113,8 +124,17 @@ def test_no_candidates_with_the_exact_solver():
 
 import itertools  # noqa: E402
 
-from passes.solvers import Option, Queue, curve_with, lateness, solve, solve_greedy as greedy_options  # noqa: E402
-from passes.solvers import solve_milp as milp_options  # noqa: E402
+from fxoffload.passes.solvers import (  # noqa: E402
+    Option,
+    Queue,
+    curve_with,
+    lateness,
+    solve,
+)
+from fxoffload.passes.solvers import (
+    solve_greedy as greedy_options,
+)
+from fxoffload.passes.solvers import solve_milp as milp_options  # noqa: E402
 
 
 def brute_force(length, base, items, budget, queues, conflicts, host_budget=None):

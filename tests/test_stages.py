@@ -3,12 +3,13 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from fxoffload.passes import PlanOptions, plan_pair
+from fxoffload.passes.analysis import is_compute, saved_activations, saved_interface
+from fxoffload.passes.candidates import free_index, prefetch_index
 from fxoffload.profiles import PROFILES
-from passes import PlanOptions, plan_pair
-from passes.analysis import is_compute, saved_activations, saved_interface
-from passes.candidates import free_index, prefetch_index
 from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import fxoffload
-
-from passes.simulator import simulate
-from passes.step import simulate_step
+from fxoffload.passes.simulator import simulate
+from fxoffload.passes.step import simulate_step
 from tests.conftest import lm_step, per_layer_llama, per_layer_step
 
 

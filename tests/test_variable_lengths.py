@@ -10,8 +10,8 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from passes.memory import plan_sizes
-from passes.ops import PREFETCH
+from fxoffload.passes.memory import plan_sizes
+from fxoffload.passes.ops import PREFETCH
 from tests.conftest import assert_same_step, lm_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -121,7 +121,7 @@ def test_the_fraction_holds_measured_at_every_length(build, strategy, setup):
 def test_a_bounded_plan_holds_the_fraction_predicted_at_every_length_of_its_range():
     """Held at the ends of the range, the plan holds at every length between (predicted by the
     memory model, which the measured test above checks at a few lengths)."""
-    from passes.scheduling import activation_peaks_at
+    from fxoffload.passes.scheduling import activation_peaks_at
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fxoffload
-from passes.scheduling import plan_digest
+from fxoffload.passes.scheduling import plan_digest
 
 
 def main(mode: str) -> int:
