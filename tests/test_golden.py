@@ -75,6 +75,122 @@ def test_mlp_backward_golden():
     ]
 
 
+
+def code_text(module: torch.fx.GraphModule) -> str:
+    """A graph's generated Python, without blank lines or trailing spaces."""
+    return "\n".join(line.rstrip() for line in module.code.strip("\n").splitlines() if line.strip())
+
+
+# The whole generated code of the rewritten pair, checked line by line against the op sequences
+# derived by hand above. Beyond them it pins each op's arguments, the order of the saved values,
+# and the release points: an offload's second argument is its place among the backward's
+# prefetches (tanh is prefetched first, then relu, then le); ``wait``/``defer`` drop the device
+# tensor (``tanh = None`` after its wait, before ``le``; ``relu = None`` at its defer, after ``le``
+# reads it through ``alias_3``); each prefetch names the device, size and stride it rebuilds; the
+# backward drops each prefetched buffer right after its last reader (``wait_default = None`` at
+# ``alias_1``; relu's at the view rebuilt on it).
+MLP_FORWARD_CODE = """\
+def forward(self, args_list):
+    args_iter = iter(args_list)
+    primals_1 = next(args_iter)
+    primals_2 = next(args_iter)
+    primals_3 = next(args_iter)
+    primals_4 = next(args_iter)
+    primals_5 = next(args_iter)
+    primals_6 = next(args_iter)
+    primals_7 = next(args_iter)
+    args_list.clear()
+    view = torch.ops.aten.view.default(primals_3, [15, 8]);  primals_3 = None
+    permute = torch.ops.aten.permute.default(primals_1, [1, 0]);  primals_1 = None
+    addmm = torch.ops.aten.addmm.default(primals_2, view, permute);  primals_2 = permute = None
+    view_1 = torch.ops.aten.view.default(addmm, [3, 5, 16]);  addmm = None
+    relu = torch.ops.aten.relu.default(view_1);  view_1 = None
+    offload_default = torch.ops.fxoffload.offload.default(relu, 1)
+    alias = torch.ops.aten.alias.default(relu)
+    view_2 = torch.ops.aten.view.default(relu, [15, 16])
+    permute_1 = torch.ops.aten.permute.default(primals_4, [1, 0])
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, view_2, permute_1);  primals_5 = view_2 = permute_1 = None
+    view_3 = torch.ops.aten.view.default(addmm_1, [3, 5, 16]);  addmm_1 = None
+    tanh = torch.ops.aten.tanh.default(view_3);  view_3 = None
+    offload_default_1 = torch.ops.fxoffload.offload.default(tanh, 0)
+    view_4 = torch.ops.aten.view.default(tanh, [15, 16])
+    permute_2 = torch.ops.aten.permute.default(primals_6, [1, 0])
+    addmm_2 = torch.ops.aten.addmm.default(primals_7, view_4, permute_2);  primals_7 = view_4 = permute_2 = None
+    view_5 = torch.ops.aten.view.default(addmm_2, [3, 5, 4]);  addmm_2 = None
+    sum_1 = torch.ops.aten.sum.default(view_5);  view_5 = None
+    alias_3 = torch.ops.aten.alias.default(alias);  alias = None
+    wait_default = torch.ops.fxoffload.wait.default(offload_default_1, tanh);  offload_default_1 = tanh = None
+    le = torch.ops.aten.le.Scalar(alias_3, 0);  alias_3 = None
+    defer_default = torch.ops.fxoffload.defer.default(offload_default, relu);  offload_default = relu = None
+    offload_default_2 = torch.ops.fxoffload.offload.default(le, 2)
+    defer_default_1 = torch.ops.fxoffload.defer.default(offload_default_2, le);  offload_default_2 = le = None
+    return (sum_1, primals_4, primals_6, view, defer_default, wait_default, defer_default_1)"""
+
+MLP_BACKWARD_CODE = """\
+def forward(self, args_list):
+    args_iter = iter(args_list)
+    primals_4 = next(args_iter)
+    primals_6 = next(args_iter)
+    view = next(args_iter)
+    relu_host = next(args_iter)
+    tanh_host = next(args_iter)
+    le_host = next(args_iter)
+    tangents_1 = next(args_iter)
+    args_list.clear()
+    prefetch_default = torch.ops.fxoffload.prefetch.default(tanh_host, device(type='cpu'), [3, 5, 16], [80, 16, 1])
+    expand = torch.ops.aten.expand.default(tangents_1, [3, 5, 4]);  tangents_1 = None
+    view_6 = torch.ops.aten.view.default(expand, [15, 4]);  expand = None
+    permute_2 = torch.ops.aten.permute.default(primals_6, [1, 0]);  primals_6 = None
+    permute_3 = torch.ops.aten.permute.default(permute_2, [1, 0]);  permute_2 = None
+    mm = torch.ops.aten.mm.default(view_6, permute_3);  permute_3 = None
+    permute_4 = torch.ops.aten.permute.default(view_6, [1, 0])
+    wait_default = torch.ops.fxoffload.wait.default(prefetch_default, tanh_host);  prefetch_default = tanh_host = None
+    view_4 = torch.ops.aten.view.default(wait_default, [15, 16])
+    mm_1 = torch.ops.aten.mm.default(permute_4, view_4);  permute_4 = view_4 = None
+    permute_5 = torch.ops.aten.permute.default(mm_1, [1, 0]);  mm_1 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(view_6, [0], True);  view_6 = None
+    view_7 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
+    permute_6 = torch.ops.aten.permute.default(permute_5, [1, 0]);  permute_5 = None
+    view_8 = torch.ops.aten.view.default(mm, [3, 5, 16]);  mm = None
+    alias_1 = torch.ops.aten.alias.default(wait_default);  wait_default = None
+    alias_2 = torch.ops.aten.alias.default(alias_1);  alias_1 = None
+    mul = torch.ops.aten.mul.Tensor(alias_2, alias_2);  alias_2 = None
+    sub = torch.ops.aten.sub.Tensor(1, mul);  mul = None
+    prefetch_default_1 = torch.ops.fxoffload.prefetch.default(relu_host, device(type='cpu'), [3, 5, 16], [80, 16, 1])
+    mul_1 = torch.ops.aten.mul.Tensor(view_8, sub);  view_8 = sub = None
+    view_9 = torch.ops.aten.view.default(mul_1, [15, 16]);  mul_1 = None
+    permute_1 = torch.ops.aten.permute.default(primals_4, [1, 0]);  primals_4 = None
+    permute_7 = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
+    mm_2 = torch.ops.aten.mm.default(view_9, permute_7);  permute_7 = None
+    permute_8 = torch.ops.aten.permute.default(view_9, [1, 0])
+    wait_default_1 = torch.ops.fxoffload.wait.default(prefetch_default_1, relu_host);  prefetch_default_1 = relu_host = None
+    view_default = torch.ops.aten.view.default(wait_default_1, [15, 16]);  wait_default_1 = None
+    prefetch_default_2 = torch.ops.fxoffload.prefetch.default(le_host, device(type='cpu'), [3, 5, 16], [80, 16, 1])
+    mm_3 = torch.ops.aten.mm.default(permute_8, view_default);  permute_8 = view_default = None
+    permute_9 = torch.ops.aten.permute.default(mm_3, [1, 0]);  mm_3 = None
+    sum_3 = torch.ops.aten.sum.dim_IntList(view_9, [0], True);  view_9 = None
+    view_10 = torch.ops.aten.view.default(sum_3, [16]);  sum_3 = None
+    permute_10 = torch.ops.aten.permute.default(permute_9, [1, 0]);  permute_9 = None
+    view_11 = torch.ops.aten.view.default(mm_2, [3, 5, 16]);  mm_2 = None
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    wait_default_2 = torch.ops.fxoffload.wait.default(prefetch_default_2, le_host);  prefetch_default_2 = le_host = None
+    where = torch.ops.aten.where.self(wait_default_2, scalar_tensor, view_11);  wait_default_2 = scalar_tensor = view_11 = None
+    view_12 = torch.ops.aten.view.default(where, [15, 16]);  where = None
+    permute_11 = torch.ops.aten.permute.default(view_12, [1, 0])
+    mm_4 = torch.ops.aten.mm.default(permute_11, view);  permute_11 = view = None
+    permute_12 = torch.ops.aten.permute.default(mm_4, [1, 0]);  mm_4 = None
+    sum_4 = torch.ops.aten.sum.dim_IntList(view_12, [0], True);  view_12 = None
+    view_13 = torch.ops.aten.view.default(sum_4, [16]);  sum_4 = None
+    permute_13 = torch.ops.aten.permute.default(permute_12, [1, 0]);  permute_12 = None
+    return (permute_13, view_13, None, permute_10, view_10, permute_6, view_7)"""
+
+
+def test_mlp_rewritten_code_text_golden():
+    record = compile_mlp(horizon=2)
+    assert code_text(record.forward) == MLP_FORWARD_CODE
+    assert code_text(record.backward) == MLP_BACKWARD_CODE
+
+
 def test_mlp_horizon_zero_puts_prefetch_next_to_its_wait():
     bw = compile_mlp(horizon=0).backward
     seq = op_sequence(bw)

@@ -22,3 +22,36 @@ def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees(off
         elif is_anchored_compute(node):
             seen.append(node)
     assert several, "no release frees a storage with several readers: the test would prove nothing"
+
+
+def test_the_graphs_handed_to_inductor_carry_the_ordering_edges(monkeypatch):
+    """Fast (Inductor's code generation stubbed out): under ``inner="inductor"`` the backend pins
+    the rewritten pair before Inductor sees it: one ``control_deps`` node for every fxoffload op or
+    compute op that ``_ordering_edges`` finds edges for on the same rewritten pair (the eager
+    inner compiler's, which runs the graphs unpinned)."""
+    import torch
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+
+    import fxoffload
+    from tests.conftest import MLP
+
+    handed = []
+
+    def inductor_stub(gm, example_inputs, **kwargs):  # what Inductor would compile, run as it is
+        handed.append(gm)
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", inductor_stub)
+    records = {}
+    for inner in ("eager", "inductor"):
+        torch.manual_seed(0)
+        backend = fxoffload.offload_backend(inner=inner, min_bytes=0, horizon=2, all_eligible=True)
+        torch.compile(MLP(), backend=backend)(torch.randn(3, 5, 8)).backward()
+        records[inner] = backend.records[0]
+    assert len(handed) == 2  # the forward and the backward
+    unpinned = (records["eager"].forward, records["eager"].backward)
+    for module, reference in zip(handed, unpinned):
+        wanted = len(_ordering_edges(reference.graph))
+        pinned = sum(n.op == "call_function" and n.target is torch.ops.higher_order.control_deps
+                     for n in module.graph.nodes)
+        assert wanted > 0 and pinned == wanted, (wanted, pinned)
