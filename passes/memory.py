@@ -12,7 +12,7 @@ creates it (views and getitems create none, they share their base's storage,
 found through fake-tensor storage identity), dead after its last use by any
 alias. User outputs live to the end of the forward (and count as activations
 there when the caller says so: what the graph hands to the rest of the step,
-see ``fxoffload.passes.counts_outputs``), gradients to the end of
+see ``fxoffload.passes.pipeline.counts_outputs``), gradients to the end of
 the step, tangents (made by autograd, including the zeros AOTAutograd
 materialises for unused outputs) from the start of the backward to their last
 use; a saved tensor (*residual*) lives from its forward birth to its last
@@ -336,7 +336,7 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
     lifetime from position 0 to their last backward use: the step holds one per run of the graph.
     ``outputs_counted``: the user outputs' storages (but 0-dim ones: a loss) are activations too,
     until the forward returns (the logits a loss graph of its own saves: counted by the graph that
-    makes them, not by the one that saves them; see ``fxoffload.passes.counts_outputs``).
+    makes them, not by the one that saves them; see ``fxoffload.passes.pipeline.counts_outputs``).
     """
     fw_nodes, bw_nodes = tuple(fw.nodes), tuple(bw.nodes)
     forward_end, end = len(fw_nodes) - 1, len(fw_nodes) + len(bw_nodes) - 1

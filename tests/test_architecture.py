@@ -79,7 +79,9 @@ STAGE_ORDER = {
     "fxoffload.passes.planning": 4,
     "fxoffload.passes.scheduling": 5,
     "fxoffload.passes.simulator": 6, "fxoffload.passes.step": 6, "fxoffload.passes.rewrite": 6,
-    "fxoffload.passes": 7,
+    "fxoffload.passes.pipeline": 7,  # the driver
+    "fxoffload.passes.strategy": 8,  # strategy auto's search, on the driver
+    "fxoffload.passes": 9,  # the namespace
 }
 
 

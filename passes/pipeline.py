@@ -1,0 +1,230 @@
+"""The driver: runs the stages over one partitioned forward/backward pair.
+
+Inputs: the pair (``fx.GraphModule`` each), ``PlanOptions``, the horizon, the
+``DeviceProfile``, the user's selective-checkpoint marks.
+Outputs: a :class:`PassResult` (the analysis, the ``Plan``, the ``Schedule``,
+each stage's measured wall seconds); :func:`rewrite_planned` then edits the pair.
+
+:func:`analyse_pair` runs analysis, the memory timeline, the op estimates and
+the candidates' costs (``analysis``, ``memory``, ``cost_model``,
+``candidates``) once; :func:`plan_analysed` plans and schedules from that
+:class:`Analysis` (``planning``, ``scheduling``), so strategy auto
+(``fxoffload.passes.strategy``) plans its alternatives on one pair from one
+analysis; :func:`plan_pair` is the two in a row. The graphs are changed only by
+:func:`rewrite_planned`. Limits: the garbage collector is paused while the
+stages run (:func:`gc_paused`); wall seconds are measured, never read by a stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from fxoffload.passes.analysis import SavedActivation, SavedInterface, inputs_at, saved_activations, saved_interface
+from fxoffload.passes.candidates import (
+    AUTO_HORIZON, Placement, place_candidates, recompute_costs, timeline_moves, transfer_costs,
+)
+from fxoffload.passes.cost_model import DeviceProfile, node_work, roofline
+from fxoffload.passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
+from fxoffload.passes.planning import Plan, PlanOptions, group_by_base, plan_offloads
+from fxoffload.passes.rewrite import rewrite_pair
+from fxoffload.passes.scheduling import Schedule, schedule_transfers, with_scheduled_peaks
+
+__all__ = [
+    "Analysis", "PassResult", "Stopwatch", "analyse_pair", "counted_inputs", "counts_outputs", "gc_paused",
+    "plan_analysed", "plan_pair", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
+]
+
+
+@dataclass(frozen=True)
+class PassResult:
+    interface: SavedInterface
+    activations: tuple[SavedActivation, ...]
+    timeline: Timeline
+    plan: Plan
+    schedule: Schedule
+    seconds: tuple[tuple[str, float], ...]  # (stage name, wall time) in run order
+    work: tuple = ()  # per timeline node: (FLOPs, bytes, dtype) or None, for the cost model
+
+
+class Stopwatch:
+    """Wall seconds by stage, summed over every time a stage runs (strategy auto plans several
+    alternatives), in the order the stages first ran."""
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def stamp(self, name: str) -> None:
+        now = time.perf_counter()
+        self._totals[name] = self._totals.get(name, 0.0) + now - self._start
+        self._start = now
+
+    def restart(self) -> None:
+        """Leave the time since the last stamp out (another stage's, or the caller's)."""
+        self._start = time.perf_counter()
+
+    @property
+    def times(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._totals.items())
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What planning reads from a pair, for one set of counted inputs and outputs: the same for
+    every strategy, so strategy auto's alternatives on the min-cut pair reuse it."""
+
+    interface: SavedInterface
+    activations: tuple[SavedActivation, ...]
+    timeline: Timeline
+    work: tuple
+    times: tuple[float, ...]
+    placements: Mapping[fx.Node, Placement]
+    moves: Mapping[fx.Node, tuple[int, int]]
+    costs: Mapping
+    recomputes: Mapping  # candidates' recompute chains and costs; empty under strategy "offload"
+
+
+def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int, *, horizon: int | str,
+                 profile: DeviceProfile, input_activations: frozenset[int], outputs_counted: bool,
+                 with_recomputes: bool, watch: Stopwatch) -> Analysis:
+    """Analyse and estimate the pair, and cost each candidate's copies and recompute chain."""
+    fw, bw = fw_module.graph, bw_module.graph
+    interface = saved_interface(fw, bw, num_user_outputs)
+    activations = saved_activations(interface)
+    timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations), outputs_counted)
+    watch.stamp("analyse")
+    # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
+    work = tuple(node_work(n) for n in timeline.nodes)
+    times = tuple(roofline(w, profile) for w in work)
+    watch.stamp("estimate")
+    candidates = {
+        b: g for b, g in group_by_base(activations).items()
+        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor) and any(a.bw_node.users for a in g)
+    }
+    # Symbolic sizes at the size the plan is made for (the largest the guards allow, or the traced one).
+    nbytes = {b: concrete(g[0].base_nbytes, b.meta["val"]) for b, g in candidates.items()}
+    placements = place_candidates(fw, bw, candidates, horizon=horizon)
+    moves = timeline_moves(timeline, placements)
+    costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO_HORIZON)
+    # A chain may read saved values, and graph inputs (saved for it if they were not).
+    readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
+    # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
+    # are forward values).
+    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int)]
+    recomputes = recompute_costs(timeline, static, placements, readable, times) if with_recomputes else {}
+    watch.stamp("cost candidates")
+    return Analysis(interface, tuple(activations), timeline, work, times, placements, moves, costs, recomputes)
+
+
+def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
+                  policies: Mapping[str, str] | None, watch: Stopwatch) -> PassResult:
+    """Plan and schedule an analysed pair under ``options``; the graphs are not changed."""
+    a = analysis
+    recomputes = {} if options.strategy == "offload" else a.recomputes
+    plan = plan_offloads(a.interface, a.activations, a.timeline, a.moves, a.costs, options, policies, recomputes,
+                         queued=horizon == AUTO_HORIZON)
+    watch.stamp("plan")
+    schedule = schedule_transfers(plan, a.placements, horizon, timeline=a.timeline, times=list(a.times),
+                                  profile=profile, cross_graphs=options.cross_graphs)
+    plan = with_scheduled_peaks(plan, a.timeline, schedule)
+    watch.stamp("schedule")
+    return PassResult(a.interface, a.activations, a.timeline, plan, schedule, tuple(watch.times), a.work)
+
+
+def plan_pair(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_user_outputs: int,
+    *,
+    options: PlanOptions,
+    horizon: int | str,
+    profile: DeviceProfile,
+    policies: Mapping[str, str] | None = None,
+    input_activations: frozenset[int] = frozenset(),
+    outputs_counted: bool | None = None,
+) -> PassResult:
+    """Analyse, estimate, plan and schedule the pair; the graphs are not changed.
+
+    ``policies``: the user's selective-checkpoint marks by forward node name (``fxoffload.passes.policies``).
+    ``input_activations``: positions, among the compiled function's inputs, of those an earlier
+    compiled graph of the step made (hidden states between layers): the step holds the ones this
+    pair saves, once per run, and the budget counts them (not under a fraction for one run).
+    ``outputs_counted``: whether the budget counts the forward's outputs (:func:`counts_outputs`);
+    by default decided on ``options``.
+    """
+    watch = Stopwatch()
+    if outputs_counted is None:
+        outputs_counted = counts_outputs(options)
+    analysis = analyse_pair(fw_module, bw_module, num_user_outputs, horizon=horizon, profile=profile,
+                            input_activations=counted_inputs(options, input_activations),
+                            outputs_counted=outputs_counted, with_recomputes=options.strategy != "offload", watch=watch)
+    return plan_analysed(analysis, options=options, horizon=horizon, profile=profile, policies=policies, watch=watch)
+
+
+def counted_inputs(options: PlanOptions, input_activations: frozenset[int]) -> frozenset[int]:
+    """The input activations a plan counts: none under a fraction for one run, which is per graph,
+    of its own activations (an input it saves but cannot move, such as the logits a loss graph
+    saves, would put every fraction out of reach); the graph that makes them counts them instead
+    (:func:`counts_outputs`)."""
+    return frozenset() if counts_outputs(options) else input_activations
+
+
+def counts_outputs(options: PlanOptions) -> bool:
+    """Whether a plan counts its graph's user outputs as activations until its forward returns:
+    under a fraction for one run, where the graph that saves them does not (:func:`counted_inputs`).
+    A loss compiled as a graph of its own (a graph break before it) saves the logits it is handed:
+    they stay on the device, on top of what the model's graph keeps, until the loss's backward, so
+    the model's graph holds its fraction with them counted, and the step holds it too."""
+    return options.budget is not None and options.budget.fraction is not None and options.runs == 1
+
+
+def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int,
+                           input_activations: frozenset[int] = frozenset()) -> int:
+    """Predicted total peak (every tensor of the step, bytes) of a pair run as it is."""
+    interface = saved_interface(fw_module.graph, bw_module.graph, num_user_outputs)
+    timeline = build_timeline(fw_module.graph, bw_module.graph, interface,
+                              inputs_at(fw_module.graph, input_activations))
+    return peak(curve(timeline.length, intervals(timeline, {}, residual_only=False)))
+
+
+def unbounded_size_warning(result: PassResult) -> str | None:
+    """What a budgeted plan cannot promise when its graph serves sizes above the traced ones."""
+    symbols = unbounded_symbols(result.timeline)
+    if not symbols or result.plan.budget_bytes is None:
+        return None
+    traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
+    return (f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
+            f"meets memory_budget={result.plan.budget} ({result.plan.budget_bytes} B) with a predicted activation "
+            f"peak of {result.plan.activation_peak_after} B at the traced sizes only, and larger inputs may exceed "
+            "it. Bound the dimension with torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans "
+            "for the largest size the guards allow.")
+
+
+def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:
+    """Rewrite a planned pair in place; recompile the modules to run them."""
+    start = time.perf_counter()
+    with gc_paused():
+        rewrite_pair(fw_module, bw_module, result.interface, result.activations, result.plan, result.schedule)
+    return dataclasses.replace(result, seconds=result.seconds + (("rewrite", time.perf_counter() - start),))
+
+
+@contextlib.contextmanager
+def gc_paused():
+    # A full collection walks every object of the compile (graphs, fake
+    # tensors): on a 7B graph one took 0.8 s in the middle of a pass. The
+    # passes make no reference cycles worth collecting, so pause the collector.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

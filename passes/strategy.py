@@ -1,0 +1,182 @@
+"""Strategy auto: the fastest predicted of several plans of one graph under a budget.
+
+Inputs: the min-cut pair, a callback that re-partitions it with PyTorch's
+recompute-only partitioner at a memory fraction, ``PlanOptions``, the horizon,
+the ``DeviceProfile``, the user's marks.
+Output: the chosen pair (not rewritten) and its :class:`PassResult`.
+
+Algorithm (:func:`plan_best_partition`): plan the min-cut pair jointly (keep,
+offload or recompute per storage); when that plan misses the budget or has a
+predicted cost, also plan the same pair offload-only and recompute-only (from
+the driver's one analysis), and the pair PyTorch's recompute-only partitioner
+makes at the budget; simulate each (``fxoffload.passes.simulator``) and keep
+the fastest predicted that meets the budget without a total peak above the
+min-cut pair's. Limits: the ranking trusts the simulator's step time, not a
+measurement; the user's ``PREFER_*`` marks, which the simulator does not weigh,
+keep the joint plan; a re-partitioned backward that draws random numbers is
+skipped (PyTorch's partitioner would recompute them without their seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch.fx as fx
+
+from fxoffload.passes.analysis import is_random
+from fxoffload.passes.cost_model import DeviceProfile
+from fxoffload.passes.pipeline import (
+    PassResult, Stopwatch, analyse_pair, counted_inputs, counts_outputs, gc_paused, plan_analysed,
+)
+from fxoffload.passes.planning import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
+from fxoffload.passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
+from fxoffload.passes.simulator import simulate
+
+__all__ = ["PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition", "plan_best_partition"]
+
+
+Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
+PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION = 1e-3
+
+
+def _predicted_step(result: PassResult, profile: DeviceProfile, watch: Stopwatch) -> float:
+    watch.restart()
+    step = simulate(result, profile).step_time
+    watch.stamp("simulate")
+    return step
+
+
+def plan_best_partition(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_user_outputs: int,
+    repartition: Repartition | None,
+    *,
+    options: PlanOptions,
+    horizon: int | str,
+    profile: DeviceProfile,
+    policies: Mapping[str, str] | None = None,
+    input_activations: frozenset[int] = frozenset(),
+) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
+    """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
+    predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
+    PyTorch's recompute-only partitioner makes at that budget (``repartition(fraction)``, its
+    ``activation_memory_budget``), held to the same bytes. Return the pair (not rewritten) and the
+    plan predicted fastest (simulator) among those that meet the budget without a predicted total
+    peak above the min-cut pair's unoffloaded one.
+
+    (1) guards the joint program's queue model, which is optimistic about copies under tight
+    memory; it reuses the min-cut pair's analysis. (2) recomputes what our chains cannot: it may
+    save a value's inputs instead of the value; it is skipped when its backward draws random numbers
+    (see :func:`_draws_random_numbers`). Peaks "before" stay the min-cut pair's, which the budget
+    fraction refers to. With ``PREFER_*`` selective-checkpoint hints, the joint program's plan
+    stands: it weighs the hints, which the simulator's step time does not. ``input_activations``: as
+    for :func:`plan_pair` (by input position, so it holds for the re-partitioned pair too). The
+    result's ``seconds`` sum each stage over every alternative.
+    """
+    watch = Stopwatch()
+    # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
+    input_activations, outputs_counted = counted_inputs(options, input_activations), counts_outputs(options)
+
+    def analysed(fw, bw, opts):
+        watch.restart()
+        with gc_paused():
+            return analyse_pair(fw, bw, num_user_outputs, horizon=horizon, profile=profile,
+                                input_activations=input_activations, outputs_counted=outputs_counted,
+                                with_recomputes=opts.strategy != "offload", watch=watch)
+
+    def planned(analysis, opts):
+        watch.restart()
+        with gc_paused():
+            return plan_analysed(analysis, options=opts, horizon=horizon, profile=profile, policies=policies,
+                                 watch=watch)
+
+    def alternative(analysis, opts):
+        with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
+            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+            return planned(analysis, dataclasses.replace(opts, on_infeasible="warn"))
+
+    hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
+    analysis = analysed(fw_module, bw_module, options)
+    if options.strategy != "auto" or options.budget is None or hinted:  # the user's hints outrank predictions
+        return fw_module, bw_module, planned(analysis, options)
+    # An alternative may meet a budget the joint plan misses: judge infeasibility at the end.
+    first = alternative(analysis, options)
+    plain = sum(analysis.times)
+    step = _predicted_step(first, profile, watch)
+    if first.plan.feasible and step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
+        return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times)
+    tried = [_Tried(fw_module, bw_module, first, "min-cut", step)]
+    tried += _alternatives(fw_module, bw_module, analysis, first.plan, repartition, analysed, alternative, options,
+                           profile, watch)
+    fw, bw, best = _best_of(tried, watch)
+    if not best.plan.feasible:
+        message = f"{best.plan.note}; with every alternative of strategy 'auto'"
+        if options.on_infeasible == "error":
+            raise BudgetInfeasibleError(message, *best.plan.shortfall, ("raise the budget", "lower min_bytes", ADVICE_WARN))
+        warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=3)
+    return fw, bw, best
+
+
+@dataclass(frozen=True)
+class _Tried:
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    result: PassResult
+    label: str
+    step: float  # predicted step time (simulator)
+
+
+def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, alternative, options, profile, watch):
+    """Strategy auto's alternatives to the joint plan ``plan`` (see :func:`plan_best_partition`)."""
+    # Held to the first plan's bytes, at its own size and at every other size it holds the fraction at.
+    at_sizes = tuple((size.values, size.budget_bytes) for size in plan.sizes)
+    held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes, at_sizes=at_sizes))
+    tried = []
+    for single in ("offload", "recompute"):
+        result = alternative(analysis, dataclasses.replace(held, strategy=single))
+        tried.append(_Tried(fw_module, bw_module, result, f"min-cut, {single} only predicted fastest",
+                            _predicted_step(result, profile, watch)))
+    if repartition is not None:
+        fraction = min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1))
+        watch.restart()
+        fw2, bw2 = repartition(fraction)
+        watch.stamp("repartition (PyTorch)")
+        if not _draws_random_numbers(bw2):
+            result = alternative(analysed(fw2, bw2, held), held)
+            tried.append(_Tried(fw2, bw2, result,
+                                f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
+                                _predicted_step(result, profile, watch)))
+    return tried
+
+
+def _best_of(tried: list[_Tried], watch: Stopwatch) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
+    """The fastest predicted of the joint plan (``tried[0]``) and its alternatives, relabelled as
+    strategy auto's with the joint plan's peaks "before"."""
+    plan = tried[0].result.plan
+
+    def rank(entry: _Tried):
+        result = entry.result
+        # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
+        over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
+        missed = 0 if result.plan.feasible else result.plan.activation_peak_after  # else the lowest peak
+        return (not result.plan.feasible, missed, over_total, entry.step)
+
+    best = min(tried, key=rank)
+    relabelled = dataclasses.replace(
+        best.result.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
+        total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before,
+        device_peak_before=plan.device_peak_before, strategy="auto", partition=best.label,
+        sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
+                    for size, reference in zip(best.result.plan.sizes, plan.sizes)),
+    )
+    return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times)
+
+
+def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:
+    """A backward that runs a random op. At small budgets PyTorch's recompute-only partitioner
+    recomputes ``rand`` in the backward (no saved generator state): new numbers, wrong gradients."""
+    return any(is_random(n) for n in bw_module.graph.nodes)
