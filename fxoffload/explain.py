@@ -66,6 +66,12 @@ def _summary(record: Any) -> str:
            f"; host_budget left this graph {format_bytes(plan.host_budget_bytes)} pinned, "
            f"{'within' if plan.pinned_host_bytes * plan.runs <= plan.host_budget_bytes else 'OVER'}"),
     ]
+    staged = [t for t in plan.transfers if t.staging]
+    if staged:
+        lines.append(
+            f"staged copies: {', '.join(f'{t.base_name} ({format_bytes(t.staging)})' for t in staged)} are not "
+            "contiguous: the copy engine puts each through a contiguous device buffer of that size, from its "
+            "offload to its release and from its prefetch to its wait (counted in the total and device peaks)")
     if plan.device_bytes is not None:
         lines.append(
             f"predicted device peak: {format_bytes(plan.device_peak_before)} -> {format_bytes(plan.device_peak_after)} "

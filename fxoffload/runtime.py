@@ -94,7 +94,8 @@ from fxoffload.passes.ops import LIB as _lib
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "reset", "trace", "use_engine",
+    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "reset", "stages_strided_copies", "trace",
+    "use_engine",
 ]
 
 
@@ -413,6 +414,8 @@ def _poison(t: torch.Tensor) -> None:
 class CpuEngine:
     """Copies on one background thread per direction; ``wait`` joins the future."""
 
+    stages_strided = False  # copy_ reads and writes any layout in place: no temporary
+
     def __init__(self) -> None:
         self.delay_s = 0.0
         self._workers = {
@@ -503,6 +506,10 @@ class CudaEngine:
     CPU-only build).
     """
 
+    # A non-contiguous source or destination goes through a contiguous device buffer
+    # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staged_copies``).
+    stages_strided = True
+
     def __init__(self, streams: Any = None, pin_memory: bool = True) -> None:
         self._api = streams
         self._pin_memory = pin_memory
@@ -573,6 +580,13 @@ def _engine_for(device: torch.device):
             f"fxoffload: no copy engine for device type {device.type!r}; supported: 'cuda', 'cpu'"
         )
     return engine
+
+
+def stages_strided_copies(device_type: str) -> bool:
+    """Whether the engine that copies ``device_type`` tensors (now: :func:`use_engine` may swap it)
+    puts a non-contiguous tensor through a contiguous device buffer."""
+    engine = _engines.get(device_type)
+    return bool(engine is not None and engine.stages_strided)
 
 
 @contextlib.contextmanager

@@ -66,7 +66,8 @@ from fxoffload.passes.analysis import (
 )
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
-           "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH"]
+           "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH",
+           "staging_intervals"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
@@ -415,6 +416,18 @@ def curve(
 
 def peak(values: Sequence[int]) -> int:
     return max(values, default=0)
+
+
+def staging_intervals(offload: int, release: int, prefetch: int, wait: int,
+                      nbytes: int) -> list[tuple[int, int, int]]:
+    """Device intervals of a staged transfer's contiguous buffers (an engine that stages copies
+    makes one for a non-contiguous tensor at each end): from the node its offload follows to its
+    release, and from its prefetch to the node before its wait. Both are upper bounds: the first
+    buffer does not exist yet at the node its offload follows, and a wait right after its prefetch
+    frees the second before the consumer, where it is counted."""
+    if not nbytes:
+        return []
+    return [(offload, release, nbytes), (prefetch, max(prefetch, wait - 1), nbytes)]
 
 
 def intervals(

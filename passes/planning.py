@@ -18,7 +18,10 @@ the rest are candidates.
   saved values and graph inputs, runs again right before its first backward
   consumer, and the storage lives from there to its last use). A recomputed
   storage counts as activation memory from its rebuild on, like a prefetched
-  copy; the chain's other outputs count towards the total only.
+  copy; the chain's other outputs count towards the total only, and so do
+  a staged offload's buffers (``PlanOptions.staged_copies``: the CUDA engine
+  copies a non-contiguous tensor through a contiguous device buffer at each
+  end, :func:`staging_bytes`), which a device budget prices.
 * Without a budget, the budget is the smallest activation peak that acting
   on every candidate reaches (offloading it; under ``"recompute"``,
   recomputing every recomputable one), plus ``min_bytes``: the cheapest
@@ -97,14 +100,17 @@ from fxoffload.passes.analysis import (
     unbuildable,
 )
 from fxoffload.passes.candidates import RecomputeCost, TransferCost
-from fxoffload.passes.memory import Timeline, concrete, curve, held_sizes, intervals, peak, timeline_at
+from fxoffload.passes.memory import (
+    Timeline, concrete, curve, held_sizes, intervals, peak, staging_intervals, timeline_at,
+)
 from fxoffload.passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, SolverName, curve_with, host_of, solve
 
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
     "ON_INFEASIBLE", "OnInfeasible", "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "group_by_base",
-    "over_runs", "pinned_block", "plan_offloads", "recompute_moves", "recompute_temporaries", "step_peak", "why_kept",
+    "over_runs", "pinned_block", "plan_offloads", "recompute_moves", "recompute_temporaries", "staging_bytes", "step_peak",
+    "why_kept",
 ]
 
 OFFLOAD = "offload"
@@ -197,6 +203,10 @@ class PlanOptions:
     # A bound on the host memory of the graph's copies over its runs, in CUDA's pinned blocks
     # (:func:`pinned_block`): what does not fit is kept or recomputed. None: unbounded.
     host_bytes: int | None = None
+    # The copy engine stages a non-contiguous tensor through a contiguous device buffer (the CUDA
+    # engine, ``fxoffload.runtime``): each such transfer holds one more block of its size on the
+    # device from its offload to its release and from its prefetch to its wait (:func:`staging_bytes`).
+    staged_copies: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,6 +233,7 @@ class Transfer:
     members: tuple[int, ...]  # indices of the saved activations that live in this storage
     lifetime: int  # its index in Timeline.lifetimes, fixed at plan time (the inner compiler may change the nodes)
     cost: TransferCost | None = None
+    staging: int = 0  # bytes of the contiguous device buffer each of its copies goes through (staged_copies)
 
     @property
     def base_name(self) -> str:
@@ -333,6 +344,17 @@ class Plan:
     def estimated_stall(self) -> float:
         """The planner's estimate (each copy alone on its link); ``Schedule.predicted_stall`` is the prediction."""
         return sum(t.cost.stall for t in self.transfers if t.cost is not None)
+
+
+def staging_bytes(base: fx.Node, options: PlanOptions) -> int:
+    """Bytes of the contiguous device buffer an engine that stages copies (``options.staged_copies``)
+    puts a non-contiguous base through, at the size the plan is made for; 0 for a contiguous base.
+    A transposed, channels-last or padded source is made contiguous before its copy, and a strided
+    destination lands in a contiguous buffer first: ``numel`` elements, whatever the storage's size."""
+    val = base.meta.get("val")
+    if not options.staged_copies or not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return 0
+    return concrete(val.numel() * val.element_size(), val)
 
 
 def recompute_moves(recomputes: Sequence[Recompute]) -> dict[int, tuple[int, int]]:
@@ -631,10 +653,19 @@ def _items(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
             if kind == RECOMPUTE and problem.device and problem.recomputes[b].transient:
                 at = problem.rebuilt_at(b)  # the chain's other outputs, alive while it runs
                 changes += ((at, at, problem.recomputes[b].transient),)
+            if kind == OFFLOAD and problem.device:  # a staging engine's contiguous buffers
+                changes += tuple(_staging(problem, b))
             options.append(Option(changes, cost, work, problem.host(b) if kind == OFFLOAD else 0))
         items.append(tuple(options))
         owners.append((b, tuple(kinds)))
     return items, owners, queues, _conflicts(problem, owners)
+
+
+def _staging(problem: _Problem, b: fx.Node) -> list[tuple[int, int, int]]:
+    """The staging buffers of offloading ``b`` (:func:`staging_bytes`), at its candidate placement."""
+    release, prefetch = problem.moves[b]
+    return staging_intervals(problem.lifetime(b).birth, release, prefetch, problem.first_use[b],
+                             staging_bytes(b, problem.options))
 
 
 def _conflicts(problem: _Problem, owners) -> list:
@@ -687,8 +718,11 @@ def _constraint(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.
         base = over_runs(base, forward, length, options.runs)
         items = [tuple(dataclasses.replace(o, changes=tuple(over_runs(o.changes, forward, length, options.runs)))
                        for o in item) for item in items]
-    if problem.device:  # a device budget bounds every tensor the step creates, not only saved ones
+    # A device budget bounds every tensor the step creates, not only saved ones: also staged copies'
+    # buffers (``PlanOptions.staged_copies``), at the candidates' placements.
+    if problem.device:
         base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.activation]
+        base += [interval for b in forced for interval in _staging(problem, b)]
     return base, items
 
 
@@ -1029,7 +1063,8 @@ def _decide(problem: _Problem, groups, reasons, choice: _Choice, goal: str | Non
         lt = problem.lifetime(base) if base in offloaded or base in recomputed else None
         if base in offloaded:
             transfer = len(transfers)
-            transfers.append(Transfer(base, lt.nbytes, members, lt.index, problem.costs.get(base)))
+            transfers.append(Transfer(base, lt.nbytes, members, lt.index, problem.costs.get(base),
+                                      staging=staging_bytes(base, problem.options)))
         elif base in recomputed:
             recompute = len(rebuilt)
             rebuilt.append(Recompute(base, group[0].base_nbytes, members, lt.index, problem.moves[base][0],

@@ -63,7 +63,11 @@ save more): a release held past its last use may not raise it where
 temporaries or gradients pile up. A stricter bound (the total peak of the
 least-memory placement, releases at last use and prefetches at their consumers)
 would give up hiding a copy behind a long op whose output meets the prefetched
-copy at the peak. Stalls are
+copy at the peak. A staged transfer (``Transfer.staging``: a non-contiguous
+tensor an engine copies through a contiguous device buffer) holds its buffer
+with its copy: a move holds both, on both curves (the activation bound so
+conservatively), and the re-evaluated peaks count the buffers in the total
+(:func:`staging_temporaries`). Stalls are
 predicted by the simulator's replay (``fxoffload.passes.simulator``): each copy starts
 when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
@@ -88,12 +92,15 @@ import torch.fx as fx
 
 from fxoffload.passes.candidates import AUTO_HORIZON, Placement, prefix_sums
 from fxoffload.passes.cost_model import DeviceProfile, transfer_time
-from fxoffload.passes.memory import Timeline, curve, intervals, peak, size_ranges, sizes_between, timeline_at
+from fxoffload.passes.memory import (
+    Timeline, curve, intervals, peak, size_ranges, sizes_between, staging_intervals, timeline_at,
+)
 from fxoffload.passes.planning import Plan, step_peak
 from fxoffload.passes.replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
-           "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "with_scheduled_peaks"]
+           "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "staging_temporaries",
+           "with_scheduled_peaks"]
 
 
 @dataclass(frozen=True)
@@ -235,20 +242,23 @@ def schedule_transfers(
 
     moves = plan.recompute_moves()  # recomputed storages stay where the plan put them
     moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
-    temporaries = plan.recompute_temporaries()
     held = _held_sizes(plan, timeline, moves)
-    releases, late = _place_releases(timeline, chosen, _room(held, moves, temporaries), d2h, starts, pos)
+
+    def room() -> _Room:  # the curves at the moves so far, staging buffers included
+        staged = [interval for k, p in enumerate(chosen) for interval in staging_intervals(
+            pos[p.offload_after], *moves[lives[k]], pos[p.wait_before], plan.transfers[k].staging)]
+        return _room(held, moves, plan.recompute_temporaries() + staged)
+
+    releases, late = _place_releases(timeline, chosen, room(), d2h, starts, pos)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
-    deferred = _deferrable(late, plan.runs, sizes, starts, len(timeline.fw_nodes),
-                           _room(held, moves, temporaries)) if cross_graphs else set()
+    deferred = _deferrable(late, plan.runs, sizes, starts, len(timeline.fw_nodes), room()) if cross_graphs else set()
     deferred = [k in deferred for k in range(len(chosen))]
     ahead: tuple[int, int, list[int]] | None = None
     if horizon == AUTO_HORIZON:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches, ahead = _place_prefetches(timeline, chosen, _room(held, moves, temporaries), h2d, starts, pos,
-                                              cross_graphs)
+        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, pos, cross_graphs)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
     schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon,
@@ -263,12 +273,13 @@ def _held_sizes(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, i
     """The plan's own size, then each other size it holds its budget at (``Plan.sizes``)."""
     lives = [t.lifetime for t in plan.transfers]
     bound, total_bound = _bounds(plan, timeline, moves)
-    out = [_Size(timeline, bound, total_bound, [int(t.nbytes) for t in plan.transfers])]
+    # Holding a staged transfer's copy longer holds its staging buffer too (``Transfer.staging``).
+    out = [_Size(timeline, bound, total_bound, [int(t.nbytes) + t.staging for t in plan.transfers])]
     for size in plan.sizes:
         at = timeline_at(timeline, dict(size.values))
         total = peak(curve(at.length, intervals(at, {}, residual_only=False)))
         out.append(_Size(at, size.budget_bytes - _earlier(plan, at, moves), total,
-                         [at.lifetimes[i].nbytes for i in lives]))
+                         [at.lifetimes[i].nbytes + t.staging for i, t in zip(lives, plan.transfers)]))
     return out
 
 
@@ -430,13 +441,23 @@ def _scheduled_moves(plan: Plan, timeline: Timeline, schedule: Schedule) -> dict
     return moved
 
 
+def staging_temporaries(plan: Plan, timeline: Timeline, schedule: Schedule) -> list[tuple[int, int, int]]:
+    """Device intervals of the staged transfers' contiguous buffers (``Transfer.staging``) at the
+    schedule's placements. Not activations: they count in the total and device peaks."""
+    pos = timeline.positions
+    return [interval for p in schedule.placements
+            for interval in staging_intervals(pos[p.offload_after], pos[p.free_after], pos[p.prefetch_before],
+                                              pos[p.wait_before], plan.transfers[p.transfer].staging)]
+
+
 def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> Plan:
     """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
     if not schedule.placements:
         return plan
     moved = _scheduled_moves(plan, timeline, schedule)
     activations = curve(timeline.length, intervals(timeline, moved, True))
-    total = peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries())))
+    temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule)
+    total = peak(curve(timeline.length, intervals(timeline, moved, False, temporaries)))
     held = activations[len(timeline.fw_nodes) - 1] if activations else 0
     sizes = tuple(dataclasses.replace(size, step_peak_after=activation_peaks_at(plan, timeline, schedule,
                                                                               dict(size.values))[1])
@@ -447,7 +468,7 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> 
         activation_peak_after=peak(activations),
         step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
         device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
-        total_peak_after=peak(curve(timeline.length, intervals(timeline, moved, False, plan.recompute_temporaries()))),
+        total_peak_after=total,
     )
 
 

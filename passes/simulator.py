@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from fxoffload.passes.cost_model import DeviceProfile, roofline
-from fxoffload.passes.memory import curve, intervals
+from fxoffload.passes.memory import curve, intervals, staging_intervals
 from fxoffload.passes.planning import recompute_moves, recompute_temporaries
 from fxoffload.passes.replay import Copy, Replay, op_starts, replay
 
@@ -105,6 +105,7 @@ class Movement:
     wait_at: int  # its wait, before the first consumer
     d2h_seconds: float
     h2d_seconds: float
+    staging: int = 0  # bytes of the contiguous device buffer each copy goes through (``Transfer.staging``)
 
 
 def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
@@ -117,7 +118,7 @@ def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
         Movement(plan.transfers[p.transfer].base_name, plan.transfers[p.transfer].lifetime,
                  pos[p.offload_after] + 1, backward if p.deferred else pos[p.free_after] + 1,
                  pos[p.free_after] + 1, pos[p.prefetch_before], pos[p.wait_before],
-                 p.d2h_seconds, p.h2d_seconds)
+                 p.d2h_seconds, p.h2d_seconds, staging=plan.transfers[p.transfer].staging)
         for p in schedule.placements
     ]
     return simulate_movements(timeline, record.work, profile, movements, schedule.prefetch_order or None,
@@ -151,7 +152,9 @@ def simulate_movements(
     names = [(m.name, "forward") for m in movements] + [(movements[k].name, "backward") for k in order]
     moved = recompute_moves(recomputes)
     moved.update({m.lifetime: (m.free_at - 1, m.prefetch_at) for m in movements})
-    temporaries = recompute_temporaries(recomputes)
+    temporaries = recompute_temporaries(recomputes) + [
+        interval for m in movements
+        for interval in staging_intervals(m.offload_at - 1, m.free_at - 1, m.prefetch_at, m.wait_at, m.staging)]
     run = replay(times, down + up, profile.op_seconds)
     forward = len(timeline.fw_nodes)
     plan_clock, free_clock = run.starts[:-1], op_starts(base_times)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import operator
@@ -308,3 +309,18 @@ def per_layer_step(budget, layers: int = 3, steps: int = 2, reentrant: bool | No
 # without offloading (a constant whose source is not identified yet; scalars made around the loss are
 # the likely ones): asserted exactly, so that an off-by-one lifetime or an unplaced copy shows.
 UNPLACED_BYTES = 8
+
+
+# --------------------------------------------------------------------------- the CUDA engine on CPU
+
+
+@contextlib.contextmanager
+def cuda_engine_on_cpu(engine_class=None, complete_on_query=False, poison=True):
+    """CPU tensors copied by ``engine_class`` (default: the CUDA engine) over a fresh fake of the
+    stream API (``tests/fake_cuda.py``); yields the fake."""
+    from fxoffload import runtime
+    from tests.fake_cuda import FakeCuda
+
+    fake = FakeCuda(complete_on_query=complete_on_query, poison=poison)
+    with runtime.use_engine("cpu", (engine_class or runtime.CudaEngine)(streams=fake, pin_memory=False)):
+        yield fake

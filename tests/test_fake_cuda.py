@@ -7,7 +7,6 @@ using it (the caching allocator's rule). Loss and gradients are compared with ea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -15,19 +14,14 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from tests.conftest import MODELS, assert_same_step, lm_step, per_layer_llama, returned_in_flight, started_before_own_backward
+from tests.conftest import (
+    MODELS, assert_same_step, cuda_engine_on_cpu, lm_step, per_layer_llama, returned_in_flight,
+    started_before_own_backward,
+)
 from tests.fake_cuda import FakeCuda
 
 ops = torch.ops.fxoffload
 CPU = torch.device("cpu")
-
-
-@contextlib.contextmanager
-def cuda_engine_on_cpu(engine_class=runtime.CudaEngine, complete_on_query=False, poison=True):
-    """CPU tensors copied by ``engine_class`` (the CUDA engine) over a fresh fake; yields the fake."""
-    fake = FakeCuda(complete_on_query=complete_on_query, poison=poison)
-    with runtime.use_engine("cpu", engine_class(streams=fake, pin_memory=False)):
-        yield fake
 
 
 def same_step(expected, actual) -> bool:

@@ -1,0 +1,148 @@
+"""Staged copies (issue 17, defect 4): the CUDA engine puts a non-contiguous tensor through a
+contiguous device buffer at each end of its round trip (``runtime._dense_ends``), and the memory
+model counts those buffers when the engine that will copy the graph's tensors stages copies.
+
+Run here through the fake of the CUDA stream API on CPU tensors (``tests/fake_cuda.py``): the
+backend asks the engine in use for the graph's device, so the same graph is planned with staging
+under the CUDA engine and without it under the CPU engine, which copies any layout in place."""
+
+import dataclasses
+import warnings
+
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from fxoffload.passes.simulator import simulate
+from tests.conftest import assert_same_step, cuda_engine_on_cpu
+
+HIDDEN, BATCH = 256, 32
+
+
+class Transposed(torch.nn.Module):
+    """tanh of a transposed matmul output keeps its input's strides: a saved, non-contiguous base.
+    ``wide`` (not saved) holds the forward's peak above the backward's while the buffer lives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, HIDDEN)
+        self.w = torch.nn.Parameter(torch.randn(BATCH, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.repeat(1, 64)
+        h = torch.tanh(self.a(x).t())  # (HIDDEN, BATCH), strides (1, HIDDEN)
+        return torch.relu(h @ self.w).sum() + wide.sum()
+
+
+def compiled_step(staged: bool):
+    """One step of Transposed, offloading every candidate; its record and loss/gradients."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model, x = Transposed(), torch.randn(BATCH, 16)
+    # horizon 2: tanh's prefetch goes two compute ops ahead of its wait, so its buffer spans nodes.
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, horizon=2)
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        loss = compiled(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    if staged:
+        with cuda_engine_on_cpu() as fake:
+            result = step()
+        assert fake.violations == []
+    else:
+        result = step()
+    return backend.records[0], result, model, x
+
+
+def test_only_a_non_contiguous_base_copied_by_a_staging_engine_is_staged():
+    unstaged, _, _, _ = compiled_step(staged=False)
+    staged, _, _, _ = compiled_step(staged=True)
+    by_name = {t.base_name: t for t in staged.plan.transfers}
+    assert set(by_name) == {"tanh", "le"}
+    assert by_name["tanh"].staging == HIDDEN * BATCH * 4  # numel x float32, the contiguous copy
+    assert by_name["le"].staging == 0  # relu's mask is contiguous: copied as it is
+    assert all(t.staging == 0 for t in unstaged.plan.transfers)  # the CPU engine stages nothing
+    assert "staged copies: tanh (32.0 KiB)" in fxoffload.explain(staged)
+    assert "staged copies" not in fxoffload.explain(unstaged)
+
+
+def test_the_staging_buffers_raise_the_total_curve_exactly_where_they_live():
+    """The staged plan's total curve, against the same placements with the buffers left out: it is
+    higher by the buffer's bytes from the node its offload follows to its release, and from its
+    prefetch to the node before its wait, and nowhere else. The activation curve is unchanged: the
+    buffers are not activations."""
+    staged, _, _, _ = compiled_step(staged=True)
+    plan = staged.plan
+    unbuffered = dataclasses.replace(staged, plan=dataclasses.replace(
+        plan, transfers=tuple(dataclasses.replace(t, staging=0) for t in plan.transfers)))
+    pos = staged.timeline.positions
+    (place,) = [p for p in staged.schedule.placements if plan.transfers[p.transfer].base_name == "tanh"]
+    assert pos[place.wait_before] - pos[place.prefetch_before] >= 2
+    live = set(range(pos[place.offload_after], pos[place.free_after] + 1))
+    live |= set(range(pos[place.prefetch_before], pos[place.wait_before]))
+    before, after = simulate(unbuffered), simulate(staged)
+    rise = [b2 - b1 for (_, b1), (_, b2) in zip(before.memory, after.memory)]
+    assert rise == [HIDDEN * BATCH * 4 if i in live else 0 for i in range(len(rise))]
+    assert after.activations == before.activations
+    # The plan's re-evaluated total peak is the staged curve's peak: here the buffer raises it.
+    assert plan.total_peak_after == after.peak == max(b + r for (_, b), r in zip(before.memory, rise)) > before.peak
+
+
+def test_a_staged_step_through_the_cuda_engine_matches_eager():
+    _, (loss, grads), model, x = compiled_step(staged=True)
+    model.zero_grad()
+    expected = model(x)
+    expected.backward()
+    assert_same_step((expected.detach(), {n: p.grad for n, p in model.named_parameters()}), (loss, grads))
+    assert runtime.pending_transfers() == 0
+
+
+class TransposedChain(torch.nn.Module):
+    """Six layers, each saving a non-contiguous tanh output: activations outweigh the parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x).t()).t()
+        return x.sum()
+
+
+def chain_plan(device_budget, staged: bool):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model, x = TransposedChain(), torch.randn(1024, 64)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon=2, strategy="offload",
+                                        device_budget=device_budget, on_infeasible="warn")
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)
+        if staged:
+            with cuda_engine_on_cpu():
+                compiled(x).backward()
+        else:
+            compiled(x).backward()
+    return backend.records[0].plan
+
+
+def test_a_device_budget_holds_with_the_staging_buffers_counted():
+    """Under a device budget the planner prices each staged offload's buffers and the scheduler holds
+    them with the copy, so a plan that says it meets the budget does so once the buffers are counted
+    at its final placements; below what staged offloads can reach it says so. The same budgets
+    without staging are met more cheaply, or at all: the buffers cost."""
+    unbounded = chain_plan(10**12, staged=True).device_peak_before
+    met, costlier = [], 0
+    for share in (0.96, 0.79, 0.75, 0.7):
+        budget = int(unbounded * share)
+        staged, unstaged = chain_plan(budget, staged=True), chain_plan(budget, staged=False)
+        assert staged.transfers and all(t.staging == t.nbytes for t in staged.transfers)
+        if staged.feasible:
+            assert staged.device_peak_after <= budget, (share, staged.device_peak_after, budget)
+        met.append(staged.feasible)
+        costlier += (unstaged.feasible, -unstaged.device_peak_after) > (staged.feasible, -staged.device_peak_after)
+    assert met == [True, True, False, False] and costlier
