@@ -5,7 +5,10 @@ Python), as byte-level tokens. Nothing is downloaded. Timings are measured on
 this machine's CPU, where "device" and "host" are the same memory: they show
 the cost of the protocol, not a GPU's.
 
-    python examples/train_llama.py [--steps 6] [--budget 0.5] [--inner inductor|eager] [--min-bytes 65536]
+    python examples/train_llama.py [--steps 6] [--budget 0.5] [--inner inductor|eager] [--min-bytes 65536] [--write]
+
+``--write`` records the figures as the "Demo" section of benchmarks/RESULTS.md,
+with the date and the command.
 
 Memory is then measured for one more step of each (``fxoffload.measure_peak``,
 with the graphs run eagerly so that every allocation is seen) and printed next
@@ -93,6 +96,7 @@ def main() -> None:
     parser.add_argument("--horizon", default="auto", help="'auto' or a number of compute ops")
     parser.add_argument("--budget", default="0.5", help="memory_budget: a fraction, or a size such as 64MiB")
     parser.add_argument("--plot", default="fxoffload-demo.png", help="where to write the simulated step's plot")
+    parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
     args.horizon = int(args.horizon) if args.horizon.isdigit() else args.horizon
@@ -127,9 +131,11 @@ def main() -> None:
     print(f"\nmedian step time after compile (measured, CPU): plain {steady_p:.3f}s, fxoffload {steady_o:.3f}s")
     max_diff = max(abs(a - b) for a, b in zip(plain_losses, offl_losses))
     print(f"largest loss difference: {max_diff:.2e}")
+    sims = []
     for record in backend.records:
         path = args.plot if len(backend.records) == 1 else f"{record.index}-{args.plot}"
         sim = fxoffload.plot(record, path)  # simulates on the profile the plan was made for
+        sims.append(sim)
         print(f"simulated on {record.profile.name} (predicted, not measured): step {format_seconds(sim.step_time)}, "
               f"without offload {format_seconds(sim.compute_time)} ({sim.overhead:+.1%}); floor "
               f"{format_seconds(sim.floor)} ({sim.bound}-bound); plot written to {path}")
@@ -144,7 +150,52 @@ def main() -> None:
         )
     print("\nfxoffload.explain(backend.records[0]) starts:")
     print("\n".join(fxoffload.explain(backend.records[0]).splitlines()[:14]))
-    memory_report(base, data, args, budget)
+    memory = memory_report(base, data, args, budget)
+    if args.write:
+        from _recipes import report
+
+        figures = dict(params=params, losses=(plain_losses, offl_losses), max_diff=max_diff, steady=(steady_p, steady_o),
+                       sims=sims, memory=memory)
+        report(demo_section(args, backend, figures), "Demo: a 4-layer Llama, plain compile and fxoffload (measured, CPU)",
+               write=True)
+
+
+def demo_section(args, backend, figures) -> str:
+    """The demo's figures as markdown: the command, the date, one table."""
+    import datetime
+    import sys
+
+    plain_losses, offl_losses = figures["losses"]
+    (plain_mem, offl_mem), (steady_p, steady_o) = figures["memory"], figures["steady"]
+    plans = [r.plan for r in backend.records]
+    sims = figures["sims"]
+    row = lambda label, plain, offl: f"| {label} | {plain} | {offl} |"  # noqa: E731
+    lines = [
+        f"`python {' '.join(['examples/train_llama.py', *sys.argv[1:]])}`, {datetime.date.today()}: Llama, "
+        f"{figures['params'] / 1e6:.2f} M parameters, batch {args.batch} x {args.seq} byte tokens of standard-library "
+        f"docstrings, inner={args.inner}, memory_budget={args.budget}, min_bytes={args.min_bytes}, "
+        f"horizon={args.horizon}. Losses, step times and peaks are measured on this CPU; peaks with "
+        "fxoffload.measure_peak over one more step compiled with inner=eager (a dispatch mode cannot see "
+        "Inductor's buffers), whose plan may differ from the Inductor run's. Step times on the device profile "
+        "are simulated.",
+        "",
+        f"| | plain `torch.compile` | fxoffload, budget {args.budget} |",
+        "|---|---|---|",
+        row(f"losses, steps 0..{len(plain_losses) - 1}", " ".join(f"{x:.4f}" for x in plain_losses),
+            " ".join(f"{x:.4f}" for x in offl_losses) + f" (largest difference {figures['max_diff']:.2g})"),
+        row(f"plan (inner={args.inner})", "", "; ".join(f"{len(p.transfers)} storage(s) offloaded ({format_bytes(p.offloaded_bytes)} per step), "
+                                  f"{len(p.recomputes)} recomputed ({format_bytes(p.recomputed_bytes)})" for p in plans)),
+        row("activation peak, predicted / measured (inner=eager)", f"{format_bytes(plain_mem[0])} / {format_bytes(plain_mem[1])}",
+            f"{format_bytes(offl_mem[0])} / {format_bytes(offl_mem[1])} (budget {offl_mem[4]})"),
+        row("total peak, predicted / measured (inner=eager)", f"{format_bytes(plain_mem[2])} / {format_bytes(plain_mem[3])}",
+            f"{format_bytes(offl_mem[2])} / {format_bytes(offl_mem[3])}"),
+        row("median step time after compile (CPU, measured)", f"{steady_p:.3f} s", f"{steady_o:.3f} s"),
+    ]
+    for record, sim in zip(backend.records, sims):
+        lines.append(row(f"step on `{record.profile.name}` (simulated)", format_seconds(sim.compute_time),
+                         f"{format_seconds(sim.step_time)} ({sim.overhead:+.1%}; floor {format_seconds(sim.floor)}, "
+                         f"{sim.bound}-bound)"))
+    return "\n".join(lines)
 
 
 def measured_step(model, ids):
@@ -153,8 +204,9 @@ def measured_step(model, ids):
     return loss
 
 
-def memory_report(base, data, args, budget) -> None:
-    """Predicted and measured peaks of one step, plain compile against fxoffload."""
+def memory_report(base, data, args, budget) -> list[tuple]:
+    """Predicted and measured peaks of one step, plain compile against fxoffload: per row (activations
+    predicted, measured, total predicted, measured, budget)."""
     ids = next(batches(data, 1, args.batch, args.seq, seed=1))
     rows = []
     for label, options in (("plain torch.compile", {"memory_budget": 1.0}), (f"fxoffload, budget {args.budget}",
@@ -174,6 +226,7 @@ def memory_report(base, data, args, budget) -> None:
     print(f"{'':<24}{'activations predicted':>22}{'measured':>12}{'total predicted':>17}{'measured':>12}   budget")
     for label, ap, am, tp, tm, b in rows:
         print(f"{label:<24}{format_bytes(ap):>22}{format_bytes(am):>12}{format_bytes(tp):>17}{format_bytes(tm):>12}   {b}")
+    return [row[1:] for row in rows]
 
 
 if __name__ == "__main__":
