@@ -21,7 +21,10 @@ comparable: the table prints them as not measurable and the JSON keeps the
 raw figures with ``peaks_comparable: false``. The eager rows run the same
 plan with every allocation visible.
 
-    python benchmarks/measure_cpu.py [--reps 15] [--inner both|inductor|eager] [--out benchmarks/out]
+    python benchmarks/measure_cpu.py [--reps 15] [--inner both|inductor|eager] [--out benchmarks/out] [--write]
+
+``--write`` also records the table as a section of benchmarks/RESULTS.md, with
+the date and the command.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/out")
     parser.add_argument("--inner", choices=("both", "inductor", "eager"), default="both",
                         help="inner compiler(s) to measure (default both)")
+    parser.add_argument("--write", action="store_true", help="record the table in benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps: must be at least 1, got {args.reps}")
@@ -141,17 +145,28 @@ def main(argv=None) -> int:
             print(f"measuring {name}, inner={inner} ...", file=sys.stderr, flush=True)
             results.append(measure_model(name, build, inner, args.reps))
     costs = op_costs()
-    print(f"measured on this machine ({os.cpu_count()} cores, CPU engine), {time.strftime('%Y-%m-%d')}; "
-          f"batch {BATCH} x {SEQ}, fxoffload memory_budget=0.5")
-    print("| model | inner | act. peak none -> fxoffload | total peak none -> fxoffload | step none | "
-          "step fxoffload | ratio median (min..max) |")
-    print("|---|---|---|---|---|---|---|")
+    command = " ".join(["python benchmarks/measure_cpu.py", *(argv if argv is not None else sys.argv[1:])])
+    lines = [
+        f"`{command}`: measured on this machine ({os.cpu_count()} cores, CPU engine), {time.strftime('%Y-%m-%d')}; "
+        f"{args.reps} repetitions, batch {BATCH} x {SEQ}, fxoffload memory_budget=0.5. Peaks by "
+        "fxoffload.measure_peak; the step-time ratio fxoffload / none is taken per repetition.",
+        "",
+        "| model | inner | act. peak none -> fxoffload | total peak none -> fxoffload | step none | "
+        "step fxoffload | ratio median (min..max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         a, t, s = r["activation_peak"], r["total_peak"], r["step_median"]
-        print(f"| {r['model']} | {r['inner']} | {_peaks(a, r['inner'])} | {_peaks(t, r['inner'])} | "
-              f"{s['none'] * 1e3:.1f} ms | "
-              f"{s['fxoffload'] * 1e3:.1f} ms | {r['ratio_median']:.2f} ({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) |")
-    print("host-side cost per call, median of 2000 (us): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+        lines.append(f"| {r['model']} | {r['inner']} | {_peaks(a, r['inner'])} | {_peaks(t, r['inner'])} | "
+                     f"{s['none'] * 1e3:.1f} ms | {s['fxoffload'] * 1e3:.1f} ms | "
+                     f"{r['ratio_median']:.2f} ({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) |")
+    lines += ["", "Host-side cost per call on the CPU engine, median of 2000 (us): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in costs.items())]
+    print("\n".join(lines))
+    if args.write:
+        from results import write_section
+
+        print("wrote", write_section("Small models on the CPU engine (measured, CPU)", "\n".join(lines)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "measure_cpu.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "models": results,
