@@ -644,6 +644,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/out",
                         help="folder for compare.md, headline.md, per_layer.md, stages.md, compare.json, compare.png")
     parser.add_argument("--models", default=",".join(FULL), help="comma-separated subset of " + ", ".join(FULL))
+    parser.add_argument("--write", action="store_true",
+                        help="also record the tables as a section of benchmarks/RESULTS.md, with the command and date")
     args = parser.parse_args(argv)
     specs = QUICK if args.quick else FULL
     wanted = args.models.split(",")
@@ -684,7 +686,27 @@ def main(argv=None) -> int:
     print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'per_layer.md'}, {out / 'stages.md'}, "
           f"{out / 'compare.json'}, "
           f"{out / 'compare.png'} in {meta['seconds']:.0f} s")
+    if args.write:
+        write_results(argv, args, meta, table, layer_table, rows)
     return 0
+
+
+def write_results(argv, args, meta, table, layer_table, rows) -> None:
+    """The run's tables as a section of benchmarks/RESULTS.md (one section per --quick or full run)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import write_section
+
+    command = " ".join(["python benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])])
+    body = "\n".join([
+        f"`{command}`, {meta['date']}, {meta['seconds'] / 60:.1f} min wall time on this machine "
+        f"({meta['cpu_count']} cores, torch {meta['torch']}): activation peaks **predicted** by the memory model, "
+        "step times **simulated** on the device profiles, decision times measured.",
+        "", "Headline, h100-pcie5:", "", headline(rows), "", table, "",
+        "One graph per layer beside the whole graph (per-layer budgets are fractions of the layers' step peak):",
+        "", layer_table, "", stages_markdown(rows),
+    ])
+    kind = "quick slices" if args.quick else "full models"
+    print("wrote", write_section(f"Side by side with the alternatives, {kind} (simulated)", body))
 
 
 if __name__ == "__main__":
