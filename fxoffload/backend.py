@@ -57,18 +57,8 @@ from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
 from fxoffload.passes import (
-    Budget,
-    BudgetInfeasibleError,
-    DeviceProfile,
-    PassResult,
-    Plan,
-    PlanOptions,
-    Schedule,
-    Timeline,
-    plan_best_partition,
-    rewrite_planned,
-    unbounded_size_warning,
-    unoffloaded_total_peak,
+    Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
+    plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
 from fxoffload.passes.analysis import tensor_storage_key
 from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks

@@ -57,12 +57,7 @@ import torch
 import torch.fx as fx
 
 from fxoffload.passes.analysis import (
-    SavedInterface,
-    _aliased_input,
-    is_anchored_compute,
-    symbol_sources,
-    tensor_nbytes,
-    tensor_storage_key,
+    SavedInterface, _aliased_input, is_anchored_compute, symbol_sources, tensor_nbytes, tensor_storage_key,
 )
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",

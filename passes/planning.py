@@ -89,15 +89,8 @@ import torch
 import torch.fx as fx
 
 from fxoffload.passes.analysis import (
-    SavedActivation,
-    SavedInterface,
-    is_compute,
-    is_rng_state,
-    output_storages,
-    storage_key,
-    sym_exprs,
-    symbol_sources,
-    unbuildable,
+    SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key, sym_exprs,
+    symbol_sources, unbuildable,
 )
 from fxoffload.passes.candidates import RecomputeCost, TransferCost
 from fxoffload.passes.memory import (

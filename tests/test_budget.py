@@ -13,13 +13,7 @@ import torch
 import fxoffload
 from fxoffload.passes.planning import BudgetInfeasibleWarning
 from tests.conftest import (
-    MODELS,
-    UNPLACED_BYTES,
-    CausalLMLoss,
-    assert_same_step,
-    loss_and_grads,
-    loss_step,
-    measured_run,
+    MODELS, UNPLACED_BYTES, CausalLMLoss, assert_same_step, loss_and_grads, loss_step, measured_run,
 )
 
 BUDGETS = [0.1, 0.3, 0.5, 0.7]

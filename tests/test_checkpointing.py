@@ -18,13 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import fxoffload
 from fxoffload import runtime
 from tests.conftest import (
-    MODELS,
-    CausalLMLoss,
-    assert_same_step,
-    fxoffload_args,
-    loss_and_grads,
-    loss_step,
-    op_sequence,
+    MODELS, CausalLMLoss, assert_same_step, fxoffload_args, loss_and_grads, loss_step, op_sequence,
 )
 
 aten = torch.ops.aten

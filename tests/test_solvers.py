@@ -9,9 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxoffload.passes.solvers import (
-    Candidate,
-    choose_offloads,
-    evaluate,
+    Candidate, choose_offloads, evaluate,
 )
 from fxoffload.passes.solvers import (
     offload_greedy as solve_greedy,
@@ -125,11 +123,7 @@ def test_no_candidates_with_the_exact_solver():
 import itertools  # noqa: E402
 
 from fxoffload.passes.solvers import (  # noqa: E402
-    Option,
-    Queue,
-    curve_with,
-    lateness,
-    solve,
+    Option, Queue, curve_with, lateness, solve,
 )
 from fxoffload.passes.solvers import (
     solve_greedy as greedy_options,
