@@ -30,11 +30,10 @@ def test_the_wheel_installs_the_passes_under_fxoffload_only(tmp_path):
     (wheel,) = tmp_path.glob("fxoffload-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
-    assert top_level == {"fxoffload", next(t for t in top_level if t.endswith(".dist-info"))}, top_level
+    (dist_info,) = {t for t in top_level if t.endswith(".dist-info")}
+    assert top_level == {"fxoffload", dist_info}, top_level
     passes = {Path(name).name for name in names if name.startswith("fxoffload/passes/")}
     assert passes == {p.name for p in (ROOT / "passes").glob("*.py")}, "a stage module missing from the wheel"
-    (dist_info,) = {t for t in top_level if t.endswith(".dist-info")}
-    assert "fxoffload.passes" in zipfile.ZipFile(wheel).read(f"{dist_info}/RECORD").decode().replace("/", ".")
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["nothing-installed", "beside-an-editable-install"])
