@@ -706,6 +706,8 @@ def write_results(argv, args, meta, table, layer_table, rows) -> None:
         "", layer_table, "", stages_markdown(rows),
     ])
     kind = "quick slices" if args.quick else "full models"
+    if args.models != ",".join(FULL):  # a subset run keeps its own section
+        kind += f" ({args.models})"
     print("wrote", write_section(f"Side by side with the alternatives, {kind} (simulated)", body))
 
 

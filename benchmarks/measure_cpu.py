@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     if args.write:
         from results import write_section
 
-        print("wrote", write_section("Small models on the CPU engine (measured, CPU)", "\n".join(lines)))
+        inner = "" if args.inner == "both" else f", inner {args.inner}"  # a subset run keeps its own section
+        print("wrote", write_section(f"Small models on the CPU engine{inner} (measured, CPU)", "\n".join(lines)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "measure_cpu.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "models": results,

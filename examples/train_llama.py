@@ -156,8 +156,13 @@ def main() -> None:
 
         figures = dict(params=params, losses=(plain_losses, offl_losses), max_diff=max_diff, steady=(steady_p, steady_o),
                        sims=sims, memory=memory)
-        report(demo_section(args, backend, figures), "Demo: a 4-layer Llama, plain compile and fxoffload (measured, CPU)",
-               write=True)
+        # Runs with other options keep sections of their own.
+        other = "".join(f", {name}={value}" for name, value, default in (
+            ("memory_budget", args.budget, "0.5"), ("inner", args.inner, "inductor"),
+            ("min_bytes", args.min_bytes, 64 * 1024), ("horizon", args.horizon, "auto"),
+            ("steps", args.steps, 6), ("batch", args.batch, 4), ("seq", args.seq, 128)) if value != default)
+        report(demo_section(args, backend, figures),
+               f"Demo: a 4-layer Llama, plain compile and fxoffload{other} (measured, CPU)", write=True)
 
 
 def demo_section(args, backend, figures) -> str:

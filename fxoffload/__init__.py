@@ -9,9 +9,9 @@
     fxoffload.plot_step(backend.step_invocations(), "step.png")  # several graph runs (one per layer)
 
 The graph passes (``fxoffload.passes``) live in the repository's top-level ``passes/`` folder;
-pyproject.toml installs them under this package. A checkout run without installing (``python
-examples/train_llama.py``, a GPU machine with nothing installed) is served the same way by
-:class:`_CheckoutPasses`.
+pyproject.toml installs them under this package. A checkout run without installing (a GPU
+machine with nothing installed: ``python -m fxoffload`` from the repository root, or scripts
+with ``PYTHONPATH`` set to it) is served the same way by :class:`_CheckoutPasses`.
 """
 
 import importlib.abc
@@ -35,7 +35,7 @@ class _CheckoutPasses(importlib.abc.MetaPathFinder):
                                                       submodule_search_locations=[str(self.folder)])
 
 
-_INSTALLED = (Path(__file__).resolve().parent / "passes").is_dir()
+_INSTALLED = (Path(__file__).resolve().parent / "passes" / "__init__.py").is_file()
 if not _INSTALLED and (_CheckoutPasses.folder / "__init__.py").is_file():
     sys.meta_path.insert(0, _CheckoutPasses())
 

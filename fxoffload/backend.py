@@ -377,7 +377,7 @@ class OffloadBackend:
         place = self._place(region)
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total,
-                                      staged_copies=fxoffload.runtime.stages_strided_copies(_device_type(fw)))
+                                      staging_devices=fxoffload.runtime.staging_device_types())
         try:
             fw, bw, planned = plan_best_partition(
                 fw, bw, num_user_outputs, repartition,
@@ -592,12 +592,6 @@ def input_activations(example_inputs: list[Any]) -> frozenset[int]:
     counted there, not again."""
     return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
                      and t.requires_grad and not t.is_leaf and not _held_by_maker(t))
-
-
-def _device_type(fw: fx.GraphModule) -> str:
-    """The device type of the forward graph's first tensor input ("cpu" without one)."""
-    return next((v.device.type for n in fw.graph.find_nodes(op="placeholder")
-                 if isinstance(v := n.meta.get("val"), torch.Tensor)), "cpu")
 
 
 def _on_cuda(fw: fx.GraphModule) -> bool:

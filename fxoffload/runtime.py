@@ -94,7 +94,7 @@ from fxoffload.passes.ops import LIB as _lib
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "reset", "stages_strided_copies", "trace",
+    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "reset", "staging_device_types", "trace",
     "use_engine",
 ]
 
@@ -507,7 +507,7 @@ class CudaEngine:
     """
 
     # A non-contiguous source or destination goes through a contiguous device buffer
-    # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staged_copies``).
+    # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
     stages_strided = True
 
     def __init__(self, streams: Any = None, pin_memory: bool = True) -> None:
@@ -582,11 +582,10 @@ def _engine_for(device: torch.device):
     return engine
 
 
-def stages_strided_copies(device_type: str) -> bool:
-    """Whether the engine that copies ``device_type`` tensors (now: :func:`use_engine` may swap it)
-    puts a non-contiguous tensor through a contiguous device buffer."""
-    engine = _engines.get(device_type)
-    return bool(engine is not None and engine.stages_strided)
+def staging_device_types() -> frozenset[str]:
+    """The device types whose engine (now: :func:`use_engine` may swap one) puts a non-contiguous
+    tensor through a contiguous device buffer: the CUDA engine's."""
+    return frozenset(device for device, engine in _engines.items() if engine.stages_strided)
 
 
 @contextlib.contextmanager

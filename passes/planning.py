@@ -19,7 +19,7 @@ the rest are candidates.
   consumer, and the storage lives from there to its last use). A recomputed
   storage counts as activation memory from its rebuild on, like a prefetched
   copy; the chain's other outputs count towards the total only, and so do
-  a staged offload's buffers (``PlanOptions.staged_copies``: the CUDA engine
+  a staged offload's buffers (``PlanOptions.staging_devices``: the CUDA engine
   copies a non-contiguous tensor through a contiguous device buffer at each
   end, :func:`staging_bytes`), which a device budget prices.
 * Without a budget, the budget is the smallest activation peak that acting
@@ -196,10 +196,11 @@ class PlanOptions:
     # A bound on the host memory of the graph's copies over its runs, in CUDA's pinned blocks
     # (:func:`pinned_block`): what does not fit is kept or recomputed. None: unbounded.
     host_bytes: int | None = None
-    # The copy engine stages a non-contiguous tensor through a contiguous device buffer (the CUDA
-    # engine, ``fxoffload.runtime``): each such transfer holds one more block of its size on the
-    # device from its offload to its release and from its prefetch to its wait (:func:`staging_bytes`).
-    staged_copies: bool = False
+    # Device types whose copy engine stages a non-contiguous tensor through a contiguous device
+    # buffer (the CUDA engine, ``fxoffload.runtime``): each such transfer holds one more block of its
+    # size on the device from its offload to its release and from its prefetch to its wait
+    # (:func:`staging_bytes`).
+    staging_devices: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class Transfer:
     members: tuple[int, ...]  # indices of the saved activations that live in this storage
     lifetime: int  # its index in Timeline.lifetimes, fixed at plan time (the inner compiler may change the nodes)
     cost: TransferCost | None = None
-    staging: int = 0  # bytes of the contiguous device buffer each of its copies goes through (staged_copies)
+    staging: int = 0  # bytes of the contiguous device buffer each of its copies goes through (staging_devices)
 
     @property
     def base_name(self) -> str:
@@ -340,12 +341,12 @@ class Plan:
 
 
 def staging_bytes(base: fx.Node, options: PlanOptions) -> int:
-    """Bytes of the contiguous device buffer an engine that stages copies (``options.staged_copies``)
-    puts a non-contiguous base through, at the size the plan is made for; 0 for a contiguous base.
+    """Bytes of the contiguous device buffer an engine that stages copies (its device type in
+    ``options.staging_devices``) puts a non-contiguous base through, at the size the plan is made for; 0 for a contiguous base.
     A transposed, channels-last or padded source is made contiguous before its copy, and a strided
     destination lands in a contiguous buffer first: ``numel`` elements, whatever the storage's size."""
     val = base.meta.get("val")
-    if not options.staged_copies or not isinstance(val, torch.Tensor) or val.is_contiguous():
+    if not isinstance(val, torch.Tensor) or val.device.type not in options.staging_devices or val.is_contiguous():
         return 0
     return concrete(val.numel() * val.element_size(), val)
 
@@ -712,7 +713,7 @@ def _constraint(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.
         items = [tuple(dataclasses.replace(o, changes=tuple(over_runs(o.changes, forward, length, options.runs)))
                        for o in item) for item in items]
     # A device budget bounds every tensor the step creates, not only saved ones: also staged copies'
-    # buffers (``PlanOptions.staged_copies``), at the candidates' placements.
+    # buffers (``PlanOptions.staging_devices``), at the candidates' placements.
     if problem.device:
         base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.activation]
         base += [interval for b in forced for interval in _staging(problem, b)]

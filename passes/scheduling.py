@@ -265,7 +265,10 @@ def schedule_transfers(
                             op_seconds=profile.op_seconds)
     if ahead is None:
         return schedule
-    at, nbytes, which = ahead
+    at, _, which = ahead
+    # The bytes the copies move (what the runtime and the step simulator spend the budget on); the
+    # room checked them with their staging buffers.
+    nbytes = sum(sizes[k] for k in which)
     return dataclasses.replace(schedule, ahead_before=timeline.nodes[at], ahead_bytes=nbytes, ahead=tuple(which))
 
 
@@ -279,7 +282,8 @@ def _held_sizes(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, i
         at = timeline_at(timeline, dict(size.values))
         total = peak(curve(at.length, intervals(at, {}, residual_only=False)))
         out.append(_Size(at, size.budget_bytes - _earlier(plan, at, moves), total,
-                         [at.lifetimes[i].nbytes + t.staging for i, t in zip(lives, plan.transfers)]))
+                         # a buffer at that size: its storage's bytes there (numel x itemsize or more)
+                         [at.lifetimes[i].nbytes * (2 if t.staging else 1) for i, t in zip(lives, plan.transfers)]))
     return out
 
 
@@ -299,7 +303,9 @@ def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]
     scheduling never raises it). Total: the step's total peak without offloading (or a lower cap):
     the least-memory placement's own total is never above it (its device intervals lie inside each
     storage's unoffloaded lifetime; where a cap is below even that, copies stay at their
-    least-memory placement). Under a device budget the total is bounded by what the budget leaves
+    least-memory placement), except for staged transfers' buffers, which lie outside those
+    lifetimes: where they reach the total peak, copies stay at their least-memory placement and
+    the re-evaluated total peak (``Plan.total_peak_after``) shows the buffers above it. Under a device budget the total is bounded by what the budget leaves
     after the graph's inputs and the earlier runs, and it is the one curve that counts."""
     earlier = _earlier(plan, timeline, moves)
     total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)

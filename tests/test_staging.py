@@ -14,8 +14,10 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
+from fxoffload.passes.cost_model import roofline
+from fxoffload.passes.scheduling import schedule_transfers
 from fxoffload.passes.simulator import simulate
-from tests.conftest import assert_same_step, cuda_engine_on_cpu
+from tests.conftest import assert_same_step, cuda_engine_on_cpu, lm_step, per_layer_llama
 
 HIDDEN, BATCH = 256, 32
 
@@ -151,3 +153,21 @@ def test_a_device_budget_holds_with_the_staging_buffers_counted(horizon, shares,
         feasible.append(staged.feasible)
         costlier += (unstaged.feasible, -unstaged.device_peak_after) > (staged.feasible, -staged.device_peak_after)
     assert feasible == met and costlier
+
+
+def test_copies_started_ahead_are_counted_by_the_bytes_they_move():
+    """A backward starts the next graph's first copies ahead (``prefetch_ahead``) up to
+    ``Schedule.ahead_bytes``, which the runtime and the step simulator spend on the copies' own
+    bytes: the schedule gives those, not the bytes it checked the room for (buffers included).
+    The tiny Llama's per-layer plan, rescheduled with every transfer staged."""
+    _, model, backend = per_layer_llama(inner="eager", cross_graphs=True, runs_per_step=1)
+    lm_step(model, torch.randint(0, 256, (2, 32)))
+    record = backend.records[0]
+    plan = dataclasses.replace(record.plan, transfers=tuple(
+        dataclasses.replace(t, staging=int(t.nbytes)) for t in record.plan.transfers))
+    candidates = {plan.transfers[p.transfer].base: dataclasses.replace(p, transfer=-1)
+                  for p in record.schedule.placements}
+    schedule = schedule_transfers(plan, candidates, "auto", timeline=record.timeline,
+                                  times=[roofline(w, record.profile) for w in record.work], profile=record.profile)
+    assert schedule.ahead, "nothing started ahead: the test would prove nothing"
+    assert schedule.ahead_bytes == sum(int(plan.transfers[k].nbytes) for k in schedule.ahead)
