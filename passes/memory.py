@@ -61,8 +61,8 @@ from fxoffload.passes.analysis import (
 )
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
-           "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between", "UNBOUNDED_REACH",
-           "staging_intervals"]
+           "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between",
+           "UNBOUNDED_REACH", "staging_intervals"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).

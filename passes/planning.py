@@ -102,8 +102,8 @@ from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, Solv
 __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
     "ON_INFEASIBLE", "OnInfeasible", "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "group_by_base",
-    "over_runs", "pinned_block", "plan_offloads", "recompute_moves", "recompute_temporaries", "staging_bytes", "step_peak",
-    "why_kept",
+    "over_runs", "pinned_block", "plan_offloads", "recompute_moves", "recompute_temporaries", "staging_bytes",
+    "step_peak", "why_kept",
 ]
 
 OFFLOAD = "offload"
@@ -342,7 +342,8 @@ class Plan:
 
 def staging_bytes(base: fx.Node, options: PlanOptions) -> int:
     """Bytes of the contiguous device buffer an engine that stages copies (its device type in
-    ``options.staging_devices``) puts a non-contiguous base through, at the size the plan is made for; 0 for a contiguous base.
+    ``options.staging_devices``) puts a non-contiguous base through, at the size the plan is made
+    for; 0 for a contiguous base.
     A transposed, channels-last or padded source is made contiguous before its copy, and a strided
     destination lands in a contiguous buffer first: ``numel`` elements, whatever the storage's size."""
     val = base.meta.get("val")

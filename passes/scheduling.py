@@ -73,7 +73,8 @@ when it is issued and its engine is free (one engine per direction), each
 wait stalls compute until its copy is done, and a stall delays what follows.
 
 The helpers over plain lists (:func:`latest_starts`, :func:`issue_index`,
-:func:`bounded_start`, :func:`fifo_finish`) know nothing of FX. The result is an immutable :class:`Schedule`; nothing here edits a graph.
+:func:`bounded_start`, :func:`fifo_finish`) know nothing of FX. The result is
+an immutable :class:`Schedule`; nothing here edits a graph.
 
 Limits. Compute never overlaps compute; copies in the two directions are
 modelled independently (see the simulator for a shared link); costs come from
@@ -305,8 +306,9 @@ def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]
     storage's unoffloaded lifetime; where a cap is below even that, copies stay at their
     least-memory placement), except for staged transfers' buffers, which lie outside those
     lifetimes: where they reach the total peak, copies stay at their least-memory placement and
-    the re-evaluated total peak (``Plan.total_peak_after``) shows the buffers above it. Under a device budget the total is bounded by what the budget leaves
-    after the graph's inputs and the earlier runs, and it is the one curve that counts."""
+    the re-evaluated total peak (``Plan.total_peak_after``) shows the buffers above it. Under a
+    device budget the total is bounded by what the budget leaves after the graph's inputs and the
+    earlier runs, and it is the one curve that counts."""
     earlier = _earlier(plan, timeline, moves)
     total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
     if plan.device_bytes is not None:  # then max(saved, total - total_bound + bound) is the total curve

@@ -116,7 +116,8 @@ def plan_best_partition(
     if not best.plan.feasible:
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
         if options.on_infeasible == "error":
-            raise BudgetInfeasibleError(message, *best.plan.shortfall, ("raise the budget", "lower min_bytes", ADVICE_WARN))
+            raise BudgetInfeasibleError(message, *best.plan.shortfall,
+                                        ("raise the budget", "lower min_bytes", ADVICE_WARN))
         warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=3)
     return fw, bw, best
 
