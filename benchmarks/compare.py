@@ -75,6 +75,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition  #
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from fxoffload import models  # noqa: E402
+from fxoffload.compat import native_offload_bandwidth  # noqa: E402
 from fxoffload.explain import format_bytes, format_stages  # noqa: E402
 from fxoffload.passes import plan_best_partition, plan_pair  # noqa: E402
 from fxoffload.passes.analysis import last_storage_use, storage_key  # noqa: E402
@@ -261,6 +262,11 @@ def torch_native_movements(joint: Joint, result, profile):
     """Run PyTorch's offloading pass on the joint graph with fxoffload's selection; read its copies' positions."""
     import torch._functorch._activation_offloading.activation_offloading as native
 
+    if not hasattr(torch.ops.ao, "offload"):
+        raise RuntimeError(
+            "benchmarks/compare.py: PyTorch's offloading pass in this torch inserts prims.device_put and stream "
+            "ops, not the ao.offload/reload/wait_tensor ops the torch-native column reads (torch 2.13 has them); "
+            f"run the comparison on a later torch (this is {torch.__version__})")
     chosen = {t.base_name for t in result.plan.transfers}
     _clear_offload_marks(joint)
     for n in joint.gm.graph.nodes:
@@ -269,11 +275,11 @@ def torch_native_movements(joint: Joint, result, profile):
     original = native.benchmark_node
     native.benchmark_node = lambda node: roofline(node_work(node), profile) * 1e3  # ms, as benchmark_node returns
     try:
-        (fw, bw), seconds = joint.partition(
-            enable_activation_offloading=True, activation_offload_separate_stream=True,
-            activation_offload_sink_wait=True, activation_reload_prefetch=True,
-            activation_offload_cpu_gpu_bw=profile.h2d_bandwidth / 2**30,  # its unit: GiB/s
-        )
+        with native_offload_bandwidth(profile.h2d_bandwidth / 2**30):
+            (fw, bw), seconds = joint.partition(
+                enable_activation_offloading=True, activation_offload_separate_stream=True,
+                activation_offload_sink_wait=True, activation_reload_prefetch=True,
+            )
     finally:
         native.benchmark_node = original
         _clear_offload_marks(joint)

@@ -40,7 +40,7 @@ if not _INSTALLED and (_CheckoutPasses.folder / "__init__.py").is_file():
     sys.meta_path.insert(0, _CheckoutPasses())
 
 from fxoffload import runtime  # noqa: E402  (after the finder: runtime imports fxoffload.passes)
-from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend  # noqa: E402
+from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend, register_backend_name  # noqa: E402
 from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
 from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
@@ -50,6 +50,8 @@ from fxoffload.passes.step import StepSimulation, simulate_step  # noqa: E402
 from fxoffload.plot import plot, plot_step  # noqa: E402
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
 from fxoffload.ranks import PlanMismatchError  # noqa: E402
+
+register_backend_name()  # backend="fxoffload" without an installed entry point (a checkout)
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",

@@ -68,7 +68,7 @@ from fxoffload.ranks import check_plans_agree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend"]
+__all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend", "register_backend_name"]
 
 
 @dataclass(kw_only=True)
@@ -630,4 +630,15 @@ def named_backend(**options: Any) -> OffloadBackend:
 def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Callable:
     """Entry point for ``torch.compile(backend="fxoffload", options=...)``."""
     return named_backend(**(options or {}))(gm, example_inputs)
+
+
+def register_backend_name() -> None:
+    """Register ``"fxoffload"`` with dynamo where no entry point names it: a checkout run without
+    ``pip install`` (``PYTHONPATH=.``, as on a machine where nothing installs). An installed
+    package's entry point (pyproject.toml) names the same function; then this does nothing."""
+    from torch._dynamo import list_backends
+    from torch._dynamo.backends.registry import register_backend
+
+    if "fxoffload" not in list_backends(exclude_tags=()):
+        register_backend(dynamo_backend, name="fxoffload")
 

@@ -343,7 +343,8 @@ def _check_compiled(backend: Any, blocks: list, source: Any) -> None:
         kind = type(blocks[0])
         raise UsageError(
             f"--per-layer: compiling each {kind.__name__} layer of {source.name} on its own gave no graph"
-            + (f": dynamo does not compile torch.nn's own modules ({kind.__module__}.{kind.__name__}) one at a time; "
+            + (f": dynamo skipped torch.nn's own module {kind.__module__}.{kind.__name__} (torch 2.13 and earlier do "
+               "not compile torch.nn's modules one at a time); "
                "put each layer in a module class of your own" if kind.__module__.startswith("torch.nn") else ""))
     if not backend.records:
         raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")

@@ -17,6 +17,12 @@ Anchors are compute ops that read a value computed in the graph: an op of
 graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
 top by Inductor and would drag the pinned op with it.
 
+Every edge ends at a tensor: an edge to a multi-output op (a tuple, such as
+attention's) goes to one of its tensor outputs, moved up to right after the op,
+since torch 2.11's lowering of ``control_deps`` drops any other edge without a
+word (``fxoffload.compat``). An op none of whose outputs is read keeps its edge,
+which holds on later releases.
+
 Applied only when the inner compiler is Inductor; the eager path runs the
 graph in its own order. fxoffload nodes are recognised by their op, never by
 name.
@@ -24,14 +30,20 @@ name.
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
+from fxoffload.compat import ensure_control_deps
 from fxoffload.passes.analysis import is_anchored_compute, storage_key
 from fxoffload.passes.ops import FXOFFLOAD_OPS, RELEASES
 
 __all__ = ["pin_offload_order"]
+
+ensure_control_deps()
 
 
 def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
@@ -63,9 +75,29 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     return edges
 
 
+def _on_tensors(edges: dict[fx.Node, OrderedSet[fx.Node]]) -> dict[fx.Node, OrderedSet[fx.Node]]:
+    """The same edges, each dependency that yields no single tensor (a multi-output op) replaced by
+    one of its tensor outputs (a ``getitem``), moved to right after the op if it came later: the
+    same order, since that output is made by the op, and moving a ``getitem`` changes nothing else.
+    A dependency with no tensor output read stays as it is."""
+
+    def tensor_of(dep: fx.Node) -> fx.Node:
+        if isinstance(dep.meta.get("val"), torch.Tensor):
+            return dep
+        outputs = [u for u in dep.users
+                   if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+        if not outputs:
+            return dep
+        output = min(outputs, key=lambda u: u.args[1])  # the same one whatever the users' order
+        dep.append(output)
+        return output
+
+    return {node: OrderedSet(tensor_of(d) for d in deps) for node, deps in edges.items()}
+
+
 def pin_offload_order(module: fx.GraphModule) -> int:
     """Add control dependencies around every fxoffload op; return how many nodes were wrapped."""
-    edges = _ordering_edges(module.graph)
+    edges = _on_tensors(_ordering_edges(module.graph))
     preserve_node_ordering(module.graph, edges)
     module.recompile()
     return len(edges)

@@ -711,7 +711,12 @@ def _defer(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "prefetch_ahead", "CompositeExplicitAutograd")
-def _prefetch_ahead(after: torch.Tensor, nbytes: int) -> None:
+def _prefetch_ahead(after: torch.Tensor, nbytes: int) -> torch.Tensor:
+    _start_ahead(nbytes)
+    return after.new_empty((0,))  # read by nothing; an output keeps its ordering edges (passes.ops)
+
+
+def _start_ahead(nbytes: int) -> None:
     _reap()
     with _registry_lock:
         target = _waiting[-1] if _waiting else None  # the forward before the one whose backward runs

@@ -8,7 +8,7 @@ free of any engine while letting it trace and type the nodes it creates.
     prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor
     wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)             returns t once its copy is done
     defer(Tensor(a) host, Tensor source) -> Tensor(a)            returns host at once; see below
-    prefetch_ahead(Tensor after, int nbytes) -> ()               see below
+    prefetch_ahead(Tensor after, int nbytes) -> Tensor           see below; returns an empty tensor
 
 ``wait`` aliases its first argument, so consumers read the waited value through
 a data edge from the wait itself.
@@ -26,9 +26,19 @@ Copies that cross graph boundaries (one compiled graph per layer):
   own ``prefetch`` then finds its copy in flight. ``after`` (the value computed
   right before it) is there for order only: a data edge keeps a compiler from
   running the op before that value, even when it fuses the value's op with a
-  later one (an ordering edge alone did not, under Inductor).
+  later one (an ordering edge alone did not, under Inductor). It returns an empty
+  (zero-element) tensor on ``after``'s device, read by nothing: torch 2.11's
+  Inductor keeps an ordering edge only to an op with a tensor output, and lowers
+  an op wrapped in ``control_deps`` only when it has an output.
 
 All five are marked side-effecting so that no pass eliminates them.
+
+``wait`` and ``defer`` cannot be functionalized (their outputs alias an input, and
+a compiler that loses that alias could reuse the storage under them). Only a
+second trace of the rewritten graphs meets them there, and compiled autograd is
+the one that does (it re-traces each compiled backward into a graph of its own):
+their ``Functionalize`` kernel raises :data:`REFUSED_RETRACE`, which names the
+option to turn off, instead of PyTorch's generic alias-annotation error.
 """
 
 import torch
@@ -46,7 +56,7 @@ LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_TAGS)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)
 LIB.define("wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)", tags=_TAGS)
 LIB.define("defer(Tensor(a) host, Tensor source) -> Tensor(a)", tags=_TAGS)
-LIB.define("prefetch_ahead(Tensor after, int nbytes) -> ()", tags=_UNSAFE)
+LIB.define("prefetch_ahead(Tensor after, int nbytes) -> Tensor", tags=_UNSAFE)
 
 
 @torch.library.register_fake("fxoffload::offload", lib=LIB)
@@ -75,7 +85,7 @@ def _defer_fake(host, source):
 
 @torch.library.register_fake("fxoffload::prefetch_ahead", lib=LIB)
 def _prefetch_ahead_fake(after, nbytes):
-    return None
+    return after.new_empty((0,))
 
 
 OFFLOAD = torch.ops.fxoffload.offload.default
@@ -87,3 +97,20 @@ RELEASES = frozenset({WAIT, DEFER})  # ops that end the graph's hold on their se
 FXOFFLOAD_OPS = frozenset({OFFLOAD, PREFETCH, WAIT, DEFER, PREFETCH_AHEAD})
 for _op in FXOFFLOAD_OPS:
     has_side_effect(_op)
+
+
+REFUSED_RETRACE = (
+    "fxoffload: compiled autograd (torch._dynamo.compiled_autograd) re-traces the backward graphs fxoffload "
+    "compiled, and fxoffload's copies cannot be re-traced: a wait returns the tensor it waited for (an alias), "
+    "which compiled autograd's functionalization cannot keep. Turn compiled autograd off for steps compiled "
+    "with fxoffload: leave torch._dynamo.config.compiled_autograd False and do not wrap backward() in "
+    "torch._dynamo.compiled_autograd._enable(...)"
+)
+
+
+def _refuse_functionalization(*args, **kwargs):
+    raise RuntimeError(REFUSED_RETRACE)
+
+
+for _name in ("wait", "defer"):
+    LIB.impl(_name, _refuse_functionalization, "Functionalize")

@@ -228,7 +228,7 @@ def _insert_ahead(bw: fx.Graph, before: fx.Node, nbytes: int) -> None:
     while not isinstance(after.meta.get("val"), torch.Tensor):
         after = after.prev
     with bw.inserting_before(before):
-        bw.call_function(PREFETCH_AHEAD, (after, nbytes)).meta["val"] = None
+        bw.call_function(PREFETCH_AHEAD, (after, nbytes)).meta["val"] = after.meta["val"].new_empty((0,))
 
 
 def _inputs_to_save(plan: Plan, interface: SavedInterface) -> list[fx.Node]:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from fxoffload.cli import main
 from fxoffload.models import PRESETS
@@ -235,15 +236,42 @@ def test_the_whole_graph_step_is_its_one_invocation(capsys):
 
 def test_per_layer_needs_a_list_of_repeated_layers_dynamo_compiles(capsys, tmp_path):
     path = tmp_path / "net.py"
-    path.write_text(MODEL_FILE)  # its layers are torch.nn.Linear: dynamo skips torch.nn's own frames
+    # A layer dynamo skips on every torch release (torch.nn.Linear is skipped by 2.13 and traced by 2.14).
+    path.write_text(MODEL_FILE.replace("torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))",
+                                       "torch.nn.ModuleList(Skipped() for _ in range(6))")
+                    .replace("class Net(", SKIPPED_LAYER + "\nclass Net("))
     message = run_error(capsys, "--model", str(path), "--seq", "8", "--per-layer")
-    assert "--per-layer: compiling each Linear layer of net on its own gave no graph" in message
-    assert "put each layer in a module class of your own" in message
+    assert "--per-layer: compiling each Skipped layer of net on its own gave no graph" in message
+    assert "torch.nn" not in message  # the advice is for torch.nn's own modules only
     path.write_text(MODEL_FILE.replace("torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))",
                                        "torch.nn.Linear(256, 256)").replace("for layer in self.layers:",
                                                                             "for layer in [self.layers]:"))
     message = run_error(capsys, "--model", str(path), "--seq", "8", "--per-layer")
     assert "--per-layer: net has no list of repeated layers" in message
+
+
+SKIPPED_LAYER = """
+class Skipped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return self.linear(x)
+"""
+
+
+def test_torch_nn_layers_that_compile_to_nothing_get_advice():
+    """Releases up to 2.13 skip torch.nn's own modules compiled one at a time: the error says what to do."""
+    from types import SimpleNamespace
+
+    from fxoffload.cli import UsageError, _check_compiled
+
+    with pytest.raises(UsageError) as error:
+        _check_compiled(SimpleNamespace(records=[]), [torch.nn.Linear(2, 2)], SimpleNamespace(name="net"))
+    assert "compiling each Linear layer of net on its own gave no graph" in str(error.value)
+    assert "put each layer in a module class of your own" in str(error.value)
 
 
 def test_a_length_range_plans_one_dynamic_graph_with_figures_at_both_ends(capsys):

@@ -142,7 +142,7 @@ def traced_steps(inner: str, cross_graphs: bool, steps: int = 2):
     return backend, events[last_step:]
 
 
-@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.compat])])
 def test_per_layer_copies_cross_layer_boundaries_and_match_eager(inner):
     backend, events = traced_steps(inner, cross_graphs=True)
     # Each layer's forward returns with its last copies running; the next layer's forward hides them.

@@ -9,7 +9,9 @@ from tests.conftest import MODELS, assert_same_step, lm_step
 
 SETTINGS = [
     ("eager", 0), ("eager", 2), ("eager", "auto"),
-    pytest.param("inductor", 2, marks=pytest.mark.slow), pytest.param("inductor", "auto", marks=pytest.mark.slow),
+    # compat: also run on every other torch release CI tests (make test-compat).
+    pytest.param("inductor", 2, marks=[pytest.mark.slow, pytest.mark.compat]),
+    pytest.param("inductor", "auto", marks=[pytest.mark.slow, pytest.mark.compat]),
 ]
 
 

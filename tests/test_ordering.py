@@ -55,3 +55,39 @@ def test_the_graphs_handed_to_inductor_carry_the_ordering_edges(monkeypatch):
         pinned = sum(n.op == "call_function" and n.target is torch.ops.higher_order.control_deps
                      for n in module.graph.nodes)
         assert wanted > 0 and pinned == wanted, (wanted, pinned)
+
+
+def test_every_ordering_edge_handed_to_inductor_ends_at_a_tensor(monkeypatch):
+    """Fast (Inductor's code generation stubbed out): torch 2.11's lowering of ``control_deps`` keeps
+    an edge only to a node that yields one tensor and drops the rest without a word. On a tiny Llama
+    (attention is a multi-output op on the CPU, in both graphs) every dependency of every
+    ``control_deps`` node is a tensor: an edge to attention goes to one of its outputs, which is made
+    by it (the same order)."""
+    import operator
+
+    import torch
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+
+    import fxoffload
+    from tests.conftest import tiny_llama
+
+    handed = []
+
+    def inductor_stub(gm, example_inputs, **kwargs):
+        handed.append(gm)
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", inductor_stub)
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, all_eligible=True, strategy="offload")
+    torch.compile(tiny_llama(), backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
+    fxoffload.runtime.reset()
+    assert len(handed) == 2
+    through_outputs = 0
+    for module in handed:
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.higher_order.control_deps:
+                for dep in node.args[0]:
+                    assert isinstance(dep.meta.get("val"), torch.Tensor), (node.name, dep.name)
+                    through_outputs += dep.target is operator.getitem
+    assert through_outputs > 0, "no edge to a multi-output op: the test would prove nothing"

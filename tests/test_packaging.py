@@ -57,3 +57,28 @@ def test_a_checkout_serves_its_own_passes_folder_as_fxoffload_passes(tmp_path, e
                          cwd=tmp_path).stdout.split()
     assert out == [str(tmp_path / "fxoffload" / "__init__.py"), str(tmp_path / "passes" / "planning.py"),
                    "fxoffload.passes.planning"]
+
+
+def test_a_checkout_without_an_entry_point_compiles_with_the_backend_name(tmp_path):
+    """Where nothing installs (the lent GPU machine), ``PYTHONPATH=<checkout>`` is all there is: no
+    entry point names ``"fxoffload"``, and importing fxoffload registers the name with dynamo."""
+    _sources(tmp_path)
+    script = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(getattr(f, '__module__', f))]\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import torch\n"
+        "from torch._dynamo.backends import registry\n"
+        "registry._lazy_import()  # entry points discovered, then the installed one forgotten: none is there\n"
+        "registry._BACKENDS.pop('fxoffload', None); registry._COMPILER_FNS.pop('fxoffload', None)\n"
+        "import fxoffload\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))\n"
+        "x = torch.randn(4, 8)\n"
+        "compiled = torch.compile(model, backend='fxoffload', options={'inner': 'eager', 'min_bytes': 0})\n"
+        "compiled(x).sum().backward()\n"
+        "print(fxoffload.__file__, len(fxoffload.named_backend(inner='eager', min_bytes=0).records))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         cwd=tmp_path).stdout.split()
+    assert out == [str(tmp_path / "fxoffload" / "__init__.py"), "1"]
