@@ -1,12 +1,14 @@
 # Two entry points; each creates .venv in the repo root, installs what it needs, and is safe to re-run.
 #   make demo   train a small Llama with plain torch.compile and with fxoffload, side by side
 #   make test   the test suite (CI runs this, slow tests included)
+# CI also runs `make test-compat`: the fast suite and the Inductor numerics tests (marked compat) on
+# the other torch releases we support, each in a venv of its own.
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test test-compat test-torch-2.11.0 test-torch-2.14.1 clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,5 +23,33 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# torch 2.14.1: installed as a user installs the package (pip install -e, its entry point included);
+# pip takes the CUDA build from this machine's disk, and it runs on the CPU.
+.venv-torch-2.14.1/.installed: pyproject.toml
+	test -x .venv-torch-2.14.1/bin/python || python3 -m venv .venv-torch-2.14.1
+	.venv-torch-2.14.1/bin/python -m pip install -q torch==2.14.1
+	.venv-torch-2.14.1/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+# torch 2.11.0: as on the lent GPU machine, where nothing installs: the package's dependencies only,
+# and the tests import this checkout through PYTHONPATH (no entry point, no editable install).
+# A CUDA build from the registry (about 4.6 GB in the venv), run on the CPU.
+.venv-torch-2.11.0/.installed: pyproject.toml
+	test -x .venv-torch-2.11.0/bin/python || python3 -m venv .venv-torch-2.11.0
+	.venv-torch-2.11.0/bin/python -m pip install -q torch==2.11.0
+	.venv-torch-2.11.0/bin/python -m pip install -q $$(python3 .ci/requirements.py test)
+	touch $@
+
+COMPAT_TESTS := -m "not slow or compat" -p no:cacheprovider
+
+# The two releases are independent: `make -j2 -O test-compat` (as .ci/run does) runs them side by side.
+test-compat: test-torch-2.11.0 test-torch-2.14.1
+
+test-torch-2.11.0: .venv-torch-2.11.0/.installed
+	PYTHONPATH=. .venv-torch-2.11.0/bin/python -m pytest -q $(COMPAT_TESTS)
+
+test-torch-2.14.1: .venv-torch-2.14.1/.installed
+	.venv-torch-2.14.1/bin/python -m pytest -q $(COMPAT_TESTS)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-torch-2.11.0 .venv-torch-2.14.1
