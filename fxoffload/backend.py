@@ -63,7 +63,7 @@ from fxoffload.passes import (
 from fxoffload.passes.analysis import tensor_storage_key
 from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
 from fxoffload.passes.scheduling import held_after_forward, plan_digest
-from fxoffload.profiles import available_host_memory
+from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import check_plans_agree
 
 log = logging.getLogger(__name__)
@@ -480,20 +480,25 @@ class OffloadBackend:
 
     def _check_host_memory(self, fw: fx.GraphModule) -> None:
         """On CUDA, warn once when the copies' predicted pinned host memory (every region, every run)
-        exceeds what this process may still take (``available_host_memory``: cgroup-aware). The plan
-        does not read it: plans do not depend on the machine's state."""
+        exceeds this process's share of what the node may still take: ``available_host_memory``
+        (cgroup-aware) split among the node's processes (``local_processes``: with 8 ranks per
+        node, each may take an eighth). The plan does not read it: plans do not depend on the
+        machine's state."""
         if self._host_warned or not _on_cuda(fw):
             return
         need = sum(nbytes * self._runs_of(r) for r, nbytes in self._host_held.items())
-        free = available_host_memory()
-        if free is None or need <= free:
+        free, ranks = available_host_memory(), local_processes()
+        if free is None or need <= free // ranks:
             return
         self._host_warned = True
+        share = free // ranks
+        shared = (f"; {free} B ({format_bytes(free)}) free on the node, shared by the {ranks} processes "
+                  "LOCAL_WORLD_SIZE counts" if ranks > 1 else "")
         warnings.warn(
             f"fxoffload: the step's copies are predicted to take {need} B of pinned host memory ({format_bytes(need)} "
             f"in the caching host allocator's power-of-two blocks, every compiled graph and run), more than the "
-            f"{free} B ({format_bytes(free)}) this process may still take (MemAvailable, and its cgroup's memory "
-            "limit). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
+            f"{share} B ({format_bytes(share)}) this process may still take (MemAvailable, and its cgroup's memory "
+            f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
 
     def _note_forward(self, region: tuple) -> None:
         if self._backward_seen:  # the first forward of a new step

@@ -7,17 +7,19 @@ Flow (:func:`run_check`):
    engine and says so: "device" memory is host memory there, and step times show what the
    protocol costs on this CPU, not a GPU's (their predictions are for the default profile).
 2. A small GPT-style model built from :class:`CheckConfig` (plain PyTorch, random weights, fp32,
-   TF32 off), trained for ``steps`` SGD steps twice from the same weights and batches: compiled
-   plainly (the same inner compiler, no fxoffload) and compiled with fxoffload in debug mode
-   (``debug=True``: NaN-filled destinations on CUDA, stall counts).
+   TF32 off, calibration included), trained for ``steps`` SGD steps three times from the same
+   weights and batches: compiled plainly (the same inner compiler, no fxoffload), compiled with
+   fxoffload in debug mode (``debug=True``: NaN-filled destinations on CUDA, stall counts), for
+   the numerics, and compiled with fxoffload without debug mode, for the times and memory (debug
+   mode's NaN fills cost time of their own).
 3. Numerics: every step's loss and the final weights, fxoffload against plain (relative 1e-4,
    absolute 1e-5); no transfer left pending.
 4. Memory of one more step each: the peak of the tensors the step creates (CUDA: the caching
    allocator's ``max_memory_allocated`` above what was allocated before the step; CPU:
    ``fxoffload.measure_peak``, which also gives the activation peak and the host copies' peak),
    against the memory model's prediction.
-5. Step time: the median of the timed steps (the first, which compiles, left out), against the
-   simulator's.
+5. Step time: the median of the timed steps (the first, which compiles, left out; with
+   fxoffload, the run without debug mode), against the simulator's.
 
 Verdicts. The numerics must match and no transfer may stay pending: ``passed`` is False otherwise
 (the command exits 1). A memory figure is "ok" within 10% of its prediction, else "off" (reported,
@@ -231,17 +233,32 @@ def _compiled(model: torch.nn.Module, inner: str, backend: Any = None) -> Callab
 
 def run_check(config: CheckConfig = CheckConfig(), progress: Callable[[str], None] = lambda _: None) -> CheckReport:
     """Run the check (see the module docstring) and return its report."""
-    import fxoffload
     from fxoffload import runtime
 
     cuda = torch.cuda.is_available()
     config = config.on(cuda)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # TF32 off before calibrate: it measures the FLOP rate of the fp32 matmuls the check's steps run.
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        report, device, profile = _on_this_device(config, cuda, progress)
+        _run(report, config, device, profile, progress)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+        runtime.debug_counts(reset=True)
+    return report
+
+
+def _on_this_device(config: CheckConfig, cuda: bool, progress) -> tuple[CheckReport, torch.device, Any]:
+    """The report begun, the device, and its profile (on CUDA, calibrated: ``fxoffload.calibrate``)."""
+    import fxoffload
+
     if cuda:
         progress("calibrating the link and the device (fxoffload.calibrate)")
         profile = fxoffload.calibrate()
     else:
         profile = fxoffload.offload_backend().config.profile
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     report = CheckReport(torch.cuda.get_device_name(device) if cuda else "cpu", cuda, config, profile.name)
     if not cuda:
         report.notes.append("no CUDA device: the same flow runs on the CPU engine. Device memory is host memory "
@@ -250,14 +267,7 @@ def run_check(config: CheckConfig = CheckConfig(), progress: Callable[[str], Non
     else:
         report.notes.append(f"calibrated on this machine (measured): host-to-device {profile.h2d_bandwidth / 1e9:.1f} "
                             f"GB/s, device-to-host {profile.d2h_bandwidth / 1e9:.1f} GB/s")
-    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        _run(report, config, device, profile, progress)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
-        runtime.debug_counts(reset=True)
-    return report
+    return report, device, profile
 
 
 def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile: Any, progress) -> None:
@@ -268,25 +278,29 @@ def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile
     torch.manual_seed(config.seed)
     base = TinyGPT(config).to(device)
     batches = [torch.randint(0, config.vocab, (config.batch, config.seq), device=device) for _ in range(config.steps)]
-    plain_model, offloaded_model = copy.deepcopy(base), copy.deepcopy(base)
-    backend = fxoffload.offload_backend(
-        memory_budget=config.memory_budget, strategy="offload", inner=config.inner, debug=True,
-        device_profile=profile, min_bytes=64 * 1024 if cuda else 0)
+    plain_model, offloaded_model, timed_model = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    options = dict(memory_budget=config.memory_budget, strategy="offload", inner=config.inner,
+                   device_profile=profile, min_bytes=64 * 1024 if cuda else 0)
+    backend, timed_backend = fxoffload.offload_backend(**options, debug=True), fxoffload.offload_backend(**options)
     plain, offloaded = _compiled(plain_model, config.inner), _compiled(offloaded_model, config.inner, backend)
+    timed = _compiled(timed_model, config.inner, timed_backend)
     progress(f"training {config.steps} steps without fxoffload")
     plain_run = _train(plain, batches, cuda)
-    progress(f"training {config.steps} steps with fxoffload (debug mode)")
+    progress(f"training {config.steps} steps with fxoffload (debug mode: its numerics and stall counts)")
     fxoffload.runtime.debug_counts(reset=True)
     offloaded_run = _train(offloaded, batches, cuda)
-    if len(backend.records) != 1:
-        raise RuntimeError(f"fxoffload check: expected one compiled graph, got {len(backend.records)}")
-    record = backend.records[0]
+    report.figures += _numerics(plain_run, offloaded_run, (plain_model, offloaded_model))
+    # Debug mode fills every destination with NaN before its copy (synchronously, on the host, for pinned
+    # buffers): its steps are slower than fxoffload's. The timed steps run without it, on the same plan.
+    progress(f"timing {config.steps} steps with fxoffload (debug mode off)")
+    timed_run = _train(timed, batches, cuda)
+    record = _one_record(backend, timed_backend)
     plan, sim = record.plan, simulate(record)
     report.notes.append(f"plan: {len(plan.transfers)} transfers ({plan.offloaded_bytes} B), memory_budget "
-                        f"{config.memory_budget!r}, strategy 'offload', inner {config.inner!r}")
-    report.figures += _numerics(plain_run, offloaded_run, (plain_model, offloaded_model))
+                        f"{config.memory_budget!r}, strategy 'offload', inner {config.inner!r}; step times "
+                        "and memory with fxoffload measured without debug mode")
     progress("measuring one more step of each")
-    without, with_ = _step_memory(plain, batches[0], cuda), _step_memory(offloaded, batches[0], cuda)
+    without, with_ = _step_memory(plain, batches[0], cuda), _step_memory(timed, batches[0], cuda)
     report.figures += [
         _memory_figure("peak of the step's tensors, without fxoffload", plan.total_peak_before, without["total"]),
         _memory_figure("peak of the step's tensors, with fxoffload", plan.total_peak_after, with_["total"]),
@@ -294,8 +308,21 @@ def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile
         _memory_figure("host copies alive at once", plan.host_bytes, with_.get("host")),
         _time_figure("step time, without fxoffload (median)", sim.compute_time,
                      statistics.median(plain_run[1][1:]), cuda),
-        _time_figure("step time, with fxoffload (median)", sim.step_time, statistics.median(offloaded_run[1][1:]), cuda),
+        _time_figure("step time, with fxoffload (median)", sim.step_time, statistics.median(timed_run[1][1:]), cuda),
     ]
+
+
+def _one_record(debug: Any, timed: Any) -> Any:
+    """The one graph both runs compiled, planned alike (plans do not depend on debug mode)."""
+    from fxoffload.passes.scheduling import plan_digest
+
+    if len(debug.records) != 1 or len(timed.records) != 1:
+        raise RuntimeError(f"fxoffload check: expected one compiled graph per run, got {len(debug.records)} and "
+                           f"{len(timed.records)}")
+    digests = {plan_digest(b.records[0].plan, b.records[0].schedule) for b in (debug, timed)}
+    if len(digests) != 1:
+        raise RuntimeError("fxoffload check: the debug and the timed runs planned the same graph differently")
+    return debug.records[0]
 
 
 def format_report(report: CheckReport) -> str:

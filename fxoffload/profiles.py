@@ -19,6 +19,7 @@ estimate from this project's CPU measurements (``OP_SECONDS`` below);
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -29,8 +30,8 @@ import torch
 
 from fxoffload.passes.cost_model import DeviceProfile
 
-__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "op_call_seconds",
-           "resolve_profile"]
+__all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "local_processes",
+           "op_call_seconds", "resolve_profile"]
 
 GB = 1e9
 T = 1e12
@@ -276,3 +277,11 @@ def available_host_memory(meminfo: "str | Path" = "/proc/meminfo", cgroup: "str 
         if cap.isdigit() and used.isdigit() and int(cap) < 1 << 60:  # "max", or v1's huge "unlimited"
             figures.append(max(int(cap) - int(used), 0))
     return min(figures) if figures else None
+
+
+def local_processes(environ: "dict[str, str] | None" = None) -> int:
+    """How many processes of the job share this node's host memory: ``LOCAL_WORLD_SIZE``, which
+    torchrun (and torch.distributed.run) sets for each of them; 1 where it is unset or not a
+    positive integer (a single process, or a launcher that does not say)."""
+    value = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.strip().isdigit() and int(value) > 0 else 1

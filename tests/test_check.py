@@ -62,3 +62,58 @@ def test_a_broken_engine_fails_the_check():
 def test_bad_check_options_are_named(capsys, argv, message):
     assert main(["check", "--quiet", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_reported_step_time_with_fxoffload_is_of_steps_run_without_debug_mode(monkeypatch):
+    """Debug mode poisons every destination before its copy (on a GPU, synchronously on the host for
+    pinned buffers): the step time the check reports for fxoffload must come from steps run without
+    it. Each training run is observed (debug-mode waits counted, seconds returned): the reported
+    median is that of a run in which debug mode counted no wait, and a run in debug mode still
+    checked the numerics."""
+    import statistics
+
+    import fxoffload.check as check
+
+    runs, train = [], check._train
+
+    def observed(model, batches, cuda):
+        before = runtime.debug_counts().waits
+        losses, seconds = train(model, batches, cuda)
+        runs.append((runtime.debug_counts().waits - before, statistics.median(seconds[1:])))
+        return losses, seconds
+
+    monkeypatch.setattr(check, "_train", observed)
+    report = run_check(CheckConfig(steps=3))
+    assert report.passed
+    reported = next(f.measured for f in report.figures if f.name == "step time, with fxoffload (median)")
+    assert any(waits > 0 for waits, _ in runs), "no run in debug mode: the numerics were not checked under it"
+    assert [waits for waits, median in runs if median == reported] == [0], runs
+
+
+def test_calibration_runs_with_tf32_off_and_the_setting_comes_back(monkeypatch):
+    """On CUDA the check calibrates the device for its fp32 steps: TF32 must be off by then, not only
+    for the steps (TF32 matmuls would make the calibrated FLOP rate that of another precision)."""
+    import torch
+
+    import fxoffload
+
+    class Calibrated(Exception):
+        pass
+
+    seen = []
+
+    def calibrate():
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        raise Calibrated  # the rest of the flow needs a GPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fxoffload, "calibrate", calibrate)
+    previous = torch.backends.cuda.matmul.allow_tf32  # a property of torch's, not a plain attribute
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with pytest.raises(Calibrated):
+            run_check(CheckConfig(steps=2))
+        assert seen == [False]
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous

@@ -163,3 +163,29 @@ def test_on_cuda_a_step_whose_copies_exceed_the_free_host_memory_warns_once(monk
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # within the host budget: nothing to say
         measured_run(model, ids, all_eligible=True, host_budget=1000)
+
+
+def test_on_cuda_the_free_host_memory_is_shared_by_the_node_s_processes(monkeypatch):
+    """Eight ranks on one node each see the whole node's free memory; each may take an eighth of it.
+    Free memory four times this rank's need: alone it fits, one of eight it does not."""
+    import fxoffload.backend as backend_module
+
+    model, ids = build()
+    need = measured_run(model, ids, all_eligible=True)[0].plan.pinned_host_bytes
+    monkeypatch.setattr(backend_module, "_on_cuda", lambda fw: True)
+    monkeypatch.setattr(backend_module, "available_host_memory", lambda: 4 * need)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process: its need is a quarter of what is free
+        measured_run(model, ids, all_eligible=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.warns(UserWarning, match=rf"more than the {4 * need // 8} B .* this process may still take .* "
+                                         rf"{4 * need} B .* free on the node, shared by the 8 processes"):
+        measured_run(model, ids, all_eligible=True)
+
+
+def test_local_processes_reads_torchrun_s_local_world_size():
+    from fxoffload.profiles import local_processes
+
+    assert local_processes({}) == 1
+    assert local_processes({"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert local_processes({"LOCAL_WORLD_SIZE": "0"}) == local_processes({"LOCAL_WORLD_SIZE": "x"}) == 1
