@@ -72,9 +72,15 @@ def _parser() -> argparse.ArgumentParser:
                            "it: 'full' recomputes each layer's forward (a layer saves its inputs), 'selective' "
                            "saves matmul and attention outputs and recomputes the rest; 'none' adds none, a model "
                            "file's own stays (default none)")
-    plan.add_argument("--budget", default="0.5",
+    plan.add_argument("--budget", default=None,
                       help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
-                           "plans for the smallest peak, at least cost (default 0.5)")
+                           "plans for the smallest peak, at least cost (default 0.5; none with --device-budget)")
+    plan.add_argument("--device-budget", default="none",
+                      help="device_budget: the step's device peak (graph inputs, every tensor the step creates, "
+                           "and --reserved) as a size (80GiB) or bytes, instead of --budget; 'none' (default)")
+    plan.add_argument("--reserved", default="0",
+                      help="reserved: device bytes the graphs cannot see (optimizer state, allocator slack), "
+                           "counted against --device-budget, as a size or bytes (default 0)")
     plan.add_argument("--host-budget", default="none",
                       help="host_budget: pinned host memory the step's copies may take, as a size (64GiB) or bytes; "
                            "'none' (default): unbounded")
@@ -153,7 +159,8 @@ def _check(args: argparse.Namespace) -> int:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     from fxoffload.config import OffloadConfig, OptionError, parse_budget
 
-    budget: Any = None if args.budget.lower() == "none" else _number_or_text(args.budget)
+    budget: Any = _memory_budget(args)
+    device_budget: Any = None if args.device_budget.lower() == "none" else _number_or_text(args.device_budget)
     horizon: Any = args.horizon if args.horizon == "auto" else _number_or_text(args.horizon)
     min_bytes = _number_or_text(args.min_bytes)
     if isinstance(min_bytes, (str, float)):
@@ -164,7 +171,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     host_budget: Any = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
                    solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
-                   host_budget=host_budget)
+                   host_budget=host_budget, device_budget=device_budget, reserved=_number_or_text(args.reserved))
     try:
         OffloadConfig(**options)
     except OptionError as e:
@@ -178,9 +185,49 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _budget_text(args: argparse.Namespace) -> str:
+    """``--budget`` as given, else 0.5, or none under ``--device-budget`` (the two are exclusive)."""
+    return args.budget if args.budget is not None else ("0.5" if args.device_budget.lower() == "none" else "none")
+
+
+def _memory_budget(args: argparse.Namespace) -> Any:
+    text = _budget_text(args)
+    return None if text.lower() == "none" else _number_or_text(text)
+
+
+def _device_budget_report(options: dict) -> dict:
+    """The step's device budget and what is reserved of it, in bytes (None: no device budget)."""
+    from fxoffload.config import OffloadConfig
+
+    config = OffloadConfig(**options)
+    device = config.plan_options.device_bytes
+    reserved = 0 if device is None else _size_bytes(config.reserved)
+    return {"device_budget_bytes": None if device is None else device + reserved, "reserved_bytes": reserved}
+
+
+def _size_bytes(value: Any) -> int:
+    from fxoffload.config import parse_budget
+
+    return 0 if value == 0 else parse_budget(value).nbytes
+
+
+def _device_peaks(plan: Any) -> dict:
+    """A graph's device peak under a device budget (None without one): its inputs and every tensor it
+    creates, against what its plan was given (device_budget less reserved, less what earlier graphs
+    of the step hold)."""
+    given = plan.device_bytes
+    return {
+        "device_bytes": given,
+        "device_peak_before": None if given is None else plan.device_peak_before,
+        "device_peak_after": None if given is None else plan.device_peak_after,
+        "within_device_budget": None if given is None else plan.device_peak_after <= given,
+    }
+
+
 # The plan command's flag for each option it sets (an error about another option keeps its own name).
 _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
-          "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget"}
+          "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget",
+          "device_budget": "--device-budget", "reserved": "--reserved"}
 
 
 def _number_or_text(text: str) -> Any:
@@ -231,6 +278,7 @@ def _plan(args: argparse.Namespace) -> int:
     progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
              f"{len(invocations)} invocation(s)")
     report = _report(source, args, seq, records)
+    report.update(_device_budget_report(options))
     if lengths and len(lengths) == 2:
         for graph, record in zip(report["graphs"], records):
             graph["range"] = _range_report(record, lengths, options["memory_budget"])
@@ -447,6 +495,7 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
             "pinned_host_bytes": plan.pinned_host_bytes * plan.runs,
             "host_budget_bytes": plan.host_budget_bytes,
             "recomputes": len(plan.recomputes),
+            **_device_peaks(plan),
             "partition": plan.partition,
             "plan_digest": plan_digest(plan, record.schedule),
             "recomputed_bytes": plan.recomputed_bytes,
@@ -463,7 +512,7 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
         })
     return {
         "model": source.name, "batch": args.batch, "seq": seq, "dtype": args.dtype, "layers": source.layers,
-        "checkpointing": args.checkpointing, "budget": args.budget, "horizon": args.horizon,
+        "checkpointing": args.checkpointing, "budget": _budget_text(args), "horizon": args.horizon,
         "profile": records[0].profile.name,
         "note": "memory and times are predictions (memory model, cost model, simulator); seconds are measured here",
         "graphs": graphs, "plots": [],
@@ -536,6 +585,12 @@ def _print_report(report: dict, records: list) -> None:
                   f"(budget {budget} of the step: {'within' if graph['within_budget'] else 'OVER'})")
         print(f"  total peak       {format_bytes(graph['total_peak_before'])} -> {format_bytes(graph['total_peak_after'])} "
               "(tensors the step creates: activations, gradients, temporaries)")
+        if graph["device_bytes"] is not None:
+            print(f"  device peak      {format_bytes(graph['device_peak_before'])} -> "
+                  f"{format_bytes(graph['device_peak_after'])} (graph inputs and every tensor the step creates; "
+                  f"device budget {format_bytes(report['device_budget_bytes'])} less reserved "
+                  f"{format_bytes(report['reserved_bytes'])} and earlier graphs' activations leaves "
+                  f"{format_bytes(graph['device_bytes'])}: {'within' if graph['within_device_budget'] else 'OVER'})")
         for end in graph.get("range", ()):
             if end["note"]:
                 judged = end["note"]

@@ -171,6 +171,10 @@ def test_impossible_budget(capsys, tmp_path):
     (["--seq", "0"], "--seq: got '0'; accepted"),
     (["--min-bytes", "big"], "--min-bytes: got 'big'"),
     (["--host-budget", "0.5"], "--host-budget: got 0.5; accepted: None, an int number of bytes > 0"),
+    (["--device-budget", "0.5"], "--device-budget: got 0.5; accepted: None, an int number of bytes > 0"),
+    (["--device-budget", "40GB", "--budget", "0.5"], "--budget: memory_budget=0.5 and device_budget='40GB': give one"),
+    (["--reserved", "1GiB"], "--reserved: reserved='1GiB': counts against device_budget, which is not given"),
+    (["--device-budget", "40GB", "--reserved", "lots"], "--reserved: got 'lots'; accepted: 0, an int number"),
 ])
 def test_bad_options_are_named(capsys, argv, message):
     argv = ["--preset", "gpt2-xl", *argv]
@@ -293,6 +297,26 @@ def test_a_length_range_plans_one_dynamic_graph_with_figures_at_both_ends(capsys
     text = capsys.readouterr().out
     assert "at length 256" in text and "at length 1024" in text
     assert "planned and timed at" in text and "(the largest the guards allow)" in text
+
+
+def test_a_device_budget_less_reserved_bounds_the_device_peak(capsys):
+    """--device-budget plans for the device peak (graph inputs and every tensor the step creates)
+    within the budget less --reserved; the report gives both and the peak against what is left.
+    Figures of a 2-layer Llama-2-7B at 4096 (predicted): 4.09 GB unoffloaded, at least 3.52 GB."""
+    common = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "4096", "--no-plot")
+    report = run_json(capsys, *common, "--device-budget", "3900000000", "--reserved", "100000000")
+    (graph,) = report["graphs"]
+    assert (report["device_budget_bytes"], report["reserved_bytes"], report["budget"]) == (
+        3_900_000_000, 100_000_000, "none")  # no memory_budget beside a device budget
+    assert graph["device_bytes"] == 3_800_000_000
+    assert graph["device_peak_after"] <= 3_800_000_000 < graph["device_peak_before"]
+    assert graph["within_device_budget"] and graph["transfers"] > 0
+    assert main(["plan", *common, "--device-budget", "3900000000", "--reserved", "100000000", "--quiet"]) == 0
+    assert "device budget 3.6 GiB less reserved 95.4 MiB and earlier graphs' activations leaves 3.5 GiB: " \
+           "within" in capsys.readouterr().out
+    # Without a device budget the figures are absent, not zero.
+    plain = run_json(capsys, *common, "--budget", "none")
+    assert plain["device_budget_bytes"] is None and plain["graphs"][0]["device_peak_after"] is None
 
 
 def test_a_host_budget_bounds_the_pinned_host_memory_of_the_plan(capsys, tmp_path):
