@@ -23,7 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -43,6 +43,7 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     from fxoffload.models import CHECKPOINTING, DTYPES, PRESETS
+    from fxoffload.passes.cost_model import OPTIMIZERS
     from fxoffload.profiles import PROFILES
 
     parser = argparse.ArgumentParser(prog="fxoffload", description="fxoffload: activation offloading for torch.compile")
@@ -81,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserved", default="0",
                       help="reserved: device bytes the graphs cannot see (optimizer state, allocator slack), "
                            "counted against --device-budget, as a size or bytes (default 0)")
+    plan.add_argument("--optimizer", default="none", choices=tuple(OPTIMIZERS),
+                      help="the optimizer the step ends with: its state (AdamW: two moments per parameter) is "
+                           "reserved under --device-budget, and its step (a memory-bound pass over parameters, "
+                           "gradients and state) is added to the step's predicted time (default none)")
     plan.add_argument("--host-budget", default="none",
                       help="host_budget: pinned host memory the step's copies may take, as a size (64GiB) or bytes; "
                            "'none' (default): unbounded")
@@ -205,6 +210,13 @@ def _device_budget_report(options: dict) -> dict:
     return {"device_budget_bytes": None if device is None else device + reserved, "reserved_bytes": reserved}
 
 
+def _optimizer_words(report: dict) -> str:
+    from fxoffload.explain import format_bytes
+
+    state = report["step"]["optimizer_state_bytes"]
+    return f", the optimizer's state {format_bytes(state)}" if state else ""
+
+
 def _size_bytes(value: Any) -> int:
     from fxoffload.config import parse_budget
 
@@ -270,7 +282,8 @@ def _plan(args: argparse.Namespace) -> int:
         source = _source(args)
         lengths = _seq_range(args.seq)
         seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
-        records, invocations, seconds = _trace(source, args, seq, DTYPES[args.dtype], options, progress, lengths)
+        records, invocations, seconds, optimizer = _trace(source, args, seq, DTYPES[args.dtype], options, progress,
+                                                          lengths)
     except ModelError as e:
         if args.traceback and e.__cause__ is not None:
             raise
@@ -283,6 +296,7 @@ def _plan(args: argparse.Namespace) -> int:
         for graph, record in zip(report["graphs"], records):
             graph["range"] = _range_report(record, lengths, options["memory_budget"])
     report["step"] = _step_report(invocations, options)
+    report["step"].update(_with_optimizer(report["step"], optimizer))
     if not args.no_plot:
         for path, record in zip(_plot_paths(Path(args.output), len(records)), records):
             from fxoffload.plot import plot
@@ -312,8 +326,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: _Progress,
            lengths: tuple[int, ...] | None = None):
-    """Build and compile one fake training step; return the backend's records, the step's forward
-    invocations (records in the order they ran) and wall times (measured)."""
+    """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
+    ``--optimizer``) joins what is reserved under a device budget."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fxoffload
@@ -330,6 +344,9 @@ def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, 
         if wrapped:
             progress(f"checkpointing ({args.checkpointing}) each of {wrapped} layers")
         seconds["build"] = time.perf_counter() - start
+        optimizer = _optimizer(step, args.optimizer, options)
+        if optimizer["state_bytes"] and options["device_budget"] is not None:
+            options = {**options, "reserved": _size_bytes(options["reserved"]) + optimizer["state_bytes"]}
         if lengths and len(lengths) == 2:
             _mark_lengths(inputs, kwargs, *lengths)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
@@ -364,7 +381,33 @@ def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, 
     seconds["fxoffload_stages"] = stages
     progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
              f"(fxoffload passes {format_stages(tuple(stages.items()))})")
-    return backend.records, backend.step_invocations() or list(backend.records), seconds
+    return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer)
+
+
+class _Traced(NamedTuple):
+    """What tracing and planning one step gave: the records, the step's invocations (records in the
+    order they ran), wall times (measured) and the optimizer's figures (predicted: ``_optimizer``)."""
+
+    records: list
+    invocations: list
+    seconds: dict
+    optimizer: dict
+
+
+def _optimizer(step: Any, kind: str, options: dict) -> dict:
+    """The optimizer's figures for the model's parameters (predicted): state bytes and step seconds."""
+    from fxoffload.passes.analysis import tensor_nbytes
+    from fxoffload.passes.cost_model import optimizer_step
+    from fxoffload.profiles import resolve_profile
+
+    if kind != "none" and not isinstance(step, torch.nn.Module):
+        raise UsageError(f"--optimizer {kind}: the model's step is not a torch.nn.Module, so its parameters are "
+                         "unknown; accepted: a model that is one, or --optimizer none")
+    parameters = list(step.parameters()) if isinstance(step, torch.nn.Module) else []
+    parameter_bytes = sum(int(tensor_nbytes(p)) for p in parameters)
+    cost = optimizer_step(kind, parameter_bytes, resolve_profile(options["device_profile"]))
+    return {"kind": kind, "parameter_bytes": parameter_bytes, "state_bytes": cost.state_bytes,
+            "step_time": cost.seconds}
 
 
 def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
@@ -519,6 +562,13 @@ def _report(source: Any, args: argparse.Namespace, seq: int, records: list) -> d
     }
 
 
+def _with_optimizer(step: dict, optimizer: dict) -> dict:
+    """The step's optimizer figures (predicted), and its time with the optimizer's step added."""
+    return {"optimizer": optimizer["kind"], "parameter_bytes": optimizer["parameter_bytes"],
+            "optimizer_state_bytes": optimizer["state_bytes"], "optimizer_step_time": optimizer["step_time"],
+            "step_time_with_optimizer": step["step_time"] + optimizer["step_time"]}
+
+
 def _step_report(invocations: list, options: dict) -> dict:
     """The step's figures: every compiled-graph invocation replayed as one step (simulated)."""
     from fxoffload.config import parse_budget
@@ -589,7 +639,8 @@ def _print_report(report: dict, records: list) -> None:
             print(f"  device peak      {format_bytes(graph['device_peak_before'])} -> "
                   f"{format_bytes(graph['device_peak_after'])} (graph inputs and every tensor the step creates; "
                   f"device budget {format_bytes(report['device_budget_bytes'])} less reserved "
-                  f"{format_bytes(report['reserved_bytes'])} and earlier graphs' activations leaves "
+                  f"{format_bytes(report['reserved_bytes'])}{_optimizer_words(report)} and earlier graphs' "
+                  "activations leaves "
                   f"{format_bytes(graph['device_bytes'])}: {'within' if graph['within_device_budget'] else 'OVER'})")
         for end in graph.get("range", ()):
             if end["note"]:
@@ -600,7 +651,7 @@ def _print_report(report: dict, records: list) -> None:
             print(f"  at length {end['seq']:<6} activation peak {format_bytes(end['activation_peak_before'])} -> "
                   f"{format_bytes(end['activation_peak_after'])} ({judged})")
         print(f"  graph inputs     {format_bytes(graph['input_bytes'])} (parameters, buffers, batch: resident "
-              "throughout; optimizer state not modelled)")
+              "throughout; optimizer state is not a graph input: --optimizer)")
         print(f"  offloaded        {format_bytes(graph['offloaded_bytes'])} in {graph['transfers']} transfers")
         print(f"  host memory      {format_bytes(graph['host_bytes'])} when the forward ends; "
               f"{format_bytes(graph['pinned_host_bytes'])} pinned on CUDA (power-of-two blocks)"
@@ -622,6 +673,11 @@ def _print_report(report: dict, records: list) -> None:
     print(f"  step time        {format_seconds(step['step_time'])} (without offload "
           f"{format_seconds(step['step_time_without_offload'])}: overhead {step['overhead']:+.1%}); "
           f"{step['crossing_copies']} copies crossed a graph boundary")
+    if step["optimizer"] != "none":
+        print(f"  optimizer        {step['optimizer']}: state {format_bytes(step['optimizer_state_bytes'])} (of "
+              f"{format_bytes(step['parameter_bytes'])} of parameters; reserved under a device budget), its step "
+              f"{format_seconds(step['optimizer_step_time'])}: the step with it "
+              f"{format_seconds(step['step_time_with_optimizer'])} (predicted, memory-bound)")
     print(f"  host memory      {format_bytes(step['host_bytes'])} when the last forward ends; "
           f"{format_bytes(step['pinned_host_bytes'])} pinned on CUDA (power-of-two blocks)")
     seconds = report["seconds"]

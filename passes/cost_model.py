@@ -14,6 +14,13 @@ prefetch, its wait: :data:`OPS_PER_TRANSFER` per transfer) costs the profile's
 host clock beside the device's, so that host time shows only where the device
 would wait for it (a host-bound step).
 
+An optimizer step (``optimizer_step``, outside the compiled graphs) is a memory-bound pass over
+the parameters: ``OPTIMIZERS`` gives, per parameter byte, the state it keeps and the bytes it
+moves, for torch.optim's defaults with states in the parameters' dtype (AdamW: two moments; it
+reads parameter, gradient and both moments and writes parameter and moments, 7 bytes moved per
+parameter byte; plain SGD, no momentum: no state, parameter and gradient read, parameter
+written, 3). Foreach and fused kernels move the same bytes; launch costs are left out.
+
 Limits. No kernel launch overhead for compute ops (the host otherwise runs
 ahead at no cost), no fusion (Inductor fuses pointwise chains,
 so their memory traffic is overestimated), no cache effects, no overlap of
@@ -33,8 +40,8 @@ from torch.utils.flop_counter import flop_registry
 from fxoffload.passes.analysis import is_compute, tensor_nbytes, traced_value
 from fxoffload.passes.memory import concrete
 
-__all__ = ["DeviceProfile", "OPS_PER_TRANSFER", "Work", "node_time", "node_times", "node_work", "roofline",
-           "transfer_time", "value_nbytes"]
+__all__ = ["DeviceProfile", "OPTIMIZERS", "OPS_PER_TRANSFER", "OptimizerStep", "Work", "node_time", "node_times",
+           "node_work", "optimizer_step", "roofline", "transfer_time", "value_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +127,30 @@ def node_times(nodes: tuple[fx.Node, ...], profile: DeviceProfile) -> list[float
 
 def transfer_time(nbytes: int, bandwidth: float, latency: float) -> float:
     return latency + nbytes / bandwidth
+
+
+class OptimizerCost(NamedTuple):
+    """Per parameter byte: the optimizer state kept, and the bytes one step reads and writes."""
+
+    state: int
+    moved: int
+
+
+OPTIMIZERS = {"adamw": OptimizerCost(state=2, moved=7), "sgd": OptimizerCost(state=0, moved=3),
+              "none": OptimizerCost(state=0, moved=0)}
+
+
+class OptimizerStep(NamedTuple):
+    """An optimizer's state bytes and the predicted seconds of its step."""
+
+    state_bytes: int
+    seconds: float
+
+
+def optimizer_step(kind: str, parameter_bytes: int, profile: DeviceProfile) -> OptimizerStep:
+    """The state and the step time of optimizer ``kind`` (a key of ``OPTIMIZERS``) over parameters of
+    ``parameter_bytes`` in all."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer: got {kind!r}; accepted: {', '.join(OPTIMIZERS)}")
+    cost = OPTIMIZERS[kind]
+    return OptimizerStep(cost.state * parameter_bytes, cost.moved * parameter_bytes / profile.memory_bandwidth)

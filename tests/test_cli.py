@@ -319,6 +319,30 @@ def test_a_device_budget_less_reserved_bounds_the_device_peak(capsys):
     assert plain["device_budget_bytes"] is None and plain["graphs"][0]["device_peak_after"] is None
 
 
+def test_the_optimizer_s_state_is_reserved_and_its_step_added_to_the_step_time(capsys):
+    """--optimizer adamw reserves two moments per parameter under --device-budget and adds a memory-bound
+    step (7 bytes moved per parameter byte) to the step's predicted time; sgd keeps no state (3 bytes)."""
+    from fxoffload.profiles import PROFILES
+
+    # Llama-2-7B's first two layers, counted from its config (not from the built model): embeddings and
+    # an untied LM head, per layer four attention and three MLP projections and two norms, a final norm.
+    hidden, mlp, vocab, layers = 4096, 11008, 32000, 2
+    parameter_bytes = 2 * (2 * vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * mlp + 2 * hidden) + hidden)
+    bandwidth = PROFILES["h100-pcie5"].memory_bandwidth
+    common = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "1024", "--no-plot")
+    report = run_json(capsys, *common, "--device-budget", "6GiB", "--reserved", "100000000", "--optimizer", "adamw")
+    step, (graph,) = report["step"], report["graphs"]
+    assert (step["optimizer"], step["parameter_bytes"], step["optimizer_state_bytes"]) == (
+        "adamw", parameter_bytes, 2 * parameter_bytes)
+    assert graph["device_bytes"] == 6 * 2**30 - 100_000_000 - 2 * parameter_bytes
+    assert step["optimizer_step_time"] == pytest.approx(7 * parameter_bytes / bandwidth)
+    assert step["step_time_with_optimizer"] == pytest.approx(step["step_time"] + step["optimizer_step_time"])
+    sgd = run_json(capsys, *common, "--optimizer", "sgd")["step"]  # no device budget: nothing to reserve
+    assert sgd["optimizer_state_bytes"] == 0
+    assert sgd["optimizer_step_time"] == pytest.approx(3 * parameter_bytes / bandwidth)
+    assert run_json(capsys, *common)["step"]["step_time_with_optimizer"] == pytest.approx(sgd["step_time"])
+
+
 def test_a_host_budget_bounds_the_pinned_host_memory_of_the_plan(capsys, tmp_path):
     args = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "128", "--budget", "none",
             "--output", str(tmp_path / "plan.svg"))
