@@ -80,6 +80,7 @@ compute them (:func:`backward_symbols`), never recomputed.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import warnings
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ __all__ = [
     "ADVICE_WARN", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Plan", "PlanOptions",
     "ON_INFEASIBLE", "OnInfeasible", "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "group_by_base",
     "over_runs", "pinned_block", "plan_offloads", "recompute_moves", "recompute_temporaries", "staging_bytes",
-    "step_peak", "why_kept",
+    "step_peak", "Why", "why_kept",
 ]
 
 OFFLOAD = "offload"
@@ -203,9 +204,21 @@ class PlanOptions:
     staging_devices: frozenset[str] = frozenset()
 
 
+class Why(enum.Enum):
+    """Why a decision is what it is, as data: code branches on this, never on ``Decision.reason``'s
+    wording (which is for people)."""
+
+    INELIGIBLE = "kept: it cannot move"  # too small, a user output, a graph input, a symbolic size, ...
+    NOT_NEEDED = "kept: the goal holds without moving it"
+    PREFER_SAVE = "kept: the user's PREFER_SAVE mark"
+    HOST_BUDGET = "kept: its copy does not fit host_budget"
+    OFFLOADED = "offloaded"
+    RECOMPUTED = "recomputed"
+
+
 @dataclass(frozen=True)
 class Decision:
-    """What happens to one saved activation, and why."""
+    """What happens to one saved activation, and why (``why``: as data; ``reason``: in words)."""
 
     index: int
     name: str
@@ -216,6 +229,7 @@ class Decision:
     reason: str
     transfer: int | None  # index into Plan.transfers when offloaded
     recompute: int | None = None  # index into Plan.recomputes when recomputed
+    why: Why = Why.INELIGIBLE
 
 
 @dataclass(frozen=True)
@@ -990,9 +1004,10 @@ def _host_reasons(problem: _Problem, decisions: tuple[Decision, ...], groups, ch
     blocked = {a.index: problem.host(b) for b, group in groups.items() if b not in moved and b in problem.moves
                and problem.host(b) > left for a in group}
     return tuple(
-        dataclasses.replace(d, reason=f"kept: its copy would take {blocked[d.index]} B of pinned host memory over the "
-                                      f"step's runs; host_budget leaves {max(left, 0)} B")
-        if d.index in blocked and d.action == KEEP and d.reason.startswith("kept: the") else d
+        dataclasses.replace(d, why=Why.HOST_BUDGET,
+                            reason=f"kept: its copy would take {blocked[d.index]} B of pinned host memory over the "
+                                   f"step's runs; host_budget leaves {max(left, 0)} B")
+        if d.index in blocked and d.why is Why.NOT_NEEDED else d
         for d in decisions)
 
 
@@ -1074,8 +1089,20 @@ def _decide(problem: _Problem, groups, reasons, choice: _Choice, goal: str | Non
             decisions[act.index] = Decision(
                 index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
                 action=action, reason=reason, transfer=transfer, recompute=recompute,
+                why=_why(action, reasons[base], problem.marks[base], goal),
             )
     return tuple(transfers), tuple(rebuilt), tuple(decisions[i] for i in sorted(decisions))
+
+
+def _why(action: str, kept_because: str | None, marks: frozenset[str], goal: str | None) -> Why:
+    """The decision's ``Why``, by the same cases as :func:`_reason` words it."""
+    if action == RECOMPUTE:
+        return Why.RECOMPUTED
+    if action == OFFLOAD:
+        return Why.OFFLOADED
+    if kept_because is not None:
+        return Why.INELIGIBLE
+    return Why.PREFER_SAVE if PREFER_SAVE in marks and goal != "meet the budget" else Why.NOT_NEEDED
 
 
 def _recompute_reason(act: SavedActivation, cost: RecomputeCost, goal: str | None, marks: frozenset[str]) -> str:

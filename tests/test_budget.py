@@ -217,3 +217,24 @@ def test_a_budget_one_offload_meets_gets_exactly_one_transfer(horizon):
     assert plan.activation_peak_before - one <= plan.budget_bytes < plan.activation_peak_before
     assert len(plan.transfers) == 1 and plan.transfers[0].nbytes == one
     assert plan.activation_peak_after == plan.activation_peak_before - one <= plan.budget_bytes
+
+
+def test_each_decision_says_why_as_data_and_its_words_agree():
+    """``Decision.why`` is what code branches on (the host-budget rewording of kept decisions, for one):
+    it agrees with the action, and with the words people read."""
+    import fxoffload
+    from fxoffload.passes.planning import Why
+    from tests.conftest import tiny_llama
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=4096, memory_budget=0.6, strategy="auto")
+    torch.compile(tiny_llama(), backend=backend)(input_ids=torch.randint(0, 256, (2, 32))).logits.sum().backward()
+    fxoffload.runtime.reset()
+    decisions = [d for r in backend.records for d in r.plan.decisions]
+    by_action = {"offload": {Why.OFFLOADED}, "recompute": {Why.RECOMPUTED},
+                 "keep": {Why.INELIGIBLE, Why.NOT_NEEDED, Why.PREFER_SAVE, Why.HOST_BUDGET}}
+    assert all(d.why in by_action[d.action] for d in decisions), [(d.name, d.action, d.why) for d in decisions]
+    kept = [d for d in decisions if d.action == "keep"]
+    assert {d.why for d in kept} >= {Why.INELIGIBLE, Why.NOT_NEEDED}, "the test would prove little"
+    for d in kept:
+        assert (d.why is Why.NOT_NEEDED) == d.reason.startswith("kept: the"), (d.name, d.why, d.reason)
