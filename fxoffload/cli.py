@@ -346,7 +346,7 @@ def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, 
         seconds["build"] = time.perf_counter() - start
         optimizer = _optimizer(step, args.optimizer, options)
         if optimizer["state_bytes"] and options["device_budget"] is not None:
-            options = {**options, "reserved": _size_bytes(options["reserved"]) + optimizer["state_bytes"]}
+            options = _reserve_optimizer_state(options, optimizer)
         if lengths and len(lengths) == 2:
             _mark_lengths(inputs, kwargs, *lengths)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
@@ -408,6 +408,22 @@ def _optimizer(step: Any, kind: str, options: dict) -> dict:
     cost = optimizer_step(kind, parameter_bytes, resolve_profile(options["device_profile"]))
     return {"kind": kind, "parameter_bytes": parameter_bytes, "state_bytes": cost.state_bytes,
             "step_time": cost.seconds}
+
+
+def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
+    """``options`` with the optimizer's state added to what is reserved of the device budget."""
+    from fxoffload.config import OffloadConfig, OptionError
+    from fxoffload.explain import format_bytes
+
+    reserved = _size_bytes(options["reserved"]) + optimizer["state_bytes"]
+    try:
+        OffloadConfig(**{**options, "reserved": reserved})
+    except OptionError:
+        raise UsageError(f"--optimizer {optimizer['kind']}: its state ({optimizer['state_bytes']} B, "
+                         f"{format_bytes(optimizer['state_bytes'])}) and --reserved ({options['reserved']}) take "
+                         f"{reserved} B, nothing left of --device-budget {options['device_budget']}; accepted: a "
+                         "larger --device-budget, or less reserved") from None
+    return {**options, "reserved": reserved}
 
 
 def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:

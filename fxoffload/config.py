@@ -178,6 +178,11 @@ class OffloadConfig:
         if self.reserved and self.device_budget is None:
             raise OptionError("reserved", f"reserved={self.reserved!r}: counts against device_budget, which is not "
                               "given", named=True)
+        if self.reserved and self.device_budget is not None and (
+                _device_bytes("reserved", self.reserved, allow_zero=True) >= _device_bytes("device_budget",
+                                                                                          self.device_budget)):
+            raise OptionError("reserved", f"reserved={self.reserved!r} leaves nothing of device_budget="
+                              f"{self.device_budget!r}; accepted: less than device_budget", named=True)
         if not isinstance(self.debug, bool):
             raise OptionError("debug", f"got {self.debug!r}; accepted: True or False")
         if not isinstance(self.all_eligible, bool):

@@ -175,6 +175,11 @@ def test_impossible_budget(capsys, tmp_path):
     (["--device-budget", "40GB", "--budget", "0.5"], "--budget: memory_budget=0.5 and device_budget='40GB': give one"),
     (["--reserved", "1GiB"], "--reserved: reserved='1GiB': counts against device_budget, which is not given"),
     (["--device-budget", "40GB", "--reserved", "lots"], "--reserved: got 'lots'; accepted: 0, an int number"),
+    (["--device-budget", "2GiB", "--reserved", "3GiB"], "--reserved: reserved='3GiB' leaves nothing of device_budget"),
+    # GPT-2 XL's first 2 layers: 143,534,400 parameters (tied head), bf16, two AdamW moments: 574,137,600 B.
+    (["--layers", "2", "--device-budget", "500MB", "--optimizer", "adamw"],
+     "--optimizer adamw: its state (574137600 B, 547.5 MiB) and --reserved (0) take 574137600 B, nothing left of "
+     "--device-budget 500MB"),
 ])
 def test_bad_options_are_named(capsys, argv, message):
     argv = ["--preset", "gpt2-xl", *argv]

@@ -27,6 +27,8 @@ from fxoffload.config import OffloadConfig
         ({"device_budget": "1GiB", "memory_budget": 0.5}, "give one; accepted: memory_budget .* or device_budget"),
         ({"reserved": "1GiB"}, "reserved='1GiB': counts against device_budget, which is not given"),
         ({"device_budget": "1GiB", "reserved": -3}, "reserved: got -3; accepted: 0, an int number of bytes"),
+        ({"device_budget": "1GiB", "reserved": "1GiB"},
+         "reserved='1GiB' leaves nothing of device_budget='1GiB'; accepted: less than device_budget"),
         ({"cross_graphs": "yes"}, "cross_graphs: got 'yes'; accepted: True or False"),
         ({"all_eligible": 1}, "all_eligible: got 1; accepted: True or False"),
         ({"all_eligible": True, "memory_budget": 0.5}, "a budget decides what moves; accepted: all_eligible=True with no"),
