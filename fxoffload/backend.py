@@ -488,10 +488,10 @@ class OffloadBackend:
             return
         need = sum(nbytes * self._runs_of(r) for r, nbytes in self._host_held.items())
         free, ranks = available_host_memory(), local_processes()
-        if free is None or need <= free // ranks:
+        share = None if free is None else free // ranks
+        if share is None or need <= share:
             return
         self._host_warned = True
-        share = free // ranks
         shared = (f"; {free} B ({format_bytes(free)}) free on the node, shared by the {ranks} processes "
                   "LOCAL_WORLD_SIZE counts" if ranks > 1 else "")
         warnings.warn(
@@ -646,4 +646,3 @@ def register_backend_name() -> None:
 
     if "fxoffload" not in list_backends(exclude_tags=()):
         register_backend(dynamo_backend, name="fxoffload")
-

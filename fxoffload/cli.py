@@ -205,9 +205,7 @@ def _device_budget_report(options: dict) -> dict:
     from fxoffload.config import OffloadConfig
 
     config = OffloadConfig(**options)
-    device = config.plan_options.device_bytes
-    reserved = 0 if device is None else _size_bytes(config.reserved)
-    return {"device_budget_bytes": None if device is None else device + reserved, "reserved_bytes": reserved}
+    return {"device_budget_bytes": config.device_budget_bytes, "reserved_bytes": config.reserved_bytes}
 
 
 def _optimizer_words(report: dict) -> str:
@@ -215,12 +213,6 @@ def _optimizer_words(report: dict) -> str:
 
     state = report["step"]["optimizer_state_bytes"]
     return f", the optimizer's state {format_bytes(state)}" if state else ""
-
-
-def _size_bytes(value: Any) -> int:
-    from fxoffload.config import parse_budget
-
-    return 0 if value == 0 else parse_budget(value).nbytes
 
 
 def _device_peaks(plan: Any) -> dict:
@@ -415,7 +407,7 @@ def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
     from fxoffload.config import OffloadConfig, OptionError
     from fxoffload.explain import format_bytes
 
-    reserved = _size_bytes(options["reserved"]) + optimizer["state_bytes"]
+    reserved = OffloadConfig(**options).reserved_bytes + optimizer["state_bytes"]
     try:
         OffloadConfig(**{**options, "reserved": reserved})
     except OptionError:

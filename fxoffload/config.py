@@ -178,9 +178,7 @@ class OffloadConfig:
         if self.reserved and self.device_budget is None:
             raise OptionError("reserved", f"reserved={self.reserved!r}: counts against device_budget, which is not "
                               "given", named=True)
-        if self.reserved and self.device_budget is not None and (
-                _device_bytes("reserved", self.reserved, allow_zero=True) >= _device_bytes("device_budget",
-                                                                                          self.device_budget)):
+        if self.reserved and self.device_budget is not None and self.reserved_bytes >= self.device_budget_bytes:
             raise OptionError("reserved", f"reserved={self.reserved!r} leaves nothing of device_budget="
                               f"{self.device_budget!r}; accepted: less than device_budget", named=True)
         if not isinstance(self.debug, bool):
@@ -226,10 +224,18 @@ class OffloadConfig:
             cross_graphs=self.cross_graphs, all_eligible=self.all_eligible,
             runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
             host_bytes=_device_bytes("host_budget", self.host_budget),
-            device_bytes=(None if self.device_budget is None else
-                          _device_bytes("device_budget", self.device_budget) - _device_bytes("reserved", self.reserved,
-                                                                                              allow_zero=True)),
+            device_bytes=None if self.device_budget is None else self.device_budget_bytes - self.reserved_bytes,
         )
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """``device_budget`` in bytes (None: no device budget)."""
+        return _device_bytes("device_budget", self.device_budget)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """``reserved`` in bytes."""
+        return _device_bytes("reserved", self.reserved, allow_zero=True)
 
     @property
     def profile(self) -> DeviceProfile:

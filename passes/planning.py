@@ -1079,23 +1079,22 @@ def _decide(problem: _Problem, groups, reasons, choice: _Choice, goal: str | Non
             recompute = len(rebuilt)
             rebuilt.append(Recompute(base, group[0].base_nbytes, members, lt.index, problem.moves[base][0],
                                      problem.rebuilt_at(base), problem.recomputes[base]))
+        action = RECOMPUTE if recompute is not None else OFFLOAD if transfer is not None else KEEP
+        why = _why(action, reasons[base], problem.marks[base], goal)
         for act in group:
             if recompute is not None:
-                action, reason = RECOMPUTE, _recompute_reason(act, problem.recomputes[base], goal,
-                                                              problem.marks[base])
+                reason = _recompute_reason(act, problem.recomputes[base], goal, problem.marks[base])
             else:
-                action = OFFLOAD if transfer is not None else KEEP
-                reason = _reason(act, reasons[base], transfer is not None, goal, problem.marks[base])
+                reason = _reason(act, reasons[base], why, goal, problem.marks[base])
             decisions[act.index] = Decision(
                 index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
-                action=action, reason=reason, transfer=transfer, recompute=recompute,
-                why=_why(action, reasons[base], problem.marks[base], goal),
+                action=action, reason=reason, transfer=transfer, recompute=recompute, why=why,
             )
     return tuple(transfers), tuple(rebuilt), tuple(decisions[i] for i in sorted(decisions))
 
 
 def _why(action: str, kept_because: str | None, marks: frozenset[str], goal: str | None) -> Why:
-    """The decision's ``Why``, by the same cases as :func:`_reason` words it."""
+    """The decision's ``Why``; :func:`_reason` words it."""
     if action == RECOMPUTE:
         return Why.RECOMPUTED
     if action == OFFLOAD:
@@ -1114,19 +1113,20 @@ def _recompute_reason(act: SavedActivation, cost: RecomputeCost, goal: str | Non
     return why if not act.view_chain else f"view of {act.base.name}; base {why}; view rebuilt after it"
 
 
-def _reason(act: SavedActivation, kept_because: str | None, offloaded: bool, goal: str | None,
+def _reason(act: SavedActivation, kept_because: str | None, why: Why, goal: str | None,
             marks: frozenset[str]) -> str:
-    """Why ``act`` is kept or offloaded, naming the selective-checkpoint mark it honours or overrides."""
-    if kept_because is not None:
+    """``why`` in words for ``act`` (kept or offloaded), naming the selective-checkpoint mark it
+    honours or overrides."""
+    if why is Why.INELIGIBLE:
         return f"MUST_CPU_OFFLOAD not honoured: {kept_because}" if MUST_CPU_OFFLOAD in marks else kept_because
-    if offloaded:
+    if why is Why.OFFLOADED:
         if MUST_CPU_OFFLOAD in marks:
             return _offload_reason(act, "selective checkpoint policy MUST_CPU_OFFLOAD")
         if PREFER_SAVE in marks:
             return _offload_reason(act, f"chosen to {goal}, overriding PREFER_SAVE")
         chosen = f"chosen to {goal}" if goal else _EVERY_ELIGIBLE
         return _offload_reason(act, "PREFER_CPU_OFFLOAD, " + chosen if PREFER_CPU_OFFLOAD in marks else chosen)
-    if PREFER_SAVE in marks and goal != "meet the budget":
+    if why is Why.PREFER_SAVE:
         return "kept: selective checkpoint policy PREFER_SAVE"
     holds = "the budget holds" if goal == "meet the budget" else "the smallest peak is reached"
     if PREFER_CPU_OFFLOAD in marks:
