@@ -53,6 +53,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
+from fxoffload.callers import CallerWatch, KeptInput, OffloadedInput, kept_warning, offloaded_inputs
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
@@ -89,6 +90,11 @@ class GraphRecord:
     held_before: int = 0  # predicted activation bytes earlier regions leave on the device for the backward
     held_after: int = 0  # the same, this region's included (the running total)
     runs_learned: bool = False  # re-planned for ``plan.runs`` runs per step, counted in the first step
+    offloaded_inputs: tuple[OffloadedInput, ...] = ()  # graph inputs the plan offloads (layer inputs)
+    # Of the latest step's runs of this graph: those whose caller kept an offloaded input after the
+    # graph returned (``fxoffload.callers``), and the bytes that copy did not free.
+    caller_kept_runs: int = 0
+    caller_kept_bytes: int = 0
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -327,6 +333,10 @@ class OffloadBackend:
         # The regions of the latest step's forwards, in the order they ran (see step_invocations).
         self._step_regions: list[tuple] = []
         self._backward_seen = False
+        # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.callers).
+        self._callers = CallerWatch()
+        self._kept_warned: set[tuple] = set()
+        self._step_kept: dict[int, list[KeptInput]] = {}
         self._record_of: dict[tuple, GraphRecord] = {}
         # Runs per step: planned for, by region, and the most counted in one step (runs_per_step="auto").
         self._runs: dict[tuple, int] = {}
@@ -340,6 +350,13 @@ class OffloadBackend:
         """The latest step's forward invocations, in the order they ran: a region's record once per
         run (one graph serving 32 layers appears 32 times). ``fxoffload.passes.step.simulate_step`` replays it."""
         return [self._record_of[r] for r in self._step_regions if r in self._record_of]
+
+    def step_caller_kept(self) -> list[frozenset[int]]:
+        """Per invocation of :meth:`step_invocations`: the transfers (indices into its plan's
+        transfers) whose source, an input of the graph, its caller kept after the graph returned
+        (``fxoffload.callers``): ``simulate_step(..., caller_kept=...)`` counts them."""
+        runs = [run for run, r in enumerate(self._step_regions) if r in self._record_of]
+        return [frozenset(k.input.transfer for k in self._step_kept.get(run, ())) for run in runs]
 
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
@@ -402,7 +419,7 @@ class OffloadBackend:
             index=len(self.records), forward=fw, backward=bw, plan=result.plan, schedule=result.schedule,
             pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
             profile=self.config.profile, work=result.work, region=place, held_before=held_before,
-            held_after=held_before + self._held[region],
+            held_after=held_before + self._held[region], offloaded_inputs=offloaded_inputs(result.plan),
         )
         self.records.append(record)
         self._record_of[region] = record
@@ -451,10 +468,13 @@ class OffloadBackend:
                 if self._counted[region] > self._runs_of(region):
                     current[0] = self._replan(region, pending[0])
                 pending[0] = None  # once: the graph copy and its inputs go
+            # Forwards run inside a backward (checkpoint recomputation) are not the step's.
+            step_forward = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            if step_forward:
+                self._callers.next_forward()
             with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
                 out = current[0](*args)
-            # Forwards run inside a backward (checkpoint recomputation) are not the step's.
-            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            if step_forward:
                 node = _backward_node(out)
                 if node is not None:
                     self._note_forward(region)
@@ -462,6 +482,8 @@ class OffloadBackend:
                     self._forwards[region] = self._forwards.get(region, 0) + 1
                     if warn:
                         self._check_held(region)
+                    self._callers.after_forward(len(self._step_regions) - 1, self._record_of[region].offloaded_inputs,
+                                                args)
             return out
 
         return run
@@ -502,7 +524,7 @@ class OffloadBackend:
 
     def _note_forward(self, region: tuple) -> None:
         if self._backward_seen:  # the first forward of a new step
-            self._step_regions, self._backward_seen = [], False
+            self._step_regions, self._backward_seen, self._step_kept = [], False, {}
         self._step_regions.append(region)
 
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
@@ -511,6 +533,23 @@ class OffloadBackend:
             self._counted[region] = max(self._counted.get(region, 1), runs)
         self._forwards.clear()
         fxoffload.runtime.backward_begins(invocation)
+        if kept := self._callers.backward_begins():
+            self._note_kept(kept)
+
+    def _note_kept(self, kept: list[KeptInput]) -> None:
+        """Record, per invocation and per graph, the offloaded inputs the caller kept; warn once per region."""
+        for k in kept:
+            self._step_kept.setdefault(k.run, []).append(k)
+        by_region: dict[tuple, list[KeptInput]] = {}
+        for k in kept:
+            by_region.setdefault(self._step_regions[k.run], []).append(k)
+        for region, inputs in by_region.items():
+            record = self._record_of[region]
+            record.caller_kept_runs = len({k.run for k in inputs})
+            record.caller_kept_bytes = sum(k.input.nbytes for k in inputs)
+            if region not in self._kept_warned:
+                self._kept_warned.add(region)
+                warnings.warn(kept_warning(record.region, inputs, record.caller_kept_runs), stacklevel=2)
 
     def _check_held(self, region: tuple) -> None:
         budget = self.config.plan_options.budget.nbytes

@@ -90,6 +90,7 @@ def _summary(record: Any) -> str:
             f"region {record.region} of the step: earlier regions hold {format_bytes(record.held_before)} of "
             f"activations after their forward; running total with this one {format_bytes(record.held_after)} "
             "(predicted; an absolute budget covers them all)")
+    lines += _layer_inputs(record)
     handed_on = [lt for lt in record.timeline.lifetimes if lt.handed_on]
     if handed_on:
         lines.append(
@@ -140,6 +141,25 @@ def _sizes(record: Any) -> list[str]:
         share += " (before: this partition's own peak without the plan)"
     return lines + [f"at the smallest size the guards allow ({', '.join(f'{s}={v}' for s, v in smallest.items())}): "
                     f"predicted activation peak {format_bytes(before)} -> {format_bytes(after)}{share}"]
+
+
+def _layer_inputs(record: Any) -> list[str]:
+    """What the plan assumes of the inputs it offloads, and what the latest step showed (``fxoffload.callers``)."""
+    inputs = getattr(record, "offloaded_inputs", ())
+    if not inputs:
+        return []
+    names = ", ".join(f"{i.name} (input {i.position})" for i in inputs)
+    line = (f"layer inputs offloaded: {names}; their device memory is freed when the caller drops them (a loop "
+            "rebinding hidden_states does at the layer's return), checked at run time when the next forward of "
+            "the step begins, and when its backward does: ")
+    kept = getattr(record, "caller_kept_runs", 0)
+    if kept:
+        line += (f"in the latest step the caller kept them after {kept} run(s), {format_bytes(record.caller_kept_bytes)} "
+                 "the copies did not free, on top of the predicted peaks here (simulate_step(..., caller_kept=...) "
+                 "counts them)")
+    else:
+        line += "no caller has kept one so far"
+    return [line]
 
 
 def explain(record: Any) -> str:

@@ -80,6 +80,13 @@ PRESETS: dict[str, Preset] = {
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=500000.0,
     ), "meta-llama/Meta-Llama-3-8B config.json"),
+    # Llama 3's layers with 128k positions: the long-context runs (--seq 32768) are Llama 3.1's.
+    "llama-3.1-8b": Preset("llama", "causal-lm", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ), "meta-llama/Llama-3.1-8B config.json"),
     "mistral-7b": Preset("mistral", "causal-lm", dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,

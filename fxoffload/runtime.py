@@ -622,7 +622,10 @@ def _offload(x: torch.Tensor, order: int = -1) -> torch.Tensor:
     _reap()
     invocation = _open[-1].index if _open else None
     _event("d2h_issue", invocation)
-    host = _engine_for(x.device).offload(x, invocation)
+    # The engine holds an alias (another tensor object on the same storage) until the copy is done:
+    # the storage lives on, and ``x`` itself stays the caller's, whose references
+    # ``fxoffload.callers`` checks.
+    host = _engine_for(x.device).offload(x.detach(), invocation)
     _note_offload(host, x, order)
     return host
 

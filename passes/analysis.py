@@ -58,6 +58,7 @@ __all__ = [
     "recompute_chain",
     "is_random",
     "MAX_CHAIN",
+    "input_position",
     "inputs_at",
     "symbol_sources",
     "sym_exprs",
@@ -180,6 +181,17 @@ def inputs_at(fw: fx.Graph, indices: frozenset[int]) -> tuple[fx.Node, ...]:
         return ()
     return tuple(n for n in fw.find_nodes(op="placeholder")
                  if isinstance(desc := n.meta.get("desc"), PlainAOTInput) and desc.idx in indices)
+
+
+def input_position(node: fx.Node) -> int | None:
+    """The position among the compiled function's inputs of a forward placeholder (its AOTAutograd
+    input descriptor; see :func:`inputs_at`), or None for another node or no plain descriptor."""
+    try:
+        from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+    except ImportError:  # PyTorch without input descriptors
+        return None
+    desc = node.meta.get("desc") if node.op == "placeholder" else None
+    return desc.idx if isinstance(desc, PlainAOTInput) else None
 
 
 def sym_exprs(val: torch.Tensor, offset: bool = False) -> list[Any]:

@@ -1,7 +1,8 @@
 """Cost candidates: before planning, where each candidate's copy could go and what it costs.
 
 Algorithm. Every candidate storage (a saved base the planner may move) is
-placed as if it were offloaded alone (:func:`place_candidates`): its release
+placed as if it were offloaded alone (:func:`place_candidates`): its offload
+right after its base (a graph input's: after the last placeholder), its release
 at the last forward use of any alias, its prefetch ``horizon`` compute ops
 before its first backward consumer (under ``"auto"``: at the consumer). That
 is the least memory each transfer can take, so the planner's feasibility is
@@ -144,6 +145,8 @@ def place_candidates(
     bw_pos = {n: i for i, n in enumerate(bw_nodes)}
     compute = [is_anchored_compute(n) for n in bw_nodes]
     first = next(i for i, n in enumerate(bw_nodes) if n.op != "placeholder")
+    # An input's copy starts after the last placeholder: the graph's inputs stay one block.
+    last_input = fw_nodes[next(i for i, n in enumerate(fw_nodes) if n.op != "placeholder") - 1]
     placements = {}
     for base, members in groups.items():
         birth = fw_pos[base]
@@ -152,7 +155,7 @@ def place_candidates(
         start = consumer if horizon == AUTO_HORIZON else prefetch_index(compute, consumer, horizon, first)
         placements[base] = Placement(
             transfer=-1,
-            offload_after=base,
+            offload_after=last_input if base.op == "placeholder" else base,
             free_after=fw_nodes[free],
             prefetch_before=bw_nodes[start],
             wait_before=bw_nodes[consumer],
@@ -196,7 +199,7 @@ def transfer_costs(
     costs = {}
     for base, p in placements.items():
         pos = timeline.positions
-        birth, start, consumer = pos[base], pos[p.prefetch_before], pos[p.wait_before]
+        birth, start, consumer = pos[p.offload_after], pos[p.prefetch_before], pos[p.wait_before]
         costs[base] = TransferCost(
             d2h=transfer_time(nbytes[base], profile.d2h_bandwidth, profile.copy_latency),
             h2d=transfer_time(nbytes[base], profile.h2d_bandwidth, profile.copy_latency),

@@ -105,9 +105,12 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     work = tuple(node_work(n) for n in timeline.nodes)
     times = tuple(roofline(w, profile) for w in work)
     watch.stamp("estimate")
+    # Graph inputs are candidates only where they are an earlier graph's activations (a layer's input).
+    movable_inputs = set(timeline.input_activations)
     candidates = {
         b: g for b, g in group_by_base(activations).items()
-        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor) and any(a.bw_node.users for a in g)
+        if (b.op != "placeholder" or b in movable_inputs) and isinstance(b.meta.get("val"), torch.Tensor)
+        and any(a.bw_node.users for a in g)
     }
     # Symbolic sizes at the size the plan is made for (the largest the guards allow, or the traced one).
     nbytes = {b: concrete(g[0].base_nbytes, b.meta["val"]) for b, g in candidates.items()}
@@ -118,7 +121,7 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
     # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
     # are forward values).
-    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int)]
+    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int) and b.op != "placeholder"]
     recomputes = recompute_costs(timeline, static, placements, readable, times) if with_recomputes else {}
     watch.stamp("cost candidates")
     return Analysis(interface, tuple(activations), timeline, work, times, placements, moves, costs, recomputes)

@@ -9,7 +9,10 @@ Algorithm. Saved tensors are grouped by the storage they live in (their
 *base*, see ``fxoffload.passes.analysis``): a view is never moved on its own; its base
 is offloaded (or recomputed) once and the view is rebuilt on the device after
 it. :func:`why_kept` says why a group must stay (one rule per early return);
-the rest are candidates.
+the rest are candidates. Graph inputs stay, but for those an earlier compiled
+graph of the step made (``Timeline.input_activations``: the input of a layer
+compiled on its own, all a checkpointed layer saves), which are candidates for
+offloading like the graph's own activations (never recomputed: no chain makes them).
 
 * Options per candidate (``strategy``): *offload* (device copy until its
   release, prefetched copy from its prefetch to its last use, at the positions
@@ -392,21 +395,25 @@ def replayable(act: SavedActivation) -> bool:
     return True
 
 
-INPUT_ACTIVATION = "graph input that an earlier compiled graph of the step made (counted as an activation)"
+# What an offloaded input activation's reason starts with.
+INPUT_ACTIVATION = "layer input (made by an earlier compiled graph of the step)"
 
 
 def why_kept(
     group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int,
     marks: frozenset[str] = frozenset(), symbols: frozenset = frozenset(),
+    input_activations: frozenset[fx.Node] = frozenset(),
 ) -> str | None:
     """Why this storage group must stay on the device, or None if it may be offloaded.
 
     ``marks`` are the group's selective-checkpoint marks (``fxoffload.passes.policies``); ``symbols`` the
-    size symbols the backward finds in inputs it keeps whatever the plan (:func:`backward_symbols`).
+    size symbols the backward finds in inputs it keeps whatever the plan (:func:`backward_symbols`);
+    ``input_activations``: graph inputs that an earlier graph of the step made (``Timeline.input_activations``),
+    candidates like the graph's own activations. Other inputs exist before the step and stay.
     """
     base = group[0].base
     val = base.meta.get("val")
-    if base.op == "placeholder":
+    if base.op == "placeholder" and base not in input_activations:
         return "graph input (parameter or user input), or a view of one"
     if MUST_SAVE in marks:
         return "selective checkpoint policy MUST_SAVE"
@@ -445,12 +452,15 @@ def _unbuildable_sizes(group: Sequence[SavedActivation], symbols: frozenset) -> 
     return unbuildable(exprs, symbols | own)
 
 
-def backward_symbols(interface: SavedInterface, groups: Mapping[fx.Node, Sequence[SavedActivation]]) -> frozenset:
+def backward_symbols(interface: SavedInterface, groups: Mapping[fx.Node, Sequence[SavedActivation]],
+                     input_activations: frozenset[fx.Node] = frozenset()) -> frozenset:
     """Size symbols the backward finds in inputs no plan removes: symints, tangents, and saved graph
-    inputs (never offloaded). A saved activation's input may be replaced by a host buffer."""
+    inputs other than ``input_activations`` (never offloaded). A saved activation's input may be
+    replaced by a host buffer."""
     if not interface.bw_saved:
         return frozenset()
-    movable = {a.bw_node for base, g in groups.items() if base.op != "placeholder" for a in g}
+    movable = {a.bw_node for base, g in groups.items() if base.op != "placeholder" or base in input_activations
+               for a in g}
     inputs = [n for n in interface.bw_saved[0].graph.find_nodes(op="placeholder") if n not in movable]
     return frozenset(symbol_sources(inputs))
 
@@ -918,10 +928,10 @@ def plan_offloads(
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
     marks = {base: _group_marks(group, policies or {}) for base, group in groups.items()}
-    symbols = backward_symbols(interface, groups)
-    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base], symbols)
+    handed_in = frozenset(timeline.input_activations)
+    symbols = backward_symbols(interface, groups, handed_in)
+    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base], symbols, handed_in)
                for base, group in groups.items()}
-    reasons.update({base: INPUT_ACTIVATION for base in timeline.input_activations if base in reasons})
     candidates = [base for base, reason in reasons.items() if reason is None]
     missing = [b.name for b in candidates if b not in moves or b not in costs]
     if missing:
@@ -1125,7 +1135,8 @@ def _reason(act: SavedActivation, kept_because: str | None, why: Why, goal: str 
         if PREFER_SAVE in marks:
             return _offload_reason(act, f"chosen to {goal}, overriding PREFER_SAVE")
         chosen = f"chosen to {goal}" if goal else _EVERY_ELIGIBLE
-        return _offload_reason(act, "PREFER_CPU_OFFLOAD, " + chosen if PREFER_CPU_OFFLOAD in marks else chosen)
+        reason = _offload_reason(act, "PREFER_CPU_OFFLOAD, " + chosen if PREFER_CPU_OFFLOAD in marks else chosen)
+        return f"{INPUT_ACTIVATION}: {reason}" if act.base.op == "placeholder" else reason
     if why is Why.PREFER_SAVE:
         return "kept: selective checkpoint policy PREFER_SAVE"
     holds = "the budget holds" if goal == "meet the budget" else "the smallest peak is reached"

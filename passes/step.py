@@ -96,6 +96,7 @@ class _Move:
     d2h: float  # seconds
     h2d: float
     deferred: bool
+    transfer: int = -1  # index into Plan.transfers
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _graph(record: Any, profile: DeviceProfile) -> _Graph:
         p = schedule.placements[k]
         transfers.append(_Move(pos[p.offload_after] + 1, pos[p.free_after] + 1, pos[p.prefetch_before],
                                pos[p.wait_before], int(plan.transfers[k].nbytes), p.d2h_seconds, p.h2d_seconds,
-                               p.deferred))
+                               p.deferred, p.transfer))
     moved = recompute_moves(plan.recomputes)
     moved.update({plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
                   for p in schedule.placements})
@@ -160,9 +161,15 @@ class _Issued:
     deferred: bool = False
 
 
-def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = None) -> StepSimulation:
+def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = None,
+                  caller_kept: Sequence[Any] | None = None) -> StepSimulation:
     """Replay a step whose compiled-graph invocations ran in the order of ``invocations`` (records;
-    a record appears once per run: ``[record] * 32`` for one graph serving 32 layers)."""
+    a record appears once per run: ``[record] * 32`` for one graph serving 32 layers).
+
+    ``caller_kept``: per invocation, the transfers (indices into its plan's transfers) whose source,
+    an input of the graph, the caller kept after the graph returned (``fxoffload.callers``; the
+    backend's ``step_caller_kept()``): the copy freed nothing, so the source counts from its
+    release to the step's end, and in the baseline from the end of its backward to the step's end."""
     if not invocations:
         raise ValueError("simulate_step: no invocations")
     profile = profile or invocations[0].profile
@@ -177,6 +184,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     issued = _copies(graphs, fw_off, bw_off, first_backward, profile)
     run = replay(times, [c.copy for c in issued], profile.op_seconds)
     act, base = _activations(graphs, fw_off, bw_off, length)
+    _add_caller_kept(act, base, graphs, caller_kept or [()] * len(graphs), fw_off, bw_off)
     for c, finish in zip(issued, run.finishes):
         if c.rank == 2:  # started ahead: held from its start until its own backward's first op
             for q in range(c.copy.issue, bw_off[c.invocation]):
@@ -260,6 +268,18 @@ def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
             issued.append(_Issued(Copy(start, bw(j, m.wait), m.h2d, engines[1]), rank, j, m.nbytes))
     issued.sort(key=lambda c: (c.copy.issue, c.rank))
     return issued
+
+
+def _add_caller_kept(act: list[int], base: list[int], graphs, kept: Sequence[Any], fw_off, bw_off) -> None:
+    """Count, in place, each source its caller kept (see :func:`simulate_step`)."""
+    if len(kept) != len(graphs):
+        raise ValueError(f"simulate_step: caller_kept has {len(kept)} entries for {len(graphs)} invocations")
+    for j, g in enumerate(graphs):
+        for move in (m for m in g.transfers if m.transfer in kept[j]):
+            for q in range(fw_off[j] + move.release, len(act)):
+                act[q] += move.nbytes
+            for q in range(bw_off[j] + len(g.times) - g.forward, len(base)):
+                base[q] += move.nbytes
 
 
 def _activations(graphs, fw_off, bw_off, length) -> tuple[list[int], list[int]]:

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxoffload import runtime
 from tests.conftest import assert_same_step, lm_step, per_layer_llama, returned_in_flight, started_before_own_backward
@@ -38,15 +39,16 @@ def test_a_deferred_offload_returns_before_its_copy_lands_and_a_prefetch_complet
 
 def test_a_deferred_source_is_dropped_once_its_copy_lands_without_the_garbage_collector():
     x = torch.randn(256, 256)
-    source = weakref.ref(x)
+    # The storage: the engine holds an alias of the source (another tensor object), not the object.
+    source = StorageWeakRef(x.untyped_storage())
     gc.disable()  # a reference cycle would keep the source until a collection: none may run
     try:
         with runtime.copy_delay(0.05):
             host = offload_deferred(x)
             del x
-            assert source() is not None, "held by the engine while the copy is in flight"
+            assert not source.expired(), "held by the engine while the copy is in flight"
             runtime._cpu_engine._workers["d2h"].submit(lambda: None).result()  # the copy has landed
-        assert source() is None
+        assert source.expired()
         assert torch.isfinite(host).all()
     finally:
         gc.enable()

@@ -1,0 +1,112 @@
+"""Whether callers drop the layer inputs fxoffload offloads.
+
+Offloading a graph input (a layer's input under per-layer compile, the one tensor a checkpointed
+layer saves) frees its device memory only once the caller drops its own reference, as a loop
+rebinding ``hidden_states`` does when the layer returns. The plan assumes so; this module checks
+it at run time, without reading the clock, so the answer is the same on every run and rank.
+
+Algorithm. After each forward of the step whose plan offloads inputs (:func:`offloaded_inputs`),
+:class:`CallerWatch` holds a weak reference to each such input: the caller's tensor object (the
+copy engines hold an alias of their own, ``fxoffload.runtime``, so a copy in flight does not keep
+it). When the next compiled forward of the step begins, or the step's backward does, an input that
+is still alive is one the caller keeps (``output_hidden_states=True``, a model holding its
+``inputs_embeds``, ``torch.utils.checkpoint`` around the compiled layer, a user's variable): the
+copy freed nothing. The backend records it per invocation, warns once per compiled region, and
+``fxoffload.passes.step.simulate_step`` counts the kept bytes from the input's release to the
+step's end.
+
+Limits: a caller that keeps only a view of the input (another tensor object on the same storage)
+is not seen; the plan itself is not changed by what the check finds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from fxoffload.passes.analysis import input_position
+from fxoffload.passes.planning import Plan
+
+__all__ = ["CallerWatch", "KeptInput", "OffloadedInput", "kept_warning", "offloaded_inputs"]
+
+
+@dataclass(frozen=True)
+class OffloadedInput:
+    """A graph input the plan offloads."""
+
+    position: int  # among the compiled function's inputs
+    transfer: int  # index into Plan.transfers
+    name: str  # the forward placeholder
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KeptInput:
+    """An offloaded input its caller still held after the graph returned."""
+
+    run: int  # the forward invocation of the step (0 first)
+    input: OffloadedInput
+    into_backward: bool  # still held when the step's backward began (else dropped before it)
+
+
+def offloaded_inputs(plan: Plan) -> tuple[OffloadedInput, ...]:
+    """The inputs ``plan`` offloads, by their position among the compiled function's inputs."""
+    out = []
+    for k, transfer in enumerate(plan.transfers):
+        position = input_position(transfer.base)
+        if position is not None:
+            out.append(OffloadedInput(position, k, transfer.base.name, int(transfer.nbytes)))
+    return tuple(out)
+
+
+def kept_warning(region: int, kept: Sequence[KeptInput], runs: int) -> str:
+    """The warning for compiled region ``region``, whose caller kept the offloaded inputs ``kept`` after ``runs`` runs."""
+    nbytes = sum(k.input.nbytes for k in kept)
+    first = kept[0].input
+    return (
+        f"fxoffload: compiled region {region} offloads its input {first.name} (input {first.position}, a layer's "
+        f"input made by an earlier graph), but after {runs} of its runs the caller still held it once the graph had "
+        f"returned ({nbytes} B in all): those copies free no device memory, and the step holds those bytes on top of "
+        "the plan's prediction (fxoffload.passes.step.simulate_step(backend.step_invocations(), "
+        "caller_kept=backend.step_caller_kept()) counts them). Callers that keep it: output_hidden_states=True, a "
+        "model holding its embedding output, torch.utils.checkpoint around the compiled layer (put the checkpoint "
+        "inside it), a variable of yours")
+
+
+@dataclass
+class _Watched:
+    run: int
+    input: OffloadedInput
+    ref: weakref.ref
+    kept: bool = False  # alive when the next forward began
+
+
+@dataclass
+class CallerWatch:
+    """Weak references to the inputs the step's forwards offloaded, until the step's backward begins."""
+
+    _watched: list[_Watched] = field(default_factory=list)
+
+    def after_forward(self, run: int, inputs: Sequence[OffloadedInput], args: Sequence[Any]) -> None:
+        """Watch ``args``' offloaded ``inputs`` from forward invocation ``run``, which just returned."""
+        for offloaded in inputs:
+            self._watched.append(_Watched(run, offloaded, weakref.ref(args[offloaded.position])))
+
+    def next_forward(self) -> None:
+        """A forward of the step begins: the inputs of those before it that are alive are kept."""
+        still = []
+        for w in self._watched:
+            if w.ref() is not None:
+                w.kept = True
+                still.append(w)
+        self._watched = still
+
+    def backward_begins(self) -> list[KeptInput]:
+        """The step's backward begins: every input kept in the forward, or still alive now."""
+        kept = [KeptInput(w.run, w.input, alive) for w in self._watched if (alive := w.ref() is not None) or w.kept]
+        self._watched = []
+        return kept
+
+    def forget(self) -> None:
+        self._watched = []
