@@ -20,7 +20,13 @@ it eager and compiled with the same seed and data, and prints the losses, wall t
 and, under ``--inner eager``, the step's activation peak measured on this CPU
 (``fxoffload.measure_peak``).
 
-    python examples/torchtitan_blocks.py [--steps 4] [--layers 8] [--budget 0.5] [--inner eager|inductor] [--write]
+    python examples/torchtitan_blocks.py [--steps 4] [--layers 8] [--budget 0.5] [--inner eager|inductor]
+                                         [--checkpoint] [--write]
+
+``--checkpoint`` applies torchtitan's full activation checkpointing first: every block wrapped in
+``checkpoint_wrapper`` (non-reentrant), then compiled, so the checkpoint is inside the compiled
+block, which saves only its input; fxoffload offloads that input and brings it back during the
+next block's backward.
 
 ``--write`` records the figures in ``benchmarks/RESULTS.md``.
 """
@@ -88,6 +94,14 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def checkpoint_blocks(model: Transformer) -> None:
+    """torchtitan's full activation checkpointing: every block in a non-reentrant ``checkpoint_wrapper``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
 def compile_blocks(model: Transformer, backend: str | dict) -> None:
     """torchtitan's per-block compile: with fxoffload by name (``backend``: its options), or a plain backend's name."""
     for layer_id, block in model.layers.named_children():
@@ -114,12 +128,15 @@ class Run:
 
 
 def train(backend: str | dict | None, steps: int = 4, layers: int = 8, batch: int = 4, seq: int = 65,
-          seed: int = 0) -> Run:
+          seed: int = 0, checkpoint: bool = False) -> Run:
     """Train with AdamW; ``backend`` None: eager; a dict: each block compiled with ``backend="fxoffload"`` and
-    these options; a name: each block compiled with that backend (plain compile, no offloading)."""
+    these options; a name: each block compiled with that backend (plain compile, no offloading);
+    ``checkpoint``: each block checkpointed first (:func:`checkpoint_blocks`)."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = Transformer(layers)
+    if checkpoint:
+        checkpoint_blocks(model)
     known = len(fxoffload.named_backend(**backend).records) if isinstance(backend, dict) else 0
     if backend is not None:
         compile_blocks(model, backend)
@@ -137,7 +154,8 @@ def train(backend: str | dict | None, steps: int = 4, layers: int = 8, batch: in
     model.zero_grad(set_to_none=True)
     records = fxoffload.named_backend(**backend).records[known:] if isinstance(backend, dict) else []
     plan = records[-1].plan if records else None  # the graph as re-planned for the step
-    params = {n.replace("._orig_mod", ""): p.detach().clone() for n, p in model.named_parameters()}
+    params = {n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): p.detach().clone()
+              for n, p in model.named_parameters()}
     return Run(losses, params, seconds_per_step(stamps[1:]), peak, plan.runs if plan else 0,
                len(plan.transfers) if plan else 0)
 
@@ -148,16 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--inner", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="checkpoint_wrapper (non-reentrant) on every block before compiling it")
     parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     options = {"memory_budget": args.budget, "strategy": "offload", "inner": args.inner}
     plain = plain_backend(args.inner)
-    runs = {"eager": train(None, args.steps, args.layers), f"torch.compile, backend {plain!r}": train(plain, args.steps,
-                                                                                                   args.layers),
-            f"fxoffload, budget {args.budget}": train(options, args.steps, args.layers)}
+    ck = args.checkpoint
+    runs = {"eager": train(None, args.steps, args.layers, checkpoint=ck),
+            f"torch.compile, backend {plain!r}": train(plain, args.steps, args.layers, checkpoint=ck),
+            f"fxoffload, budget {args.budget}": train(options, args.steps, args.layers, checkpoint=ck)}
     eager, compiled = runs["eager"], runs[f"fxoffload, budget {args.budget}"]
     command = (f"python examples/torchtitan_blocks.py --steps {args.steps} --layers {args.layers} --budget "
-               f"{args.budget} --inner {args.inner}")
+               f"{args.budget} --inner {args.inner}" + (" --checkpoint" if ck else ""))
     lines = [
         machine_line(command) + f" Options: `{options}`.",
         "",
@@ -172,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Largest parameter difference after {args.steps} steps: {drift(eager, compiled):.2e}. The measured "
               "peak covers the whole step (embeddings, head and loss included, which no compiled block sees); the "
               "budget bounds what the blocks save."]
-    report("\n".join(lines), "Recipe: torchtitan-style per-block compile (measured, CPU)", args.write)
+    title = "Recipe: torchtitan-style per-block compile" + (", checkpointed blocks" if ck else "")
+    report("\n".join(lines), title + " (measured, CPU)", args.write)
     return 0
 
 

@@ -3,10 +3,16 @@
 Run with two processes on the CPU (gloo):
 
     torchrun --standalone --nproc_per_node 2 examples/train_fsdp2.py [--steps 3] [--budget 0.5] [--check]
+    torchrun --standalone --nproc_per_node 2 examples/train_fsdp2.py --checkpoint --optimizer adamw \
+        --reference aot_eager_decomp_partition --check --measure --layers 8 --hidden 128 --vocab 32
 
 The setup is the one PyTorch's own FSDP2 recipes use: ``fully_shard`` on every
 decoder layer and on the root, then ``layer.compile(backend=...)`` on every
-decoder layer. FSDP2's hooks (all-gather before a layer, reduce-scatter after
+decoder layer. ``--checkpoint`` first wraps every decoder layer in
+``checkpoint_wrapper`` (non-reentrant), as torchtitan's full activation
+checkpointing does: the checkpoint is inside the compiled layer, which then
+saves only its input, and fxoffload offloads that input (it comes back during
+the next layer's backward). FSDP2's hooks (all-gather before a layer, reduce-scatter after
 its backward) run outside the compiled graphs, dynamo skips them, so each
 layer's forward and backward are one compiled graph that every layer runs.
 The backend is told so (``runs_per_step``, the number of layers): the budget
@@ -15,7 +21,9 @@ bounds the whole step, and copies cross layer boundaries.
 Each rank trains on its own random tokens (nothing is downloaded). ``--check``
 also runs the same FSDP2 job without fxoffload, eagerly, and exits 1 unless
 every loss and every local gradient shard match and each rank's graphs offload
-or recompute something. ``--measure`` measures one whole step's activation
+or recompute something; with ``--reference aot_eager_decomp_partition`` the
+reference is that job compiled with the same partitioner and no fxoffload, and
+the local parameter shards after the last optimizer step must be bit-equal. ``--measure`` measures one whole step's activation
 peak with and without fxoffload (``fxoffload.measure_peak``, everything the
 step keeps for its backward: embeddings, hidden states and FSDP2's buffers
 included) and exits 1 if the first is above ``--budget`` of the second. Timings are CPU timings: device and host are the same
@@ -40,21 +48,27 @@ from fxoffload.explain import format_bytes  # noqa: E402
 from fxoffload.passes.scheduling import plan_digest  # noqa: E402
 
 
-def build_model(layers: int) -> torch.nn.Module:
+def build_model(layers: int, hidden: int = 64, vocab: int = 256) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)  # the same weights on every rank, as FSDP2 expects before sharding
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=172, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         bos_token_id=0, eos_token_id=0, use_cache=False,
     )
     return LlamaForCausalLM(config).train()
 
 
-def shard(model: torch.nn.Module, backend=None) -> torch.nn.Module:
-    """FSDP2 on every decoder layer and the root; each layer compiled with ``backend`` if given."""
-    for layer in model.model.layers:
+def shard(model: torch.nn.Module, backend=None, checkpoint: bool = False) -> torch.nn.Module:
+    """FSDP2 on every decoder layer and the root; each layer compiled with ``backend`` if given, and
+    under ``checkpoint`` wrapped in ``checkpoint_wrapper`` (non-reentrant) first, inside the compiled region."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if checkpoint:
+            layer = layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         fully_shard(layer)
         if backend is not None:
             layer.compile(backend=backend)
@@ -62,26 +76,31 @@ def shard(model: torch.nn.Module, backend=None) -> torch.nn.Module:
     return model
 
 
-def train(model: torch.nn.Module, steps: int, batch: int, seq: int, rank: int):
-    """Losses of every step and the local gradient shards of the last one."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(model: torch.nn.Module, steps: int, batch: int, seq: int, rank: int, optimizer_name: str = "sgd"):
+    """Losses of every step, the local gradient shards of the last one, and the local parameter
+    shards after the last optimizer step."""
+    if optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = torch.Generator().manual_seed(rank)  # each rank its own batches
+    vocab = model.config.vocab_size
     losses, grads = [], []
     for _ in range(steps):
-        ids = torch.randint(0, 256, (batch, seq), generator=tokens)
+        ids = torch.randint(0, vocab, (batch, seq), generator=tokens)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
         grads = [p.grad.to_local().clone() for p in model.parameters()]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return losses, grads
+    return losses, grads, [p.detach().to_local().clone() for p in model.parameters()]
 
 
 def measured_step_peak(model: torch.nn.Module, batch: int, seq: int, rank: int) -> int:
     """The measured activation peak of one whole training step (forward and backward), after two
     steps that compile (and re-plan) the layers."""
-    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(rank))
 
     def step(m: torch.nn.Module) -> torch.Tensor:
         loss = m(input_ids=ids, labels=ids).loss
@@ -120,6 +139,16 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the Llama")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size of the Llama")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="checkpoint_wrapper (non-reentrant) on every decoder layer, inside the compiled region")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    parser.add_argument("--runs-per-step", default=None,
+                        help="the backend's runs_per_step: 'auto' (its default), or a count (default: --layers)")
+    parser.add_argument("--reference", default="eager", choices=["eager", "aot_eager_decomp_partition"],
+                        help="what --check compares with: eager FSDP2 (close), or the same job compiled with "
+                             "aot_eager_decomp_partition (parameters bit-equal)")
     parser.add_argument("--budget", type=float, default=0.5,
                         help="memory_budget: a fraction of the step's activation peak (every layer's runs)")
     parser.add_argument("--strategy", default="auto", choices=["auto", "offload", "recompute"])
@@ -132,19 +161,30 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     backend = make_backend(args)
-    losses, grads = train(shard(build_model(args.layers), backend), args.steps, args.batch, args.seq, rank)
+
+    def model(with_backend=None):
+        return shard(build_model(args.layers, args.hidden, args.vocab), with_backend, args.checkpoint)
+
+    losses, grads, params = train(model(backend), args.steps, args.batch, args.seq, rank, args.optimizer)
     say(f"rank {rank}: losses " + " ".join(f"{loss.item():.4f}" for loss in losses))
     moved = report(rank, backend)
     ok = True
     if args.check:
-        expected_losses, expected_grads = train(shard(build_model(args.layers)), args.steps, args.batch, args.seq, rank)
-        same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(losses, expected_losses)) and all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads, expected_grads))
+        reference = None if args.reference == "eager" else args.reference
+        expected_losses, expected_grads, expected_params = train(model(reference), args.steps, args.batch, args.seq,
+                                                                 rank, args.optimizer)
+        if reference is None:
+            same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(losses, expected_losses)) and all(
+                torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads, expected_grads))
+        else:
+            same = all(torch.equal(a, b) for a, b in zip(params, expected_params))
+            say(f"rank {rank}: parameters after {args.steps} {args.optimizer} steps bit-equal to {reference}: {same}")
         ok = same and moved > 0
         say(f"rank {rank}: same as FSDP2 without fxoffload: {same}; storages moved {moved}")
     if args.measure:
-        offloaded = measured_step_peak(shard(build_model(args.layers), make_backend(args)), args.batch, args.seq, rank)
-        plain = measured_step_peak(shard(build_model(args.layers)), args.batch, args.seq, rank)
+        offloaded = measured_step_peak(model(make_backend(args)), args.batch, args.seq, rank)
+        plain = measured_step_peak(model("aot_eager_decomp_partition" if args.checkpoint else None), args.batch,
+                                   args.seq, rank)
         within = offloaded <= args.budget * plain
         ok = ok and within
         say(f"rank {rank}: measured step activation peak {format_bytes(offloaded)} with fxoffload, "
@@ -155,9 +195,11 @@ def main() -> int:
 
 
 def make_backend(args: argparse.Namespace):
-    # One compiled graph serves every layer: plan it for the step's runs of it.
+    # One compiled graph serves every layer: plan it for the step's runs of it (counted in the first
+    # step and re-planned once under --runs-per-step auto).
+    runs = args.runs_per_step if args.runs_per_step == "auto" else int(args.runs_per_step or args.layers)
     return fxoffload.offload_backend(memory_budget=args.budget, strategy=args.strategy, inner=args.inner,
-                                     min_bytes=0, runs_per_step=args.layers)
+                                     min_bytes=0, runs_per_step=runs)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, DeviceProfile, PassResult, Plan, PlanOptions, Schedule, Timeline,
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, DeviceProfile, PassResult, Plan, PlanOptions, Schedule,
+    Timeline,
     plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
 from fxoffload.passes.analysis import tensor_storage_key
@@ -68,6 +69,12 @@ from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import check_plans_agree
 
 log = logging.getLogger(__name__)
+
+# Runs a graph handed an activation by an earlier graph is planned for, where its budget is out of reach
+# for one run, before the first step has counted them (runs_per_step="auto"): such a graph is most
+# often a layer that several layers run, and at one run offloading its input lowers nothing (a
+# checkpointed layer saves only its input). Re-planned once counted, whatever the count.
+PROVISIONAL_RUNS = 2
 
 __all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend", "register_backend_name"]
 
@@ -90,6 +97,11 @@ class GraphRecord:
     held_before: int = 0  # predicted activation bytes earlier regions leave on the device for the backward
     held_after: int = 0  # the same, this region's included (the running total)
     runs_learned: bool = False  # re-planned for ``plan.runs`` runs per step, counted in the first step
+    # Planned before the first step counted its runs (runs_per_step="auto", a graph handed an activation
+    # by an earlier graph, its budget out of reach for one run): for PROVISIONAL_RUNS runs, re-planned once
+    # counted; ``provisional_short``: out of reach for those too, so the smallest peak until the re-plan.
+    provisional: bool = False
+    provisional_short: bool = False
     offloaded_inputs: tuple[OffloadedInput, ...] = ()  # graph inputs the plan offloads (layer inputs)
     # Of the latest step's runs of this graph: those whose caller kept an offloaded input after the
     # graph returned (``fxoffload.callers``), and the bytes that copy did not free.
@@ -340,6 +352,8 @@ class OffloadBackend:
         self._record_of: dict[tuple, GraphRecord] = {}
         # Runs per step: planned for, by region, and the most counted in one step (runs_per_step="auto").
         self._runs: dict[tuple, int] = {}
+        self._provisional: set[tuple] = set()  # regions planned before their runs were counted
+        self._replannable: set[tuple] = set()  # regions runs_per_step="auto" may re-plan (see _Replan.of)
         self._counted: dict[tuple, int] = {}
 
     def _runs_of(self, region: tuple) -> int:
@@ -395,20 +409,24 @@ class OffloadBackend:
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total,
                                       staging_devices=fxoffload.runtime.staging_device_types())
-        try:
-            fw, bw, planned = plan_best_partition(
+        def plan(options: PlanOptions):
+            return plan_best_partition(
                 fw, bw, num_user_outputs, repartition,
                 options=options, horizon=self.config.horizon, profile=self.config.profile, policies=policies,
                 input_activations=input_activations,
             )
+
+        provisional = short = False
+        try:
+            fw, bw, planned = plan(options)
         except BudgetInfeasibleError as error:
-            if not held_before or options.budget.nbytes is None:
-                raise
-            raise error.within(
-                f"compiled region {place}: "
-                f"earlier regions of the step hold {held_before} B of activations after their forward "
-                f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
-                f"for this one; ") from None
+            if not (input_activations and region in self._replannable and region not in self._counted):
+                raise self._in_step(error, place, held_before, options) from None
+            # Out of reach for one run, before the first step has counted the runs of a graph handed an
+            # activation, which most often serves several layers: planned for PROVISIONAL_RUNS until then.
+            provisional = True
+            self._provisional.add(region)
+            fw, bw, planned, short = self._provisional_plan(plan, options)
         result: PassResult = rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
@@ -420,6 +438,7 @@ class OffloadBackend:
             pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
             profile=self.config.profile, work=result.work, region=place, held_before=held_before,
             held_after=held_before + self._held[region], offloaded_inputs=offloaded_inputs(result.plan),
+            provisional=provisional, provisional_short=short,
         )
         self.records.append(record)
         self._record_of[region] = record
@@ -431,6 +450,29 @@ class OffloadBackend:
             for module in (fw, bw):
                 pin_offload_order(module)
         return record
+
+    @staticmethod
+    def _provisional_plan(plan: Callable, options: PlanOptions) -> tuple:
+        """``plan`` for PROVISIONAL_RUNS runs, and whether the budget was out of reach there too (then
+        the smallest peak: the re-plan for the runs counted decides, see ``_track``)."""
+        options = dataclasses.replace(options, runs=PROVISIONAL_RUNS)
+        try:
+            return (*plan(options), False)
+        except BudgetInfeasibleError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                return (*plan(dataclasses.replace(options, on_infeasible="warn")), True)
+
+    def _in_step(self, error: BudgetInfeasibleError, place: int, held_before: int,
+                 options: PlanOptions) -> BudgetInfeasibleError:
+        """``error``, saying what earlier regions of the step took of an absolute budget."""
+        if not held_before or options.budget.nbytes is None:
+            return error
+        return error.within(
+            f"compiled region {place}: "
+            f"earlier regions of the step hold {held_before} B of activations after their forward "
+            f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
+            f"for this one; ")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **unknown: Any) -> Callable:
@@ -446,6 +488,8 @@ class OffloadBackend:
         activations = input_activations(example_inputs)
         replan = (_Replan.of(gm, example_inputs, activations, patches) if self.config.runs_per_step == "auto"
                   else None)
+        if replan is not None:
+            self._replannable.add(region)
         compiled = self._compile_region(gm, example_inputs, region, activations, patches)
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
@@ -465,7 +509,7 @@ class OffloadBackend:
 
         def run(*args: Any) -> Any:
             if pending[0] is not None and region in self._counted:  # a step has shown how often it runs
-                if self._counted[region] > self._runs_of(region):
+                if self._counted[region] > self._runs_of(region) or region in self._provisional:
                     current[0] = self._replan(region, pending[0])
                 pending[0] = None  # once: the graph copy and its inputs go
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
@@ -492,6 +536,7 @@ class OffloadBackend:
         """Plan and compile ``region`` again for the runs counted in a step (see ``_track``)."""
         runs = self._counted[region]
         self._runs[region] = runs
+        self._provisional.discard(region)
         log.info("fxoffload: compiled region %d ran %d times in one step (one graph serving several layers): "
                  "re-planning it for the whole step and recompiling it, once", self._place(region), runs)
         with torch._functorch.config.patch(enable_autograd_cache=False):

@@ -78,6 +78,13 @@ def _summary(record: Any) -> str:
             f"(graph inputs {format_bytes(plan.input_bytes)} and every tensor the step creates; device_budget less "
             f"reserved: {format_bytes(plan.device_bytes)}, "
             f"{'within' if plan.device_peak_after <= plan.device_bytes else 'OVER'})")
+    if getattr(record, "provisional", False):
+        lines.append(
+            f"provisional: the budget is out of reach for one run, and the first step has not counted this graph's "
+            f"runs yet: planned for {plan.runs} (a graph handed an activation by an earlier graph is taken to serve "
+            "several layers); re-planned for the runs counted, once the first step has run"
+            + ("; the budget was out of reach for these runs, so this plan is the smallest peak until then"
+               if getattr(record, "provisional_short", False) else ""))
     if plan.runs > 1:
         lines.append(
             f"runs per step: {plan.runs} (one graph serving {plan.runs} layers"

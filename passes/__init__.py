@@ -25,12 +25,14 @@ from fxoffload.passes.memory import Timeline
 from fxoffload.passes.pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
-from fxoffload.passes.planning import Budget, BudgetInfeasibleError, Decision, Plan, PlanOptions, Transfer
+from fxoffload.passes.planning import (
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
+)
 from fxoffload.passes.scheduling import Schedule
 from fxoffload.passes.strategy import plan_best_partition
 
 __all__ = [
-    "Budget", "BudgetInfeasibleError", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
+    "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
     "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "plan_pair",
     "plan_best_partition", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
 ]

@@ -163,7 +163,9 @@ def _best_of(tried: list[_Tried], watch: Stopwatch) -> tuple[fx.GraphModule, fx.
         result = entry.result
         # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
         over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
-        missed = 0 if result.plan.feasible else result.plan.activation_peak_after  # else the lowest peak
+        # Else the lowest peak the budget bounds (the step's over its runs, or the device's): not one
+        # run's activation peak, which offloading a layer's input does not lower.
+        missed = 0 if result.plan.feasible else (result.plan.shortfall or (result.plan.activation_peak_after,))[0]
         return (not result.plan.feasible, missed, over_total, entry.step)
 
     best = min(tried, key=rank)

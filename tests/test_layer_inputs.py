@@ -106,6 +106,27 @@ def test_layer_inputs_are_offloaded_within_half_the_measured_peak_and_match_eage
     assert started_before_own_backward(events[last_step:]) == list(range(LAYERS - 1)), events
 
 
+def test_a_fraction_out_of_reach_for_one_run_is_planned_provisionally_until_the_runs_are_counted(eager_llama):
+    # memory_budget=0.5 with every other option the backend's default (but min_bytes: this toy's layer inputs
+    # are 32 KiB, under the default 64 KiB): one run of a checkpointed layer
+    # saves only its input, alive all its forward, so half of one run's peak is out of reach; the first
+    # compile plans for two runs (out of reach there too: the smallest peak), and the count re-plans it.
+    from fxoffload.passes.step import simulate_step
+
+    ids = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0)
+    model = checkpointed_layers(copy.deepcopy(eager_llama), backend)
+    measured = measured_activation_peak(model, ids)
+    first, last = backend.records[0], backend.records[-1]
+    assert first.provisional and first.provisional_short and first.plan.runs == 2 and first.plan.transfers
+    assert "provisional: the budget is out of reach for one run" in fxoffload.explain(first)
+    assert not last.provisional and last.plan.runs == LAYERS and last.runs_learned
+    step = simulate_step(backend.step_invocations())
+    assert step.activation_peak <= 0.5 * step.activation_peak_before  # simulated: the compiled layers' step
+    assert measured < 0.5 * offloaded_run(eager_llama, None)[3]  # measured: the whole step under aot_eager
+
+
 def test_without_crossing_graphs_a_layer_input_comes_back_inside_its_own_backward(eager_llama):
     # cross_graphs=False: each copy waits inside its own graph. The inputs are still offloaded (the
     # forward's copy ends within it), but nothing comes back before its own layer's backward.

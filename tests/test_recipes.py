@@ -80,6 +80,19 @@ def test_torchtitan_style_blocks_compiled_by_backend_name_match_eager_and_plan_f
     assert compiled.activation_peak < 0.75 * plain.activation_peak
 
 
+def test_torchtitan_style_checkpointed_blocks_offload_their_inputs_and_match_plain_compile():
+    """Issue 34: torchtitan's full activation checkpointing (checkpoint_wrapper on every block, then
+    per-block compile by name): each block saves only its input, and fxoffload offloads it."""
+    recipe = example("torchtitan_blocks")
+    options = {"memory_budget": 0.5, "strategy": "offload", "inner": "eager", "min_bytes": 0}
+    layers = 4
+    eager, plain, compiled = (recipe.train(backend, steps=3, layers=layers, checkpoint=True)
+                              for backend in (None, PLAIN, options))
+    assert_same_training(eager, plain, compiled)
+    assert compiled.runs == layers and compiled.transfers == 1  # the block's input, its one saved tensor
+    assert compiled.activation_peak < 0.75 * plain.activation_peak
+
+
 def test_trl_sft_with_fxoffload_instead_of_activation_offloading_matches_plain_compile():
     recipe = example("trl_sft")
     options = {"strategy": "offload", "inner": "eager"}  # no budget: the smallest peak, with the copies that lower it
