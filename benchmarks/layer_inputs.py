@@ -32,8 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = (("llama-2-7b", 4096), ("llama-3-8b", 8192), ("llama-3.1-8b", 32768), ("mistral-7b", 4096))
 GIB = 2 ** 30
 FSDP2 = ["--checkpoint", "--optimizer", "adamw", "--reference", "aot_eager_decomp_partition", "--check", "--measure",
-         "--steps", "3", "--layers", "8", "--hidden", "128", "--vocab", "32", "--strategy", "offload",
-         "--runs-per-step", "auto"]
+         "--steps", "3", "--layers", "8", "--hidden", "128", "--vocab", "32", "--runs-per-step", "auto"]
 
 
 def plan(preset: str, seq: int) -> dict:

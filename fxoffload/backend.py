@@ -65,6 +65,7 @@ from fxoffload.passes import (
 from fxoffload.passes.analysis import tensor_storage_key
 from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
 from fxoffload.passes.scheduling import held_after_forward, plan_digest
+from fxoffload.passes.step import KeptSource
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import check_plans_agree
 
@@ -162,6 +163,14 @@ def _backward_node(out: Any) -> Any:
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     compiled = [n for n in nodes if "CompiledFunction" in type(n).__name__]
     return (compiled or nodes or [None])[0]
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A compiled region: what runs, and the compilation that holds its record (set once it is planned)."""
+
+    run: Callable
+    compilation: _Compilation
 
 
 @dataclass
@@ -280,16 +289,18 @@ class _Compilation:
     between the two), so ``record.forward`` / ``record.backward`` are what runs.
     """
 
-    def __init__(self, backend: "OffloadBackend", region: tuple, input_activations: frozenset[int]) -> None:
+    def __init__(self, backend: "OffloadBackend", region: tuple, input_activations: frozenset[int],
+                 replannable: bool = False) -> None:
         self.backend = backend
         self.region = region
         self.input_activations = input_activations
+        self.replannable = replannable  # runs_per_step="auto" may plan it again once the step is counted
         self.record: GraphRecord | None = None
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region,
-                                              plain_total, self.input_activations)
+                                              plain_total, self.input_activations, self.replannable)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -342,18 +353,15 @@ class OffloadBackend:
         # Forwards of each region since the last backward began (see _count_forwards).
         self._forwards: dict[tuple, int] = {}
         self._warned: set[tuple] = set()
-        # The regions of the latest step's forwards, in the order they ran (see step_invocations).
-        self._step_regions: list[tuple] = []
+        # The record of each of the latest step's forwards, in the order they ran (see step_invocations).
+        self._step_records: list[GraphRecord] = []
         self._backward_seen = False
         # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.callers).
         self._callers = CallerWatch()
-        self._kept_warned: set[tuple] = set()
+        self._kept_warned: set[int] = set()  # records (by index) warned about
         self._step_kept: dict[int, list[KeptInput]] = {}
-        self._record_of: dict[tuple, GraphRecord] = {}
         # Runs per step: planned for, by region, and the most counted in one step (runs_per_step="auto").
         self._runs: dict[tuple, int] = {}
-        self._provisional: set[tuple] = set()  # regions planned before their runs were counted
-        self._replannable: set[tuple] = set()  # regions runs_per_step="auto" may re-plan (see _Replan.of)
         self._counted: dict[tuple, int] = {}
 
     def _runs_of(self, region: tuple) -> int:
@@ -361,16 +369,17 @@ class OffloadBackend:
         return self._runs.get(region, 1 if default == "auto" else default)
 
     def step_invocations(self) -> list[GraphRecord]:
-        """The latest step's forward invocations, in the order they ran: a region's record once per
-        run (one graph serving 32 layers appears 32 times). ``fxoffload.passes.step.simulate_step`` replays it."""
-        return [self._record_of[r] for r in self._step_regions if r in self._record_of]
+        """The latest step's forward invocations, in the order they ran: the record of the graph that
+        ran, once per run (one graph serving 32 layers appears 32 times).
+        ``fxoffload.passes.step.simulate_step`` replays it."""
+        return list(self._step_records)
 
-    def step_caller_kept(self) -> list[frozenset[int]]:
+    def step_caller_kept(self) -> list[tuple[KeptSource, ...]]:
         """Per invocation of :meth:`step_invocations`: the transfers (indices into its plan's
         transfers) whose source, an input of the graph, its caller kept after the graph returned
         (``fxoffload.callers``): ``simulate_step(..., caller_kept=...)`` counts them."""
-        runs = [run for run, r in enumerate(self._step_regions) if r in self._record_of]
-        return [frozenset(k.input.transfer for k in self._step_kept.get(run, ())) for run in runs]
+        return [tuple(KeptSource(k.input.transfer, k.into_backward) for k in self._step_kept.get(run, ()))
+                for run in range(len(self._step_records))]
 
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
@@ -403,13 +412,14 @@ class OffloadBackend:
     def _plan_pair(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
         repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
-        input_activations: frozenset[int] = frozenset(),
+        input_activations: frozenset[int] = frozenset(), replannable: bool = False,
     ) -> GraphRecord:
         place = self._place(region)
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total,
                                       staging_devices=fxoffload.runtime.staging_device_types())
-        def plan(options: PlanOptions):
+
+        def plan(options: PlanOptions) -> tuple:
             return plan_best_partition(
                 fw, bw, num_user_outputs, repartition,
                 options=options, horizon=self.config.horizon, profile=self.config.profile, policies=policies,
@@ -420,13 +430,16 @@ class OffloadBackend:
         try:
             fw, bw, planned = plan(options)
         except BudgetInfeasibleError as error:
-            if not (input_activations and region in self._replannable and region not in self._counted):
+            if not (input_activations and replannable and region not in self._counted):
                 raise self._in_step(error, place, held_before, options) from None
             # Out of reach for one run, before the first step has counted the runs of a graph handed an
-            # activation, which most often serves several layers: planned for PROVISIONAL_RUNS until then.
+            # activation, which most often serves several layers: planned for PROVISIONAL_RUNS (at the
+            # smallest peak if out of reach there too) until the count re-plans it (see _track).
             provisional = True
-            self._provisional.add(region)
-            fw, bw, planned, short = self._provisional_plan(plan, options)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                fw, bw, planned = plan(dataclasses.replace(options, runs=PROVISIONAL_RUNS, on_infeasible="warn"))
+            short = not planned.plan.feasible
         result: PassResult = rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
@@ -441,7 +454,6 @@ class OffloadBackend:
             provisional=provisional, provisional_short=short,
         )
         self.records.append(record)
-        self._record_of[region] = record
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if self.config.check_ranks is not False:
             group = None if self.config.check_ranks is True else self.config.check_ranks
@@ -451,22 +463,10 @@ class OffloadBackend:
                 pin_offload_order(module)
         return record
 
-    @staticmethod
-    def _provisional_plan(plan: Callable, options: PlanOptions) -> tuple:
-        """``plan`` for PROVISIONAL_RUNS runs, and whether the budget was out of reach there too (then
-        the smallest peak: the re-plan for the runs counted decides, see ``_track``)."""
-        options = dataclasses.replace(options, runs=PROVISIONAL_RUNS)
-        try:
-            return (*plan(options), False)
-        except BudgetInfeasibleError:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-                return (*plan(dataclasses.replace(options, on_infeasible="warn")), True)
-
     def _in_step(self, error: BudgetInfeasibleError, place: int, held_before: int,
                  options: PlanOptions) -> BudgetInfeasibleError:
         """``error``, saying what earlier regions of the step took of an absolute budget."""
-        if not held_before or options.budget.nbytes is None:
+        if not held_before or options.budget is None or options.budget.nbytes is None:
             return error
         return error.within(
             f"compiled region {place}: "
@@ -488,61 +488,68 @@ class OffloadBackend:
         activations = input_activations(example_inputs)
         replan = (_Replan.of(gm, example_inputs, activations, patches) if self.config.runs_per_step == "auto"
                   else None)
-        if replan is not None:
-            self._replannable.add(region)
-        compiled = self._compile_region(gm, example_inputs, region, activations, patches)
+        compiled = self._compile_region(gm, example_inputs, region, activations, patches,
+                                        replannable=replan is not None)
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
         warn = budget is not None and budget.nbytes is not None and replan is None
         return self._track(region, compiled, warn, replan)
 
-    def _track(self, region: tuple, compiled: Callable, warn: bool, replan: "_Replan | None") -> Callable:
+    def _track(self, region: tuple, compiled: "_Compiled", warn: bool, replan: "_Replan | None") -> Callable:
         """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the
         backward that runs next (``fxoffload.runtime``), and tell the runtime when its backward begins.
 
         Count the region's forwards until a backward begins: one compiled graph may serve several
         layers (per-layer ``compile``, as FSDP2 recipes do). With ``replan`` (runs_per_step="auto"),
-        a region that ran more often than its plan counted is re-planned and recompiled, once, before
-        its next forward. With ``warn`` (an absolute budget, no re-plan), say with the numbers when the
-        activations of its runs add up past the budget."""
+        a graph whose region ran more often than its plan counted, or whose plan was provisional, is
+        re-planned and recompiled, once, before its next forward. With ``warn`` (an absolute budget, no
+        re-plan), say with the numbers when the activations of its runs add up past the budget."""
         current, pending = [compiled], [replan]
 
         def run(*args: Any) -> Any:
             if pending[0] is not None and region in self._counted:  # a step has shown how often it runs
-                if self._counted[region] > self._runs_of(region) or region in self._provisional:
-                    current[0] = self._replan(region, pending[0])
+                record = current[0].compilation.record
+                planned = record.plan.runs if record is not None else self._runs_of(region)  # this graph's own
+                if self._counted[region] > planned or (record is not None and record.provisional):
+                    current[0] = self._replan(region, pending[0])  # a failure raises here, every time
                 pending[0] = None  # once: the graph copy and its inputs go
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
             step_forward = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
             if step_forward:
                 self._callers.next_forward()
             with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
-                out = current[0](*args)
-            if step_forward:
-                node = _backward_node(out)
-                if node is not None:
-                    self._note_forward(region)
-                    node.register_prehook(functools.partial(self._on_backward, invocation))
-                    self._forwards[region] = self._forwards.get(region, 0) + 1
-                    if warn:
-                        self._check_held(region)
-                    self._callers.after_forward(len(self._step_regions) - 1, self._record_of[region].offloaded_inputs,
-                                                args)
+                out = current[0].run(*args)
+            record = current[0].compilation.record
+            if step_forward and record is not None and (node := _backward_node(out)) is not None:
+                self._note_forward(record)
+                node.register_prehook(functools.partial(self._on_backward, invocation))
+                self._forwards[region] = self._forwards.get(region, 0) + 1
+                if warn:
+                    self._check_held(region)
+                self._callers.after_forward(len(self._step_records) - 1, record.offloaded_inputs, args)
             return out
 
         return run
 
-    def _replan(self, region: tuple, replan: "_Replan") -> Callable:
-        """Plan and compile ``region`` again for the runs counted in a step (see ``_track``)."""
-        runs = self._counted[region]
-        self._runs[region] = runs
-        self._provisional.discard(region)
-        log.info("fxoffload: compiled region %d ran %d times in one step (one graph serving several layers): "
-                 "re-planning it for the whole step and recompiling it, once", self._place(region), runs)
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            compiled = self._compile_region(replan.module, replan.example_inputs, region, replan.input_activations,
-                                            replan.patches)
-        self._record_of[region].runs_learned = True
+    def _replan(self, region: tuple, replan: "_Replan") -> "_Compiled":
+        """Plan and compile ``region`` again for the runs counted in a step (see ``_track``); a plan that
+        fails (an infeasible budget) leaves the region as it was, to fail again at its next forward."""
+        runs, before = self._counted[region], self._runs.get(region)
+        self._runs[region] = runs  # what the plan options read
+        log.info("fxoffload: compiled region %d ran %d times in one step: re-planning it for the whole step and "
+                 "recompiling it, once", self._place(region), runs)
+        try:
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = self._compile_region(replan.module, replan.example_inputs, region,
+                                                replan.input_activations, replan.patches)
+        except BaseException:
+            if before is None:
+                del self._runs[region]
+            else:
+                self._runs[region] = before
+            raise
+        if compiled.compilation.record is not None:
+            compiled.compilation.record.runs_learned = True
         return compiled
 
     def _check_host_memory(self, fw: fx.GraphModule) -> None:
@@ -567,34 +574,43 @@ class OffloadBackend:
             f"{share} B ({format_bytes(share)}) this process may still take (MemAvailable, and its cgroup's memory "
             f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
 
-    def _note_forward(self, region: tuple) -> None:
+    def _note_forward(self, record: GraphRecord) -> None:
         if self._backward_seen:  # the first forward of a new step
-            self._step_regions, self._backward_seen, self._step_kept = [], False, {}
-        self._step_regions.append(region)
+            self._step_records, self._backward_seen, self._step_kept = [], False, {}
+        self._step_records.append(record)
 
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
+        first = not self._backward_seen  # the step's first backward (its last forward's)
         self._backward_seen = True
         for region, runs in self._forwards.items():
             self._counted[region] = max(self._counted.get(region, 1), runs)
         self._forwards.clear()
         fxoffload.runtime.backward_begins(invocation)
-        if kept := self._callers.backward_begins():
-            self._note_kept(kept)
+        if first:
+            self._note_kept(self._callers.backward_begins())
 
     def _note_kept(self, kept: list[KeptInput]) -> None:
-        """Record, per invocation and per graph, the offloaded inputs the caller kept; warn once per region."""
+        """Record the step's offloaded inputs its callers kept, per invocation and on each graph's record
+        (every record of the step, so that an earlier step's figures do not linger); warn once per graph."""
         for k in kept:
             self._step_kept.setdefault(k.run, []).append(k)
-        by_region: dict[tuple, list[KeptInput]] = {}
+        for record in self._step_records:
+            record.caller_kept_runs = record.caller_kept_bytes = 0
         for k in kept:
-            by_region.setdefault(self._step_regions[k.run], []).append(k)
-        for region, inputs in by_region.items():
-            record = self._record_of[region]
-            record.caller_kept_runs = len({k.run for k in inputs})
-            record.caller_kept_bytes = sum(k.input.nbytes for k in inputs)
-            if region not in self._kept_warned:
-                self._kept_warned.add(region)
-                warnings.warn(kept_warning(record.region, inputs, record.caller_kept_runs), stacklevel=2)
+            record = self._step_records[k.run]
+            record.caller_kept_runs += 1
+            record.caller_kept_bytes += k.input.nbytes
+        for record in {self._step_records[k.run].index: self._step_records[k.run] for k in kept}.values():
+            inputs = [k for k in kept if self._step_records[k.run] is record]
+            message = kept_warning(record.region, inputs, record.caller_kept_runs)
+            runs = sum(1 for r in self._step_records if r is record)
+            # Half its runs or more: most of its copies are for nothing. Fewer (a model holding its
+            # embedding output keeps the first layer's input): explain and the log say so.
+            if 2 * record.caller_kept_runs < runs:
+                log.info("%s", message)
+            elif record.index not in self._kept_warned:
+                self._kept_warned.add(record.index)
+                warnings.warn(message, stacklevel=2)
 
     def _check_held(self, region: tuple) -> None:
         budget = self.config.plan_options.budget.nbytes
@@ -612,10 +628,16 @@ class OffloadBackend:
             f"covers the whole step.", stacklevel=2)
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
-                        activations: frozenset[int], patches: dict) -> Callable:
+                        activations: frozenset[int], patches: dict, replannable: bool = False) -> "_Compiled":
         """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
-        ``patches``: Inductor options of the compile's mode (:func:`_mode_patches`)."""
-        compilation = _Compilation(self, region, activations)
+        ``patches``: Inductor options of the compile's mode (:func:`_mode_patches`); ``replannable``: the
+        count of its runs may plan it again (see ``_track``)."""
+        compilation = _Compilation(self, region, activations, replannable)
+        return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
+
+    def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,
+                      patches: dict) -> Callable:
+        """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
         partitioner = _Partitioner(compilation.on_pair, compilation.input_activations)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx

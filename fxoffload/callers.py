@@ -11,12 +11,14 @@ copy engines hold an alias of their own, ``fxoffload.runtime``, so a copy in fli
 it). When the next compiled forward of the step begins, or the step's backward does, an input that
 is still alive is one the caller keeps (``output_hidden_states=True``, a model holding its
 ``inputs_embeds``, ``torch.utils.checkpoint`` around the compiled layer, a user's variable): the
-copy freed nothing. The backend records it per invocation, warns once per compiled region, and
+copy freed nothing. The backend records it per invocation, warns once per compiled graph, and
 ``fxoffload.passes.step.simulate_step`` counts the kept bytes from the input's release to the
-step's end.
+step's end (to the first backward where the caller dropped it before).
 
-Limits: a caller that keeps only a view of the input (another tensor object on the same storage)
-is not seen; the plan itself is not changed by what the check finds.
+Limits: the check watches the tensor object the graph was handed. A caller that keeps only a view
+of it (another object on the same storage) is not seen, nor is one behind a wrapper that hands
+the layer new objects: FSDP2's pre-forward hook does (``RegisterPostBackwardFunction``), and so
+would a mixed-precision cast of the input. The plan itself is not changed by what the check finds.
 """
 
 from __future__ import annotations
@@ -61,17 +63,18 @@ def offloaded_inputs(plan: Plan) -> tuple[OffloadedInput, ...]:
 
 
 def kept_warning(region: int, kept: Sequence[KeptInput], runs: int) -> str:
-    """The warning for compiled region ``region``, whose caller kept the offloaded inputs ``kept`` after ``runs`` runs."""
+    """The warning for a graph of compiled region ``region`` whose caller kept the offloaded inputs
+    ``kept`` after ``runs`` of its runs."""
     nbytes = sum(k.input.nbytes for k in kept)
     first = kept[0].input
     return (
-        f"fxoffload: compiled region {region} offloads its input {first.name} (input {first.position}, a layer's "
-        f"input made by an earlier graph), but after {runs} of its runs the caller still held it once the graph had "
-        f"returned ({nbytes} B in all): those copies free no device memory, and the step holds those bytes on top of "
-        "the plan's prediction (fxoffload.passes.step.simulate_step(backend.step_invocations(), "
-        "caller_kept=backend.step_caller_kept()) counts them). Callers that keep it: output_hidden_states=True, a "
-        "model holding its embedding output, torch.utils.checkpoint around the compiled layer (put the checkpoint "
-        "inside it), a variable of yours")
+        f"fxoffload: a graph of compiled region {region} offloads its input {first.name} (input {first.position}, "
+        f"a layer's input made by an earlier part of the step), but after {runs} of its runs the caller still held "
+        f"it once the graph had returned ({nbytes} B in all): those copies free no device memory, and the step "
+        "holds those bytes on top of the plan's prediction (fxoffload.passes.step.simulate_step("
+        "backend.step_invocations(), caller_kept=backend.step_caller_kept()) counts them). Callers that keep it: "
+        "output_hidden_states=True, a model holding its embedding output, torch.utils.checkpoint around the "
+        "compiled layer (put the checkpoint inside it), a variable of yours")
 
 
 @dataclass
@@ -94,10 +97,11 @@ class CallerWatch:
             self._watched.append(_Watched(run, offloaded, weakref.ref(args[offloaded.position])))
 
     def next_forward(self) -> None:
-        """A forward of the step begins: the inputs of those before it that are alive are kept."""
+        """A forward of the step begins: the inputs of those before it that are alive are kept (and
+        stay watched, for whether they are still held when the backward begins)."""
         still = []
         for w in self._watched:
-            if w.ref() is not None:
+            if w.kept or w.ref() is not None:
                 w.kept = True
                 still.append(w)
         self._watched = still
@@ -107,6 +111,3 @@ class CallerWatch:
         kept = [KeptInput(w.run, w.input, alive) for w in self._watched if (alive := w.ref() is not None) or w.kept]
         self._watched = []
         return kept
-
-    def forget(self) -> None:
-        self._watched = []

@@ -155,7 +155,11 @@ def _layer_inputs(record: Any) -> list[str]:
     inputs = getattr(record, "offloaded_inputs", ())
     if not inputs:
         return []
-    names = ", ".join(f"{i.name} (input {i.position})" for i in inputs)
+    ahead = set(record.schedule.ahead) if record.schedule.ahead_bytes else set()
+    names = ", ".join(
+        f"{i.name} (input {i.position}; " + ("back during the next layer's backward, which starts its copy ahead)"
+                                              if i.transfer in ahead else "back within its own backward)")
+        for i in inputs)
     line = (f"layer inputs offloaded: {names}; their device memory is freed when the caller drops them (a loop "
             "rebinding hidden_states does at the layer's return), checked at run time when the next forward of "
             "the step begins, and when its backward does: ")

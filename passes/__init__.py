@@ -32,7 +32,8 @@ from fxoffload.passes.scheduling import Schedule
 from fxoffload.passes.strategy import plan_best_partition
 
 __all__ = [
-    "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "DeviceProfile", "Placement", "Plan", "PlanOptions",
+    "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "DeviceProfile", "Placement", "Plan",
+    "PlanOptions",
     "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "plan_pair",
     "plan_best_partition", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
 ]

@@ -396,7 +396,7 @@ def replayable(act: SavedActivation) -> bool:
 
 
 # What an offloaded input activation's reason starts with.
-INPUT_ACTIVATION = "layer input (made by an earlier compiled graph of the step)"
+INPUT_ACTIVATION = "layer input (made by an earlier part of the step)"
 
 
 def why_kept(

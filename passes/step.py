@@ -26,7 +26,10 @@ in the order the invocations ran:
   for its backward (``fxoffload.passes.scheduling.held_after_forward``), plus copies
   started ahead (from their start to the end of the backward that started
   them), plus deferred sources until their copy has landed on the simulated
-  clock. The baseline is the same step without offloading or recomputing.
+  clock, plus offloaded graph inputs their caller still held when the
+  backward began (``caller_kept``, as the backend saw them: from the release
+  to the step's end). The baseline is the same step without offloading or
+  recomputing.
 
 Every figure is a prediction. Limits: compute outside the compiled graphs
 (embeddings, the loss) is not in the records and not simulated; an
@@ -47,7 +50,15 @@ from fxoffload.passes.replay import Copy, op_starts, replay
 from fxoffload.passes.scheduling import held_after_forward
 from fxoffload.passes.simulator import SimulatedCopy
 
-__all__ = ["StepSimulation", "simulate_step"]
+__all__ = ["KeptSource", "StepSimulation", "simulate_step"]
+
+
+@dataclass(frozen=True)
+class KeptSource:
+    """A transfer whose source, an input of its graph, the caller kept after the graph returned."""
+
+    transfer: int  # index into the invocation's Plan.transfers
+    into_backward: bool  # still held when the step's backward began (else dropped during the forward)
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,7 @@ class _Move:
     h2d: float
     deferred: bool
     transfer: int = -1  # index into Plan.transfers
+    death: int = 0  # the source's last use (timeline position), where the graph's own hold ends
 
 
 @dataclass(frozen=True)
@@ -128,7 +140,7 @@ def _graph(record: Any, profile: DeviceProfile) -> _Graph:
         p = schedule.placements[k]
         transfers.append(_Move(pos[p.offload_after] + 1, pos[p.free_after] + 1, pos[p.prefetch_before],
                                pos[p.wait_before], int(plan.transfers[k].nbytes), p.d2h_seconds, p.h2d_seconds,
-                               p.deferred, p.transfer))
+                               p.deferred, p.transfer, timeline.lifetimes[plan.transfers[k].lifetime].death))
     moved = recompute_moves(plan.recomputes)
     moved.update({plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
                   for p in schedule.placements})
@@ -159,6 +171,7 @@ class _Issued:
     invocation: int
     nbytes: int
     deferred: bool = False
+    transfer: int = -1  # index into the invocation's Plan.transfers
 
 
 def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = None,
@@ -166,10 +179,12 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     """Replay a step whose compiled-graph invocations ran in the order of ``invocations`` (records;
     a record appears once per run: ``[record] * 32`` for one graph serving 32 layers).
 
-    ``caller_kept``: per invocation, the transfers (indices into its plan's transfers) whose source,
-    an input of the graph, the caller kept after the graph returned (``fxoffload.callers``; the
-    backend's ``step_caller_kept()``): the copy freed nothing, so the source counts from its
-    release to the step's end, and in the baseline from the end of its backward to the step's end."""
+    ``caller_kept``: per invocation, the :class:`KeptSource` transfers whose source, an input of the
+    graph, the caller kept after the graph returned (``fxoffload.callers``; the backend's
+    ``step_caller_kept()``): the copy freed nothing, so a source still held when the backward began
+    counts from its release to the step's end, and in the baseline from its last use on. One the
+    caller dropped before the backward is not an activation (``fxoffload.measure``: saved tensors
+    are those alive when the backward starts), like any temporary of the forward."""
     if not invocations:
         raise ValueError("simulate_step: no invocations")
     profile = profile or invocations[0].profile
@@ -184,12 +199,15 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     issued = _copies(graphs, fw_off, bw_off, first_backward, profile)
     run = replay(times, [c.copy for c in issued], profile.op_seconds)
     act, base = _activations(graphs, fw_off, bw_off, length)
-    _add_caller_kept(act, base, graphs, caller_kept or [()] * len(graphs), fw_off, bw_off)
+    kept = caller_kept or [()] * len(graphs)
+    _add_caller_kept(act, base, graphs, kept, fw_off, bw_off)
+    held_anyway = {(j, k.transfer) for j, sources in enumerate(kept) for k in sources}
     for c, finish in zip(issued, run.finishes):
         if c.rank == 2:  # started ahead: held from its start until its own backward's first op
             for q in range(c.copy.issue, bw_off[c.invocation]):
                 act[q] += c.nbytes
-        elif c.deferred:  # the own curve holds it to the forward's end; then until it lands
+        elif c.deferred and (c.invocation, c.transfer) not in held_anyway:
+            # The own curve holds it to the forward's end; then until it lands (a kept source: counted above).
             q = fw_off[c.invocation] + graphs[c.invocation].forward
             while q < c.copy.wait and run.starts[q] < finish:
                 act[q] += c.nbytes
@@ -261,7 +279,8 @@ def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
         deadline = fw_off[j + 2] if j + 2 < len(graphs) else first_backward
         for m in sorted(g.transfers, key=lambda m: m.offload):
             release = deadline if m.deferred else fw_off[j] + m.release
-            issued.append(_Issued(Copy(fw_off[j] + m.offload, release, m.d2h, engines[0]), 0, j, m.nbytes, m.deferred))
+            issued.append(_Issued(Copy(fw_off[j] + m.offload, release, m.d2h, engines[0]), 0, j, m.nbytes, m.deferred,
+                                  m.transfer))
         for i, m in enumerate(g.transfers):
             start = ahead.get((j, i), bw(j, m.prefetch))
             rank = 2 if (j, i) in ahead else 1
@@ -270,15 +289,18 @@ def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
     return issued
 
 
-def _add_caller_kept(act: list[int], base: list[int], graphs, kept: Sequence[Any], fw_off, bw_off) -> None:
-    """Count, in place, each source its caller kept (see :func:`simulate_step`)."""
+def _add_caller_kept(act: list[int], base: list[int], graphs, kept: Sequence[Sequence[KeptSource]], fw_off,
+                     bw_off) -> None:
+    """Count, in place, each source its caller still held when the backward began (see :func:`simulate_step`)."""
     if len(kept) != len(graphs):
         raise ValueError(f"simulate_step: caller_kept has {len(kept)} entries for {len(graphs)} invocations")
     for j, g in enumerate(graphs):
-        for move in (m for m in g.transfers if m.transfer in kept[j]):
+        moves = {m.transfer: m for m in g.transfers}
+        for move in (moves[source.transfer] for source in kept[j] if source.into_backward):
             for q in range(fw_off[j] + move.release, len(act)):
                 act[q] += move.nbytes
-            for q in range(bw_off[j] + len(g.times) - g.forward, len(base)):
+            last_use = fw_off[j] + move.death if move.death < g.forward else bw_off[j] + move.death - g.forward
+            for q in range(last_use + 1, len(base)):
                 base[q] += move.nbytes
 
 

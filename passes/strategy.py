@@ -163,9 +163,11 @@ def _best_of(tried: list[_Tried], watch: Stopwatch) -> tuple[fx.GraphModule, fx.
         result = entry.result
         # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
         over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
-        # Else the lowest peak the budget bounds (the step's over its runs, or the device's): not one
-        # run's activation peak, which offloading a layer's input does not lower.
-        missed = 0 if result.plan.feasible else (result.plan.shortfall or (result.plan.activation_peak_after,))[0]
+        # Else the least over the budget, in the peak it bounds (the step's over its runs, or the
+        # device's, at the size furthest over): not one run's activation peak, which offloading a
+        # layer's input does not lower.
+        reach, limit = result.plan.shortfall or (result.plan.activation_peak_after, 0)
+        missed = 0 if result.plan.feasible else reach - limit
         return (not result.plan.feasible, missed, over_total, entry.step)
 
     best = min(tried, key=rank)

@@ -23,8 +23,8 @@ SMALL_LLAMA = {
 
 # A slice of each preset: a budget of 0.7 (a one- or two-layer slice keeps the logits and the
 # loss's saved tensors, needed at the backward's start, so tighter fractions can be infeasible).
-SLICES = {"llama-2-7b": (2, 128), "llama-3-8b": (2, 128), "llama-3.1-8b": (2, 128), "mistral-7b": (2, 128), "gpt2-xl": (4, 256),
-          "bert-large": (2, 128), "vit-l-16": (2, 64)}
+SLICES = {"llama-2-7b": (2, 128), "llama-3-8b": (2, 128), "llama-3.1-8b": (2, 128), "mistral-7b": (2, 128),
+          "gpt2-xl": (4, 256), "bert-large": (2, 128), "vit-l-16": (2, 64)}
 
 
 def test_slices_cover_every_preset():

@@ -77,7 +77,8 @@ def test_ranks_that_plan_alike_pass_the_check_and_ranks_that_differ_raise_naming
 @pytest.mark.slow
 def test_fsdp2_checkpointed_blocks_offload_their_inputs_at_half_the_step_with_default_options():
     """Issue 34: fully_shard per block, checkpoint_wrapper (non-reentrant) inside each compiled block,
-    memory_budget=0.5 with the backend's defaults (runs_per_step="auto", on_infeasible="error"): the
+    memory_budget=0.5 with the backend's defaults (strategy "auto", runs_per_step="auto",
+    on_infeasible="error"): the
     block saves only its input, which is offloaded; three AdamW steps give parameters bit-equal to the
     same job compiled with aot_eager_decomp_partition, and the step's measured activation peak is
     within 0.55 of that job's."""
@@ -85,8 +86,7 @@ def test_fsdp2_checkpointed_blocks_offload_their_inputs_at_half_the_step_with_de
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
          "--checkpoint", "--optimizer", "adamw", "--reference", "aot_eager_decomp_partition", "--check",
-         "--measure", "--steps", "3", "--layers", "8", "--hidden", "128", "--vocab", "32", "--strategy", "offload",
-         "--runs-per-step", "auto"],
+         "--measure", "--steps", "3", "--layers", "8", "--hidden", "128", "--vocab", "32", "--runs-per-step", "auto"],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
