@@ -11,9 +11,10 @@ copy engines hold an alias of their own, ``fxoffload.runtime``, so a copy in fli
 it). When the next compiled forward of the step begins, or the step's backward does, an input that
 is still alive is one the caller keeps (``output_hidden_states=True``, a model holding its
 ``inputs_embeds``, ``torch.utils.checkpoint`` around the compiled layer, a user's variable): the
-copy freed nothing. The backend records it per invocation, warns once per compiled graph, and
-``fxoffload.passes.step.simulate_step`` counts the kept bytes from the input's release to the
-step's end (to the first backward where the caller dropped it before).
+copy freed nothing. The backend records it per invocation, warns once per compiled graph whose
+caller kept half its runs' inputs or more (logs it otherwise), and
+``fxoffload.passes.step.simulate_step`` counts the bytes still held when the backward began from
+the input's release to the step's end (one dropped before is not an activation).
 
 Limits: the check watches the tensor object the graph was handed. A caller that keeps only a view
 of it (another object on the same storage) is not seen, nor is one behind a wrapper that hands

@@ -201,7 +201,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     act, base = _activations(graphs, fw_off, bw_off, length)
     kept = caller_kept or [()] * len(graphs)
     _add_caller_kept(act, base, graphs, kept, fw_off, bw_off)
-    held_anyway = {(j, k.transfer) for j, sources in enumerate(kept) for k in sources}
+    held_anyway = {(j, k.transfer) for j, sources in enumerate(kept) for k in sources if k.into_backward}
     for c, finish in zip(issued, run.finishes):
         if c.rank == 2:  # started ahead: held from its start until its own backward's first op
             for q in range(c.copy.issue, bw_off[c.invocation]):
