@@ -104,9 +104,18 @@ def node_work(node: fx.Node) -> Work | None:
     if not is_compute(node):
         return None
     out = node.meta.get("val")
-    dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     moved = value_nbytes(out) + sum(value_nbytes(traced_value(a)) for a in node.all_input_nodes)
-    return Work(flops=_flops(node), moved=moved, dtype=dtype)
+    return Work(flops=_flops(node), moved=moved, dtype=_work_dtype(out))
+
+
+def _work_dtype(out: Any) -> torch.dtype:
+    """The dtype an op computes in: its output's, or for several outputs the first floating-point one's.
+    Attention returns (output, logsumexp, ...): its FLOPs run at the output's rate (bf16 on a bf16
+    model), not fp32's, which an H200 runs 16 times slower (measured: benchmarks/gpu_session.py)."""
+    values = out if isinstance(out, (list, tuple)) else (out,)
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    floating = [t for t in tensors if t.dtype.is_floating_point]
+    return (floating or tensors)[0].dtype if tensors else torch.float32
 
 
 def roofline(work: Work | None, profile: DeviceProfile) -> float:

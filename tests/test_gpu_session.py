@@ -1,0 +1,118 @@
+"""benchmarks/gpu_session.py (issue 37): the first GPU hour in one command, and its dry run on this CPU.
+
+The dry run is what CI can do of the GPU session: every step on the CPU engine at small sizes, so that
+the script cannot first fail on a lent GPU. The measured figures themselves are kept under
+benchmarks/measured/ and rendered into benchmarks/RESULTS.md by the same script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_session  # noqa: E402
+from results import RESULTS  # noqa: E402
+
+FXOFFLOAD_WAYS = ("fxoffload, budget 0.5", "fxoffload, budget 0.25", "fxoffload auto, budget 0.5")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[dict, str, str]:
+    out = tmp_path_factory.mktemp("gpu_session")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_session.py"), "--dry-run", "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "gpu_session.json").read_text()), (out / "gpu_session.md").read_text(), run.stdout
+
+
+@pytest.mark.compat
+def test_the_dry_run_takes_every_measurement_it_would_take_on_a_gpu(dry_run):
+    session, markdown, stdout = dry_run
+    assert session["dry_run"] and not session["profile"]["measured"]
+    assert "calibrate: would measure" in stdout
+    assert session["check"]["passed"] and session["check"]["figures"]
+    runs = {(r["setup"], r["way"].split(" (")[0]): r for r in session["runs"]}
+    for setup in gpu_session.SETUPS:
+        for way in ("compiled, no offloading", *FXOFFLOAD_WAYS, "PyTorch's offloading pass"):
+            run = runs[setup, way]
+            assert run["error"] is None, (setup, way, run["error"], run["notes"])
+            assert run["step_seconds"] > 0 and run["peak_bytes"] > 0, (setup, way)
+        for way in FXOFFLOAD_WAYS:
+            run = runs[setup, way]
+            assert run["predicted_step_seconds"] > 0 and run["predicted_held_at_backward"] is not None, (setup, way)
+            assert "transfers pending after the steps: 0" in run["notes"], run["notes"]
+    assert runs["one graph", gpu_session.WITHOUT_INDUCTOR]["error"] is None
+    assert session["ops"]["rows"] and session["ops"]["predicted_total"] > 0
+    assert "dry run on a CPU (not a GPU measurement)" in markdown
+    assert not session["skipped"]
+
+
+def test_a_dry_run_is_never_written_to_the_results(dry_run, tmp_path):
+    path = tmp_path / "dry.json"
+    path.write_text(json.dumps(dry_run[0]))
+    before = RESULTS.read_text()
+    with pytest.raises(SystemExit, match="not a GPU's"):
+        gpu_session.main(["--from-json", str(path), "--write"])
+    assert RESULTS.read_text() == before
+
+
+def test_without_cuda_it_asks_for_a_gpu_or_the_dry_run():
+    with pytest.raises(SystemExit, match="no CUDA device here.*--dry-run"):
+        gpu_session.main([])
+
+
+def _run(setup: str, way: str, **figures) -> dict:
+    run = {field: None for field in gpu_session.Run.__dataclass_fields__}
+    return {**run, "setup": setup, "way": way, "notes": [], **figures}
+
+
+def _session(*runs: dict) -> dict:
+    return {"runs": list(runs), "check": {}}
+
+
+def test_the_misses_list_every_prediction_more_than_a_tenth_off():
+    base = _run("one graph", "compiled, no offloading", step_seconds=0.0195, held_at_backward=1000)
+    close = _run("one graph", "fxoffload, budget 0.5", step_seconds=0.0209, predicted_step_seconds=0.020,
+                 predicted_compute_seconds=0.019, held_at_backward=500, predicted_held_at_backward=480,
+                 predicted_baseline_held=980, peak_bytes=1090, predicted_peak_bytes=1000)
+    assert gpu_session.misses(_session(base, close)) == []  # each within a tenth, the baseline's time too
+    far = dict(close, step_seconds=0.0230, peak_bytes=1120, held_at_backward=700)
+    found = gpu_session.misses(_session(base, far))
+    assert any(m.startswith("one graph / fxoffload, budget 0.5: step time predicted 0.02, measured 0.023 (+15%)")
+               for m in found), found
+    assert any("device peak predicted 1000, measured 1120 (+12%)" in m for m in found), found
+    assert any("step time over the baseline's predicted 1.053, measured 1.179 (+12%)" in m for m in found), found
+    # Saved when the backward began: 1000 - 700 measured against 980 - 480 predicted.
+    assert any("saved at the backward's start predicted 500, measured 300 (-40%)" in m for m in found), found
+
+
+def test_a_baseline_s_time_is_compared_with_the_simulated_step_without_copies():
+    base = _run("per block", "compiled, no offloading", step_seconds=0.010)
+    planned = _run("per block", "fxoffload, budget 0.5", step_seconds=0.02, predicted_step_seconds=0.02,
+                   predicted_compute_seconds=0.02)
+    found = gpu_session.misses(_session(base, planned))
+    assert "per block / compiled, no offloading: step time without offloading predicted 0.02, measured 0.01 (-50%)" \
+        in found
+
+
+@pytest.mark.parametrize("name, heading", [
+    ("gpu_session-h200.json", gpu_session.HEADING),
+    ("gpu_session-h200-before-attention-fix.json", "GPU session (measured), before the attention dtype fix"),
+])
+def test_the_results_hold_what_the_script_renders_of_the_measured_figures(name, heading):
+    session = json.loads((ROOT / "benchmarks" / "measured" / name).read_text())
+    assert not session["dry_run"] and session["device"].startswith("NVIDIA")
+    text = gpu_session.render(session)
+    assert f"measured on {session['device']}" in text
+    results = RESULTS.read_text()
+    section = results.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    assert text.strip() in section, "benchmarks/RESULTS.md is stale: run gpu_session.py --from-json ... --write"
