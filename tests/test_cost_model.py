@@ -48,3 +48,29 @@ def test_fp32_attention_stays_at_the_fp32_rate():
     work = node_work(_attention_node(torch.float32))
     assert work.dtype == torch.float32
     assert roofline(work, PROFILE) == work.flops / 5e13
+
+
+def _cpu_attention_nodes() -> dict[str, torch.fx.Node]:
+    """Attention forward and backward as `fxoffload plan` traces them: on the CPU, fake tensors, bf16."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, grad):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    q, k, v, grad = (torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=i < 3) for i in range(4))
+    gm = make_fx(step, tracing_mode="fake")(q, k, v, grad)
+    return {str(n.target.overloadpacket.__name__): n for n in gm.graph.nodes
+            if n.op == "call_function" and "attention" in str(n.target)}
+
+
+def test_cpu_traced_attention_is_priced_as_the_gpu_s_flash_attention():
+    nodes = _cpu_attention_nodes()
+    forward = node_work(nodes["_scaled_dot_product_flash_attention_for_cpu"])
+    backward = node_work(nodes["_scaled_dot_product_flash_attention_for_cpu_backward"])
+    # Forward: Q K^T and P V; backward: the scores again, then grad P, grad V, grad Q and grad K. Each a
+    # batched matmul of B*H x S x S x D multiply-adds (2 FLOPs each); no causal discount.
+    assert forward.flops == 2 * (2 * B * H * S * S * D)
+    assert backward.flops == 5 * (2 * B * H * S * S * D)
+    assert forward.dtype == backward.dtype == torch.bfloat16
+    assert roofline(backward, PROFILE) == backward.flops / 1e15
