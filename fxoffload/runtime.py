@@ -77,6 +77,7 @@ issued and landed, per invocation) for tests and debugging.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import itertools
@@ -239,7 +240,7 @@ class Invocation:
     offloads: list[_Offloaded] = field(default_factory=list)
 
 
-_deferred: list[_Transfer] = []  # deferred d2h copies still holding their sources
+_deferred: list[_Transfer] = []  # deferred d2h copies still holding their sources, in issue order
 _ahead: dict[int, torch.Tensor] = {}  # host data_ptr -> device buffer of a copy started ahead
 _waiting: list[Invocation] = []  # forwards of this step whose backward has not begun, in order
 _open: list[Invocation] = []  # forwards running now (innermost last)
@@ -274,13 +275,29 @@ def trace() -> Iterator[list[tuple]]:
         _owner.clear()
 
 
+def _issue_order(transfer: _Transfer) -> int:
+    return transfer.serial
+
+
 def _reap() -> None:
-    """Drop the sources of deferred copies that have landed."""
+    """Drop the sources of deferred copies that have landed.
+
+    Every op call reaps, so its cost is per call: each engine copies one direction of one device
+    in issue order (one CUDA stream, one CPU worker thread), and ``_deferred`` is kept in issue
+    order, so the look stops at the first copy still running. An op call then queries one event
+    more than it retires, however many copies are deferred. Where two devices' copies interleave,
+    one behind a running copy of the other device waits for a later look: its source lives a
+    little longer, and is never freed early."""
     if not _deferred:
         return
+    landed = []
     with _registry_lock:
-        landed = [t for t in _deferred if t.done() and not t.failed()]
-    for t in landed:  # a copy that raised stays, so that completing it raises (prefetch, backward)
+        for t in _deferred:
+            if not t.done():
+                break
+            if not t.failed():  # a copy that raised stays, so that completing it raises (prefetch, backward)
+                landed.append(t)
+    for t in landed:
         _retire(t, complete=False)
 
 
@@ -705,7 +722,7 @@ def _defer(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
                 "follow the offload that produced it, exactly once, instead of its wait"
             )
         transfer.deferred = True
-        _deferred.append(transfer)
+        bisect.insort(_deferred, transfer, key=_issue_order)  # a forward may defer out of offload order
     _event("defer", transfer.invocation)
     if transfer.done() and not transfer.failed():  # landed already (the worker's callback ran first)
         _retire(transfer, complete=False)

@@ -128,6 +128,7 @@ class FakeEvent:
             self.fake._run(self.stream, self.mark)
 
     def query(self) -> bool:
+        self.fake.queries += 1
         if self.stream is None:
             return True
         if self.fake.complete_on_query:
@@ -161,6 +162,7 @@ class FakeCuda:
         self.violations: list[str] = []
         self.copies_queued = 0
         self.copies_run = 0
+        self.queries = 0  # event queries (the host cost of polling; issue 37, defect 6)
         self._compute: dict[torch.device, FakeStream] = {}
         self._side: list[FakeStream] = []
         self._current: FakeStream | None = None

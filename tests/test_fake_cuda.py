@@ -270,3 +270,32 @@ def test_the_environment_turns_debug_mode_on(monkeypatch):
     assert not fxoffload.offload_backend().config.debug
     with pytest.raises(fxoffload.OptionError, match="^debug: got 'yes'; accepted: True or False"):
         fxoffload.offload_backend(debug="yes")
+
+
+@pytest.mark.parametrize("order", ["as offloaded", "reversed"])
+def test_polling_deferred_copies_costs_a_bounded_number_of_queries_per_op_call(order):
+    """Issue 37, defect 6: copies to the host land in the order they were issued, so reaping the
+    deferred ones stops at the first still running. Deferring N copies costs O(N) event queries, not
+    O(N^2); once k have landed, the next op call retires exactly those k, whatever order the forward
+    deferred them in."""
+    n = 32
+    with cuda_engine_on_cpu() as fake:
+        sources = [torch.full((64,), float(i)) for i in range(n)]
+        offloaded = [ops.offload(x) for x in sources]
+        pairs = list(zip(offloaded, sources))
+        hosts = [ops.defer(h, x) for h, x in (pairs if order == "as offloaded" else reversed(pairs))]
+        if order == "reversed":
+            hosts.reverse()
+        assert runtime.pending_transfers() == n
+        assert fake.queries <= 3 * n, fake.queries  # before: n * (n + 1) / 2 and more
+        side = next(s for s in fake._side if s.queue)
+        fake._run(side, 5)  # the first five copies land
+        before = fake.queries
+        extra = torch.ones(64)
+        host = ops.wait(ops.offload(extra), extra)  # any op call reaps
+        assert runtime.pending_transfers() == n - 5
+        assert fake.queries - before <= 5 + 3, fake.queries - before
+        for h, x in zip(hosts, sources):
+            ops.wait(ops.prefetch(h, CPU, list(x.shape), list(x.stride())), h)
+        assert runtime.pending_transfers() == 0 and torch.equal(host, extra)
+    assert fake.violations == []
