@@ -39,6 +39,7 @@ its figures are not a GPU's, and it never writes RESULTS.md. On a GPU the script
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -345,13 +346,14 @@ def predict(backend: Any, run: Run) -> None:
     if len(plans) == 1 and len(invocations) == 1:
         run.predicted_peak_bytes = invocations[0].plan.total_peak_after
     run.notes.append(f"{len(invocations)} graph runs per step, {len(plans)} distinct plan(s)")
+    if not all(plan.feasible for plan in plans.values()):
+        run.notes.append("the budget was out of reach: the plan is the lowest peak it could reach "
+                         "(on_infeasible='warn')")
 
 
 def one_run(sizes: Sizes, setup: str, way: str, base: Transformer, tokens: torch.Tensor, device: torch.device,
             profile: Any, cuda: bool) -> Run:
     """Build, compile, run and measure one way of one setup; an error is recorded, not raised."""
-    import contextlib
-
     run = Run(setup, way)
     torch._dynamo.reset()
     try:
@@ -362,7 +364,7 @@ def one_run(sizes: Sizes, setup: str, way: str, base: Transformer, tokens: torch
         if way.startswith("fxoffload"):
             budget = float(way.split()[-1])
             # on_infeasible="warn": a budget below what offloading can reach still runs, at the lowest peak
-            # it can (said in the notes), so that the session brings back a figure for it.
+            # it can (the notes say so), so that the session brings back a figure for it.
             fx_backend = backend = fxoffload.offload_backend(
                 memory_budget=budget, strategy="auto" if "auto" in way else "offload", inner=sizes.inner,
                 device_profile=profile,
