@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 
 import fxoffload  # noqa: E402
+from _recipes import plain_backend  # noqa: E402
 from torchtitan_blocks import Transformer, checkpoint_blocks  # noqa: E402
 
 HEADING = "GPU session (measured)"
@@ -185,7 +186,17 @@ class LossOf(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def build(sizes: Sizes, setup: str, device: torch.device, base: Transformer) -> Transformer:
+def model_and_tokens(sizes: Sizes, cuda: bool) -> tuple[torch.device, Transformer, torch.Tensor]:
+    """The device, the model every run copies (seeded weights), and the one batch every run trains on."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    base = Transformer(sizes.layers, sizes.dim, sizes.heads, sizes.vocab).to(getattr(torch, sizes.dtype))
+    tokens = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    return device, base, tokens
+
+
+def build(setup: str, device: torch.device, base: Transformer) -> Transformer:
     model = copy.deepcopy(base).to(device)
     if setup == "per block, checkpointed":
         checkpoint_blocks(model)
@@ -223,10 +234,9 @@ def pytorch_pass_run(sizes: Sizes, setup: str, base: Transformer, tokens: torch.
     2.11's stream ops do not compile under Inductor), on the compute stream: synchronous copies."""
     for separate in ((True, False) if cuda else (False,)):
         torch._dynamo.reset()
-        model = build(sizes, setup, device, base)
-        backend = sizes.inner if sizes.inner == "inductor" else "aot_eager"
+        model = build(setup, device, base)
         try:
-            measure(compiled(model, setup, backend), tokens, sizes, cuda, run,
+            measure(compiled(model, setup, plain_backend(sizes.inner)), tokens, sizes, cuda, run,
                     lambda: torch._functorch.config.patch(**pytorch_pass_config(separate)))
         except Exception as error:  # noqa: BLE001 -- recorded; the compute-stream version is tried next
             run.notes.append(f"{'own copy stream' if separate else 'compute stream'}: {_one_line(error)}")
@@ -357,9 +367,8 @@ def one_run(sizes: Sizes, setup: str, way: str, base: Transformer, tokens: torch
     run = Run(setup, way)
     torch._dynamo.reset()
     try:
-        model = build(sizes, setup, device, base)
-        backend: Any = sizes.inner if sizes.inner == "inductor" and way != WITHOUT_INDUCTOR else "aot_eager"
-        warm: Callable[[], Any] = contextlib.nullcontext
+        model = build(setup, device, base)
+        backend: Any = "aot_eager" if way == WITHOUT_INDUCTOR else plain_backend(sizes.inner)
         fx_backend = None
         if way.startswith("fxoffload"):
             budget = float(way.split()[-1])
@@ -371,7 +380,7 @@ def one_run(sizes: Sizes, setup: str, way: str, base: Transformer, tokens: torch
                 on_infeasible="warn", **({"min_bytes": 0} if not cuda else {}))
         elif way == "PyTorch's offloading pass":
             return pytorch_pass_run(sizes, setup, base, tokens, device, cuda, run)
-        measure(compiled(model, setup, backend), tokens, sizes, cuda, run, warm)
+        measure(compiled(model, setup, backend), tokens, sizes, cuda, run, contextlib.nullcontext)
         if fx_backend is not None:
             predict(fx_backend, run)
             run.notes.append(f"transfers pending after the steps: {fxoffload.runtime.pending_transfers()}")
@@ -394,11 +403,7 @@ def llama_step(session: Session, profile: Any, cuda: bool, deadline: float, say:
                out: Path | None) -> None:
     """Step 3: every setup, every way (see the module docstring)."""
     sizes = session.sizes
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    torch.manual_seed(0)
-    base = Transformer(sizes.layers, sizes.dim, sizes.heads, sizes.vocab).to(getattr(torch, sizes.dtype))
-    tokens = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq + 1),
-                           generator=torch.Generator().manual_seed(0)).to(device)
+    device, base, tokens = model_and_tokens(sizes, cuda)
     ways = ["compiled, no offloading", *(f"fxoffload, budget {b}" for b in BUDGETS),
             f"fxoffload auto, budget {BUDGETS[0]}", "PyTorch's offloading pass", WITHOUT_INDUCTOR]
     for setup in SETUPS:
@@ -429,14 +434,10 @@ def ops_step(session: Session, profile: Any, cuda: bool, say: Callable[[str], No
     from fxoffload.passes.cost_model import roofline
 
     sizes = session.sizes
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    base = Transformer(sizes.layers, sizes.dim, sizes.heads, sizes.vocab).to(getattr(torch, sizes.dtype))
-    tokens = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq + 1),
-                           generator=torch.Generator().manual_seed(0)).to(device)
+    device, base, tokens = model_and_tokens(sizes, cuda)
     backend = fxoffload.offload_backend(memory_budget=1.0, inner="eager", device_profile=profile)
-    step = compiled(build(sizes, "one graph", device, base), "one graph", backend)
+    step = compiled(build("one graph", device, base), "one graph", backend)
     for _ in range(2):
         step(tokens).backward()
     _sync(cuda)

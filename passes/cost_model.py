@@ -111,7 +111,8 @@ def _flops(node: fx.Node) -> int:
     except Exception:  # an unusual overload the counter does not handle: bandwidth-only estimate
         return 0
     if isinstance(flops, torch.SymInt):  # int() would add a guard and specialise the graph's sizes
-        return concrete(flops.node.expr, _tensors(node.meta.get("val"))[0])  # its fake mode's shape env
+        tensors = _tensors(node.meta.get("val"))  # the first output's fake mode holds the shape env
+        return concrete(flops.node.expr, tensors[0] if tensors else None)
     return int(flops)
 
 
@@ -132,17 +133,17 @@ def node_work(node: fx.Node) -> Work | None:
     return Work(flops=_flops(node), moved=moved, dtype=_work_dtype(out))
 
 
-def _tensors(val: Any) -> list[Any]:
-    """The tensors of a traced value (one, or a tuple's), else ``[None]``."""
+def _tensors(val: Any) -> list[torch.Tensor]:
+    """The tensors of a traced value (one, or a tuple's)."""
     values = val if isinstance(val, (list, tuple)) else (val,)
-    return [v for v in values if isinstance(v, torch.Tensor)] or [None]
+    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def _work_dtype(out: Any) -> torch.dtype:
     """The dtype an op computes in: its output's, or for several outputs the first floating-point one's.
     Attention returns (output, logsumexp, ...): its FLOPs run at the output's rate (bf16 on a bf16
     model), not fp32's, which an H200 runs 16 times slower (measured: benchmarks/gpu_session.py)."""
-    tensors = [t for t in _tensors(out) if t is not None]
+    tensors = _tensors(out)
     floating = [t for t in tensors if t.dtype.is_floating_point]
     return (floating or tensors)[0].dtype if tensors else torch.float32
 
