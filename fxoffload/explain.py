@@ -78,7 +78,12 @@ def _summary(record: Any) -> str:
             f"(graph inputs {format_bytes(plan.input_bytes)} and every tensor the step creates; device_budget less "
             f"reserved: {format_bytes(plan.device_bytes)}, "
             f"{'within' if plan.device_peak_after <= plan.device_bytes else 'OVER'})")
-    if getattr(record, "provisional", False):
+    share = getattr(record, "step_share", None)
+    if getattr(record, "provisional", False) and share is not None:
+        lines.append(
+            f"provisional: its share of the step's budget was out of reach in round {record.step_round + 1} of the "
+            "step's shares: planned at its smallest peak, which the next round reserves for it")
+    elif getattr(record, "provisional", False):
         lines.append(
             f"provisional: the budget is out of reach for one run, and the first step has not counted this graph's "
             f"runs yet: planned for {plan.runs} (a graph handed an activation by an earlier graph is taken to serve "
@@ -96,7 +101,13 @@ def _summary(record: Any) -> str:
         lines.append(
             f"region {record.region} of the step: earlier regions hold {format_bytes(record.held_before)} of "
             f"activations after their forward; running total with this one {format_bytes(record.held_after)} "
-            "(predicted; an absolute budget covers them all)")
+            "(predicted; a budget in bytes, or a share of the step's, covers them all)")
+    if share is not None:
+        cap = f", leaving at most {format_bytes(share.held_cap)} for its backward" if share.held_cap is not None else ""
+        lines.append(
+            f"share of the step's budget ({format_bytes(record.step_budget)} for the step's regions, predicted): a peak "
+            f"within {format_bytes(share.budget)} on top of what earlier regions hold{cap} ({share.fraction:.2f} of "
+            f"its own figures; re-planned once the first step had shown every region, round {record.step_round + 1})")
     lines += _layer_inputs(record)
     handed_on = [lt for lt in record.timeline.lifetimes if lt.handed_on]
     if handed_on:

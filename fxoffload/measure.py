@@ -18,7 +18,8 @@ the step:
   that it is not counted as an activation;
 * the total is every tracked device storage.
 
-Storages that existed before the step (parameters, inputs) are not counted.
+Storages that existed before the step (parameters, inputs) are not counted, nor fake, functional
+and meta tensors (a compile during the step, such as a re-plan, traces with them; they hold no memory).
 On CUDA, ``torch.cuda.max_memory_allocated`` is reported as well.
 
 Limits. Allocations that do not go through the dispatcher are invisible: under
@@ -34,6 +35,8 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -87,6 +90,10 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if any(_traced(t) for t in pytree.tree_leaves((out, args, kwargs)) if isinstance(t, torch.Tensor)):
+            # An op of a compile during the step (a re-plan traces with fake and functional tensors, and
+            # its joint trace runs autograd): it holds no memory and is not the step's backward.
+            return out
         self.step += 1
         if self.backward_start is None and torch._C._current_graph_task_id() != -1:
             self.backward_start = self.step
@@ -116,6 +123,11 @@ class _Tracker(TorchDispatchMode):
             else:
                 still.append(entry)
         self.live = still
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """A tensor of a trace (fake, functional or meta), not of the step."""
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or t.device.type == "meta"
 
 
 def _peak(entries: list[_Storage], length: int) -> tuple[int, list[int]]:

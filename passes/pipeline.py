@@ -186,6 +186,8 @@ def counts_outputs(options: PlanOptions) -> bool:
     A loss compiled as a graph of its own (a graph break before it) saves the logits it is handed:
     they stay on the device, on top of what the model's graph keeps, until the loss's backward, so
     the model's graph holds its fraction with them counted, and the step holds it too."""
+    if options.count_outputs is not None:
+        return options.count_outputs
     return options.budget is not None and options.budget.fraction is not None and options.runs == 1
 
 

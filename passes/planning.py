@@ -205,6 +205,14 @@ class PlanOptions:
     # size on the device from its offload to its release and from its prefetch to its wait
     # (:func:`staging_bytes`).
     staging_devices: frozenset[str] = frozenset()
+    # A bound on what the graph's runs leave on the device for their backward (the activation curve at
+    # the forward's end, over ``runs`` runs), below ``budget``: the later regions of a step run on top
+    # of it (``fxoffload.passes.shares``). None: only the budget bounds it.
+    held_cap: int | None = None
+    # Whether the graph's user outputs count as activations until its forward returns (and the
+    # activations it is handed do not): None, under a fraction for one run
+    # (``fxoffload.passes.pipeline.counts_outputs``); set for a share of a step's fraction, planned in bytes.
+    count_outputs: bool | None = None
 
 
 class Why(enum.Enum):
@@ -319,6 +327,10 @@ class Plan:
     # (``fxoffload.passes.memory.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
     host_budget_bytes: int | None = None  # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
+    held_cap: int | None = None  # PlanOptions.held_cap
+    # Predicted: what the runs leave for the backward (the activation curve at the forward's end, over the runs).
+    held_before: int = 0
+    held_after: int = 0
 
     @property
     def offloaded_bytes(self) -> int:
@@ -545,6 +557,11 @@ class _Problem:
         """The step's total peak over its runs (each run on top of what earlier runs hold), inputs excluded."""
         held = self.curve(offloaded, recomputed, True)[len(self.timeline.fw_nodes) - 1]
         return peak(self.curve(offloaded, recomputed, False)) + (self.options.runs - 1) * held
+
+    def held(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
+        """What the step's ``runs`` runs leave on the device for their backward."""
+        activations = self.curve(offloaded, recomputed, True)
+        return self.options.runs * activations[len(self.timeline.fw_nodes) - 1] if activations else 0
 
     def bounded_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
         """The peak the budget bounds: the device peak's step tensors, or the step's activation peak."""
@@ -779,6 +796,10 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         parts.append((*_constraint(at, free, forced, _items(at, free, forced)[0]), budget - limit))
     length = problem.timeline.length
     base, items = _stacked(length, parts)
+    cap = options.held_cap
+    if cap is not None and not problem.device and cap < budget:
+        # The cap as the budget at one position: a fixed interval fills the difference at the forward's end.
+        base.append((len(problem.timeline.fw_nodes) - 1, len(problem.timeline.fw_nodes) - 1, budget - cap))
     total = length * len(parts)
     host_left = problem.host_left(forced)
     result = solve(total, base, items, budget, queues, conflicts, solver=options.solver,
@@ -986,6 +1007,9 @@ def plan_offloads(
         sizes=tuple(SizeBudget(tuple(values.items()), n, at.step_peak((), ()),
                                at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
         host_budget_bytes=options.host_bytes,
+        held_cap=options.held_cap,
+        held_before=problem.held((), ()),
+        held_after=problem.held(choice.offloaded, choice.recomputed),
     )
 
 
@@ -1035,7 +1059,10 @@ def _select(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
         free, goal = wanted, "reach the smallest peak"
     else:
         goal = "meet the budget"
-    if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held):
+    cap = problem.options.held_cap
+    under_cap = cap is None or problem.device or problem.held(forced, ()) <= cap
+    if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held) \
+            and under_cap:
         return _Choice(tuple(forced)), goal
     return _choose(problem, free, forced, limit, held), goal
 

@@ -254,12 +254,18 @@ def schedule_transfers(
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
     deferred = _deferrable(late, plan.runs, sizes, starts, len(timeline.fw_nodes), room()) if cross_graphs else set()
+    # Under a held cap (a share of a step of several graphs), a deferred source stays on into the next
+    # graph's forward, and copies started ahead land during the next graph's backward: each on top of
+    # what this graph holds, so each within what the cap leaves of it (smallest deferrals first).
+    spill = None if plan.held_cap is None else max(plan.held_cap - plan.held_after, 0)
+    if spill is not None:
+        deferred = _fitting(sorted(deferred, key=lambda k: (sizes[k], k)), sizes, spill)
     deferred = [k in deferred for k in range(len(chosen))]
     ahead: tuple[int, int, list[int]] | None = None
     if horizon == AUTO_HORIZON:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, pos, cross_graphs)
+        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, pos, cross_graphs, spill)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
     schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon,
@@ -319,6 +325,17 @@ def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]
     return plan.budget_bytes - earlier, total_bound
 
 
+def _fitting(order: Sequence[int], sizes: Sequence[int], room: int) -> set[int]:
+    """The first transfers of ``order`` whose bytes together fit ``room``."""
+    chosen, left = set(), room
+    for k in order:
+        if sizes[k] > left:
+            break
+        chosen.add(k)
+        left -= sizes[k]
+    return chosen
+
+
 def _deferrable(late, runs, sizes, starts, forward, room: _Room) -> set[int]:
     """The late releases that may cross the forward's end (``late``: transfer -> seconds its copy is
     predicted to run past the forward's last op). When the graph runs several times per step, a
@@ -360,11 +377,11 @@ def _place_releases(timeline, chosen, room: _Room, d2h, starts, pos) -> tuple[li
     return releases, late
 
 
-def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, pos,
-                      cross_graphs) -> tuple[list[int], tuple[int, int, list[int]] | None]:
+def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, pos, cross_graphs,
+                      ahead_room: int | None = None) -> tuple[list[int], tuple[int, int, list[int]] | None]:
     """Each prefetch's position, and the copies to start ahead in the backward before this one:
     (position, bytes, transfers), or None. ``room`` starts from every prefetch at its consumer
-    (the least memory)."""
+    (the least memory); ``ahead_room``: at most these bytes started ahead (None: as the bound allows)."""
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
     consumers = [pos[chosen[k].wait_before] for k in order]
@@ -386,6 +403,8 @@ def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, pos,
         if latest[j] >= starts[first] or prefetches[k] != first:
             break
         early.append(k)
+    while ahead_room is not None and early and sum(room.sizes[0][k] for k in early) > ahead_room:
+        early = early[:-1]
     return prefetches, _place_ahead(room, starts, first, latest, early)
 
 

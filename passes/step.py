@@ -321,3 +321,4 @@ def _activations(graphs, fw_off, bw_off, length) -> tuple[list[int], list[int]]:
             act[q], base[q] = g.own[p] + held, g.base[p] + base_held
     return act, base
 
+

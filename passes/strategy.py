@@ -173,7 +173,7 @@ def _best_of(tried: list[_Tried], watch: Stopwatch) -> tuple[fx.GraphModule, fx.
     best = min(tried, key=rank)
     relabelled = dataclasses.replace(
         best.result.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
-        total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before,
+        total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before, held_before=plan.held_before,
         device_peak_before=plan.device_peak_before, strategy="auto", partition=best.label,
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
                     for size, reference in zip(best.result.plan.sizes, plan.sizes)),

@@ -69,10 +69,11 @@ def test_module_level_imports_have_no_cycle():
 
 
 # The pipeline's stages in order; a module may import only modules of its own or an earlier stage.
-# Rank 0: shared by every stage (the ops, the user's marks, the solvers, the replay core).
+# Rank 0: shared by every stage (the ops, the user's marks, the solvers, the replay core, the split of
+# a step's budget).
 STAGE_ORDER = {
     "fxoffload.passes.ops": 0, "fxoffload.passes.policies": 0,
-    "fxoffload.passes.solvers": 0, "fxoffload.passes.replay": 0,
+    "fxoffload.passes.solvers": 0, "fxoffload.passes.replay": 0, "fxoffload.passes.shares": 0,
     "fxoffload.passes.analysis": 1, "fxoffload.passes.memory": 1,
     "fxoffload.passes.cost_model": 2,
     "fxoffload.passes.candidates": 3,

@@ -1,0 +1,241 @@
+"""One budget for the step: regions that compile to distinct graphs share it, and the step holds it."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.passes.shares import RegionDemand, scaled, share_for, step_peak
+from tests.conftest import assert_same_step, loss_and_grads
+
+# --------------------------------------------------------------------------- the split, on plain numbers
+
+
+def plan_in_order(budget: int, regions: list[RegionDemand]) -> tuple[list[int], list]:
+    """Plan each region with its share, in order, each holding exactly its cap (its floor at least) and
+    peaking at its scaled peak within its share's budget: what a plan that keeps to its share does."""
+    held, helds, shares = 0, [], []
+    for k, region in enumerate(regions):
+        share = share_for(budget, held, regions[k:])
+        shares.append(share)
+        cap = share.held_cap if share.held_cap is not None else region.held
+        helds.append(max(min(region.held, cap), region.floor_held))
+        held += helds[-1]
+    return helds, shares
+
+
+def test_the_split_holds_the_step_to_its_budget_whenever_the_floors_allow():
+    rng = random.Random(0)
+    for _ in range(400):
+        regions = []
+        for _ in range(rng.randint(1, 7)):
+            held = rng.randint(0, 1000)
+            peak = held + rng.randint(0, 500)
+            floor = rng.choice([0, 0, rng.randint(0, held)])
+            regions.append(RegionDemand(held, peak, floor, floor + (peak - held) if floor else 0))
+        budget = rng.randint(0, step_peak(regions))
+        helds, shares = plan_in_order(budget, regions)
+        assert shares[-1].held_cap is None and all(s.held_cap is not None for s in shares[:-1])
+        if step_peak([scaled(r, 0.0) for r in regions]) > budget:
+            continue  # the floors alone exceed it: the plan says so (tested on models below)
+        # Each region peaks within its share's budget on top of what the ones before it hold.
+        for k, region in enumerate(regions):
+            assert sum(helds[:k]) + scaled(region, shares[k].fraction).peak <= budget
+            assert shares[k].budget == budget - sum(helds[:k])
+            if shares[k].held_cap is not None:
+                assert shares[k].held_cap >= region.floor_held  # a region is never asked below its floor
+
+
+def test_without_floors_every_region_keeps_the_budget_s_fraction_of_itself():
+    regions = [RegionDemand(300, 500), RegionDemand(600, 650), RegionDemand(50, 400)]
+    whole = step_peak(regions)
+    assert whole == max(500, 300 + 650, 900 + 400)
+    share = share_for(whole // 2, 0, regions)
+    assert share.fraction == pytest.approx(0.5, abs=5e-3)  # (figures are whole bytes)
+    assert share.held_cap == int(share.fraction * 300) and share.budget == whole // 2
+
+
+def test_a_region_that_cannot_shrink_is_given_what_it_needs_and_the_others_make_up_for_it():
+    body, loss = RegionDemand(1000, 1100), RegionDemand(100, 200, 100, 200)  # the loss cannot move
+    budget = 600
+    share = share_for(budget, 0, [body, loss])
+    # The loss needs 200 B on top of what the body holds: the body keeps at most 400 B, not half of itself.
+    assert share.held_cap == 400 and share.fraction == pytest.approx(0.4, abs=1e-3)
+    assert share_for(budget, share.held_cap, [loss]).budget == 200
+
+
+# --------------------------------------------------------------------------- blocks compiled to distinct graphs
+
+
+class IndexedBlock(torch.nn.Module):
+    """A block whose forward reads its own layer index (as many Hugging Face layers do): dynamo guards on
+    it, so compiling each block on its own gives one graph per block."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.up, self.down = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x))) * (1.0 + 0.01 * self.index)
+
+
+class IndexedModel(torch.nn.Module):
+    """An input projection (left eager: the first block is handed an activation, as after an embedding),
+    then the blocks, each compiled on its own."""
+
+    def __init__(self, layers: int = 6) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(128, 128)
+        self.blocks = torch.nn.ModuleList(IndexedBlock(i) for i in range(layers))
+
+    def forward(self, x):
+        x = self.project(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()  # (a loss that saves nothing: eager code outside the blocks is not planned)
+
+
+def blockwise(model: IndexedModel, **options) -> fxoffload.OffloadBackend:
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload", **options)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return backend
+
+
+def step(model, x):
+    loss = model(x)
+    loss.backward()
+    return loss
+
+
+def measured_steps(model, x, steps: int = 3) -> list[int]:
+    """Each step's measured activation peak (the first shows the backend the step; then it re-plans)."""
+    peaks = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        peaks.append(fxoffload.measure_peak(step, model, x).activation_peak)
+    return peaks
+
+
+@pytest.fixture(scope="module")
+def indexed():
+    """An eager model, a copy to compile, the input, and the step's measured activation peak without
+    offloading (blocks compiled one at a time)."""
+    torch.manual_seed(0)
+    eager, x = IndexedModel(), torch.randn(512, 128)
+    model = copy.deepcopy(eager)
+    plain = blockwise(model, memory_budget=1.0)
+    peak = measured_steps(model, x)[-1]
+    assert len({id(r) for r in plain.step_invocations()}) == 6  # six distinct graphs, each run once
+    return eager, model, x, peak
+
+
+@pytest.mark.parametrize("budget", ["bytes", "fraction"])
+def test_a_budget_holds_for_a_step_of_distinct_block_graphs(indexed, budget):
+    eager, model, x, plain_peak = indexed
+    limit = int(0.4 * plain_peak)
+    backend = blockwise(model, memory_budget=limit if budget == "bytes" else 0.4)
+    measured = measured_steps(model, x)
+    latest = backend.step_invocations()
+    assert measured[-1] <= limit, (measured, plain_peak, [fxoffload.explain(r) for r in latest])
+    assert len({id(r) for r in latest}) == 6 and all(r.plan.runs == 1 for r in latest)
+    assert_same_step(loss_and_grads(eager, x), loss_and_grads(model, x))
+
+
+# --------------------------------------------------------------------------- graph breaks, default options
+
+
+class EmbeddingThenBreak(torch.nn.Module):
+    """An embedding lookup, a graph break, then the body: the first region's only activation is the
+    embedding it hands on, which it cannot offload, so it cannot halve itself; the step can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 128)
+        self.body = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())])
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        torch._dynamo.graph_break()
+        return self.body(h).square().mean()
+
+
+class GPT2WithLoss(torch.nn.Module):
+    """A transformers GPT-2 with its default config (``use_cache=True``: it returns its keys and values)
+    and its own loss (``labels=``, a region of its own); dropout off, to compare with eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        self.lm = GPT2LMHeadModel(config).train()
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def steady_share(model, batch, fraction: float, **options) -> tuple[float, fxoffload.OffloadBackend]:
+    """The compiled step's measured activation peak at ``fraction``, once re-planned (its third step), as a
+    share of the same compile's without offloading; eager's loss and gradients checked."""
+    peaks = {}
+    for budget in (1.0, fraction):
+        torch._dynamo.reset()
+        backend = fxoffload.offload_backend(inner="eager", memory_budget=budget, **options)
+        compiled = torch.compile(model, backend=backend)
+        assert_same_step(loss_and_grads(model, batch), loss_and_grads(compiled, batch))  # the first step
+        peaks[budget] = measured_steps(compiled, batch, 3)[-1]
+        assert_same_step(loss_and_grads(model, batch), loss_and_grads(compiled, batch))  # re-planned
+    return peaks[fraction] / peaks[1.0], backend
+
+
+@pytest.mark.parametrize("case", ["embedding, then a break", "a loss of its own",
+                                  pytest.param("GPT-2, default config", marks=pytest.mark.slow)])
+def test_a_fraction_holds_for_a_step_split_by_graph_breaks_with_default_options(case):
+    torch.manual_seed(0)
+    if case == "embedding, then a break":
+        model, batch = EmbeddingThenBreak(), torch.randint(0, 256, (512,))
+    elif case == "a loss of its own":
+        from tests.test_regions import LossOfItsOwn
+
+        model = LossOfItsOwn()
+        x, y = torch.randn(256, 128), torch.randint(0, 64, (256,))
+        model, batch = (lambda m: Pair(m, y))(model), x
+    else:
+        model, batch = GPT2WithLoss(), torch.randint(0, 256, (2, 32))
+    share, backend = steady_share(model, batch, 0.5)
+    assert share <= 0.5 * 1.05, (share, [fxoffload.explain(r) for r in backend.step_invocations()])
+    assert len({id(r) for r in backend.step_invocations()}) >= 2  # several regions, one budget
+
+
+class Pair(torch.nn.Module):
+    """A module of two inputs taking the second as a constant (``loss_and_grads`` passes one batch)."""
+
+    def __init__(self, model: torch.nn.Module, second: torch.Tensor) -> None:
+        super().__init__()
+        self.model, self.second = model, second
+
+    def forward(self, x):
+        return self.model(x, self.second)
+
+
+def test_a_budget_the_step_cannot_meet_names_its_regions():
+    torch.manual_seed(0)
+    model, ids = EmbeddingThenBreak(), torch.randint(0, 256, (512,))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxoffload.offload_backend(inner="eager", memory_budget=0.05))
+    # The first step runs provisionally, at each region's smallest peak; the second re-plans each with its
+    # share and finds their floors in the step's accounting; the third shares the budget with the floors
+    # known, and says what cannot be met.
+    loss_and_grads(compiled, ids)
+    loss_and_grads(compiled, ids)
+    with pytest.raises(fxoffload.BudgetInfeasibleError) as info:
+        loss_and_grads(compiled, ids)
+    message = str(info.value)
+    assert "the step (2 compiled regions, predicted): memory_budget=0.05 is" in message
+    assert "smallest achievable activation peak" in message
