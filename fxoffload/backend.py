@@ -65,11 +65,11 @@ from fxoffload.passes import (
 from fxoffload.passes.analysis import inputs_at, tensor_storage_key
 from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
 from fxoffload.passes.scheduling import held_after_forward, plan_digest
-from fxoffload.passes.shares import Share, share_for
+from fxoffload.passes.shares import Share
 from fxoffload.passes.step import KeptSource
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import check_plans_agree
-from fxoffload.step_budget import StepShape, learn_step
+from fxoffload.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,6 @@ log = logging.getLogger(__name__)
 # often a layer that several layers run, and at one run offloading its input lowers nothing (a
 # checkpointed layer saves only its input). Re-planned once counted, whatever the count.
 PROVISIONAL_RUNS = 2
-
-# Rounds of re-planning a step of several regions with shares of its budget. A region's first plan saw
-# only itself, so the least it can reach in the step's accounting (an activation it is handed counted
-# where it is saved) is known only once it has been planned with a share: a region that cannot meet its
-# share in the first round is planned at its smallest peak, and a second round shares the budget with
-# that floor known. A budget the second round cannot meet is out of reach for the step.
-SHARE_ROUNDS = 2
 
 __all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend", "register_backend_name"]
 
@@ -121,7 +114,7 @@ class GraphRecord:
     # (``fxoffload.passes.shares``); None: planned with the budget as given (or what earlier regions left of it).
     step_share: Share | None = None
     step_budget: int | None = None  # the step's budget in bytes that ``step_share`` is a share of
-    step_round: int = -1  # the round of shares it was planned in (SHARE_ROUNDS); -1: none
+    step_round: int = -1  # the round of shares it was planned in (``fxoffload.step_budget``); -1: none
     # The largest activation an earlier graph hands it that it saves: back on the device for its
     # backward whatever the plan, so a floor of its peak in the step's accounting.
     largest_saved_input: int = 0
@@ -380,13 +373,8 @@ class OffloadBackend:
         # Runs per step: planned for, by region, and the most counted in one step (runs_per_step="auto").
         self._runs: dict[tuple, int] = {}
         self._counted: dict[tuple, int] = {}
-        # The step as its first backward showed it (regions in order, their runs and activation figures),
-        # and the shares of its memory budget regions are being re-planned with (see _share).
-        self._shape: StepShape | None = None
-        self._shares: dict[tuple, Share] = {}
-        self._round = 0  # the round of shares regions are re-planned in (SHARE_ROUNDS)
-        self._short = False  # a region fell short of its share in this round: the next step starts another
-        self._settled = -1  # the latest round in which every region met its share
+        # The step as its first backward showed it, and the shares of its memory budget.
+        self._step = StepBudget(config.plan_options.budget, config.plan_options.device_bytes is not None)
         self._region_of: dict[int, tuple] = {}  # record index -> its region
         # What each region leaves on the device beyond its activations while the next region runs: sources
         # of copies deferred past its forward's end (during the next forward), and copies the next
@@ -428,8 +416,8 @@ class OffloadBackend:
     def _earlier_in_step(self, region: tuple) -> list[tuple]:
         """The regions that run before ``region`` in the step: by the step's shape once it is re-planned
         with a share of the step's budget, else those whose forwards have run so far in this step."""
-        if region in self._shares and self._shape is not None:
-            return [r.region for r in self._shape.regions[:self._shape.index(region)]]
+        if region in self._step.shares:
+            return self._step.earlier(region)
         if self._backward_seen:  # the step's first forward: nothing before it
             return []
         ran = dict.fromkeys(self._region_of[r.index] for r in self._step_records)
@@ -451,7 +439,7 @@ class OffloadBackend:
             host = sum(self._host_held.get(r, 0) * self._runs_of(r) for r in earlier)
             options = dataclasses.replace(options, host_bytes=max(options.host_bytes - host, 0))
         held = self._held_before(earlier)
-        if (share := self._shares.get(region)) is not None:
+        if (share := self._step.shares.get(region)) is not None:
             # The step's accounting: an activation one region hands the next counts in the curve of the
             # region that saves it (which may offload it: a layer's input), never in both.
             return dataclasses.replace(options, budget=Budget(nbytes=share.budget), held_cap=share.held_cap,
@@ -480,7 +468,7 @@ class OffloadBackend:
             )
 
         provisional = short = False
-        retry = self._may_retry(region)
+        retry = self._step.may_retry(region)
         try:
             with warnings.catch_warnings():
                 if retry:  # (said in the last round, if still out of reach there)
@@ -492,15 +480,15 @@ class OffloadBackend:
             # Out of reach before the first step has shown the step: a graph handed an activation most
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
-            # peak where out of reach, until the step re-plans it (see _track and SHARE_ROUNDS).
+            # peak where out of reach, until the step re-plans it (see _track and fxoffload.step_budget).
             provisional = True
-            runs = PROVISIONAL_RUNS if input_activations and region not in self._shares else options.runs
+            runs = PROVISIONAL_RUNS if input_activations and region not in self._step.shares else options.runs
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", BudgetInfeasibleWarning)
                 fw, bw, planned = plan(dataclasses.replace(options, runs=runs, on_infeasible="warn"))
             short = not planned.plan.feasible
         if retry and not planned.plan.feasible:
-            self._short = True  # the next round's shares reserve this plan's smallest peak for it
+            self._step.fell_short()  # the next round's shares reserve this plan's smallest peak for it
         result: PassResult = rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
@@ -514,9 +502,9 @@ class OffloadBackend:
             pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
             profile=self.config.profile, work=result.work, region=place, held_before=held_before,
             held_after=held_before + self._held[region], offloaded_inputs=offloaded_inputs(result.plan),
-            provisional=provisional, provisional_short=short, step_share=self._shares.get(region),
-            step_budget=self._step_budget_bytes() if region in self._shares else None,
-            step_round=self._round if region in self._shares else -1,
+            provisional=provisional, provisional_short=short, step_share=self._step.shares.get(region),
+            step_budget=self._step.budget_bytes() if region in self._step.shares else None,
+            step_round=self._step.round if region in self._step.shares else -1,
             largest_saved_input=_largest_saved_input(fw, result.plan, input_activations),
         )
         self.records.append(record)
@@ -556,18 +544,13 @@ class OffloadBackend:
                 pass
         return plan(dataclasses.replace(options, held_cap=None))
 
-    def _may_retry(self, region: tuple) -> bool:
-        """Whether a region short of its share of the step may run at its smallest peak until the next
-        round of shares (see SHARE_ROUNDS)."""
-        return region in self._shares and self._round < SHARE_ROUNDS - 1
-
     def _may_wait(self, region: tuple, input_activations: frozenset[int], replannable: bool, held_before: int) -> bool:
         """Whether a region whose budget is out of reach may run the first step provisionally, to be
         re-planned once the step is known: under runs_per_step="auto", before the step has counted it,
         when it is handed an activation (it may serve several layers), or under a memory budget that
         the rest of the step may make room for (a fraction, or bytes that earlier regions took some of).
         An absolute budget out of reach with nothing before it is out of reach for the step."""
-        if not replannable or region in self._counted or region in self._shares:
+        if not replannable or region in self._counted or region in self._step.shares:
             return False
         options = self.config.plan_options
         if input_activations:
@@ -575,43 +558,20 @@ class OffloadBackend:
         return (options.device_bytes is None and options.budget is not None
                 and (options.budget.nbytes is None or held_before > 0))
 
-    def _step_budget_bytes(self) -> int | None:
-        budget = self.config.plan_options.budget
-        return None if budget is None or self._shape is None else self._shape.budget_bytes(budget)
-
-    def _share(self, region: tuple) -> Share | None:
-        """``region``'s share of the step's memory budget (``fxoffload.passes.shares``), once the step has
-        shown more than one region; the regions before it count with what they hold as planned now."""
-        options, shape = self.config.plan_options, self._shape
-        if options.budget is None or options.device_bytes is not None or shape is None or len(shape.regions) < 2:
-            return None
-        k = shape.index(region)
-        if k is None:
-            return None
-        held = self._held_before([r.region for r in shape.regions[:k]])
-        return share_for(shape.budget_bytes(options.budget), held, shape.demands()[k:])
-
     def _needs_replan(self, region: tuple, record: "GraphRecord | None", share: Share | None) -> bool:
         """Whether the step, as counted, asks for another plan of ``region``: more runs than planned, a
         provisional plan, or a share of a step of several regions in a round it was not planned in (its
         first plan saw only itself, and counted what it hands on under a fraction, not in the step's
         accounting)."""
         if share is not None:
-            return record is None or record.step_round < self._round
+            return self._step.stale(record)
         planned = record.plan.runs if record is not None else self._runs_of(region)
         return self._counted[region] > planned or (record is not None and record.provisional)
-
-    def _replanned_for_good(self, record: "GraphRecord | None") -> bool:
-        """Whether a region's plan is final, so that what compiling it again needs can go: planned without
-        a share, or in a round every region met its share in, or in the last round."""
-        if record is None or record.step_share is None:
-            return True
-        return record.step_round <= self._settled or record.step_round >= SHARE_ROUNDS - 1
 
     def _in_step(self, error: BudgetInfeasibleError, place: int, held_before: int,
                  options: PlanOptions, region: tuple | None = None) -> BudgetInfeasibleError:
         """``error``, saying what earlier regions of the step took of an absolute budget, or of the step's."""
-        if region is not None and region in self._shares and self._shape is not None:
+        if region is not None and region in self._step.shares:
             return error.within(self._step_context(region, place, held_before))
         if not held_before or options.budget is None or options.budget.nbytes is None:
             return error
@@ -621,21 +581,16 @@ class OffloadBackend:
             f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
             f"for this one; ")
 
-    def _learn_step(self) -> None:
-        """The step's shape, from the forwards of the step whose first backward begins (see ``step_budget``)."""
-        self._shape = learn_step(self._shape, self._step_records, self._region_of, self._counted,
-                                 lambda record: record.step_share is not None)
-
     def _step_context(self, region: tuple, place: int, held_before: int) -> str:
         """Where the step's budget went, for the error of a region that cannot keep to its share."""
-        shape, budget = self._shape, self.config.memory_budget
+        shape, budget = self._step.shape, self.config.memory_budget
         earlier = shape.regions[:shape.index(region)]
         holds = ", ".join(f"region {self._place(r.region)} {format_bytes(self._held.get(r.region, 0) * r.runs)}"
                           + (f" ({r.runs} runs)" if r.runs > 1 else "") for r in earlier) or "none"
         return (f"the step ({len(shape.regions)} compiled regions, predicted): memory_budget={budget!r} is "
-                f"{self._step_budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
+                f"{self._step.budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
                 f"the regions before region {place} hold {held_before} B after their forward ({holds}), leaving "
-                f"{self._shares[region].budget} B for region {place}; ")
+                f"{self._step.shares[region].budget} B for region {place}; ")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **unknown: Any) -> Callable:
@@ -671,10 +626,10 @@ class OffloadBackend:
 
         def run(*args: Any) -> Any:
             if pending[0] is not None and region in self._counted:  # a step has shown how often it runs
-                share = self._share(region)
+                share = self._step.share(region, self._held_before)
                 if self._needs_replan(region, current[0].compilation.record, share):
                     current[0] = self._replan(region, pending[0], share)  # a failure raises here, every time
-                if self._replanned_for_good(current[0].compilation.record):
+                if self._step.final(current[0].compilation.record):
                     pending[0] = None  # the graph copy and its inputs go
             # Forwards run inside a backward (checkpoint recomputation) are not the step's.
             step_forward = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
@@ -701,10 +656,10 @@ class OffloadBackend:
         runs, before = self._counted[region], self._runs.get(region)
         self._runs[region] = runs  # what the plan options read
         if share is not None:
-            self._shares[region] = share
+            self._step.shares[region] = share
         log.info("fxoffload: compiled region %d ran %d times in one step%s: re-planning it for the whole step and "
-                 "recompiling it, once", self._place(region), runs,
-                 "" if share is None else f" of {len(self._shape.regions)} regions")
+                 "recompiling it", self._place(region), runs,
+                 "" if share is None else f" of {len(self._step.shape.regions)} regions, with its share of the budget")
         try:
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 compiled = self._compile_region(replan.module, replan.example_inputs, region,
@@ -714,7 +669,7 @@ class OffloadBackend:
                 del self._runs[region]
             else:
                 self._runs[region] = before
-            self._shares.pop(region, None)
+            self._step.shares.pop(region, None)
             raise
         if compiled.compilation.record is not None:
             compiled.compilation.record.runs_learned = True
@@ -754,11 +709,7 @@ class OffloadBackend:
             self._counted[region] = max(self._counted.get(region, 1), runs)
         self._forwards.clear()
         if first and self._step_records:
-            self._learn_step()
-            if self._short:  # another round of shares, with the floors this one found
-                self._round, self._short = self._round + 1, False
-            elif any(r.step_round == self._round for r in self._step_records):
-                self._settled = self._round
+            self._step.learn(self._step_records, self._region_of, self._counted)
         fxoffload.runtime.backward_begins(invocation)
         if first:
             self._note_kept(self._callers.backward_begins())

@@ -1,19 +1,24 @@
-"""The step's shape, as its first backward shows it, and the step's memory budget in bytes.
+"""One memory budget for the whole step: the step's shape, as its first backward shows it, and each
+compiled region's share of the budget, in rounds.
 
 A training step may run several compiled regions: graphs split by graph breaks (an embedding before
 a ``.item()``, a loss compiled apart), blocks compiled one at a time to distinct graphs (a per-block
-attribute dynamo guards on), one graph serving several layers. The backend counts, when the step's
-first backward begins, which regions ran, in what order (of their first forward) and how often
-(:func:`learn_step`); ``fxoffload.passes.shares`` then splits the budget across them, and each region
-is re-planned once with its share (``fxoffload.backend``).
+attribute dynamo guards on), one graph serving several layers. When a step's first backward begins,
+:meth:`StepBudget.learn` takes from the step's forwards which regions ran, in what order (of their
+first forward) and how often (:class:`StepShape`), with each region's activation figures
+(:class:`RunFigures`, from its plans). At each region's next forward the backend asks for its share
+(:meth:`StepBudget.share`, by ``fxoffload.passes.shares``) and re-plans it with that share.
 
-Each region's figures (:class:`RunFigures`: one run's activation bytes without offloading, and the
-floor its first plan showed where that plan missed its budget) are taken from the first record seen
-for it and kept, so that re-plans do not change what the step's fraction is a fraction of.
+Rounds. A region's first plan saw only itself and counted what it hands on (under a fraction), so
+the least it reaches in the step's accounting (an activation one region hands the next counted where
+it is saved) is known only once it has been planned with a share. A region short of its share in
+the first round runs at its smallest peak for one step (:meth:`StepBudget.fell_short`), and a second
+round shares the budget with that floor known; the last round's shortfall is the step's error.
 
-Limits: the shape is the latest step's whose regions differ from the one known (a new region, a
-changed count); a region that ran in an earlier step only is not in it. Interleaved schedules
-(several microbatches in flight) are modelled as one forward pass then one backward pass.
+Limits: the shape is the latest step's; a region that ran in an earlier step only is not in it.
+Figures come from the region's latest plan with a share, else its first plan (a fraction's
+denominator may move between rounds). Interleaved schedules (several microbatches in flight) are
+modelled as one forward pass then one backward pass.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from fxoffload.passes.planning import Budget, Plan
-from fxoffload.passes.shares import RegionDemand, step_peak
+from fxoffload.passes.shares import RegionDemand, Share, share_for, step_peak
 
-__all__ = ["RunFigures", "StepRegion", "StepShape", "learn_step", "run_figures"]
+__all__ = ["SHARE_ROUNDS", "RunFigures", "StepBudget", "StepRegion", "StepShape", "learn_step", "run_figures"]
+
+# Rounds of shares (see the module docstring).
+SHARE_ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -116,3 +124,62 @@ def _figures(known: RunFigures | None, record: Any, shared: Callable[[Any], bool
         return found
     return RunFigures(found.held, found.peak, max(found.floor_held, known.floor_held),
                       max(found.floor_peak, known.floor_peak))
+
+
+class StepBudget:
+    """The step's memory budget across its compiled regions: the step's shape, each region's share, and
+    the round of shares regions are re-planned in (see the module docstring). Regions are the
+    backend's keys; records are its ``GraphRecord`` s (read: ``index``, ``plan``, ``step_share``,
+    ``step_round``, ``largest_saved_input``)."""
+
+    def __init__(self, budget: Budget | None, bounds_device: bool) -> None:
+        # Shares split a memory budget; a device budget keeps the backend's first-step ledger.
+        self.budget = None if bounds_device else budget
+        self.shape: StepShape | None = None
+        self.shares: dict[tuple, Share] = {}
+        self.round = 0
+        self._short = False  # a region fell short of its share in this round: the next step starts another
+        self._settled = -1  # the latest round in which every region met its share
+
+    def learn(self, records: Sequence[Any], region_of: Mapping[int, tuple], counted: Mapping[tuple, int]) -> None:
+        """The step whose first backward begins ran ``records`` (its forwards, in order): its shape, and
+        the next round if a region fell short of its share in this one."""
+        self.shape = learn_step(self.shape, records, region_of, counted, lambda record: record.step_share is not None)
+        if self._short:
+            self.round, self._short = self.round + 1, False
+        elif any(r.step_round == self.round for r in records):
+            self._settled = self.round
+
+    def earlier(self, region: tuple) -> list[tuple]:
+        """The regions that run before ``region`` in the step."""
+        return [r.region for r in self.shape.regions[:self.shape.index(region)]]
+
+    def share(self, region: tuple, held_before: Callable[[list[tuple]], int]) -> Share | None:
+        """``region``'s share, once the step has shown more than one region; ``held_before``: what the
+        regions before it hold as planned now (the backend's ledger)."""
+        shape = self.shape
+        if self.budget is None or shape is None or len(shape.regions) < 2 or shape.index(region) is None:
+            return None
+        k = shape.index(region)
+        return share_for(shape.budget_bytes(self.budget), held_before(self.earlier(region)), shape.demands()[k:])
+
+    def stale(self, record: Any) -> bool:
+        """Whether a region's plan, given a share now, predates this round (or had none)."""
+        return record is None or record.step_round < self.round
+
+    def final(self, record: Any) -> bool:
+        """Whether a region's plan is final: planned without a share, or in a round every region met its
+        share in, or in the last round."""
+        if record is None or record.step_share is None:
+            return True
+        return record.step_round <= self._settled or record.step_round >= SHARE_ROUNDS - 1
+
+    def may_retry(self, region: tuple) -> bool:
+        """Whether a region short of its share may run at its smallest peak until the next round."""
+        return region in self.shares and self.round < SHARE_ROUNDS - 1
+
+    def fell_short(self) -> None:
+        self._short = True
+
+    def budget_bytes(self) -> int | None:
+        return None if self.budget is None or self.shape is None else self.shape.budget_bytes(self.budget)
