@@ -380,6 +380,9 @@ class OffloadBackend:
         # of copies deferred past its forward's end (during the next forward), and copies the next
         # backward starts ahead for it (prefetch_ahead, during that backward); the larger of the two.
         self._spill: dict[tuple, int] = {}
+        # Positions of each region's offloaded inputs a caller kept into a step's backward (fxoffload.callers):
+        # a re-plan with a share counts them and does not move them.
+        self._kept_inputs: dict[tuple, frozenset[int]] = {}
 
     def _runs_of(self, region: tuple) -> int:
         default = self.config.runs_per_step
@@ -443,7 +446,7 @@ class OffloadBackend:
             # The step's accounting: an activation one region hands the next counts in the curve of the
             # region that saves it (which may offload it: a layer's input), never in both.
             return dataclasses.replace(options, budget=Budget(nbytes=share.budget), held_cap=share.held_cap,
-                                       count_outputs=False), held
+                                       count_outputs=False, kept_inputs=self._kept_inputs.get(region, frozenset())), held
         if options.device_bytes is not None and held:
             return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
         if options.budget is None or options.budget.nbytes is None or not held:
@@ -708,17 +711,26 @@ class OffloadBackend:
         for region, runs in self._forwards.items():
             self._counted[region] = max(self._counted.get(region, 1), runs)
         self._forwards.clear()
-        if first and self._step_records:
-            self._step.learn(self._step_records, self._region_of, self._counted)
         fxoffload.runtime.backward_begins(invocation)
-        if first:
-            self._note_kept(self._callers.backward_begins())
+        if not first:
+            return
+        kept_before = dict(self._kept_inputs)
+        self._note_kept(self._callers.backward_begins())
+        if self._step_records:
+            if any(self._kept_inputs[r] != kept_before.get(r) for r in self._kept_inputs if r in self._step.shares):
+                # A region re-planned with its share offloaded an input its caller keeps: that copy freed
+                # nothing, so its share was not met; the next round counts the input where it stays.
+                self._step.fell_short()
+            self._step.learn(self._step_records, self._region_of, self._counted)
 
     def _note_kept(self, kept: list[KeptInput]) -> None:
-        """Record the step's offloaded inputs its callers kept, per invocation and on each graph's record
-        (every record of the step, so that an earlier step's figures do not linger); warn once per graph."""
+        """Record the step's offloaded inputs its callers kept, per invocation, by region and on each graph's
+        record (every record of the step, so that an earlier step's figures do not linger); warn once per graph."""
         for k in kept:
             self._step_kept.setdefault(k.run, []).append(k)
+            if k.into_backward:
+                region = self._region_of[self._step_records[k.run].index]
+                self._kept_inputs[region] = self._kept_inputs.get(region, frozenset()) | {k.input.position}
         for record in self._step_records:
             record.caller_kept_runs = record.caller_kept_bytes = 0
         for k in kept:

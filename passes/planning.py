@@ -93,8 +93,8 @@ import torch
 import torch.fx as fx
 
 from fxoffload.passes.analysis import (
-    SavedActivation, SavedInterface, is_compute, is_rng_state, output_storages, storage_key, sym_exprs,
-    symbol_sources, unbuildable,
+    SavedActivation, SavedInterface, input_position, is_compute, is_rng_state, output_storages, storage_key,
+    sym_exprs, symbol_sources, unbuildable,
 )
 from fxoffload.passes.candidates import RecomputeCost, TransferCost
 from fxoffload.passes.memory import (
@@ -213,6 +213,9 @@ class PlanOptions:
     # activations it is handed do not): None, under a fraction for one run
     # (``fxoffload.passes.pipeline.counts_outputs``); set for a share of a step's fraction, planned in bytes.
     count_outputs: bool | None = None
+    # Positions, among the compiled function's inputs, of activations handed in that the caller was seen
+    # to keep after the graph returned (``fxoffload.callers``): counted, never moved (a copy frees nothing).
+    kept_inputs: frozenset[int] = frozenset()
 
 
 class Why(enum.Enum):
@@ -414,19 +417,22 @@ INPUT_ACTIVATION = "layer input (made by an earlier part of the step)"
 def why_kept(
     group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int,
     marks: frozenset[str] = frozenset(), symbols: frozenset = frozenset(),
-    input_activations: frozenset[fx.Node] = frozenset(),
+    input_activations: frozenset[fx.Node] = frozenset(), caller_kept: frozenset[fx.Node] = frozenset(),
 ) -> str | None:
     """Why this storage group must stay on the device, or None if it may be offloaded.
 
     ``marks`` are the group's selective-checkpoint marks (``fxoffload.passes.policies``); ``symbols`` the
     size symbols the backward finds in inputs it keeps whatever the plan (:func:`backward_symbols`);
     ``input_activations``: graph inputs that an earlier graph of the step made (``Timeline.input_activations``),
-    candidates like the graph's own activations. Other inputs exist before the step and stay.
+    candidates like the graph's own activations, but for ``caller_kept`` (inputs their caller keeps).
+    Other inputs exist before the step and stay.
     """
     base = group[0].base
     val = base.meta.get("val")
     if base.op == "placeholder" and base not in input_activations:
         return "graph input (parameter or user input), or a view of one"
+    if base in caller_kept:
+        return "layer input its caller keeps after the graph returns (seen at run time): a copy would free nothing"
     if MUST_SAVE in marks:
         return "selective checkpoint policy MUST_SAVE"
     if not isinstance(val, torch.Tensor):
@@ -951,7 +957,8 @@ def plan_offloads(
     marks = {base: _group_marks(group, policies or {}) for base, group in groups.items()}
     handed_in = frozenset(timeline.input_activations)
     symbols = backward_symbols(interface, groups, handed_in)
-    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base], symbols, handed_in)
+    kept = frozenset(n for n in handed_in if input_position(n) in options.kept_inputs)
+    reasons = {base: why_kept(group, user_storages, options.min_bytes, marks[base], symbols, handed_in, kept)
                for base, group in groups.items()}
     candidates = [base for base, reason in reasons.items() if reason is None]
     missing = [b.name for b in candidates if b not in moves or b not in costs]

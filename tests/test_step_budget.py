@@ -2,6 +2,9 @@
 
 import copy
 import random
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,11 @@ import fxoffload
 from fxoffload.passes.shares import RegionDemand, scaled, share_for, step_peak
 from fxoffload.passes.step import simulate_step
 from tests.conftest import assert_same_step, loss_and_grads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from step_budget import (  # noqa: E402  (the benchmark's models)
+    EmbeddingThenBreak, GPT2WithLoss, IndexedModel, LossApart, compile_blocks, steps,
+)
 
 # --------------------------------------------------------------------------- the split, on plain numbers
 
@@ -96,56 +104,11 @@ def test_a_held_cap_bounds_what_the_forward_leaves_for_the_backward(cap):
 # --------------------------------------------------------------------------- blocks compiled to distinct graphs
 
 
-class IndexedBlock(torch.nn.Module):
-    """A block whose forward reads its own layer index (as many Hugging Face layers do): dynamo guards on
-    it, so compiling each block on its own gives one graph per block."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.index = index
-        self.up, self.down = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x))) * (1.0 + 0.01 * self.index)
-
-
-class IndexedModel(torch.nn.Module):
-    """An input projection (left eager: the first block is handed an activation, as after an embedding),
-    then the blocks, each compiled on its own."""
-
-    def __init__(self, layers: int = 6) -> None:
-        super().__init__()
-        self.project = torch.nn.Linear(128, 128)
-        self.blocks = torch.nn.ModuleList(IndexedBlock(i) for i in range(layers))
-
-    def forward(self, x):
-        x = self.project(x)
-        for block in self.blocks:
-            x = block(x)
-        return x.mean()  # (a loss that saves nothing: eager code outside the blocks is not planned)
-
-
 def blockwise(model: IndexedModel, **options) -> fxoffload.OffloadBackend:
     torch._dynamo.reset()
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload", **options)
-    for block in model.blocks:
-        block.compile(backend=backend)
+    compile_blocks(model, backend)
     return backend
-
-
-def step(model, x):
-    loss = model(x)
-    loss.backward()
-    return loss
-
-
-def measured_steps(model, x, steps: int = 3) -> list[int]:
-    """Each step's measured activation peak (the first shows the backend the step; then it re-plans)."""
-    peaks = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        peaks.append(fxoffload.measure_peak(step, model, x).activation_peak)
-    return peaks
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +119,7 @@ def indexed():
     eager, x = IndexedModel(), torch.randn(512, 128)
     model = copy.deepcopy(eager)
     plain = blockwise(model, memory_budget=1.0)
-    peak = measured_steps(model, x)[-1]
+    peak = steps(model, x, 3)[-1]
     assert len({id(r) for r in plain.step_invocations()}) == 6  # six distinct graphs, each run once
     return eager, model, x, peak
 
@@ -166,7 +129,7 @@ def test_a_budget_holds_for_a_step_of_distinct_block_graphs(indexed, budget):
     eager, model, x, plain_peak = indexed
     limit = int(0.4 * plain_peak)
     backend = blockwise(model, memory_budget=limit if budget == "bytes" else 0.4)
-    measured = measured_steps(model, x)
+    measured = steps(model, x, 3)
     latest = backend.step_invocations()
     assert measured[-1] <= limit, (measured, plain_peak, [fxoffload.explain(r) for r in latest])
     # The second step re-planned and recompiled every block before running it, then ran what the third
@@ -182,37 +145,6 @@ def test_a_budget_holds_for_a_step_of_distinct_block_graphs(indexed, budget):
 # --------------------------------------------------------------------------- graph breaks, default options
 
 
-class EmbeddingThenBreak(torch.nn.Module):
-    """An embedding lookup, a graph break, then the body: the first region's only activation is the
-    embedding it hands on, which it cannot offload, so it cannot halve itself; the step can."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, 128)
-        self.body = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())])
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        torch._dynamo.graph_break()
-        return self.body(h).square().mean()
-
-
-class GPT2WithLoss(torch.nn.Module):
-    """A transformers GPT-2 with its default config (``use_cache=True``: it returns its keys and values)
-    and its own loss (``labels=``, a region of its own); dropout off, to compare with eager."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0)
-        self.lm = GPT2LMHeadModel(config).train()
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, labels=ids).loss
-
-
 def steady_share(model, batch, fraction: float, **options) -> tuple[float, fxoffload.OffloadBackend]:
     """The compiled step's measured activation peak at ``fraction``, once re-planned (its third step), as a
     share of the same compile's without offloading; eager's loss and gradients checked."""
@@ -222,7 +154,7 @@ def steady_share(model, batch, fraction: float, **options) -> tuple[float, fxoff
         backend = fxoffload.offload_backend(inner="eager", memory_budget=budget, **options)
         compiled = torch.compile(model, backend=backend)
         assert_same_step(loss_and_grads(model, batch), loss_and_grads(compiled, batch))  # the first step
-        peaks[budget] = measured_steps(compiled, batch, 3)[-1]
+        peaks[budget] = steps(compiled, batch, 3)[-1]
         assert_same_step(loss_and_grads(model, batch), loss_and_grads(compiled, batch))  # re-planned
     return peaks[fraction] / peaks[1.0], backend
 
@@ -234,27 +166,12 @@ def test_a_fraction_holds_for_a_step_split_by_graph_breaks_with_default_options(
     if case == "embedding, then a break":
         model, batch = EmbeddingThenBreak(), torch.randint(0, 256, (512,))
     elif case == "a loss of its own":
-        from tests.test_regions import LossOfItsOwn
-
-        model = LossOfItsOwn()
-        x, y = torch.randn(256, 128), torch.randint(0, 64, (256,))
-        model, batch = (lambda m: Pair(m, y))(model), x
+        model, batch = LossApart(), torch.randn(256, 128)
     else:
         model, batch = GPT2WithLoss(), torch.randint(0, 256, (2, 32))
     share, backend = steady_share(model, batch, 0.5)
     assert share <= 0.5 * 1.05, (share, [fxoffload.explain(r) for r in backend.step_invocations()])
     assert len({id(r) for r in backend.step_invocations()}) >= 2  # several regions, one budget
-
-
-class Pair(torch.nn.Module):
-    """A module of two inputs taking the second as a constant (``loss_and_grads`` passes one batch)."""
-
-    def __init__(self, model: torch.nn.Module, second: torch.Tensor) -> None:
-        super().__init__()
-        self.model, self.second = model, second
-
-    def forward(self, x):
-        return self.model(x, self.second)
 
 
 def test_a_budget_the_step_cannot_meet_names_its_regions():
@@ -272,3 +189,27 @@ def test_a_budget_the_step_cannot_meet_names_its_regions():
     message = str(info.value)
     assert "the step (2 compiled regions, predicted): memory_budget=0.05 is" in message
     assert "smallest achievable activation peak" in message
+
+
+def test_an_input_its_caller_keeps_is_counted_and_never_moved():
+    """A layer input the caller was seen to keep (``fxoffload.callers``): offloading it frees nothing, so a
+    plan told so keeps it, with that reason, and counts it in what the forward leaves."""
+    from fxoffload.passes import Budget, PlanOptions, plan_pair
+    from fxoffload.profiles import PROFILES
+    from tests.conftest import partitioned_pair
+
+    torch.manual_seed(0)
+    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
+    plans = {}
+    for kept in (frozenset(), frozenset({0})):  # input 0, x, is a layer input (an earlier graph made it)
+        options = PlanOptions(min_bytes=0, budget=Budget(nbytes=2_000_000), strategy="offload", held_cap=0,
+                              on_infeasible="warn", kept_inputs=kept, count_outputs=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)  # (the kept input stays)
+            plans[kept] = plan_pair(fw, bw, outputs, options=options, horizon="auto", profile=PROFILES["h100-pcie5"],
+                                    input_activations=frozenset({0})).plan
+    moved, kept = plans[frozenset()], plans[frozenset({0})]
+    assert "primals_1" in {t.base_name for t in moved.transfers} and moved.held_after == 0
+    assert "primals_1" not in {t.base_name for t in kept.transfers}
+    assert kept.held_after == 256 * 256 * 4  # it stays, counted
+    assert any("its caller keeps" in d.reason for d in kept.decisions)
