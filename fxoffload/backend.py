@@ -847,7 +847,7 @@ def _largest_saved_input(fw: fx.GraphModule, plan: Plan, input_activations: froz
     saved = {d.name for d in plan.decisions}
     sizes = [v.untyped_storage().nbytes() for n in inputs_at(fw.graph, input_activations)
              if n.name in saved and isinstance(v := n.meta.get("val"), torch.Tensor)]
-    return max((int(s) for s in sizes if isinstance(s, int) or not isinstance(s, torch.SymInt)), default=0)
+    return max((s for s in sizes if isinstance(s, int)), default=0)  # (symbolic sizes: not re-planned)
 
 
 def _on_cuda(fw: fx.GraphModule) -> bool:

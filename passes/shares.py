@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["RegionDemand", "Share", "scaled", "share_for", "step_peak", "floor_setters"]
+__all__ = ["RegionDemand", "Share", "scaled", "share_for", "step_peak"]
 
 _BISECTIONS = 60  # halvings of [0, 1]: far below a byte on any step
 
@@ -92,16 +92,3 @@ def share_for(budget: int, held_before: int, rest: Sequence[RegionDemand]) -> Sh
     first = scaled(rest[0], low)
     return Share(budget=budget - held_before, held_cap=first.held if len(rest) > 1 else None, fraction=low)
 
-
-def floor_setters(held_before: int, rest: Sequence[RegionDemand]) -> list[int]:
-    """Indices into ``rest`` of the regions that set the step's smallest known peak: the region whose
-    floor peaks highest, and those before it with a floor they hold beneath it."""
-    floors = [scaled(r, 0.0) for r in rest]
-    held, tops = held_before, []
-    for region in floors:
-        tops.append(held + region.peak)
-        held += region.held
-    if not tops:
-        return []
-    top = max(range(len(tops)), key=lambda k: (tops[k], -k))
-    return [k for k in range(top) if floors[k].floor_held] + [top]

@@ -320,5 +320,3 @@ def _activations(graphs, fw_off, bw_off, length) -> tuple[list[int], list[int]]:
             q = bw_off[j] + p - g.forward
             act[q], base[q] = g.own[p] + held, g.base[p] + base_held
     return act, base
-
-

@@ -1,11 +1,16 @@
 """A step compiled into several regions (graph breaks): an absolute budget covers the whole step."""
 
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import fxoffload
 from tests.conftest import Block, assert_same_step, loss_and_grads, loss_step, per_layer_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from step_budget import LossApart, steps  # noqa: E402  (the benchmark's model: a loss compiled apart)
 
 
 class TwoRegions(torch.nn.Module):
@@ -179,42 +184,21 @@ def test_the_first_calls_tensors_are_not_kept_for_a_replan():
     assert alive() is None
 
 
-class LossOfItsOwn(torch.nn.Module):
-    """Six Linear+tanh blocks and a head, a graph break, then the loss: the loss's region saves
-    the logits the model's region hands it (as GPT-2's does in transformers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        blocks = [m for _ in range(6) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]
-        self.body = torch.nn.Sequential(*blocks, torch.nn.Linear(128, 64))
-
-    def forward(self, x, y):
-        logits = self.body(x)
-        torch._dynamo.graph_break()
-        return torch.nn.functional.cross_entropy(logits, y)
-
-
-def step(model, x, y):
-    loss = model(x, y)
-    loss.backward()
-    return loss  # (returned: not an activation)
-
-
 def measured_share_of_the_step(budget: float) -> tuple[float, list]:
     """The step's measured activation peak at ``budget``, as a share of the same compile's without
     offloading, each measured once re-planned (the fourth step: the first shows the step, the next two
     re-plan its regions with shares of the budget), and the first step's two records; eager's loss
     and gradients checked."""
     torch.manual_seed(0)
-    model, x, y = LossOfItsOwn(), torch.randn(256, 128), torch.randint(0, 64, (256,))
+    model, x = LossApart(), torch.randn(256, 128)
     peaks, records = {}, []
     for fraction in (1.0, budget):
         torch._dynamo.reset()
         backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=fraction, strategy="offload")
         compiled = torch.compile(model, backend=backend)
-        assert_same_step(loss_and_grads(model, x, y), loss_and_grads(compiled, x, y))
-        peaks[fraction] = [fxoffload.measure_peak(step, compiled, x, y).activation_peak for _ in range(3)][-1]
-        assert_same_step(loss_and_grads(model, x, y), loss_and_grads(compiled, x, y))
+        assert_same_step(loss_and_grads(model, x), loss_and_grads(compiled, x))
+        peaks[fraction] = steps(compiled, x, 3)[-1]
+        assert_same_step(loss_and_grads(model, x), loss_and_grads(compiled, x))
         records = backend.records[:2]
     return peaks[budget] / peaks[1.0], records
 
