@@ -49,12 +49,12 @@ from fxoffload.passes.simulator import Simulation, simulate  # noqa: E402
 from fxoffload.passes.step import StepSimulation, simulate_step  # noqa: E402
 from fxoffload.plot import plot, plot_step  # noqa: E402
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
-from fxoffload.ranks import PlanMismatchError  # noqa: E402
+from fxoffload.ranks import PlanMismatchError, RankCheckTimeoutError  # noqa: E402
 
 register_backend_name()  # backend="fxoffload" without an installed entry point (a checkout)
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
-    "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
+    "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError", "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
     "offload_backend", "plot", "plot_step", "runtime", "simulate", "simulate_step",
 ]

@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -68,7 +69,7 @@ from fxoffload.passes.scheduling import held_after_forward, plan_digest
 from fxoffload.passes.shares import Share
 from fxoffload.passes.step import KeptSource
 from fxoffload.profiles import available_host_memory, local_processes
-from fxoffload.ranks import check_plans_agree
+from fxoffload.ranks import RankCheck, graph_key
 from fxoffload.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
@@ -300,9 +301,10 @@ class _Compilation:
     """
 
     def __init__(self, backend: "OffloadBackend", region: tuple, input_activations: frozenset[int],
-                 replannable: bool = False) -> None:
+                 replannable: bool = False, graph: str = "") -> None:
         self.backend = backend
         self.region = region
+        self.graph = graph  # the key ranks compare its plan under (fxoffload.ranks.graph_key)
         self.input_activations = input_activations
         self.replannable = replannable  # runs_per_step="auto" may plan it again once the step is counted
         self.record: GraphRecord | None = None
@@ -310,7 +312,7 @@ class _Compilation:
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region,
-                                              plain_total, self.input_activations, self.replannable)
+                                              plain_total, self.input_activations, self.replannable, self.graph)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -383,6 +385,14 @@ class OffloadBackend:
         # Positions of each region's offloaded inputs a caller kept into a step's backward (fxoffload.callers):
         # a re-plan with a share counts them and does not move them.
         self._kept_inputs: dict[tuple, frozenset[int]] = {}
+        self._ranks: list[RankCheck | None] | None = None  # see _rank_check
+
+    def _rank_check(self) -> RankCheck | None:
+        """This backend's side of the plan check across ranks (``check_ranks``), made when first needed:
+        ``torch.distributed`` may be initialised after the backend is made."""
+        if self._ranks is None:
+            self._ranks = [RankCheck.of_job(self.config.check_ranks, self.config.check_ranks_timeout)]
+        return self._ranks[0]
 
     def _runs_of(self, region: tuple) -> int:
         default = self.config.runs_per_step
@@ -456,7 +466,7 @@ class OffloadBackend:
     def _plan_pair(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
         repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
-        input_activations: frozenset[int] = frozenset(), replannable: bool = False,
+        input_activations: frozenset[int] = frozenset(), replannable: bool = False, graph: str = "",
     ) -> GraphRecord:
         place = self._place(region)
         options, held_before = self._options_for(place, region)
@@ -513,9 +523,8 @@ class OffloadBackend:
         self.records.append(record)
         self._region_of[record.index] = region
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
-        if self.config.check_ranks is not False:
-            group = None if self.config.check_ranks is True else self.config.check_ranks
-            check_plans_agree(record.index, plan_digest(record.plan, record.schedule), group)
+        if (check := self._rank_check()) is not None:
+            check.planned(graph, record.index, plan_digest(record.plan, record.schedule))
         if self.config.inner == "inductor":
             for module in (fw, bw):
                 pin_offload_order(module)
@@ -634,8 +643,13 @@ class OffloadBackend:
                     current[0] = self._replan(region, pending[0], share)  # a failure raises here, every time
                 if self._step.final(current[0].compilation.record):
                     pending[0] = None  # the graph copy and its inputs go
-            # Forwards run inside a backward (checkpoint recomputation) are not the step's.
-            step_forward = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
+            # stage's metadata inference (see _pipeline_inference). (Runs on fake tensors are: fxoffload plan
+            # traces its steps so.)
+            step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                            and not _pipeline_inference())
+            if step_forward and self._backward_seen and (check := self._rank_check()) is not None:
+                check.step_begins()  # a new step: compare the plans the ranks published in the last one
             if step_forward:
                 self._callers.next_forward()
             with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
@@ -714,6 +728,8 @@ class OffloadBackend:
         fxoffload.runtime.backward_begins(invocation)
         if not first:
             return
+        if (check := self._rank_check()) is not None:
+            check.backward_begins()
         kept_before = dict(self._kept_inputs)
         self._note_kept(self._callers.backward_begins())
         if self._step_records:
@@ -769,7 +785,7 @@ class OffloadBackend:
         """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
         ``patches``: Inductor options of the compile's mode (:func:`_mode_patches`); ``replannable``: the
         count of its runs may plan it again (see ``_track``)."""
-        compilation = _Compilation(self, region, activations, replannable)
+        compilation = _Compilation(self, region, activations, replannable, graph_key(gm, example_inputs))
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,
@@ -827,6 +843,26 @@ def _no_cudagraphs() -> dict:
                       "without CUDA graphs (a captured graph would replay its copies and waits without their "
                       "transfers). Other backends' graphs keep the setting", stacklevel=2)
     return {"triton.cudagraphs": False}
+
+
+# The methods through which torch.distributed.pipelining runs a stage outside its schedule's steps, to infer
+# its inputs' and outputs' shapes: on meta tensors in torch 2.11 (_shape_inference), on real ones with a
+# backward, once, in the first step, from 2.13 (_forward_metadata_inference).
+_PIPELINE_INFERENCE = frozenset({"_shape_inference", "_forward_metadata_inference"})
+
+
+def _pipeline_inference(depth: int = 16) -> bool:
+    """Whether this forward runs inside a pipeline stage's metadata inference (the ``depth`` callers
+    above the compiled forward): its run and its backward are not the step's, and counting them
+    would learn a step of one run."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in _PIPELINE_INFERENCE and "pipelining" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def input_activations(example_inputs: list[Any]) -> frozenset[int]:

@@ -142,10 +142,15 @@ class OffloadConfig:
     compiles: use one backend for the layers, another for graphs that run once."""
 
     check_ranks: Any = True
-    """Under ``torch.distributed``, check after each compile that every rank planned the graph alike
-    (plan digests gathered from every rank; ``fxoffload.ranks``), and raise ``PlanMismatchError``
-    naming the ranks that differ. ``True``: every rank; a ``ProcessGroup``: its ranks (a pipeline
-    stage); ``False``: no check."""
+    """Under ``torch.distributed``, check that the ranks that compile the same graph plan it alike, and
+    raise ``PlanMismatchError`` naming the ranks that differ (``fxoffload.ranks``: through the job's
+    store, at compile and at the second step's start; ranks that compile different graphs, such as
+    pipeline stages, are not compared). ``True``: every rank; a ``ProcessGroup``: its ranks (those that
+    run fxoffload); ``False``: no check."""
+
+    check_ranks_timeout: float = 300.0
+    """Seconds a rank waits, at its second step's start, for the first plans of its peers (``check_ranks``),
+    before it raises ``RankCheckTimeoutError`` naming the ranks that never published theirs."""
 
     debug: bool = dataclasses.field(default_factory=lambda: os.environ.get("FXOFFLOAD_DEBUG", "") not in ("", "0"))
     """Debug mode for the runtime (``fxoffload.runtime.debugging``): the CUDA engine fills each copy's
@@ -208,6 +213,9 @@ class OffloadConfig:
         if not isinstance(self.check_ranks, bool) and not _is_process_group(self.check_ranks):
             raise OptionError("check_ranks", f"got {self.check_ranks!r}; accepted: True (every rank), False, or a "
                               "torch.distributed ProcessGroup (its ranks)")
+        wait = self.check_ranks_timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+            raise OptionError("check_ranks_timeout", f"got {wait!r}; accepted: a number of seconds > 0")
         nodes = self.solver_node_limit
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise OptionError("solver_node_limit", f"got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")

@@ -1,42 +1,68 @@
-"""One plan on every rank: compare each compiled graph's plan digest across the ranks of a job.
+"""One plan on every rank that compiles the same graph: compare plan digests across the ranks of a job.
 
 Ranks that plan one graph differently run different copies and waits, and
 under FSDP2 or tensor parallelism their collectives can fall out of step
 (torchtitan's automatic planner deadlocked NCCL this way). Plans here are
 deterministic (``fxoffload.passes.solvers`` stops branch and bound at a node count, not
 a time), so ranks that see the same graph, options and device profile make
-the same plan; this check proves it on every compile, and names the ranks
-where it does not hold (a different model or option on one rank, or
-``device_profile="auto"`` reading different GPUs).
+the same plan; this check proves it, and names the ranks where it does not
+hold (a different option on one rank, or ``device_profile="auto"`` reading
+different GPUs).
 
-Algorithm: after a graph is planned, each rank of the process group gathers
-every rank's ``(graph index, plan digest)`` as three int64 (``all_gather`` of
-fixed-size tensors on the group's device: one collective of 24 bytes per rank
-and compiled graph, at compile time) and raises :class:`PlanMismatchError` on
-every rank when they differ. The gathered tensors are kept for the life of the
-process (24 bytes per rank and compile): a collective's work object, released
-by the backend's own thread, then never holds the last reference to a Python
-tensor, whose release would need the GIL there (``all_gather_object``'s
-temporaries could: one FSDP2 test run hung with a gloo thread waiting for the
-GIL while destroying an all-gather's work; which all-gather it was is not known).
+Which ranks to compare: those that compile the same graph. Each compiled graph
+gets a key, a digest of dynamo's graph (its code, and its inputs' shapes,
+strides and dtypes) and of how often this rank planned that graph before (a
+re-plan is the next one). Data-parallel replicas compile the same graphs and
+share keys; pipeline stages compile different graphs, whose keys differ, and
+are not compared with each other.
 
-Limits: every rank of the group must compile the same graphs in the same
-order, as DDP and FSDP2 require. A rank that fails before the gather (an
-impossible budget, say) leaves the others waiting until the process group's
-timeout. Pipeline stages compile different graphs: give each stage its group
-(``check_ranks=<ProcessGroup>``) or turn the check off (``check_ranks=False``).
-Without ``torch.distributed`` initialised, nothing is checked.
+Algorithm, through the job's key-value store (``torch.distributed``'s default
+store, under a prefix per process group and backend), never a collective and
+never a wait:
+
+1. At compile, the rank writes its plan digest under the graph's key and reads
+   the digests its peers wrote there already: a rank that plans a graph after a
+   peer planned it differently raises :class:`PlanMismatchError` at once.
+2. When a backward begins after new plans, every graph this rank's forwards ran
+   has planned: it writes the list of its ``(key, graph index, digest)``.
+3. At each forward after a backward (the next step's start, or the next
+   microbatch's under a pipeline schedule) with something left to compare, it
+   reads the lists its peers have written, and raises :class:`PlanMismatchError`
+   when any key has two digests. A peer whose list is missing is read again at
+   the next such forward; one still missing ``timeout`` seconds after this rank
+   published raises :class:`RankCheckTimeoutError` naming it.
+
+Why nothing waits: pipeline stages compile at different times and hand each
+other activations, so a rank that waits for a peer can block the peer that
+waits for it. An ``all_gather`` at compile deadlocked a 2-stage pipeline (rank 0
+in the gather, rank 1 waiting for rank 0's activations), and so did waiting for
+the peers' lists at the second microbatch (rank 0 waiting for its sends to
+complete, rank 1 waiting for rank 0's lists before receiving them).
+
+Limits: checked in training steps (a backward must begin). A rank blocked
+elsewhere (in a collective with a peer that raised) does not reach its next
+check: it stops at the process group's timeout. Timeouts are read on the
+clock; plans never are. A mismatch on a graph first compiled after the first
+step is found by the rank that compiles it later; the rank that compiled it
+earlier learns of it when that rank stops. Backends are told apart by the order
+they first check in: create them in the same order on every rank. Without
+``torch.distributed`` initialised, nothing is checked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+import torch.fx as fx
 
-__all__ = ["PlanMismatchError", "check_plans_agree"]
+__all__ = ["PlanMismatchError", "RankCheck", "RankCheckTimeoutError", "graph_key"]
 
 
 class PlanMismatchError(RuntimeError):
@@ -50,49 +76,123 @@ class PlanMismatchError(RuntimeError):
         groups = "; ".join(f"{_ranks(ranks)}: graph {index}, plan digest {digest}"
                            for (index, digest), ranks in sorted(by_plan.items(), key=lambda item: item[1][0]))
         super().__init__(
-            f"fxoffload: the ranks planned differently ({groups}). Every rank must run one plan, or their "
-            "copies and collectives fall out of step. Give every rank the same model, inputs' shapes, options "
-            "and device_profile (a named one: 'auto' reads each rank's GPU); where ranks compile different "
-            "graphs (pipeline stages), pass check_ranks=<the stage's ProcessGroup> or check_ranks=False.")
+            f"fxoffload: the ranks planned one graph differently ({groups}). Every rank that compiles a graph "
+            "must run one plan for it, or their copies and collectives fall out of step. Give every rank the "
+            "same options and device_profile (a named one: 'auto' reads each rank's GPU).")
+
+
+class RankCheckTimeoutError(RuntimeError):
+    """Peers did not publish their plans within ``check_ranks_timeout``. ``missing``: their global ranks."""
+
+    def __init__(self, missing: list[int], timeout: float) -> None:
+        self.missing = list(missing)
+        super().__init__(
+            f"fxoffload: {_ranks(missing)} published no plans within check_ranks_timeout={timeout:g} s of this "
+            "rank's (check_ranks: every rank publishes when a backward begins after it planned). A rank that "
+            "does not run fxoffload, or runs it with check_ranks=False, never does: give every rank of the group "
+            "the same check_ranks, pass check_ranks=<the ProcessGroup of the ranks that run fxoffload>, or raise "
+            "check_ranks_timeout for a rank that is slow to reach its backward.")
 
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def check_plans_agree(graph_index: int, digest: str, group: Any = None) -> None:
-    """Raise :class:`PlanMismatchError` unless every rank of ``group`` (None: every rank) planned
-    graph ``graph_index`` with this ``digest``; nothing to check outside ``torch.distributed``."""
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    # Planning runs inside AOTAutograd's fake-tensor mode: the collective needs real tensors.
-    with unset_fake_temporarily():
-        gathered = _gather(_encode(graph_index, digest), size, group)
-    if any(seen != (graph_index, digest) for seen in gathered):
-        global_rank = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
-        raise PlanMismatchError({global_rank(i): seen for i, seen in enumerate(gathered)})
+def graph_key(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """A digest of dynamo's graph as every rank that compiles it sees it: its code and its inputs'
+    shapes, strides and dtypes (16 hex digits)."""
+    inputs = [(tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.dtype), t.requires_grad)
+              if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
+    text = gm.code + repr(inputs)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_kept: list[torch.Tensor] = []  # every gather's tensors (see the module docstring)
+@dataclass(frozen=True)
+class PlannedGraph:
+    """One plan this rank made: its graph's key (with the count of earlier plans of it), the graph's
+    index among this backend's records, and the plan's digest."""
+
+    key: str
+    index: int
+    digest: str
 
 
-def _encode(graph_index: int, digest: str) -> list[int]:
-    """``(graph index, 64-bit hex digest)`` as three integers that fit int64."""
-    if not isinstance(digest, str) or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError(f"check_plans_agree: digest {digest!r} is not 16 lowercase hex digits (plan_digest's form)")
-    value = int(digest, 16)
-    return [graph_index, value >> 32, value & 0xFFFFFFFF]
+_backends = itertools.count()  # the order backends first check in this process (see the docstring)
 
 
-def _gather(mine: list[int], size: int, group: Any) -> list[tuple[int, str]]:
-    """Every rank's encoded ``(graph index, digest)``, decoded, in rank order."""
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else "cpu"
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(gathered, local, group=group)
-    _kept.extend([local, *gathered])
-    rows = [t.tolist() for t in gathered]
-    return [(index, f"{(high << 32) | low:016x}") for index, high, low in rows]
+class RankCheck:
+    """This rank's side of the check for one backend: :meth:`planned` at each compile,
+    :meth:`backward_begins` and :meth:`step_begins` from the step (see the module docstring)."""
+
+    def __init__(self, store: Any, rank: int, peers: list[int], timeout: float) -> None:
+        self.store, self.rank, self.timeout = store, rank, timeout
+        self.peers = [p for p in peers if p != rank]
+        self.planned_graphs: list[PlannedGraph] = []
+        self._times: dict[str, int] = {}  # plans made of each graph, by graph key
+        self._published = 0  # entries of planned_graphs in the latest list written
+        self._compared = 0  # ... and in the latest list compared
+        self._published_at = 0.0  # time.monotonic() of the latest publication
+        self._missing: list[int] = []  # peers without a list at the latest comparison
+
+    @classmethod
+    def of_job(cls, check_ranks: Any, timeout: float) -> "RankCheck | None":
+        """The check for ``check_ranks`` (True: every rank; a ProcessGroup: its ranks) in the job this
+        process belongs to; None outside ``torch.distributed``, alone, or outside the group."""
+        if check_ranks is False or not dist.is_available() or not dist.is_initialized():
+            return None
+        group = None if check_ranks is True else check_ranks
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        rank = dist.get_rank()
+        if len(ranks) < 2 or rank not in ranks:
+            return None
+        prefix = f"fxoffload/check/{'-'.join(map(str, ranks))}/backend{next(_backends)}/"
+        store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+        return cls(store, rank, ranks, timeout)
+
+    def planned(self, graph: str, index: int, digest: str) -> None:
+        """Record and publish this rank's plan of the graph keyed ``graph``; raise
+        :class:`PlanMismatchError` if a peer published a different plan of it."""
+        times = self._times.get(graph, 0)
+        self._times[graph] = times + 1
+        entry = PlannedGraph(f"{graph}#{times}", index, digest)
+        self.planned_graphs.append(entry)
+        self.store.set(f"plan/{entry.key}/{self.rank}", f"{index} {digest}")
+        seen = {self.rank: (index, digest)}
+        for peer in self.peers:
+            name = f"plan/{entry.key}/{peer}"
+            if self.store.check([name]):
+                peer_index, peer_digest = self.store.get(name).decode().split()
+                seen[peer] = (int(peer_index), peer_digest)
+        if len({d for _, d in seen.values()}) > 1:
+            self.backward_begins()  # the peers' step-start check then finds it too, and waits for no one
+            raise PlanMismatchError(seen)
+
+    def backward_begins(self) -> None:
+        """A backward begins: publish this rank's plans if it made new ones."""
+        if len(self.planned_graphs) == self._published:
+            return
+        self._published = len(self.planned_graphs)
+        self._published_at = time.monotonic()
+        entries = [[e.key, e.index, e.digest] for e in self.planned_graphs]
+        self.store.set(f"graphs/{self.rank}", json.dumps(entries))
+
+    def step_begins(self) -> None:
+        """A forward after a backward: compare this rank's published plans with its peers' lists (see the
+        module docstring); nothing to do once every peer has answered its latest publication."""
+        if self._published == self._compared and not self._missing:
+            return
+        self._compared = self._published
+        lists = {self.rank: self.store.get(f"graphs/{self.rank}")}
+        for peer in self.peers:
+            if self.store.check([f"graphs/{peer}"]):
+                lists[peer] = self.store.get(f"graphs/{peer}")
+        self._missing = [peer for peer in self.peers if peer not in lists]
+        digests: dict[str, dict[int, tuple[int, str]]] = {}
+        for rank, text in lists.items():
+            for key, index, digest in json.loads(text):
+                digests.setdefault(key, {})[rank] = (index, digest)
+        for seen in digests.values():
+            if len({d for _, d in seen.values()}) > 1:
+                raise PlanMismatchError(seen)
+        if self._missing and time.monotonic() - self._published_at > self.timeout:
+            raise RankCheckTimeoutError(self._missing, self.timeout)

@@ -63,13 +63,20 @@ them in) until its backward begins.
   not pile up behind a link that cannot keep up. A ``prefetch`` of ``host``
   completes it first.
 * ``prefetch_ahead(after, nbytes)`` starts the first copies (by that order, while
-  they fit in ``nbytes``) of the latest forward invocation whose backward has
-  not begun: the backward that runs next. Its graph's own ``prefetch`` of such
+  they fit in ``nbytes``) of the forward invocation whose backward runs next.
+  Which one that is, the previous step's order of backwards says, where this
+  step's backwards so far ran in the same order: a pipeline schedule runs its
+  microbatches' backwards first in, first out, several forwards ahead (1F1B,
+  interleaved), while a step of layers runs them last in, first out. Without
+  such an order (the first step, or a step that ran otherwise), the latest
+  forward whose backward has not begun. Its graph's own ``prefetch`` of such
   a host returns the copy in flight (if the layout matches; otherwise it
   copies again), and its ``wait`` waits for it as usual. Copies started ahead
   and never claimed (a step that raised) are completed and dropped when a
   compiled backward raises, else when the next forward outside a backward
-  begins, or by :func:`reset`.
+  begins with no forward waiting for its backward (a new step) or finds their
+  host buffers gone, or by :func:`reset`. A forward between two backwards
+  (1F1B) keeps them: that forward holds them too, which the plans do not count.
 
 :func:`trace` records these events (forward and backward boundaries, copies
 issued and landed, per invocation) for tests and debugging.
@@ -204,6 +211,12 @@ def pending_transfers() -> int:
     return len(_pending)
 
 
+def copies_in_flight() -> int:
+    """Number of pending transfers whose copy has not landed yet."""
+    with _registry_lock:
+        return sum(1 for t in _pending.values() if not t.done())
+
+
 def reset() -> None:
     """Complete and forget every pending transfer (e.g. after a step that raised)."""
     with _registry_lock:
@@ -211,7 +224,10 @@ def reset() -> None:
         _pending.clear()
         _deferred.clear()
         _ahead.clear()
+        _ahead_hosts.clear()
         _waiting.clear()
+        _backwards.clear()
+        _last_backwards.clear()
     for transfer in transfers:
         with contextlib.suppress(Exception):  # a copy of a step that failed may have failed too
             transfer.finish()
@@ -242,9 +258,12 @@ class Invocation:
 
 _deferred: list[_Transfer] = []  # deferred d2h copies still holding their sources, in issue order
 _ahead: dict[int, torch.Tensor] = {}  # host data_ptr -> device buffer of a copy started ahead
+_ahead_hosts: dict[int, weakref.ref] = {}  # host data_ptr -> the host buffer it copies (see _drop_ahead)
 _waiting: list[Invocation] = []  # forwards of this step whose backward has not begun, in order
 _open: list[Invocation] = []  # forwards running now (innermost last)
 _counter = itertools.count()
+_backwards: list[int] = []  # the invocations whose backward began in this step, in order
+_last_backwards: list[int] = []  # ... in the step before (see _next_backward)
 _WAITING_KEPT = 1024  # forwards whose backward never began (outputs no loss used) are forgotten past this
 _trace: list[tuple] | None = None
 _owner: dict[int, int] = {}  # host data_ptr -> invocation index (only while tracing)
@@ -301,11 +320,20 @@ def _reap() -> None:
         _retire(t, complete=False)
 
 
-def _drop_ahead() -> None:
-    """Complete and forget copies started ahead that no backward claimed (a step that raised)."""
+def _drop_ahead(orphans_only: bool = False) -> None:
+    """Complete and forget copies started ahead that no backward claimed (a step that raised); with
+    ``orphans_only``, those whose host buffer is gone (the autograd graph that would read it was freed).
+    A forward between two backwards (a pipeline's 1F1B) keeps the others for the backward they wait for."""
     with _registry_lock:
-        devs = list(_ahead.values())
-        _ahead.clear()
+        if orphans_only:  # a copy that landed needs its source no more: the source goes with its graph
+            for k, dev in _ahead.items():
+                transfer = _pending.get(dev.data_ptr())
+                if transfer is not None and transfer.done():
+                    transfer.keep = tuple(t for t in transfer.keep if t.data_ptr() != k)
+        gone = [k for k in _ahead if not orphans_only or _ahead_hosts[k]() is None]
+        devs = [_ahead.pop(k) for k in gone]
+        for k in gone:
+            del _ahead_hosts[k]
     for dev in devs:
         transfer = _pop(dev)
         if transfer is not None:
@@ -318,10 +346,12 @@ def forward_invocation() -> Iterator[Invocation]:
     """Group the offloads of one compiled forward (the backend runs each forward inside this)."""
     outer = _in_backward()  # a forward recomputed inside a backward (checkpointing) is not the step's
     if not outer and not _open:
-        _drop_ahead()
+        _drop_ahead(orphans_only=bool(_waiting))  # copies ahead for a forward still waiting stay
         if not _waiting:  # a new step
-            global _counter
+            global _counter, _backwards, _last_backwards
             _counter = itertools.count()
+            if _backwards:
+                _backwards, _last_backwards = [], _backwards
     invocation = Invocation(next(_counter) if not outer else -1)
     _event("forward_begin", invocation.index)
     if not outer:
@@ -403,6 +433,7 @@ def backward_begins(invocation: Invocation) -> None:
     with _registry_lock:
         if invocation in _waiting:
             _waiting.remove(invocation)
+            _backwards.append(invocation.index)
         deferred = list(_deferred)
     for transfer in deferred:
         _retire(transfer, complete=True)
@@ -666,9 +697,10 @@ def _claim_ahead(host: torch.Tensor, device, size, stride) -> torch.Tensor | Non
         return None
     with _registry_lock:
         dev = _ahead.pop(host.data_ptr(), None)
+        source = _ahead_hosts.pop(host.data_ptr(), None)
     if dev is None:
         return None
-    if dev.device == torch.device(device) and list(dev.shape) == list(size) and list(dev.stride()) == list(stride):
+    if source is not None and source() is not None and dev.device == torch.device(device) and list(dev.shape) == list(size) and list(dev.stride()) == list(stride):
         _event("claim", _owner.get(host.data_ptr()))
         return dev
     transfer = _pop(dev)  # laid out otherwise (a compiler chose other strides): copy again
@@ -736,10 +768,24 @@ def _prefetch_ahead(after: torch.Tensor, nbytes: int) -> torch.Tensor:
     return after.new_empty((0,))  # read by nothing; an output keeps its ordering edges (passes.ops)
 
 
+def _next_backward() -> Invocation | None:
+    """The waiting forward whose backward runs next: the one the previous step ran next, where this
+    step's backwards so far ran as the previous step's did; else the latest (a step of layers)."""
+    if not _waiting:
+        return None
+    done = len(_backwards)
+    if done < len(_last_backwards) and _backwards == _last_backwards[:done]:
+        following = _last_backwards[done]
+        for invocation in _waiting:
+            if invocation.index == following:
+                return invocation
+    return _waiting[-1]
+
+
 def _start_ahead(nbytes: int) -> None:
     _reap()
     with _registry_lock:
-        target = _waiting[-1] if _waiting else None  # the forward before the one whose backward runs
+        target = _next_backward()
     if target is None:
         return
     left = nbytes
@@ -756,3 +802,4 @@ def _start_ahead(nbytes: int) -> None:
         dev = _start_prefetch(host, offloaded.device, offloaded.size, offloaded.stride, ahead=True)
         with _registry_lock:
             _ahead[host.data_ptr()] = dev
+            _ahead_hosts[host.data_ptr()] = weakref.ref(host)

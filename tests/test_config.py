@@ -90,6 +90,8 @@ def test_memory_budget_forms(value, fraction, nbytes):
         ({"solver_node_limit": 0}, r"solver_node_limit: got 0; accepted: an int >= 1"),
         ({"solver_node_limit": 10.5}, r"solver_node_limit: got 10.5"),
         ({"check_ranks": "yes"}, r"check_ranks: got 'yes'; accepted: True \(every rank\), False, or a torch.distributed"),
+        ({"check_ranks_timeout": 0}, r"check_ranks_timeout: got 0; accepted: a number of seconds > 0"),
+        ({"check_ranks_timeout": True}, r"check_ranks_timeout: got True; accepted: a number of seconds > 0"),
         ({"device_profile": "tpu-v5"}, "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, gh200-x4, h100-pcie5, h200, l4, l40s, rtx4090"),
     ],
 )

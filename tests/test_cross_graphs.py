@@ -6,13 +6,16 @@ in flight. Shown on the CPU engine, whose copies run on background threads, land
 ``copy_delay`` and leave poison (NaN) until they land.
 """
 
+import copy
 import gc
+import time
 import weakref
 
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import fxoffload
 from fxoffload import runtime
 from tests.conftest import assert_same_step, lm_step, per_layer_llama, returned_in_flight, started_before_own_backward
 
@@ -115,14 +118,24 @@ def test_prefetch_ahead_without_a_waiting_forward_does_nothing():
 
 
 def test_copies_started_ahead_and_never_claimed_are_dropped_when_the_next_step_begins():
+    """A step abandoned after a backward started copies ahead for a forward whose backward never runs:
+    the next forward finds their host buffers gone with that forward's graph, and drops them. (A forward
+    while their host buffers live, as between two backwards under 1F1B, keeps them: see the 1F1B test.)"""
     xs = [torch.randn(16, 16) for _ in range(2)]
     _, hosts = offloaded_invocation(xs, orders=[0, 1])
     ops.prefetch_ahead(torch.empty(()), 1 << 20)  # the backward raised before claiming them
     assert runtime.pending_transfers() == 2  # the two copies ahead (they completed the deferred offloads)
+    assert all(torch.isfinite(h).all() for h in hosts)
+    with runtime.forward_invocation():
+        pass  # a forward while their hosts live (the abandoned step's graph is still held)
+    assert runtime.pending_transfers() == 2
+    while runtime.copies_in_flight():  # the copies ahead land (a CPU worker thread copies them)
+        time.sleep(0.001)
+    del hosts  # the abandoned step's graph goes
+    gc.collect()
     with runtime.forward_invocation():
         pass  # the next step's first forward
     assert runtime.pending_transfers() == 0
-    assert all(torch.isfinite(h).all() for h in hosts)
 
 
 # --------------------------------------------------------------------------- layers compiled one at a time
@@ -205,3 +218,60 @@ def test_a_deferred_copy_that_failed_raises_where_it_is_completed(monkeypatch):
     with pytest.raises(RuntimeError, match="the copy engine failed"):
         ops.prefetch(host, CPU, [8, 8], [8, 1])  # ... which raises where the backward needs its data
     assert runtime.pending_transfers() == 0
+
+
+# --------------------------------------------------------------------------- pipeline schedules
+
+
+def one_f_one_b(model: torch.nn.Module, batches: list[torch.Tensor], in_flight: int) -> list[torch.Tensor]:
+    """One stage's step under 1F1B: ``in_flight`` microbatches' forwards, then one backward (the oldest
+    microbatch's, first in first out) per forward, then the rest; returns the gradients."""
+    model.zero_grad(set_to_none=True)
+    outputs = []
+    for x in batches:
+        outputs.append(model(x))
+        if len(outputs) == in_flight:
+            outputs.pop(0).square().sum().backward()
+    for out in outputs:
+        out.square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def ahead_targets(events) -> list[tuple[int, int]]:
+    """Per copy started ahead: (its forward invocation, the invocation whose backward began next)."""
+    pairs = []
+    for i, e in enumerate(events):
+        if e[0] == "h2d_issue" and e[2]:
+            following = next(f[1] for f in events[i:] if f[0] == "backward_begin")
+            pairs.append((e[1], following))
+    return pairs
+
+
+def test_under_1f1b_copies_started_ahead_are_the_microbatch_whose_backward_runs_next():
+    """Three microbatches in flight (a stage of a 3-stage pipeline, 1F1B): while microbatch 0's backward
+    runs, 1 and 2 wait, and 1's backward runs next, not the latest forward's (2). From the second step on,
+    every copy started ahead is of the microbatch whose backward begins next (the first step has no order
+    to follow yet); gradients equal eager."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 8))
+    model = copy.deepcopy(eager)
+    # Every copy it can make, planned per run (see traced_steps): the copies outlast the backward.
+    backend = fxoffload.offload_backend(inner="eager", strategy="offload", min_bytes=0, all_eligible=True,
+                                        runs_per_step=1)
+    compiled = torch.compile(model, backend=backend)
+    batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    expected = one_f_one_b(eager, batches, in_flight=3)
+    with runtime.copy_delay(0.002), runtime.trace() as events:
+        for _ in range(3):
+            for a, b in zip(expected, one_f_one_b(compiled, batches, in_flight=3)):
+                torch.testing.assert_close(b, a)
+    assert runtime.pending_transfers() == 0
+    assert backend.records[-1].schedule.ahead_bytes > 0
+    steps = [i for i, e in enumerate(events) if e == ("forward_begin", 0)]
+    later = ahead_targets(events[steps[1]:])
+    assert later and all(mine == following for mine, following in later), later
+    assert sum(e[0] == "claim" for e in events[steps[1]:]) == len(later)  # each found by its own prefetch
+    # Microbatch 0's backward ran with 1 and 2 waiting: the latest forward was not the one to start.
+    assert (1, 1) in later, later
+    runtime.reset()

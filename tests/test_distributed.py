@@ -49,10 +49,12 @@ def test_fsdp2_example_matches_fsdp2_without_fxoffload_and_offloads_on_each_rank
     assert by_rank["0"] and by_rank["0"] == by_rank["1"], run.stdout
 
 
-def run_plan_ranks(mode: str) -> list[str]:
-    script = Path(__file__).parent / "distributed" / "plan_ranks.py"
+def run_distributed(script_name: str, *args: str) -> list[str]:
+    """``tests/distributed/<script_name> <args>`` under torchrun, 2 processes: its lines that start with
+    ``rank``, sorted."""
+    script = Path(__file__).parent / "distributed" / script_name
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -61,13 +63,14 @@ def run_plan_ranks(mode: str) -> list[str]:
 
 @pytest.mark.slow
 def test_ranks_that_plan_alike_pass_the_check_and_ranks_that_differ_raise_naming_them():
-    """Two ranks under gloo: with the same options each compiles (the check gathers both digests and
+    """Two ranks under gloo: with the same options each compiles (the check reads both digests and
     finds them equal); with another budget on rank 1, both ranks raise PlanMismatchError naming
-    each rank's digest, instead of running different copies."""
-    same = run_plan_ranks("same")
+    each rank's digest, instead of running different copies: the rank that compiles second at its
+    compile, the other when its next step begins."""
+    same = run_distributed("plan_ranks.py", "same")
     assert [line.split(":")[0] for line in same] == ["rank 0", "rank 1"], same
     assert len({line.split("digest ")[1] for line in same}) == 1, same
-    differ = run_plan_ranks("differ")
+    differ = run_distributed("plan_ranks.py", "differ")
     assert [line.split(":")[0] for line in differ] == ["rank 0", "rank 1"], differ
     for line in differ:
         assert "PlanMismatchError [0, 1]" in line, line
@@ -99,3 +102,33 @@ def test_fsdp2_checkpointed_blocks_offload_their_inputs_at_half_the_step_with_de
     plans = re.findall(r"rank (\d): region 0 graph (\d+): offloaded (\d+), .* over its (\d+) runs", run.stdout)
     assert {(rank, runs, offloaded) for rank, _, offloaded, runs in plans if runs == "8"} == {("0", "8", "1"),
                                                                                              ("1", "8", "1")}
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peer_never_publishes_its_plans_raises_after_the_timeout():
+    """Rank 1 trains without fxoffload: rank 0, training on, raises RankCheckTimeoutError naming rank 1
+    at its first step after check_ranks_timeout (2 s), not a hang, and not before."""
+    lines = run_distributed("plan_ranks.py", "silent")
+    assert lines[1] == "rank 1: no fxoffload", lines
+    found = re.match(r"rank 0: RankCheckTimeoutError \[1\] at step (\d+) after ([\d.]+) s", lines[0])
+    assert found and 2.0 < float(found[2]) < 6.0, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_two_stage_pipeline_with_default_options_is_bit_equal_and_halves_each_stage(schedule):
+    """torch.distributed.pipelining, 2 stages on 2 gloo processes, 4 microbatches, each stage compiled with
+    fxoffload at memory_budget=0.5 and default options (check_ranks on: each rank compiles a different
+    graph, and the check neither compares them nor waits): four steps bit-equal to the same stages
+    compiled with aot_eager_decomp_partition, and each stage's measured activation peak, re-planned for
+    the microbatches it holds, at most half of the reference's (+10%)."""
+    lines = run_distributed("pipeline_step.py", schedule)
+    found = [re.match(rf"rank (\d): {schedule}: bit-equal to aot_eager_decomp_partition: (\w+), graphs (\d+), "
+                      r"planned for (\d+) runs, transfers \d+, measured activation peak \d+ B of \d+ B \(([\d.]+)\)", line) for line in lines]
+    assert all(found) and [f[1] for f in found] == ["0", "1"], lines
+    for f in found:
+        assert f[2] == "True" and float(f[5]) <= 0.55, lines
+    # Each stage re-planned for the microbatches it holds at once (its forwards before its first backward),
+    # not counting the run through which the pipeline infers a stage's shapes in its first step.
+    held = {"gpipe": [4, 4], "1f1b": [2, 1]}[schedule]
+    assert [int(f[4]) for f in found] == held, lines
