@@ -107,11 +107,12 @@ def test_fsdp2_checkpointed_blocks_offload_their_inputs_at_half_the_step_with_de
 @pytest.mark.slow
 def test_a_rank_whose_peer_never_publishes_its_plans_raises_after_the_timeout():
     """Rank 1 trains without fxoffload: rank 0, training on, raises RankCheckTimeoutError naming rank 1
-    at its first step after check_ranks_timeout (2 s), not a hang, and not before."""
+    at its first step after check_ranks_timeout (2 s), not a hang (the protocol's timing, "not before",
+    is tested in tests/test_ranks.py)."""
     lines = run_distributed("plan_ranks.py", "silent")
     assert lines[1] == "rank 1: no fxoffload", lines
     found = re.match(r"rank 0: RankCheckTimeoutError \[1\] at step (\d+) after ([\d.]+) s", lines[0])
-    assert found and 2.0 < float(found[2]) < 6.0, lines
+    assert found and float(found[2]) < 3 * 2.0, lines  # seconds since its first step, which published
 
 
 @pytest.mark.slow
