@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/train_llama.py
 
+# Two workers (pytest-xdist): the suite's tests are independent, each in a worker process of its own.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # torch 2.14.1: installed as a user installs the package (pip install -e, its entry point included);
 # pip takes the CUDA build from this machine's disk, and it runs on the CPU.
