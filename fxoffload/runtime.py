@@ -700,7 +700,9 @@ def _claim_ahead(host: torch.Tensor, device, size, stride) -> torch.Tensor | Non
         source = _ahead_hosts.pop(host.data_ptr(), None)
     if dev is None:
         return None
-    if source is not None and source() is not None and dev.device == torch.device(device) and list(dev.shape) == list(size) and list(dev.stride()) == list(stride):
+    alive = source is not None and source() is not None  # else another host took a freed one's address
+    if alive and dev.device == torch.device(device) and list(dev.shape) == list(size) \
+            and list(dev.stride()) == list(stride):
         _event("claim", _owner.get(host.data_ptr()))
         return dev
     transfer = _pop(dev)  # laid out otherwise (a compiler chose other strides): copy again
