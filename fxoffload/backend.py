@@ -385,14 +385,12 @@ class OffloadBackend:
         # Positions of each region's offloaded inputs a caller kept into a step's backward (fxoffload.callers):
         # a re-plan with a share counts them and does not move them.
         self._kept_inputs: dict[tuple, frozenset[int]] = {}
-        self._ranks: list[RankCheck | None] | None = None  # see _rank_check
 
+    @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
         """This backend's side of the plan check across ranks (``check_ranks``), made when first needed:
         ``torch.distributed`` may be initialised after the backend is made."""
-        if self._ranks is None:
-            self._ranks = [RankCheck.of_job(self.config.check_ranks, self.config.check_ranks_timeout)]
-        return self._ranks[0]
+        return RankCheck.of_job(self.config.check_ranks, self.config.check_ranks_timeout)
 
     def _runs_of(self, region: tuple) -> int:
         default = self.config.runs_per_step
@@ -523,7 +521,7 @@ class OffloadBackend:
         self.records.append(record)
         self._region_of[record.index] = region
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
-        if (check := self._rank_check()) is not None:
+        if (check := self._rank_check) is not None:
             check.planned(graph, record.index, plan_digest(record.plan, record.schedule))
         if self.config.inner == "inductor":
             for module in (fw, bw):
@@ -648,7 +646,7 @@ class OffloadBackend:
             # traces its steps so.)
             step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                             and not _pipeline_inference())
-            if step_forward and self._backward_seen and (check := self._rank_check()) is not None:
+            if step_forward and self._backward_seen and (check := self._rank_check) is not None:
                 check.step_begins()  # a new step: compare the plans the ranks published in the last one
             if step_forward:
                 self._callers.next_forward()
@@ -728,7 +726,7 @@ class OffloadBackend:
         fxoffload.runtime.backward_begins(invocation)
         if not first:
             return
-        if (check := self._rank_check()) is not None:
+        if (check := self._rank_check) is not None:
             check.backward_begins()
         kept_before = dict(self._kept_inputs)
         self._note_kept(self._callers.backward_begins())
@@ -855,6 +853,8 @@ def _pipeline_inference(depth: int = 16) -> bool:
     """Whether this forward runs inside a pipeline stage's metadata inference (the ``depth`` callers
     above the compiled forward): its run and its backward are not the step's, and counting them
     would learn a step of one run."""
+    if "torch.distributed.pipelining" not in sys.modules:  # the common case: no frames to walk
+        return False
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:

@@ -163,7 +163,7 @@ class RankCheck:
             if self.store.check([name]):
                 peer_index, peer_digest = self.store.get(name).decode().split()
                 seen[peer] = (int(peer_index), peer_digest)
-        if len({d for _, d in seen.values()}) > 1:
+        if _differ(seen):
             self.backward_begins()  # the peers' step-start check then finds it too, and waits for no one
             raise PlanMismatchError(seen)
 
@@ -182,17 +182,22 @@ class RankCheck:
         if self._published == self._compared and not self._missing:
             return
         self._compared = self._published
-        lists = {self.rank: self.store.get(f"graphs/{self.rank}")}
+        lists = {self.rank: [[e.key, e.index, e.digest] for e in self.planned_graphs[:self._published]]}
         for peer in self.peers:
             if self.store.check([f"graphs/{peer}"]):
-                lists[peer] = self.store.get(f"graphs/{peer}")
+                lists[peer] = json.loads(self.store.get(f"graphs/{peer}"))
         self._missing = [peer for peer in self.peers if peer not in lists]
         digests: dict[str, dict[int, tuple[int, str]]] = {}
-        for rank, text in lists.items():
-            for key, index, digest in json.loads(text):
+        for rank, entries in lists.items():
+            for key, index, digest in entries:
                 digests.setdefault(key, {})[rank] = (index, digest)
         for seen in digests.values():
-            if len({d for _, d in seen.values()}) > 1:
+            if _differ(seen):
                 raise PlanMismatchError(seen)
         if self._missing and time.monotonic() - self._published_at > self.timeout:
             raise RankCheckTimeoutError(self._missing, self.timeout)
+
+
+def _differ(seen: dict[int, tuple[int, str]]) -> bool:
+    """Whether the ranks' ``(graph index, digest)`` of one graph hold two digests."""
+    return len({digest for _, digest in seen.values()}) > 1
