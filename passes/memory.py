@@ -451,3 +451,25 @@ def intervals(
         else:
             out.append((lt.birth, lt.death, lt.nbytes))
     return out
+
+
+@dataclass(frozen=True)
+class Resident:
+    """An activation on the device at one position of the timeline under a plan."""
+
+    lifetime: int  # index in Timeline.lifetimes
+    name: str
+    nbytes: int
+
+
+def residents_at(timeline: Timeline, moved: dict[int, tuple[int, int]], position: int) -> tuple[Resident, ...]:
+    """The activations on the device at ``position`` under ``moved`` (as :func:`intervals` reads it),
+    largest first: what makes up the activation curve there."""
+    found = []
+    for lt in timeline.lifetimes:
+        if not lt.activation or not lt.birth <= position <= lt.death:
+            continue
+        if lt.index in moved and moved[lt.index][0] < position < moved[lt.index][1]:
+            continue  # in host memory (or not yet rebuilt) there
+        found.append(Resident(lt.index, lt.name, lt.nbytes))
+    return tuple(sorted(found, key=lambda r: (-r.nbytes, r.lifetime)))

@@ -98,7 +98,7 @@ from fxoffload.passes.analysis import (
 )
 from fxoffload.passes.candidates import RecomputeCost, TransferCost
 from fxoffload.passes.memory import (
-    Timeline, concrete, curve, held_sizes, intervals, peak, staging_intervals, timeline_at,
+    Resident, Timeline, concrete, curve, held_sizes, intervals, peak, residents_at, staging_intervals, timeline_at,
 )
 from fxoffload.passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, Option, Queue, SolverName, curve_with, host_of, solve
@@ -525,6 +525,7 @@ class _Problem:
     marks: Mapping[fx.Node, frozenset[str]]
     options: PlanOptions
     queued: bool  # model the copy engines as queues (prefetches placed freely, horizon "auto")
+    kept: Mapping[int, str] = dataclasses.field(default_factory=dict)  # lifetime index -> why it cannot move
 
     def lifetime(self, base: fx.Node):
         return self.timeline.forward_lifetime(base)
@@ -852,6 +853,8 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
             f"({limit / 2**20:.1f} MiB{given})"
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
+    at = problem if not worst else held[worst - 1][1]  # the bytes at the size where the peak lies
+    message += _floor(at, owners, forced, everything, int(reached.argmax()) % length if total else 0)
     if options.on_infeasible == "error":
         other = () if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)
         advice = ("raise the budget", "lower min_bytes", *other, ADVICE_WARN)
@@ -863,6 +866,59 @@ def _choose(problem: _Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = _split(owners, chosen)
     return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
+
+
+FLOOR_NAMED = 4  # the largest tensors an infeasible budget's message names
+
+
+def _kept_lifetimes(timeline: Timeline, reasons: Mapping[fx.Node, str | None]) -> dict[int, str]:
+    """Why each saved storage that is not a candidate stays, by lifetime index (graph inputs have none)."""
+    kept = {}
+    for base, reason in reasons.items():
+        try:
+            index = timeline.forward_lifetime(base).index
+        except KeyError:  # a graph input: not on the activation curve
+            continue
+        if reason is not None:
+            kept[index] = reason
+    return kept
+
+
+def _floor(problem: _Problem, owners, forced: Sequence[fx.Node], chosen, position: int) -> str:
+    """"; at <node>, that peak holds: ..." -- the largest activations on the device where the smallest
+    achievable peak lies, each with why it is there: what sets the budget's floor."""
+    offloaded, recomputed = _split(owners, chosen)
+    moved = problem.moved((*forced, *offloaded), recomputed)
+    residents = residents_at(problem.timeline, moved, position)
+    if not residents:
+        return ""
+    timeline = problem.timeline
+    phase = "forward" if position < len(timeline.fw_nodes) else "backward"
+    named = ", ".join(f"{r.name} {r.nbytes} B ({_stays_why(problem, moved, r, position)})"
+                      for r in residents[:FLOOR_NAMED])
+    rest = residents[FLOOR_NAMED:]
+    more = f", and {len(rest)} more ({sum(r.nbytes for r in rest)} B)" if rest else ""
+    runs = problem.options.runs
+    earlier = (f"; the {runs - 1} earlier runs each hold what they leave for their backward" if runs > 1 else "")
+    # (A device peak also holds tensors that are not activations: only those are listed.)
+    holds = "that peak's activations are" if problem.device else "that peak holds"
+    return f"; at {phase} node {timeline.nodes[position].name}, {holds} {named}{more}{earlier}"
+
+
+def _stays_why(problem: _Problem, moved: Mapping[int, tuple[int, int]], resident: Resident, position: int) -> str:
+    """Why an activation is on the device at ``position`` when everything eligible is moved."""
+    if (reason := problem.kept.get(resident.lifetime)) is not None:
+        return reason
+    lifetime = problem.timeline.lifetimes[resident.lifetime]
+    if lifetime.handed_on and not lifetime.residual:
+        return "an output the graph hands to the rest of the step"
+    if resident.lifetime not in moved:
+        return f"eligible, but strategy={problem.options.strategy!r} cannot move it"
+    if position >= moved[resident.lifetime][1]:
+        return "moved, and back on the device for its backward"
+    if lifetime.name in {n.name for n in problem.timeline.input_activations}:
+        return "an input an earlier graph made: on the device from the graph's start until its copy frees it"
+    return "moved, but on the device until its copy frees it"
 
 
 def _reachable(problem: _Problem, forced: Sequence[fx.Node], length: int, base, items, queues, conflicts):
@@ -969,8 +1025,9 @@ def plan_offloads(
     _warn_unhonoured(reasons, marks)
     pos = timeline.positions
     first_use = {b: min(pos[u] for a in groups[b] for u in a.bw_node.users) for b in candidates}
-    problem = _Problem(timeline, moves, costs, _recomputable(timeline, groups, recomputes or {}, free, forced, first_use),
-                       first_use, marks, options, queued)
+    recomputable = _recomputable(timeline, groups, recomputes or {}, free, forced, first_use)
+    problem = _Problem(timeline, moves, costs, recomputable, first_use, marks, options, queued,
+                       _kept_lifetimes(timeline, reasons))
     _check_forced_host(problem, forced)
 
     act_before = problem.peak((), (), True)

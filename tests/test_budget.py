@@ -6,6 +6,7 @@ would be invisible to it). Predictions come from the plan's memory model.
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -89,6 +90,38 @@ def test_infeasible_budget_errors_with_the_smallest_peak():
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, strategy="offload")
     with pytest.raises(Exception, match=r"smallest achievable activation peak is \d+ B .* above the budget of 1000 B"):
         loss_step(torch.compile(model, backend=backend), ids)
+
+
+class ReturnsWhatItSaves(torch.nn.Module):
+    """A model that returns a tensor its backward saves, as a causal LM returns its keys and values
+    (``use_cache=True``): that tensor can never move, and sets the floor of any budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (torch.nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        cache = torch.tanh(self.a(x))  # saved by tanh's backward and by b's
+        h = torch.tanh(self.c(torch.tanh(self.b(cache))))
+        return self.d(h).square().mean(), cache
+
+
+def test_an_infeasible_budget_names_the_tensors_that_set_its_floor():
+    torch.manual_seed(0)
+    model, x = ReturnsWhatItSaves(), torch.randn(512, 256)
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, strategy="offload")
+    with pytest.raises(Exception, match="BudgetInfeasibleError") as info:  # (dynamo wraps it)
+        torch.compile(model, backend=backend)(x)[0].backward()
+    message = str(info.value)
+    floor = re.search(r"smallest achievable activation peak is (\d+) B.*that peak holds (.*?); raise", message)
+    assert floor, message
+    # The returned tensor is named first (the largest), with why it stays, and what is named adds up to
+    # the smallest peak: nothing else is on the device there.
+    named = re.findall(r"(\w+) (\d+) B \(([^)]*)\)", floor.group(2))
+    assert named[0][1:] == (str(512 * 256 * 4), "shares storage with a model output"), message
+    more = re.search(r"and \d+ more \((\d+) B\)", floor.group(2))
+    assert sum(int(n) for _, n, _ in named) + (int(more.group(1)) if more else 0) == int(floor.group(1)), message
 
 
 def test_infeasible_budget_can_warn_and_plan_for_the_smallest_peak():

@@ -2,6 +2,7 @@
 
 import copy
 import random
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -189,6 +190,9 @@ def test_a_budget_the_step_cannot_meet_names_its_regions():
     message = str(info.value)
     assert "the step (2 compiled regions, predicted): memory_budget=0.05 is" in message
     assert "smallest achievable activation peak" in message
+    # ... and the tensors that set the floor: the body's region is handed the embedding, which is on the
+    # device when it begins whatever the plan.
+    assert re.search(r"that peak holds \w+ 262144 B \(an input an earlier graph made", message), message
 
 
 def test_an_input_its_caller_keeps_is_counted_and_never_moved():
