@@ -80,7 +80,7 @@ from fxoffload.explain import format_bytes, format_stages  # noqa: E402
 from fxoffload.passes import plan_best_partition, plan_pair  # noqa: E402
 from fxoffload.passes.analysis import last_storage_use, storage_key  # noqa: E402
 from fxoffload.passes.cost_model import node_work, roofline, transfer_time  # noqa: E402
-from fxoffload.passes.planning import Budget, PlanOptions  # noqa: E402
+from fxoffload.passes.plan import Budget, PlanOptions  # noqa: E402
 from fxoffload.passes.simulator import Movement, Simulation, simulate, simulate_movements  # noqa: E402
 from fxoffload.profiles import PROFILES  # noqa: E402
 

@@ -44,7 +44,7 @@ from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offloa
 from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
 from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
-from fxoffload.passes.planning import BudgetInfeasibleError, BudgetInfeasibleWarning  # noqa: E402
+from fxoffload.passes.plan import BudgetInfeasibleError, BudgetInfeasibleWarning  # noqa: E402
 from fxoffload.passes.simulator import Simulation, simulate  # noqa: E402
 from fxoffload.passes.step import StepSimulation, simulate_step  # noqa: E402
 from fxoffload.plot import plot, plot_step  # noqa: E402

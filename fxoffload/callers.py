@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from fxoffload.passes.analysis import input_position
-from fxoffload.passes.planning import Plan
+from fxoffload.passes.plan import Plan
 
 __all__ = ["CallerWatch", "KeptInput", "OffloadedInput", "kept_warning", "offloaded_inputs"]
 

@@ -422,7 +422,7 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
     budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
     from fxoffload.models import ModelError, one_line
-    from fxoffload.passes.planning import ADVICE_WARN, BudgetInfeasibleError
+    from fxoffload.passes.plan import ADVICE_WARN, BudgetInfeasibleError
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):

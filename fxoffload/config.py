@@ -11,7 +11,7 @@ from typing import Any, Literal, Mapping, get_args
 
 from fxoffload.passes.candidates import AUTO_HORIZON
 from fxoffload.passes.cost_model import DeviceProfile
-from fxoffload.passes.planning import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
+from fxoffload.passes.plan import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
 from fxoffload.passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 
 __all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]

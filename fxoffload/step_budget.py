@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from fxoffload.passes.planning import Budget, Plan
+from fxoffload.passes.plan import Budget, Plan
 from fxoffload.passes.shares import RegionDemand, Share, share_for, step_peak
 
 __all__ = ["SHARE_ROUNDS", "RunFigures", "StepBudget", "StepRegion", "StepShape", "learn_step", "run_figures"]

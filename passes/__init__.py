@@ -25,7 +25,7 @@ from fxoffload.passes.memory import Timeline
 from fxoffload.passes.pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
-from fxoffload.passes.planning import (
+from fxoffload.passes.plan import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
 )
 from fxoffload.passes.scheduling import Schedule

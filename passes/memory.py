@@ -62,7 +62,7 @@ from fxoffload.passes.analysis import (
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
            "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between",
-           "UNBOUNDED_REACH", "staging_intervals"]
+           "UNBOUNDED_REACH", "staging_intervals", "step_peak", "Resident", "residents_at"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
@@ -411,6 +411,13 @@ def curve(
 
 def peak(values: Sequence[int]) -> int:
     return max(values, default=0)
+
+
+def step_peak(activations: Sequence[int], forward: int, runs: int) -> int:
+    """The step's activation peak when a graph with this activation curve runs ``runs`` times."""
+    if not activations:
+        return 0
+    return max(activations) + (runs - 1) * activations[forward - 1]
 
 
 def staging_intervals(offload: int, release: int, prefetch: int, wait: int,

@@ -33,7 +33,9 @@ from fxoffload.passes.candidates import (
 )
 from fxoffload.passes.cost_model import DeviceProfile, node_work, roofline
 from fxoffload.passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
-from fxoffload.passes.planning import Plan, PlanOptions, group_by_base, plan_offloads
+from fxoffload.passes.eligibility import group_by_base
+from fxoffload.passes.plan import Plan, PlanOptions
+from fxoffload.passes.planning import plan_offloads
 from fxoffload.passes.rewrite import rewrite_pair
 from fxoffload.passes.scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 

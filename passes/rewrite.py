@@ -4,7 +4,7 @@ Inputs: the forward and backward graphs, the ``Plan`` and the ``Schedule``. Outp
 edited in place (``offload``, ``wait``, ``defer``, ``prefetch``, ``prefetch_ahead`` nodes and
 recompute chains).
 
-Reads a :class:`~fxoffload.passes.planning.Plan` and a :class:`~fxoffload.passes.scheduling.Schedule`
+Reads a :class:`~fxoffload.passes.plan.Plan` and a :class:`~fxoffload.passes.scheduling.Schedule`
 and edits the pair in place; it decides nothing. Nodes are found through the
 plan and schedule (which hold the nodes themselves), never by name or position.
 
@@ -43,7 +43,8 @@ from torch._guards import detect_fake_mode
 
 from fxoffload.passes.analysis import SavedActivation, SavedInterface, symbol_sources
 from fxoffload.passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
-from fxoffload.passes.planning import Plan, replayable
+from fxoffload.passes.eligibility import replayable
+from fxoffload.passes.plan import Plan
 from fxoffload.passes.scheduling import Schedule
 
 __all__ = ["rewrite_pair"]

@@ -1,6 +1,6 @@
 """Scheduling: where each chosen transfer's offload, release, prefetch and wait go, and what they cost.
 
-Inputs: the :class:`~fxoffload.passes.planning.Plan`, the candidates' placements
+Inputs: the :class:`~fxoffload.passes.plan.Plan`, the candidates' placements
 (``fxoffload.passes.candidates``: where each copy could go alone), the ``Timeline``,
 predicted op times and the device profile. Output: a :class:`Schedule` (each
 transfer's final :class:`~fxoffload.passes.candidates.Placement`, the prefetch order,
@@ -94,9 +94,9 @@ import torch.fx as fx
 from fxoffload.passes.candidates import AUTO_HORIZON, Placement, prefix_sums
 from fxoffload.passes.cost_model import DeviceProfile, transfer_time
 from fxoffload.passes.memory import (
-    Timeline, curve, intervals, peak, size_ranges, sizes_between, staging_intervals, timeline_at,
+    Timeline, curve, intervals, peak, size_ranges, sizes_between, staging_intervals, step_peak, timeline_at,
 )
-from fxoffload.passes.planning import Plan, step_peak
+from fxoffload.passes.plan import Plan
 from fxoffload.passes.replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from fxoffload.passes.cost_model import DeviceProfile, roofline
 from fxoffload.passes.memory import curve, intervals, staging_intervals
-from fxoffload.passes.planning import recompute_moves, recompute_temporaries
+from fxoffload.passes.plan import recompute_moves, recompute_temporaries
 from fxoffload.passes.replay import Copy, Replay, op_starts, replay
 
 __all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "op_starts", "replay", "simulate",
@@ -137,7 +137,7 @@ def simulate_movements(
 
     ``work`` is each timeline node's (FLOPs, bytes, dtype) from the cost model;
     prefetches issued at the same position go in ``prefetch_order`` (default:
-    the order of ``movements``). ``recomputes`` (``fxoffload.passes.planning.Recompute``)
+    the order of ``movements``). ``recomputes`` (``fxoffload.passes.plan.Recompute``)
     run their chains right before their rebuild position: the op before it
     takes their time (profile-independent: the planner's prediction).
     """

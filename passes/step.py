@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from fxoffload.passes.cost_model import DeviceProfile, roofline
 from fxoffload.passes.memory import curve, intervals
-from fxoffload.passes.planning import recompute_moves
+from fxoffload.passes.plan import recompute_moves
 from fxoffload.passes.replay import Copy, op_starts, replay
 from fxoffload.passes.scheduling import held_after_forward
 from fxoffload.passes.simulator import SimulatedCopy

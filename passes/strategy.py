@@ -31,7 +31,7 @@ from fxoffload.passes.cost_model import DeviceProfile
 from fxoffload.passes.pipeline import (
     PassResult, Stopwatch, analyse_pair, counted_inputs, counts_outputs, gc_paused, plan_analysed,
 )
-from fxoffload.passes.planning import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
+from fxoffload.passes.plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
 from fxoffload.passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from fxoffload.passes.simulator import simulate
 

@@ -77,6 +77,7 @@ STAGE_ORDER = {
     "fxoffload.passes.analysis": 1, "fxoffload.passes.memory": 1,
     "fxoffload.passes.cost_model": 2,
     "fxoffload.passes.candidates": 3,
+    "fxoffload.passes.eligibility": 4, "fxoffload.passes.plan": 4, "fxoffload.passes.formulation": 4,
     "fxoffload.passes.planning": 4,
     "fxoffload.passes.scheduling": 5,
     "fxoffload.passes.simulator": 6, "fxoffload.passes.step": 6, "fxoffload.passes.rewrite": 6,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.passes.planning import BudgetInfeasibleWarning
+from fxoffload.passes.plan import BudgetInfeasibleWarning
 from tests.conftest import (
     MODELS, UNPLACED_BYTES, CausalLMLoss, assert_same_step, loss_and_grads, loss_step, measured_run,
 )
@@ -212,7 +212,7 @@ def test_a_cpu_step_is_measured_alike_whether_or_not_cuda_is_present(monkeypatch
 
 
 def test_pinned_host_memory_is_predicted_in_the_caching_allocators_power_of_two_blocks():
-    from fxoffload.passes.planning import pinned_block
+    from fxoffload.passes.plan import pinned_block
 
     mib = 2**20
     assert [pinned_block(n) for n in (0, 1, 4096, 4097, 86 * mib, 128 * mib)] == [0, 1, 4096, 8192, 128 * mib,
@@ -256,7 +256,7 @@ def test_each_decision_says_why_as_data_and_its_words_agree():
     """``Decision.why`` is what code branches on (the host-budget rewording of kept decisions, for one):
     it agrees with the action, and with the words people read."""
     import fxoffload
-    from fxoffload.passes.planning import Why
+    from fxoffload.passes.plan import Why
     from tests.conftest import tiny_llama
 
     torch.manual_seed(0)

@@ -190,7 +190,7 @@ def test_choices_are_literal_types_and_validation_accepts_exactly_them():
     from typing import get_args, get_type_hints
 
     from fxoffload.config import INNER_COMPILERS, OptionError
-    from fxoffload.passes.planning import ON_INFEASIBLE, STRATEGIES, PlanOptions
+    from fxoffload.passes.plan import ON_INFEASIBLE, STRATEGIES, PlanOptions
     from fxoffload.passes.solvers import SOLVERS
 
     hints, plan_hints = get_type_hints(fxoffload.OffloadConfig), get_type_hints(PlanOptions)

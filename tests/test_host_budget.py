@@ -13,7 +13,7 @@ import torch
 
 import fxoffload
 from fxoffload.config import OptionError
-from fxoffload.passes.planning import pinned_block
+from fxoffload.passes.plan import pinned_block
 from tests.conftest import (
     MLP, MODELS, CausalLMLoss, assert_same_step, lm_step, loss_and_grads, measured_run, per_layer_llama,
 )

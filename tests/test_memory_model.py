@@ -6,7 +6,7 @@ import torch
 from fxoffload.passes import PlanOptions, plan_pair
 from fxoffload.passes.analysis import saved_interface
 from fxoffload.passes.memory import build_timeline, curve, intervals, peak
-from fxoffload.passes.planning import Budget, BudgetInfeasibleError
+from fxoffload.passes.plan import Budget, BudgetInfeasibleError
 from fxoffload.profiles import PROFILES
 from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
 

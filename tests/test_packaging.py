@@ -56,7 +56,7 @@ def test_a_checkout_serves_its_own_passes_folder_as_fxoffload_passes(tmp_path, e
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
                          cwd=tmp_path).stdout.split()
     assert out == [str(tmp_path / "fxoffload" / "__init__.py"), str(tmp_path / "passes" / "planning.py"),
-                   "fxoffload.passes.planning"]
+                   "fxoffload.passes.plan"]
 
 
 def test_a_checkout_without_an_entry_point_compiles_with_the_backend_name(tmp_path):

@@ -1,0 +1,320 @@
+"""The plan and what it is planned for: the values the other stages read.
+
+Inputs: none (the planner, ``fxoffload.passes.planning``, makes these values).
+Outputs: ``PlanOptions`` (the budget and the planner's settings), ``Plan`` (one ``Decision`` per saved
+activation, its ``Transfer``s and ``Recompute``s, the predicted peaks), ``BudgetInfeasibleError`` and
+``BudgetInfeasibleWarning`` (a budget out of reach), and the small functions that read a plan
+(``recompute_moves``, ``staging_bytes``, ``pinned_block``).
+
+Every value here is frozen: the rewrite, the scheduler, the simulator and ``explain`` read a plan and
+never change it. Limits: ``Decision.reason`` is words for people; code reads ``Decision.why``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence, get_args
+
+import torch
+import torch.fx as fx
+
+from fxoffload.passes.candidates import RecomputeCost, TransferCost
+from fxoffload.passes.memory import concrete
+from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, SolverName
+
+__all__ = [
+    "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "KEEP",
+    "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "Plan", "PlanOptions", "RECOMPUTE", "Recompute", "SizeBudget",
+    "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves", "recompute_temporaries",
+    "staging_bytes",
+]
+
+OFFLOAD = "offload"
+RECOMPUTE = "recompute"
+KEEP = "keep"
+AUTO_STRATEGY = "auto"  # keep, offload or recompute, per tensor (a horizon's "auto" is candidates.AUTO_HORIZON)
+Strategy = Literal["auto", "offload", "recompute"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+OnInfeasible = Literal["error", "warn"]
+ON_INFEASIBLE: tuple[str, ...] = get_args(OnInfeasible)
+
+
+ADVICE_WARN = "pass on_infeasible='warn'"
+
+
+class BudgetInfeasibleError(ValueError):
+    """The memory budget cannot be met even by offloading every eligible activation.
+
+    ``reason``: what cannot be met, with its numbers; ``smallest``: the smallest achievable peak
+    (bytes, of what the budget bounds); ``budget``: the bytes it bounds it to; ``advice``: what the
+    caller may change, each a phrase (``ADVICE_WARN`` among them where it applies)."""
+
+    def __init__(self, reason: str, smallest: int, budget: int, advice: Sequence[str] = ()) -> None:
+        self.reason, self.smallest, self.budget, self.advice = reason, smallest, budget, tuple(advice)
+        super().__init__(self.explained(self.advice))
+
+    def explained(self, advice: Sequence[str]) -> str:
+        """The reason, then ``advice`` as "; a, b, or c"."""
+        if not advice:
+            return self.reason
+        listed = advice[0] if len(advice) == 1 else ", ".join(advice[:-1]) + ", or " + advice[-1]
+        return f"{self.reason}; {listed}"
+
+    def within(self, context: str) -> "BudgetInfeasibleError":
+        """The same error, its reason prefixed by where it arose."""
+        return BudgetInfeasibleError(f"{context}{self.reason}", self.smallest, self.budget, self.advice)
+
+
+class BudgetInfeasibleWarning(UserWarning):
+    """``on_infeasible="warn"``: the budget cannot be met; the plan is for the smallest achievable peak."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A bound on the activation peak: a fraction of the unoffloaded peak, or bytes.
+
+    ``at_sizes``: under symbolic sizes, bytes at other sizes the plan must hold too ((symbol, size)
+    pairs, bytes): strategy auto holds its alternatives to the first plan's budget at each size.
+    """
+
+    fraction: float | None = None
+    nbytes: int | None = None
+    at_sizes: tuple[tuple[tuple[tuple[Any, int], ...], int], ...] = ()
+
+    def resolve(self, unoffloaded_peak: int) -> int:
+        return self.nbytes if self.nbytes is not None else int(self.fraction * unoffloaded_peak)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g} of the activation peak" if self.nbytes is None else f"{self.nbytes} B"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    min_bytes: int = 0
+    budget: Budget | None = None
+    solver: SolverName = "auto"
+    on_infeasible: OnInfeasible = "error"
+    time_limit: float = TIME_GUARD  # seconds per program: a guard (see fxoffload.passes.solvers)
+    node_limit: int = NODE_LIMIT  # branch-and-bound nodes per program: the deterministic bound
+    strategy: Strategy = "auto"
+    # A total peak (every tensor of the step, bytes) the copies' placement may not raise the total
+    # above, when lower than the pair's own unoffloaded total: plain compile's, when the user's
+    # CPU-offload marks made the partitioner save more than plain compile does.
+    total_cap: int | None = None
+    # Copies may cross the graph's boundaries (``fxoffload.passes.scheduling``): deferred releases at the
+    # forward's end, and copies started ahead by the backward that runs before this one.
+    cross_graphs: bool = True
+    # How many times the graph runs in one training step (one compiled graph serving that many
+    # layers). Above 1, the budget bounds the step: this graph's activation curve plus the bytes
+    # every earlier run still holds for its backward, and a fraction is of the step's peak.
+    runs: int = 1
+    # A bound on the device peak instead of ``budget``: bytes for the graph's inputs and every
+    # tensor the step creates (``device_budget`` less ``reserved``).
+    device_bytes: int | None = None
+    # Without a budget: act on every candidate, whether or not that lowers the peak (the naive
+    # baseline), instead of the cheapest choice that reaches the smallest peak.
+    all_eligible: bool = False
+    # A bound on the host memory of the graph's copies over its runs, in CUDA's pinned blocks
+    # (:func:`pinned_block`): what does not fit is kept or recomputed. None: unbounded.
+    host_bytes: int | None = None
+    # Device types whose copy engine stages a non-contiguous tensor through a contiguous device
+    # buffer (the CUDA engine, ``fxoffload.runtime``): each such transfer holds one more block of its
+    # size on the device from its offload to its release and from its prefetch to its wait
+    # (:func:`staging_bytes`).
+    staging_devices: frozenset[str] = frozenset()
+    # A bound on what the graph's runs leave on the device for their backward (the activation curve at
+    # the forward's end, over ``runs`` runs), below ``budget``: the later regions of a step run on top
+    # of it (``fxoffload.passes.shares``). None: only the budget bounds it.
+    held_cap: int | None = None
+    # Whether the graph's user outputs count as activations until its forward returns (and the
+    # activations it is handed do not): None, under a fraction for one run
+    # (``fxoffload.passes.pipeline.counts_outputs``); set for a share of a step's fraction, planned in bytes.
+    count_outputs: bool | None = None
+    # Positions, among the compiled function's inputs, of activations handed in that the caller was seen
+    # to keep after the graph returned (``fxoffload.callers``): counted, never moved (a copy frees nothing).
+    kept_inputs: frozenset[int] = frozenset()
+
+
+class Why(enum.Enum):
+    """Why a decision is what it is, as data: code branches on this, never on ``Decision.reason``'s
+    wording (which is for people)."""
+
+    INELIGIBLE = "kept: it cannot move"  # too small, a user output, a graph input, a symbolic size, ...
+    NOT_NEEDED = "kept: the goal holds without moving it"
+    PREFER_SAVE = "kept: the user's PREFER_SAVE mark"
+    HOST_BUDGET = "kept: its copy does not fit host_budget"
+    OFFLOADED = "offloaded"
+    RECOMPUTED = "recomputed"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one saved activation, and why (``why``: as data; ``reason``: in words)."""
+
+    index: int
+    name: str
+    shape: tuple[Any, ...]
+    dtype: torch.dtype
+    nbytes: Any  # int, or a sympy expression when sizes are symbolic
+    action: str  # "offload", "recompute" or "keep"
+    reason: str
+    transfer: int | None  # index into Plan.transfers when offloaded
+    recompute: int | None = None  # index into Plan.recomputes when recomputed
+    why: Why = Why.INELIGIBLE
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One storage copied to the host and back; its members are rebuilt from it."""
+
+    base: fx.Node
+    nbytes: int
+    members: tuple[int, ...]  # indices of the saved activations that live in this storage
+    lifetime: int  # its index in Timeline.lifetimes, fixed at plan time (the inner compiler may change the nodes)
+    cost: TransferCost | None = None
+    staging: int = 0  # bytes of the contiguous device buffer each of its copies goes through (staging_devices)
+
+    @property
+    def base_name(self) -> str:
+        return self.base.name
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """One storage rebuilt in the backward from saved values instead of being saved."""
+
+    base: fx.Node
+    nbytes: int
+    members: tuple[int, ...]  # indices of the saved activations that live in this storage
+    lifetime: int  # its index in Timeline.lifetimes
+    release: int  # timeline position of its last forward use (it is freed there)
+    at: int  # timeline position it is rebuilt before
+    cost: RecomputeCost
+
+    @property
+    def base_name(self) -> str:
+        return self.base.name
+
+
+@dataclass(frozen=True)
+class SizeBudget:
+    """The budget at one more size a plan of symbolic sizes holds it at, and the step's predicted
+    activation peaks there (bytes)."""
+
+    values: tuple[tuple[Any, int], ...]  # (symbol, size) pairs
+    budget_bytes: int
+    step_peak_before: int
+    step_peak_after: int
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{symbol}={value}" for symbol, value in self.values)
+
+
+@dataclass(frozen=True)
+class Plan:
+    decisions: tuple[Decision, ...]
+    transfers: tuple[Transfer, ...]
+    min_bytes: int
+    recomputes: tuple[Recompute, ...] = ()
+    strategy: Strategy = "offload"
+    partition: str = "min-cut"  # the partition planned: PyTorch's min-cut, or its recompute-only one at a budget
+    budget: str = "none"  # as the user gave it
+    budget_bytes: int | None = None
+    activation_peak_before: int = 0  # predicted, bytes
+    activation_peak_after: int = 0
+    total_peak_before: int = 0
+    total_peak_after: int = 0
+    total_cap: int | None = None  # PlanOptions.total_cap
+    runs: int = 1  # PlanOptions.runs: the graph's runs per step
+    # The step's activation peak over ``runs`` runs (each run's curve on top of what the earlier
+    # ones hold for their backward); equal to the activation peaks for one run. The budget bounds it.
+    step_peak_before: int = 0
+    step_peak_after: int = 0
+    # Under a device budget (PlanOptions.device_bytes): the graph's input bytes, the budget, and the
+    # predicted device peak: inputs plus the step's total peak (over ``runs`` runs).
+    input_bytes: int = 0
+    device_bytes: int | None = None
+    device_peak_before: int = 0
+    device_peak_after: int = 0
+    solver: str = "none"
+    optimal: bool = True
+    gap: float = 0.0
+    feasible: bool = True
+    note: str = ""
+    shortfall: tuple[int, int] | None = None  # when infeasible: (smallest achievable peak, budget), bytes
+    # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
+    # (``fxoffload.passes.memory.held_sizes``), each with its budget and the predicted peaks there.
+    sizes: tuple[SizeBudget, ...] = ()
+    host_budget_bytes: int | None = None  # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
+    held_cap: int | None = None  # PlanOptions.held_cap
+    # Predicted: what the runs leave for the backward (the activation curve at the forward's end, over the runs).
+    held_before: int = 0
+    held_after: int = 0
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(int(t.nbytes) for t in self.transfers)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory one run holds when its forward ends: every host copy is alive then (a copy is
+        dropped only once its prefetch has landed, in the backward)."""
+        return self.offloaded_bytes
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """The same in the pinned blocks PyTorch's caching host allocator hands out (:func:`pinned_block`),
+        which it keeps for later steps."""
+        return sum(pinned_block(int(t.nbytes)) for t in self.transfers)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return sum(int(r.nbytes) for r in self.recomputes)
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Predicted compute time the recomputations add to the backward."""
+        return sum(r.cost.seconds for r in self.recomputes)
+
+    def recompute_moves(self) -> dict[int, tuple[int, int]]:
+        return recompute_moves(self.recomputes)
+
+    def recompute_temporaries(self) -> list[tuple[int, int, int]]:
+        return recompute_temporaries(self.recomputes)
+
+    @property
+    def estimated_stall(self) -> float:
+        """The planner's estimate (each copy alone on its link); ``Schedule.predicted_stall`` is the prediction."""
+        return sum(t.cost.stall for t in self.transfers if t.cost is not None)
+
+
+def staging_bytes(base: fx.Node, options: PlanOptions) -> int:
+    """Bytes of the contiguous device buffer an engine that stages copies (its device type in
+    ``options.staging_devices``) puts a non-contiguous base through, at the size the plan is made
+    for; 0 for a contiguous base.
+    A transposed, channels-last or padded source is made contiguous before its copy, and a strided
+    destination lands in a contiguous buffer first: ``numel`` elements, whatever the storage's size."""
+    val = base.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.device.type not in options.staging_devices or val.is_contiguous():
+        return 0
+    return concrete(val.numel() * val.element_size(), val)
+
+
+def recompute_moves(recomputes: Sequence[Recompute]) -> dict[int, tuple[int, int]]:
+    """Lifetime index -> (release, rebuild) positions: recomputed storages' device intervals."""
+    return {r.lifetime: (r.release, r.at) for r in recomputes}
+
+
+def recompute_temporaries(recomputes: Sequence[Recompute]) -> list[tuple[int, int, int]]:
+    """Device intervals of the recompute chains' other outputs (not activations)."""
+    return [(r.at, r.at, r.cost.transient) for r in recomputes if r.cost.transient]
+
+
+def pinned_block(nbytes: int) -> int:
+    """The pinned block PyTorch's CUDA caching host allocator gives a request of ``nbytes``: the next
+    power of two (an 86 MiB activation takes 128 MiB), as ``ATen/core/CachingHostAllocator.h`` rounds
+    every request by default (``pinned_max_round_threshold`` and ``pinned_max_cached_size`` unset in
+    ``PYTORCH_CUDA_ALLOC_CONF``). The CPU engine allocates exactly ``nbytes``."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
