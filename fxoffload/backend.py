@@ -27,7 +27,7 @@ options; the global ``torch._inductor.config.triton.cudagraphs`` is turned off f
 our graphs, with a warning.
 
 Both partitioner runs (the default one, and PyTorch's recompute-only one that strategy auto weighs)
-happen under :func:`_quick_min_cut`: the same cuts, in less than half the time.
+happen under ``fxoffload.partition.quick_min_cut``: the same cuts, in less than half the time.
 
 Limits: graphs compiled for inference (no grad) go through unchanged and
 leave no record. AOTAutograd's cache is off for our graphs, so that every
@@ -37,10 +37,8 @@ by the rewritten graphs) stays on.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import sys
 import warnings
@@ -49,8 +47,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
@@ -58,13 +54,13 @@ from fxoffload.callers import CallerWatch, KeptInput, OffloadedInput, kept_warni
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
+from fxoffload.partition import Partitioner
 from fxoffload.passes import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, DeviceProfile, PassResult, Plan, PlanOptions, Schedule,
     Timeline,
-    plan_best_partition, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
+    plan_best_partition, rewrite_planned, unbounded_size_warning,
 )
 from fxoffload.passes.analysis import inputs_at, tensor_storage_key
-from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
 from fxoffload.passes.scheduling import held_after_forward, plan_digest
 from fxoffload.passes.shares import Share
 from fxoffload.passes.step import KeptSource
@@ -121,52 +117,6 @@ class GraphRecord:
     largest_saved_input: int = 0
 
 
-class _Partitioner(CustomPartitionerFn):
-    """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
-
-    def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
-                 input_activations: frozenset[int] = frozenset()) -> None:
-        self._on_pair = on_pair
-        self._input_activations = input_activations
-
-    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        with _quick_min_cut():
-            return self._partition_and_plan(gm, joint_inputs, **kwargs)
-
-    def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        # The user's selective-checkpoint marks, before the partitioner writes its own.
-        policies = read_policies(gm.graph)
-        plain_total = None
-        if offload_marked(policies):
-            # Plain compile would recompute what the marks make us save: its total peak caps
-            # how far our copies may stretch the tensors' device time.
-            plain_fw, plain_bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"],
-                                                 self._input_activations)
-        save_offload_marks(gm.graph)
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-
-        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
-            with torch._functorch.config.patch(activation_memory_budget=fraction):
-                return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-
-        return self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies, recompute_only, plain_total)
-
-    def uuid(self) -> None:
-        return None  # no caching: a cache hit would skip the passes and the record
-
-    def __reduce__(self) -> tuple:
-        # Only Inductor's FX-graph cache pickles us, to key its cache. That key
-        # also covers the graph handed to Inductor, which already carries our
-        # rewrite, so a constant stands in for this object.
-        return (str, ("fxoffload partitioner",))
-
-    def __deepcopy__(self, memo: dict) -> "_Partitioner":
-        # Inductor deep-copies its config (which holds us) for repro strings;
-        # our records hold fake tensors, which cannot be copied.
-        return self
-
-
 def _backward_node(out: Any) -> Any:
     """The autograd node of a compiled forward's outputs: the compiled backward itself, rather than
     the view an aliased output gets (a loss that ignores that output would never reach its hook)."""
@@ -215,70 +165,6 @@ class _Replan:
         return cls(fx.GraphModule(gm, graph), list(example_inputs), activations, patches)
 
 
-@contextlib.contextmanager
-def _quick_min_cut():
-    """PyTorch's partitioner, its cuts unchanged, in less than half the time (measured on the whole
-    Llama-2-7B graph, 2 cores: the recompute-only partition 6.0 s -> 2.5 s, the default 3.2 s -> 1.7 s).
-
-    * Boykov-Kolmogorov instead of networkx's default preflow-push for each max-flow: 2.5x
-      faster on these graphs. The cut is the same: ``networkx.minimum_cut`` reads it from the
-      residual network as the nodes that can still reach the sink, a set every maximum flow
-      shares (``tests/test_min_cut.py`` checks it).
-    * Each solve remembered (:class:`_SolveMemo`): the recompute-only partition begins with the
-      very solve the default partition made.
-    * The garbage collector paused: a full collection walks every object of the compile (graphs,
-      fake tensors), and networkx's allocations set one off every few hundred milliseconds. The
-      discarded graphs are collected once, after the passes.
-    """
-    from networkx.algorithms import flow
-    from torch._functorch import partitioners
-
-    enabled, default = gc.isenabled(), flow.maxflow.default_flow_func
-    solve = getattr(partitioners, "solve_min_cut", None)
-    gc.disable()
-    flow.maxflow.default_flow_func = flow.boykov_kolmogorov
-    if solve is not None:
-        partitioners.solve_min_cut = _SolveMemo(solve)
-    try:
-        yield
-    finally:
-        flow.maxflow.default_flow_func = default
-        if solve is not None:
-            partitioners.solve_min_cut = solve
-        if enabled:
-            gc.enable()
-
-
-class _SolveMemo:
-    """PyTorch's ``solve_min_cut``, each answer kept by the graph it cut and the options.
-
-    The key is every node's name, target, inputs and recompute tag (what the solve reads besides
-    global config, which one compile does not change), so a graph rebuilt alike (the second
-    partition's common-subexpression pass copies the first's graph) gets the answer back, mapped
-    onto its own nodes by name.
-    """
-
-    def __init__(self, solve: Callable) -> None:
-        self._solve = solve
-        self._answers: dict[tuple, tuple[list[str], list[str], type]] = {}
-        self.hits = 0
-
-    def __call__(self, joint_graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any = None):
-        if dont_ban:  # the knapsack's solve: different every time
-            return self._solve(joint_graph, node_info, options, dont_ban)
-        key = (dataclasses.astuple(options), tuple(
-            (n.name, n.op, str(n.target), tuple(a.name for a in n.all_input_nodes), str(n.meta.get("recompute")))
-            for n in joint_graph.nodes))
-        if key not in self._answers:
-            saved, banned = self._solve(joint_graph, node_info, options)
-            self._answers[key] = ([n.name for n in saved], [n.name for n in banned], type(banned))
-            return saved, banned
-        self.hits += 1
-        saved, banned, ordered_set = self._answers[key]
-        node = {n.name: n for n in joint_graph.nodes}
-        return [node[name] for name in saved], ordered_set(node[name] for name in banned)
-
-
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     # Boxed code takes the argument list and clears it, so every input (a saved
     # activation, a host buffer) is freed at its last use, as under Inductor.
@@ -311,7 +197,7 @@ class _Compilation:
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
-        self.record = self.backend._plan_pair(fw, bw, num_user_outputs, policies, repartition, self.region,
+        self.record = self.backend.plan_region(fw, bw, num_user_outputs, policies, repartition, self.region,
                                               plain_total, self.input_activations, self.replannable, self.graph)
         return self.record.forward, self.record.backward
 
@@ -461,11 +347,13 @@ class OffloadBackend:
             return options, held
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
 
-    def _plan_pair(
+    def plan_region(
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
         repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
         input_activations: frozenset[int] = frozenset(), replannable: bool = False, graph: str = "",
     ) -> GraphRecord:
+        """Plan and rewrite the pair the partition hook made of ``region``'s graph (``_Compilation.on_pair``
+        calls it), with the step's budget as the regions so far leave it; record it."""
         place = self._place(region)
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total,
@@ -789,7 +677,7 @@ class OffloadBackend:
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,
                       patches: dict) -> Callable:
         """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
-        partitioner = _Partitioner(compilation.on_pair, compilation.input_activations)
+        partitioner = Partitioner(compilation.on_pair, compilation.input_activations)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 

@@ -2,7 +2,7 @@
 
 Every shim here detects a capability of the installed torch, never its version string, and names
 what differs. Two older checks stay beside the code they serve, each a ``getattr`` with a default:
-``passes/ops.py`` (Inductor's ``cudagraph_unsafe`` tag) and ``backend._quick_min_cut`` (the
+``passes/ops.py`` (Inductor's ``cudagraph_unsafe`` tag) and ``partition.quick_min_cut`` (the
 partitioner's ``solve_min_cut``). Nothing branches on a version string.
 
 * ``control_deps`` (Inductor's ordering higher-order op, ``fxoffload.ordering`` wraps our ops in

@@ -1,4 +1,4 @@
-"""PyTorch's partitioner under ``backend._quick_min_cut``: the same cuts, by another max-flow.
+"""PyTorch's partitioner under ``partition.quick_min_cut``: the same cuts, by another max-flow.
 
 ``networkx.minimum_cut`` reads the cut off the residual network as the nodes that can still reach
 the sink. Every maximum flow (and preflow-push's maximum preflow) leaves that same set, so
@@ -21,7 +21,7 @@ from torch._functorch import partitioners
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
-from fxoffload.backend import _quick_min_cut
+from fxoffload.partition import quick_min_cut
 from tests.conftest import tiny_llama
 
 
@@ -66,7 +66,7 @@ def test_boykov_kolmogorov_cuts_where_preflow_push_does_on_graphs_with_many_mini
     for _ in range(300):
         graph = _flow_graph(rng, rng.randrange(4, 40))
         expected = _cut(graph)
-        with _quick_min_cut():
+        with quick_min_cut():
             assert _cut(graph) == expected
         assert _cut(graph, nx.algorithms.flow.boykov_kolmogorov) == expected
         if expected[0] != "unbounded" and _smallest_source_side(graph) != expected[1]:
@@ -77,7 +77,7 @@ def test_boykov_kolmogorov_cuts_where_preflow_push_does_on_graphs_with_many_mini
 def test_the_context_restores_the_default_flow_and_the_collector_after_a_raise():
     default, solve = nx.algorithms.flow.maxflow.default_flow_func, partitioners.solve_min_cut
     assert gc.isenabled()
-    with pytest.raises(RuntimeError), _quick_min_cut():
+    with pytest.raises(RuntimeError), quick_min_cut():
         assert not gc.isenabled()
         assert nx.algorithms.flow.maxflow.default_flow_func is nx.algorithms.flow.boykov_kolmogorov
         raise RuntimeError("inside")
@@ -116,7 +116,7 @@ def test_the_partitioner_makes_the_same_pair_under_the_quick_min_cut(budget):
 
     plain = partition(copy.deepcopy(joint["gm"]), budget)
     gm = copy.deepcopy(joint["gm"])
-    with _quick_min_cut():
+    with quick_min_cut():
         memo = partitioners.solve_min_cut
         partition(gm, 1.0)
         quick = partition(gm, budget)

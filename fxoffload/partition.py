@@ -1,0 +1,144 @@
+"""The partition hook: PyTorch's min-cut partitioner, then fxoffload's passes on the pair it makes.
+
+Inputs: AOTAutograd's joint forward/backward graph (and the partitioner's arguments), and a callback that
+plans and rewrites a pair (``fxoffload.backend``).
+Outputs: the rewritten forward and backward graphs, as Inductor's ``custom_partitioner_fn`` (or
+AOTAutograd's ``partition_fn``) returns them.
+
+Algorithm. :class:`Partitioner` reads the user's selective-checkpoint marks before the partitioner writes
+its own, partitions with ``min_cut_rematerialization_partition`` (once more without the marks' offloads
+where the user marked any, to cap the total peak at plain compile's), and hands the pair, and a way to
+re-partition it recompute-only at a budget (strategy auto's alternative), to the callback. Every
+partition runs under :func:`quick_min_cut`: the same cuts in less than half the time.
+
+Limits: ``quick_min_cut`` patches ``networkx``'s default max-flow function and PyTorch's
+``solve_min_cut`` for the duration of one partition hook, process-wide: a partition running on another
+thread at the same moment would see them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from fxoffload.passes import unoffloaded_total_peak
+from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
+
+__all__ = ["Partitioner", "SolveMemo", "quick_min_cut"]
+
+
+class Partitioner(CustomPartitionerFn):
+    """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
+
+    def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+                 input_activations: frozenset[int] = frozenset()) -> None:
+        self._on_pair = on_pair
+        self._input_activations = input_activations
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        with quick_min_cut():
+            return self._partition_and_plan(gm, joint_inputs, **kwargs)
+
+    def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        # The user's selective-checkpoint marks, before the partitioner writes its own.
+        policies = read_policies(gm.graph)
+        plain_total = None
+        if offload_marked(policies):
+            # Plain compile would recompute what the marks make us save: its total peak caps
+            # how far our copies may stretch the tensors' device time.
+            plain_fw, plain_bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"],
+                                                 self._input_activations)
+        save_offload_marks(gm.graph)
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        return self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies, recompute_only, plain_total)
+
+    def uuid(self) -> None:
+        return None  # no caching: a cache hit would skip the passes and the record
+
+    def __reduce__(self) -> tuple:
+        # Only Inductor's FX-graph cache pickles us, to key its cache. That key
+        # also covers the graph handed to Inductor, which already carries our
+        # rewrite, so a constant stands in for this object.
+        return (str, ("fxoffload partitioner",))
+
+    def __deepcopy__(self, memo: dict) -> "Partitioner":
+        # Inductor deep-copies its config (which holds us) for repro strings;
+        # our records hold fake tensors, which cannot be copied.
+        return self
+
+
+@contextlib.contextmanager
+def quick_min_cut():
+    """PyTorch's partitioner, its cuts unchanged, in less than half the time (measured on the whole
+    Llama-2-7B graph, 2 cores: the recompute-only partition 6.0 s -> 2.5 s, the default 3.2 s -> 1.7 s).
+
+    * Boykov-Kolmogorov instead of networkx's default preflow-push for each max-flow: 2.5x
+      faster on these graphs. The cut is the same: ``networkx.minimum_cut`` reads it from the
+      residual network as the nodes that can still reach the sink, a set every maximum flow
+      shares (``tests/test_min_cut.py`` checks it).
+    * Each solve remembered (:class:`SolveMemo`): the recompute-only partition begins with the
+      very solve the default partition made.
+    * The garbage collector paused: a full collection walks every object of the compile (graphs,
+      fake tensors), and networkx's allocations set one off every few hundred milliseconds. The
+      discarded graphs are collected once, after the passes.
+    """
+    from networkx.algorithms import flow
+    from torch._functorch import partitioners
+
+    enabled, default = gc.isenabled(), flow.maxflow.default_flow_func
+    solve = getattr(partitioners, "solve_min_cut", None)
+    gc.disable()
+    flow.maxflow.default_flow_func = flow.boykov_kolmogorov
+    if solve is not None:
+        partitioners.solve_min_cut = SolveMemo(solve)
+    try:
+        yield
+    finally:
+        flow.maxflow.default_flow_func = default
+        if solve is not None:
+            partitioners.solve_min_cut = solve
+        if enabled:
+            gc.enable()
+
+
+class SolveMemo:
+    """PyTorch's ``solve_min_cut``, each answer kept by the graph it cut and the options.
+
+    The key is every node's name, target, inputs and recompute tag (what the solve reads besides
+    global config, which one compile does not change), so a graph rebuilt alike (the second
+    partition's common-subexpression pass copies the first's graph) gets the answer back, mapped
+    onto its own nodes by name.
+    """
+
+    def __init__(self, solve: Callable) -> None:
+        self._solve = solve
+        self._answers: dict[tuple, tuple[list[str], list[str], type]] = {}
+        self.hits = 0
+
+    def __call__(self, joint_graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any = None):
+        if dont_ban:  # the knapsack's solve: different every time
+            return self._solve(joint_graph, node_info, options, dont_ban)
+        key = (dataclasses.astuple(options), tuple(
+            (n.name, n.op, str(n.target), tuple(a.name for a in n.all_input_nodes), str(n.meta.get("recompute")))
+            for n in joint_graph.nodes))
+        if key not in self._answers:
+            saved, banned = self._solve(joint_graph, node_info, options)
+            self._answers[key] = ([n.name for n in saved], [n.name for n in banned], type(banned))
+            return saved, banned
+        self.hits += 1
+        saved, banned, ordered_set = self._answers[key]
+        node = {n.name: n for n in joint_graph.nodes}
+        return [node[name] for name in saved], ordered_set(node[name] for name in banned)
