@@ -1,6 +1,6 @@
 # Two entry points; each creates .venv in the repo root, installs what it needs, and is safe to re-run.
 #   make demo   train a small Llama with plain torch.compile and with fxoffload, side by side
-#   make test   the test suite (CI runs this, slow tests included)
+#   make test   the linter (ruff), then the test suite (CI runs this, slow tests included)
 # CI also runs `make test-compat`: the fast suite and the Inductor numerics tests (marked compat) on
 # the other torch releases we support, each in a venv of its own.
 
@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 # Two workers (pytest-xdist): the suite's tests are independent, each in a worker process of its own.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2
 
 # torch 2.14.1: installed as a user installs the package (pip install -e, its entry point included);

@@ -174,7 +174,8 @@ def analyse_auto(joint: "Joint", profile, budget: float):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, _, result = plan_best_partition(
-            joint.fw, joint.bw, joint.num_outputs, lambda fraction: joint.partition(activation_memory_budget=fraction)[0],
+            joint.fw, joint.bw, joint.num_outputs,
+            lambda fraction: joint.partition(activation_memory_budget=fraction)[0],
             options=_options(budget, "auto"), horizon="auto", profile=profile)
     return result, time.perf_counter() - start
 
@@ -532,7 +533,8 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         peak = format_bytes(r["activation_peak"]) + (" **over**" if r["over_budget"] else "")
         lines.append(
-            f"| {r['model']} | {r['profile']} | {r['budget']} | {r['strategy']} | {peak} | {format_bytes(r['total_peak'])} | "
+            f"| {r['model']} | {r['profile']} | {r['budget']} | {r['strategy']} | {peak} | "
+            f"{format_bytes(r['total_peak'])} | "
             f"{r['step_time'] * 1e3:.1f} ms | {r['overhead']:+.1%} | {r['step_over_floor']:.3f} | {r['bound']} | "
             f"{format_bytes(r['offloaded_bytes'])} | {r['recomputed_flops'] / 1e12:.2f} TFLOP | "
             f"{r['decision_seconds']:.2f} s | {_at_peak(r)} |"
@@ -545,7 +547,8 @@ def stages_markdown(rows: list[dict]) -> str:
     lines = ["fxoffload's passes by stage (measured wall seconds; under auto a stage sums its runs over the "
              "alternatives, and \"repartition (PyTorch)\" is PyTorch's recompute-only partitioner):", ""]
     return "\n".join(lines + [f"- {r['model']}, {r['profile']}, budget {r['budget']}, {r['strategy']}: "
-                              f"{format_stages(tuple(r['stage_seconds'].items()))}" for r in rows if r["stage_seconds"]])
+                              f"{format_stages(tuple(r['stage_seconds'].items()))}"
+                              for r in rows if r["stage_seconds"]])
 
 
 def headline(rows: list[dict], profile: str = "h100-pcie5") -> str:
@@ -574,7 +577,10 @@ def _at_peak(r: dict) -> str:
 def targets(rows: list[dict]) -> list[str]:
     """The issue's targets, checked on the rows (reported, never tuned)."""
     out = []
-    key = lambda r: (r["model"], r["profile"], r["budget"])
+
+    def key(r):
+        return (r["model"], r["profile"], r["budget"])
+
     by = {}
     for r in rows:
         by.setdefault(key(r), {})[r["strategy"]] = r
@@ -618,7 +624,8 @@ def auto_wins(rows: list[dict]) -> list[str]:
     for k, group in sorted(by.items()):
         auto = group[AUTO]
         rivals = [group[s] for s in (OFFLOAD, RECOMPUTE, "recompute") if not group[s]["over_budget"]]
-        if k[2] < 1.0 and not auto["over_budget"] and all(auto["step_time"] < r["step_time"] * (1 - 1e-9) for r in rivals):
+        if (k[2] < 1.0 and not auto["over_budget"]
+                and all(auto["step_time"] < r["step_time"] * (1 - 1e-9) for r in rivals)):
             best = min((r["step_time"] for r in rivals), default=None)
             against = "no single strategy meets it" if best is None else f"best single {best * 1e3:.2f} ms"
             out.append(f"{k}: auto {auto['step_time'] * 1e3:.2f} ms, {against}")
@@ -661,7 +668,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    log = lambda message: print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def log(message):
+        print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
     rows, layer_rows = [], []
     for name in wanted:
         rows += compare_model(name, specs[name], log=log)
@@ -687,7 +697,8 @@ def main(argv=None) -> int:
     print(headline(rows))
     print(f"\ntargets: {len(misses)} missed" + "".join(f"\n  {m}" for m in misses))
     wins = auto_wins(rows)
-    print(f"auto strictly faster than every single strategy within budget: {len(wins)}" + "".join(f"\n  {w}" for w in wins))
+    print(f"auto strictly faster than every single strategy within budget: {len(wins)}"
+          + "".join(f"\n  {w}" for w in wins))
     print("\n" + stages_markdown(rows))
     print(f"wrote {out / 'compare.md'}, {out / 'headline.md'}, {out / 'per_layer.md'}, {out / 'stages.md'}, "
           f"{out / 'compare.json'}, "

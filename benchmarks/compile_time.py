@@ -5,8 +5,9 @@ Runs ``fxoffload plan --preset llama-2-7b --budget 0.5 --strategy auto --json``
 length up to 4096, batch 1, bf16, ``min_bytes`` 64 KiB, ``h100-pcie5``) in a fresh process
 ``--runs`` times, then ``--module-runs`` times as ``python -m fxoffload plan``. For each run it
 prints the wall time of fxoffload's passes split by stage (measured on this machine), with the
-plan's digest and its predicted step overhead (simulated on the profile, not measured). The digests must agree: the plan may not depend on
-the machine's load. ``--write`` puts the table into ``benchmarks/RESULTS.md``.
+plan's digest and its predicted step overhead (simulated on the profile, not measured). The digests
+must agree: the plan may not depend on the machine's load. ``--write`` puts the table into
+``benchmarks/RESULTS.md``.
 
     python benchmarks/compile_time.py [--runs 3] [--module-runs 1] [--preset llama-2-7b] [--budget 0.5]
                                       [--strategy auto] [--write]
@@ -53,7 +54,8 @@ def table(runs: list[dict]) -> list[str]:
              "overhead (simulated) |",
              "|---" * (len(stages) + 6) + "|"]
     for k, run in enumerate(runs, 1):
-        lines.append(f"| {k} | `{run['launcher']}` | **{run['passes']:.2f}** | " + " | ".join(f"{run['stages'][s]:.2f}" for s in stages)
+        lines.append(f"| {k} | `{run['launcher']}` | **{run['passes']:.2f}** | "
+                     + " | ".join(f"{run['stages'][s]:.2f}" for s in stages)
                      + f" | {run['trace_and_plan']:.1f} | `{run['digest']}` | {run['overhead']:+.1%} |")
     return lines
 

@@ -321,7 +321,8 @@ def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run
         last = _host_stats(cuda)
         if first and last:
             run.host_allocs = int(last.get("num_host_alloc", 0) - first.get("num_host_alloc", 0))
-            run.host_alloc_seconds = (last.get("host_alloc_time.total", 0) - first.get("host_alloc_time.total", 0)) / 1e6
+            run.host_alloc_seconds = (last.get("host_alloc_time.total", 0)
+                                      - first.get("host_alloc_time.total", 0)) / 1e6
             run.notes.append(f"pinned blocks CUDA allocated over the run's steps: {run.host_allocs}, "
                              f"{run.host_alloc_seconds * 1e3:.1f} ms of host time in all")
     else:
@@ -599,8 +600,10 @@ def render(session: dict) -> str:
                   f"{'PASS' if check['passed'] else 'FAIL'}.", "",
                   "| figure | predicted | measured | verdict |", "|---|---|---|---|"]
         for f in check["figures"]:
-            value = (lambda v: "-" if v is None else (_mb(v) if f["unit"] == "B" else
-                                                      _ms(v) if f["unit"] == "s" else f"{v:.3g}"))
+            def value(v):
+                return "-" if v is None else (_mb(v) if f["unit"] == "B" else
+                                              _ms(v) if f["unit"] == "s" else f"{v:.3g}")
+
             lines.append(f"| {f['name']} | {value(f['predicted'])} | {value(f['measured'])} | {f['verdict']} |")
     lines += ["", f"Llama-style model: {s['layers']} blocks, dim {s['dim']}, {s['heads']} heads, vocabulary "
               f"{s['vocab']}, batch {s['batch']} x {s['seq']}, {s['dtype']}, inner compiler {s['inner']}; "
@@ -655,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("gpu_session: a dry run's figures are not a GPU's; not written to RESULTS.md")
             from results import write_section
 
-            source = f"Figures: `{args.from_json.as_posix()}`, rendered by `python benchmarks/gpu_session.py --from-json " \
-                     f"{args.from_json.as_posix()} --write`."
+            source = f"Figures: `{args.from_json.as_posix()}`, rendered by " \
+                     f"`python benchmarks/gpu_session.py --from-json {args.from_json.as_posix()} --write`."
             print(f"wrote {write_section(args.heading, source + chr(10) + chr(10) + text)}")
         return 0
     if args.write:

@@ -71,8 +71,8 @@ def main() -> None:
     parser.add_argument("--solver", default="auto")
     parser.add_argument("--write", action="store_true", help="also write the figures to benchmarks/RESULTS.md")
     parser.add_argument("--strategy", default="offload",
-                        help="offload (default: the planning-speed figures in benchmarks/RESULTS.md), recompute or auto "
-                             "(auto also plans its alternatives, PyTorch's recompute-only partition included)")
+                        help="offload (default: the planning-speed figures in benchmarks/RESULTS.md), recompute or "
+                             "auto (auto also plans its alternatives, PyTorch's recompute-only partition included)")
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
 
@@ -109,13 +109,15 @@ def main() -> None:
         f"graph: {nodes} nodes in the partitioned forward + backward; {len(plan.decisions)} saved activations",
         f"measured wall time on this machine ({os.cpu_count()} cores):",
         f"  build model under FakeTensorMode   {build:7.2f} s",
-        f"  torch.compile, first forward call  {compile_seconds:7.2f} s  (dynamo + AOTAutograd + partitioner + fxoffload)",
+        f"  torch.compile, first forward call  {compile_seconds:7.2f} s  "
+        "(dynamo + AOTAutograd + partitioner + fxoffload)",
         f"    of which the min-cut partition   {partition_seconds[0]:7.2f} s",
         f"    of which fxoffload passes        {ours:7.2f} s  ({format_stages(record.pass_seconds)})",
         f"  fake backward                      {backward_seconds:7.2f} s",
         f"plan (predicted on {record.profile.name}): budget {format_bytes(plan.budget_bytes)}, solver {plan.solver} "
         f"(optimal={plan.optimal}, gap {plan.gap:.2%}), {len(plan.transfers)} transfers, "
-        f"{format_bytes(plan.offloaded_bytes)} offloaded, {len(plan.recomputes)} recomputed; partition: {plan.partition}",
+        f"{format_bytes(plan.offloaded_bytes)} offloaded, {len(plan.recomputes)} recomputed; "
+        f"partition: {plan.partition}",
         f"  activation peak {format_bytes(plan.activation_peak_before)} -> {format_bytes(plan.activation_peak_after)}; "
         f"total peak {format_bytes(plan.total_peak_before)} -> {format_bytes(plan.total_peak_after)}; "
         f"predicted stall {record.schedule.predicted_stall * 1e3:.1f} ms (replayed schedule)",

@@ -23,11 +23,12 @@ also runs the same FSDP2 job without fxoffload, eagerly, and exits 1 unless
 every loss and every local gradient shard match and each rank's graphs offload
 or recompute something; with ``--reference aot_eager_decomp_partition`` the
 reference is that job compiled with the same partitioner and no fxoffload, and
-the local parameter shards after the last optimizer step must be bit-equal. ``--measure`` measures one whole step's activation
-peak with and without fxoffload (``fxoffload.measure_peak``, everything the
-step keeps for its backward: embeddings, hidden states and FSDP2's buffers
-included) and exits 1 if the first is above ``--budget`` of the second. Timings are CPU timings: device and host are the same
-memory here.
+the local parameter shards after the last optimizer step must be bit-equal.
+``--measure`` measures one whole step's activation peak with and without
+fxoffload (``fxoffload.measure_peak``, everything the step keeps for its
+backward: embeddings, hidden states and FSDP2's buffers included) and exits 1
+if the first is above ``--budget`` of the second. Timings are CPU timings:
+device and host are the same memory here.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def main() -> int:
     parser.add_argument("--inner", default="eager", choices=["inductor", "eager"])
     parser.add_argument("--check", action="store_true", help="compare with the same FSDP2 job without fxoffload")
     parser.add_argument("--measure", action="store_true",
-                        help="measure one step's activation peak with and without fxoffload (exit 1 if above the budget)")
+                        help="measure one step's activation peak with and without fxoffload "
+                             "(exit 1 if above the budget)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")

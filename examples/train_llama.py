@@ -108,7 +108,8 @@ def main() -> None:
 
     base = build_model()
     params = sum(p.numel() for p in base.parameters())
-    print(f"model: Llama, {params / 1e6:.2f} M parameters, batch {args.batch} x {args.seq} tokens, {args.steps} steps\n")
+    print(f"model: Llama, {params / 1e6:.2f} M parameters, batch {args.batch} x {args.seq} tokens, "
+          f"{args.steps} steps\n")
 
     plain_model = copy.deepcopy(base)
     plain = torch.compile(plain_model, backend="inductor" if args.inner == "inductor" else "aot_eager_decomp_partition")
@@ -154,8 +155,8 @@ def main() -> None:
     if args.write:
         from _recipes import report
 
-        figures = dict(params=params, losses=(plain_losses, offl_losses), max_diff=max_diff, steady=(steady_p, steady_o),
-                       sims=sims, memory=memory)
+        figures = dict(params=params, losses=(plain_losses, offl_losses), max_diff=max_diff,
+                       steady=(steady_p, steady_o), sims=sims, memory=memory)
         # Runs with other options keep sections of their own.
         other = "".join(f", {name}={value}" for name, value, default in (
             ("memory_budget", args.budget, "0.5"), ("inner", args.inner, "inductor"),
@@ -188,11 +189,14 @@ def demo_section(args, backend, figures) -> str:
         "|---|---|---|",
         row(f"losses, steps 0..{len(plain_losses) - 1}", " ".join(f"{x:.4f}" for x in plain_losses),
             " ".join(f"{x:.4f}" for x in offl_losses) + f" (largest difference {figures['max_diff']:.2g})"),
-        row(f"plan (inner={args.inner})", "", "; ".join(f"{len(p.transfers)} storage(s) offloaded ({format_bytes(p.offloaded_bytes)} per step), "
-                                  f"{len(p.recomputes)} recomputed ({format_bytes(p.recomputed_bytes)})" for p in plans)),
-        row("activation peak, predicted / measured (inner=eager)", f"{format_bytes(plain_mem[0])} / {format_bytes(plain_mem[1])}",
+        row(f"plan (inner={args.inner})", "",
+            "; ".join(f"{len(p.transfers)} storage(s) offloaded ({format_bytes(p.offloaded_bytes)} per step), "
+                      f"{len(p.recomputes)} recomputed ({format_bytes(p.recomputed_bytes)})" for p in plans)),
+        row("activation peak, predicted / measured (inner=eager)",
+            f"{format_bytes(plain_mem[0])} / {format_bytes(plain_mem[1])}",
             f"{format_bytes(offl_mem[0])} / {format_bytes(offl_mem[1])} (budget {offl_mem[4]})"),
-        row("total peak, predicted / measured (inner=eager)", f"{format_bytes(plain_mem[2])} / {format_bytes(plain_mem[3])}",
+        row("total peak, predicted / measured (inner=eager)",
+            f"{format_bytes(plain_mem[2])} / {format_bytes(plain_mem[3])}",
             f"{format_bytes(offl_mem[2])} / {format_bytes(offl_mem[3])}"),
         row("median step time after compile (CPU, measured)", f"{steady_p:.3f} s", f"{steady_o:.3f} s"),
     ]
@@ -230,7 +234,8 @@ def memory_report(base, data, args, budget) -> list[tuple]:
           "predicted by the memory model):")
     print(f"{'':<24}{'activations predicted':>22}{'measured':>12}{'total predicted':>17}{'measured':>12}   budget")
     for label, ap, am, tp, tm, b in rows:
-        print(f"{label:<24}{format_bytes(ap):>22}{format_bytes(am):>12}{format_bytes(tp):>17}{format_bytes(tm):>12}   {b}")
+        print(f"{label:<24}{format_bytes(ap):>22}{format_bytes(am):>12}{format_bytes(tp):>17}"
+              f"{format_bytes(tm):>12}   {b}")
     return [row[1:] for row in rows]
 
 

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     eager, compiled = runs["eager"], runs[f"fxoffload, budget {args.budget}"]
     command = f"python examples/trl_sft.py --steps {args.steps} --budget {args.budget} --inner {args.inner}"
     lines = [machine_line(command), "", *hf_table(runs, args.inner), "",
-             f"Largest parameter difference after {args.steps} steps: {drift(runs[f'model.compile(backend={plain!r})'], compiled):.2e} "
+             f"Largest parameter difference after {args.steps} steps: "
+             f"{drift(runs[f'model.compile(backend={plain!r})'], compiled):.2e} "
              f"from plain compile, {drift(eager, compiled):.2e} from eager (as plain compile's: AdamW turns the last "
              "bits of near-zero embedding gradients into steps of the learning rate's size)."]
     report("\n".join(lines), "Recipe: TRL supervised fine-tuning (measured, CPU)", args.write)

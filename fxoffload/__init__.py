@@ -54,7 +54,8 @@ from fxoffload.ranks import PlanMismatchError, RankCheckTimeoutError  # noqa: E4
 register_backend_name()  # backend="fxoffload" without an installed entry point (a checkout)
 
 __all__ = [
-    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile", "GraphRecord", "OffloadBackend",
-    "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError", "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
+    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile",
+    "GraphRecord", "OffloadBackend", "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError",
+    "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
     "offload_backend", "plot", "plot_step", "runtime", "simulate", "simulate_step",
 ]

@@ -76,7 +76,8 @@ log = logging.getLogger(__name__)
 # checkpointed layer saves only its input). Re-planned once counted, whatever the count.
 PROVISIONAL_RUNS = 2
 
-__all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend", "register_backend_name"]
+__all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
+           "register_backend_name"]
 
 
 @dataclass(kw_only=True)
@@ -340,7 +341,8 @@ class OffloadBackend:
             # The step's accounting: an activation one region hands the next counts in the curve of the
             # region that saves it (which may offload it: a layer's input), never in both.
             return dataclasses.replace(options, budget=Budget(nbytes=share.budget), held_cap=share.held_cap,
-                                       count_outputs=False, kept_inputs=self._kept_inputs.get(region, frozenset())), held
+                                       count_outputs=False,
+                                       kept_inputs=self._kept_inputs.get(region, frozenset())), held
         if options.device_bytes is not None and held:
             return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
         if options.budget is None or options.budget.nbytes is None or not held:

@@ -74,11 +74,13 @@ class CheckConfig:
         if self.hidden is not None and self.hidden % self.heads:
             raise ValueError(f"hidden: got {self.hidden}; accepted: a multiple of heads={self.heads}")
         if self.inner not in (None, "eager", "inductor"):
-            raise ValueError(f"inner: got {self.inner!r}; accepted: 'eager', 'inductor', or None (the device's default)")
+            raise ValueError(f"inner: got {self.inner!r}; accepted: 'eager', 'inductor', or None "
+                             "(the device's default)")
 
     def on(self, cuda: bool) -> "CheckConfig":
         """This config with its defaults filled in for the device."""
-        return dataclasses.replace(self, hidden=self.hidden or (512 if cuda else 64), seq=self.seq or (512 if cuda else 64),
+        return dataclasses.replace(self, hidden=self.hidden or (512 if cuda else 64),
+                                   seq=self.seq or (512 if cuda else 64),
                                    inner=self.inner or ("inductor" if cuda else "eager"))
 
 
@@ -341,7 +343,8 @@ def format_report(report: CheckReport) -> str:
     width = max(len(f.name) for f in report.figures)
     lines.append(f"  {'figure':<{width}}  {'predicted':>14}  {'measured':>14}  verdict")
     for f in report.figures:
-        lines.append(f"  {f.name:<{width}}  {value(f.predicted, f.unit):>14}  {value(f.measured, f.unit):>14}  {f.verdict}")
+        lines.append(f"  {f.name:<{width}}  {value(f.predicted, f.unit):>14}  {value(f.measured, f.unit):>14}  "
+                     f"{f.verdict}")
     lines.append("verdict: " + ("PASS" if report.passed else "FAIL") + " (numerics and pending transfers; memory and "
                  "time rows are reported, not failed)")
     return "\n".join(lines)

@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "graph for every length in it (dynamic shapes), planned at HI, with the "
                                     "figures at both ends")
     plan.add_argument("--image-size", type=int, help="image side in pixels, for vision models (default: the model's)")
-    plan.add_argument("--dtype", default="bf16", help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
+    plan.add_argument("--dtype", default="bf16",
+                      help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
     plan.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
     plan.add_argument("--per-layer", action="store_true",
                       help="compile each layer on its own, as FSDP2 and torchtitan do (layer.compile on every "
@@ -97,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="auto (keep, offload or recompute), offload or recompute (default auto)")
     plan.add_argument("--no-cross-graphs", action="store_true",
                       help="keep every copy inside its own compiled graph (cross_graphs=False)")
-    plan.add_argument("--output", default="fxoffload-plan.png", help="plot path, .png/.svg/.pdf (default fxoffload-plan.png)")
+    plan.add_argument("--output", default="fxoffload-plan.png",
+                      help="plot path, .png/.svg/.pdf (default fxoffload-plan.png)")
     plan.add_argument("--no-plot", action="store_true", help="do not write the plot")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of tables")
     plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -495,7 +497,8 @@ def _range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> 
         elif size is not None:  # a size the plan holds the budget at: its budget and reference
             before, budget = size.step_peak_before, size.budget_bytes
         elif plan.partition != "min-cut" and limit is not None and limit.fraction is not None:
-            budget, note = None, f"planned on another partition ({plan.partition}): the fraction's reference is not known here"
+            budget, note = None, (f"planned on another partition ({plan.partition}): the fraction's reference "
+                                  "is not known here")
         out.append({"seq": length, "activation_peak_before": before, "activation_peak_after": after,
                     "budget_bytes": budget, "within_budget": budget is None or after <= budget, "note": note})
     return out
@@ -641,7 +644,8 @@ def _print_report(report: dict, records: list) -> None:
                   f"{format_bytes(graph['activation_peak_after'])} per run; over its {graph['runs_per_step']} runs "
                   f"{format_bytes(graph['step_peak_before'])} -> {format_bytes(graph['step_peak_after'])} "
                   f"(budget {budget} of the step: {'within' if graph['within_budget'] else 'OVER'})")
-        print(f"  total peak       {format_bytes(graph['total_peak_before'])} -> {format_bytes(graph['total_peak_after'])} "
+        print(f"  total peak       {format_bytes(graph['total_peak_before'])} -> "
+              f"{format_bytes(graph['total_peak_after'])} "
               "(tensors the step creates: activations, gradients, temporaries)")
         if graph["device_bytes"] is not None:
             print(f"  device peak      {format_bytes(graph['device_peak_before'])} -> "

@@ -32,7 +32,10 @@ def format_stages(seconds: Sequence[tuple[str, float]]) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -105,8 +108,9 @@ def _summary(record: Any) -> str:
     if share is not None:
         cap = f", leaving at most {format_bytes(share.held_cap)} for its backward" if share.held_cap is not None else ""
         lines.append(
-            f"share of the step's budget ({format_bytes(record.step_budget)} for the step's regions, predicted): a peak "
-            f"within {format_bytes(share.budget)} on top of what earlier regions hold{cap} ({share.fraction:.2f} of "
+            f"share of the step's budget ({format_bytes(record.step_budget)} for the step's regions, predicted): "
+            f"a peak within {format_bytes(share.budget)} on top of what earlier regions hold{cap} "
+            f"({share.fraction:.2f} of "
             f"its own figures; re-planned once the first step had shown every region, round {record.step_round + 1})")
     lines += _layer_inputs(record)
     handed_on = [lt for lt in record.timeline.lifetimes if lt.handed_on]
@@ -176,9 +180,9 @@ def _layer_inputs(record: Any) -> list[str]:
             "the step begins, and when its backward does: ")
     kept = getattr(record, "caller_kept_runs", 0)
     if kept:
-        line += (f"in the latest step the caller kept them after {kept} run(s), {format_bytes(record.caller_kept_bytes)} "
-                 "the copies did not free, on top of the predicted peaks here (simulate_step(..., caller_kept=...) "
-                 "counts them)")
+        line += (f"in the latest step the caller kept them after {kept} run(s), "
+                 f"{format_bytes(record.caller_kept_bytes)} the copies did not free, on top of the predicted peaks "
+                 "here (simulate_step(..., caller_kept=...) counts them)")
     else:
         line += "no caller has kept one so far"
     return [line]
@@ -231,8 +235,9 @@ def _crossing(plan: Any, schedule: Any) -> str:
     if schedule.ahead_bytes:
         names = ", ".join(plan.transfers[k].base_name for k in schedule.ahead)
         lines.append(
-            f"started ahead: the backward before this one starts this graph's first {format_bytes(schedule.ahead_bytes)} "
-            f"of copies ({names}, when one graph serves every layer), issued here before {schedule.ahead_before.name}")
+            f"started ahead: the backward before this one starts this graph's first "
+            f"{format_bytes(schedule.ahead_bytes)} of copies ({names}, when one graph serves every layer), "
+            f"issued here before {schedule.ahead_before.name}")
     else:
         lines.append("started ahead: none (every copy is hidden inside this backward, or none fits the bound)")
     return "\n".join(lines)

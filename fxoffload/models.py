@@ -142,7 +142,8 @@ def from_config_file(path: "str | Path", layers: int | None = None) -> ModelSour
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"config file {str(path)!r} is not valid JSON: {e}") from None
     if not isinstance(fields, dict):
-        raise ModelError(f"config file {str(path)!r}: expected a JSON object of config fields, got {type(fields).__name__}")
+        raise ModelError(f"config file {str(path)!r}: expected a JSON object of config fields, "
+                         f"got {type(fields).__name__}")
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ModelError(f"config file {str(path)!r} has no \"model_type\" field (a transformers config.json names "
@@ -261,10 +262,12 @@ def _task_of(architectures: Any, model_type: str, path: Path) -> str:
             if str(name).endswith(ending):
                 return task
     from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    for names, task in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal-lm"), (MODEL_FOR_MASKED_LM_MAPPING_NAMES, "masked-lm"),
+    for names, task in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal-lm"),
+                        (MODEL_FOR_MASKED_LM_MAPPING_NAMES, "masked-lm"),
                         (MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "image-classification")):
         if model_type in names:
             return task
@@ -311,7 +314,8 @@ def _check_size(name: str, config: Any, task: str, seq: int) -> None:
         return
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq > limit:
-        raise ModelError(f"--seq: got {seq}; {name} has {limit} positions (max_position_embeddings), accepted 1 to {limit}")
+        raise ModelError(f"--seq: got {seq}; {name} has {limit} positions (max_position_embeddings), "
+                         f"accepted 1 to {limit}")
 
 
 def _build_step(config: Any, task: str, batch: int, seq: int, dtype: torch.dtype):
@@ -336,7 +340,8 @@ def _build_step(config: Any, task: str, batch: int, seq: int, dtype: torch.dtype
         torch.set_default_dtype(previous)
     if task == "image-classification":
         size = (batch, config.num_channels, seq, seq)
-        inputs = {"pixel_values": torch.randn(size, dtype=dtype), "labels": torch.randint(0, config.num_labels, (batch,))}
+        inputs = {"pixel_values": torch.randn(size, dtype=dtype),
+                  "labels": torch.randint(0, config.num_labels, (batch,))}
     else:
         ids = torch.randint(0, config.vocab_size, (batch, seq))
         inputs = {"input_ids": ids}

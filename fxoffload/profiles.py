@@ -113,8 +113,8 @@ DEFAULT_PROFILE = "h100-pcie5"
 # The profile of each GPU model, by the model's word in the CUDA device name ("NVIDIA H100 80GB HBM3",
 # "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"). Whole words: "L40S" is not an "L4", nor "H200"
 # an "H100" (their links and compute differ: an H20 computes at about 15% of an H100).
-_MODEL_WORDS = {"gh200": "gh200", "h100": "h100-pcie5", "h200": "h200", "a100": "a100-pcie4", "l40s": "l40s", "l4": "l4",
-                "4090": "rtx4090"}
+_MODEL_WORDS = {"gh200": "gh200", "h100": "h100-pcie5", "h200": "h200", "a100": "a100-pcie4", "l40s": "l40s",
+                "l4": "l4", "4090": "rtx4090"}
 _warned_names: set[str] = set()
 
 
@@ -254,7 +254,8 @@ def calibrate(device: "int | str | torch.device | None" = None, *, nbytes: int =
                          op_seconds=op_seconds)
 
 
-def available_host_memory(meminfo: "str | Path" = "/proc/meminfo", cgroup: "str | Path" = "/sys/fs/cgroup") -> int | None:
+def available_host_memory(meminfo: "str | Path" = "/proc/meminfo",
+                          cgroup: "str | Path" = "/sys/fs/cgroup") -> int | None:
     """Bytes of host memory this process may still take: the smaller of the kernel's ``MemAvailable``
     and what its cgroup's limit leaves (v2 ``memory.max`` less ``memory.current``; v1
     ``memory/memory.limit_in_bytes`` less ``memory/memory.usage_in_bytes``). None where neither can

@@ -195,7 +195,10 @@ def transfer_costs(
     window is all compute from the backward's start to the consumer.
     """
     prefix = prefix_sums(times)
-    window = lambda a, b: prefix[b] - prefix[a]  # compute time of positions a .. b-1
+
+    def window(a, b):
+        return prefix[b] - prefix[a]  # compute time of positions a .. b-1
+
     costs = {}
     for base, p in placements.items():
         pos = timeline.positions

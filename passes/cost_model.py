@@ -30,8 +30,8 @@ ahead at no cost), no fusion (Inductor fuses pointwise chains,
 so their memory traffic is overestimated: measured on an H200, a bf16 Llama
 step Inductor compiled ran in 54-68% of its predicted time, the same graph
 unfused within 5% of it; benchmarks/gpu_session.py), no causal discount
-for attention, no cache effects, no overlap of compute with itself. Symbolic sizes are evaluated at their hints. All times
-are predictions, in seconds.
+for attention, no cache effects, no overlap of compute with itself. Symbolic
+sizes are evaluated at their hints. All times are predictions, in seconds.
 """
 
 from __future__ import annotations

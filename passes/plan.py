@@ -247,7 +247,8 @@ class Plan:
     # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
     # (``fxoffload.passes.memory.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
-    host_budget_bytes: int | None = None  # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
+    # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
+    host_budget_bytes: int | None = None
     held_cap: int | None = None  # PlanOptions.held_cap
     # Predicted: what the runs leave for the backward (the activation curve at the forward's end, over the runs).
     held_before: int = 0

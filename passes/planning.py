@@ -198,7 +198,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         given = "" if options.budget.nbytes is not None else f", {options.budget}"
         where, lift = "", parts[worst][2]
         if worst:
-            where = f"at {', '.join(f'{s}={v}' for s, v in held[worst - 1].values.items())} (a size this graph serves), "
+            where = (f"at {', '.join(f'{s}={v}' for s, v in held[worst - 1].values.items())} "
+                     "(a size this graph serves), ")
             given += " at that size"
         reach, limit = smallest - lift, budget - lift
         message = (

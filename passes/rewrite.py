@@ -153,7 +153,8 @@ class _Sizes:
             if expr.is_Symbol:
                 self.made[expr] = self._read(expr)
             else:
-                parts = [self._make(a) for a in expr.args] if not expr.is_Pow else [self._make(expr.base)] * int(expr.exp)
+                parts = ([self._make(a) for a in expr.args] if not expr.is_Pow
+                         else [self._make(expr.base)] * int(expr.exp))
                 combine = operator.add if expr.is_Add else operator.mul
                 made = parts[0]
                 for part in parts[1:]:

@@ -53,7 +53,8 @@ class RegionDemand:
 class Share:
     """What a region's plan gets of the step's budget."""
 
-    budget: int  # its activation peak, over its runs, on top of nothing: the step's budget less what earlier regions hold
+    # its activation peak, over its runs, on top of nothing: the step's budget less what earlier regions hold
+    budget: int
     held_cap: int | None  # what its runs may leave for the backward; None: the step's last region
     fraction: float  # the ``a`` of the module docstring: the share of its own figures it may keep
 

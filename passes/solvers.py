@@ -432,8 +432,8 @@ def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, gap: flo
     found = 0.0 if res.status == 0 and math.isnan(found) else found
     stopped = "" if res.status == 0 else "time limit" if "Time limit" in res.message else "node limit"
     label = f"milp, stopped at its {stopped}" if stopped else "milp"
-    solution = _solution(length, base, items, queues, chosen, budget, label, res.status == 0 and found <= OPTIMALITY_GAP,
-                         found, started, host_budget)
+    solution = _solution(length, base, items, queues, chosen, budget, label,
+                         res.status == 0 and found <= OPTIMALITY_GAP, found, started, host_budget)
     return dataclasses.replace(solution, stopped=stopped)
 
 
@@ -546,7 +546,8 @@ def evaluate(length, fixed, candidates, chosen) -> np.ndarray:
     return curve_with(length, base, items, [(i, 0) for i in chosen])
 
 
-def choose_offloads(length, fixed, candidates, budget, *, solver: str = "auto", time_limit: float = TIME_GUARD) -> SolverResult:
+def choose_offloads(length, fixed, candidates, budget, *, solver: str = "auto",
+                    time_limit: float = TIME_GUARD) -> SolverResult:
     """Candidates to offload so the curve stays within ``budget`` at least cost."""
     base, items = _general(fixed, candidates)
     return _offload_result(solve(length, base, items, budget, solver=solver, time_limit=time_limit))

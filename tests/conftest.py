@@ -181,7 +181,7 @@ def started_before_own_backward(events) -> list[int]:
     return sorted({e[1] for i, e in enumerate(events) if e[0] == "h2d_issue" and i < begun[e[1]]})
 
 
-# --------------------------------------------------------------------------- the golden MLP and reading rewritten graphs
+# --------------------------------------------------------------------------- the golden MLP, reading rewritten graphs
 
 
 def op_sequence(gm: torch.fx.GraphModule) -> list[str]:
@@ -223,8 +223,11 @@ def partitioned_pair(fn, *inputs):
         captured["pair"] = (copy.deepcopy(fw), copy.deepcopy(bw), kwargs["num_fwd_outputs"])
         return fw, bw
 
-    nop = lambda gm, _: gm
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition, decompositions=select_decomp_table())
+    def nop(gm, _):
+        return gm
+
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition,
+                           decompositions=select_decomp_table())
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*inputs)
     return captured["pair"]

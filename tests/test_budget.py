@@ -186,7 +186,8 @@ def test_without_a_budget_the_plan_reaches_the_smallest_peak_and_makes_no_needle
     # the logits (made as the forward ends, read as the backward starts) and the like stay.
     assert smallest.activation_peak_after == every.activation_peak_after < smallest.activation_peak_before
     assert 0 < len(smallest.transfers) < len(every.transfers)
-    kept = {d.name for d in smallest.decisions if d.reason == "kept: the smallest peak is reached without offloading it"}
+    kept = {d.name for d in smallest.decisions
+            if d.reason == "kept: the smallest peak is reached without offloading it"}
     assert kept == {d.name for d in every.decisions if d.action == "offload"} - {
         d.name for d in smallest.decisions if d.action == "offload"}
     # Measured on the CPU engine: the fewer copies hold the step's activations as low as every copy does.

@@ -116,12 +116,14 @@ def test_the_table_and_summary_are_printed(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(tmp_path), "--seq", "64", "--min-bytes", "0", "--no-plot"]) == 0
     captured = capsys.readouterr()
-    assert "decision" in captured.out and "activation peak" in captured.out and "simulated, not measured" in captured.out
+    assert ("decision" in captured.out and "activation peak" in captured.out
+            and "simulated, not measured" in captured.out)
     assert "tracing and planning" in captured.err  # progress on stderr
 
 
 def test_python_dash_m_runs_the_command():
-    out = subprocess.run([sys.executable, "-m", "fxoffload", "plan", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "fxoffload", "plan", "--help"],
+                         capture_output=True, text=True, check=True)
     assert "--preset" in out.stdout and "llama-2-7b" in out.stdout
 
 
@@ -140,7 +142,8 @@ def test_missing_config_file(capsys, tmp_path):
     ("[1, 2]", "expected a JSON object"),
     ('{"hidden_size": 64}', 'has no "model_type" field'),
     ('{"model_type": "no-such-model"}', "model_type 'no-such-model' is not one transformers knows"),
-    ('{"model_type": "llama", "hidden_size": "wide"}', "config.json': transformers rejected the config: Validation error for field 'hidden_size'"),
+    ('{"model_type": "llama", "hidden_size": "wide"}',
+     "config.json': transformers rejected the config: Validation error for field 'hidden_size'"),
 ])
 def test_malformed_config_file(capsys, tmp_path, text, message):
     path = tmp_path / "config.json"
@@ -152,7 +155,8 @@ def test_impossible_budget(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     # Offloading only: under "auto", PyTorch's recompute-only partition reaches 1 KiB on this model.
     err = run_error(capsys, "--config", str(tmp_path), "--seq", "64", "--budget", "1KiB", "--strategy", "offload")
-    assert "impossible budget" in err and "smallest achievable activation peak" in err and "above the budget of 1024 B" in err
+    assert ("impossible budget" in err and "smallest achievable activation peak" in err
+            and "above the budget of 1024 B" in err)
     assert "raise the budget, lower min_bytes, or try strategy='auto'" in err and "on_infeasible" not in err
 
 
@@ -224,7 +228,8 @@ def test_per_layer_compiles_each_layer_and_reports_the_step(capsys):
         assert step["invocations"] == 4 and step["graphs"] == 1  # ... run once per layer
         assert graph["runs_per_step"] == 4  # and planned for the four runs
         assert step["budget_bytes"] == int(0.5 * step["activation_peak_before"])  # a fraction of the step's peak
-        assert graph["budget_bytes"] == step["budget_bytes"] and graph["step_peak_before"] == step["activation_peak_before"]
+        assert (graph["budget_bytes"] == step["budget_bytes"]
+                and graph["step_peak_before"] == step["activation_peak_before"])
         assert graph["within_budget"] and step["within_budget"], (graph, step)  # copies crossing layers included
         assert step["activation_peak_after"] < step["activation_peak_before"]
         assert step["step_time"] > step["step_time_without_offload"] > 0

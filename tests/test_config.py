@@ -31,7 +31,8 @@ from fxoffload.config import OffloadConfig
          "reserved='1GiB' leaves nothing of device_budget='1GiB'; accepted: less than device_budget"),
         ({"cross_graphs": "yes"}, "cross_graphs: got 'yes'; accepted: True or False"),
         ({"all_eligible": 1}, "all_eligible: got 1; accepted: True or False"),
-        ({"all_eligible": True, "memory_budget": 0.5}, "a budget decides what moves; accepted: all_eligible=True with no"),
+        ({"all_eligible": True, "memory_budget": 0.5},
+         "a budget decides what moves; accepted: all_eligible=True with no"),
         ({"all_eligible": True, "device_budget": "1GiB"}, "all_eligible=True with .*device_budget='1GiB'"),
     ],
 )
@@ -89,10 +90,13 @@ def test_memory_budget_forms(value, fraction, nbytes):
         ({"solver_time_limit": 0}, "solver_time_limit: got 0"),
         ({"solver_node_limit": 0}, r"solver_node_limit: got 0; accepted: an int >= 1"),
         ({"solver_node_limit": 10.5}, r"solver_node_limit: got 10.5"),
-        ({"check_ranks": "yes"}, r"check_ranks: got 'yes'; accepted: True \(every rank\), False, or a torch.distributed"),
+        ({"check_ranks": "yes"},
+         r"check_ranks: got 'yes'; accepted: True \(every rank\), False, or a torch.distributed"),
         ({"check_ranks_timeout": 0}, r"check_ranks_timeout: got 0; accepted: a number of seconds > 0"),
         ({"check_ranks_timeout": True}, r"check_ranks_timeout: got True; accepted: a number of seconds > 0"),
-        ({"device_profile": "tpu-v5"}, "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, gh200-x4, h100-pcie5, h200, l4, l40s, rtx4090"),
+        ({"device_profile": "tpu-v5"},
+         "device_profile: unknown profile 'tpu-v5'; known: a100-pcie4, gh200, gh200-x4, h100-pcie5, h200, l4, l40s, "
+         "rtx4090"),
     ],
 )
 def test_bad_planner_options(options, message):

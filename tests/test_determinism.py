@@ -96,7 +96,8 @@ def hard_program(seed: int = 1, items: int = 200, length: int = 400):
         start, end = int(rng.integers(birth, (birth + death) // 2)), int(rng.integers((birth + death) // 2, death + 1))
         copy = ((0, int(rng.integers(0, 8)), float(rng.uniform(0.1, 1.0))),)
         options.append((Option(((start, end, -nbytes),), float(rng.uniform(0.5, 2.0)), copy),
-                        Option(((start, end, -nbytes), (end, end, int(rng.integers(1, 30)))), float(rng.uniform(0.5, 3.0)))))
+                        Option(((start, end, -nbytes), (end, end, int(rng.integers(1, 30)))),
+                               float(rng.uniform(0.5, 3.0)))))
     engine = Queue(tuple(np.cumsum(rng.uniform(0.5, 1.5, 8))))
     return length, base, options, int(curve.max() * 0.55), [engine]
 

@@ -38,7 +38,8 @@ def test_fsdp2_example_matches_fsdp2_without_fxoffload_and_offloads_on_each_rank
     verdicts = dict(re.findall(r"rank (\d): same as FSDP2 without fxoffload: (\w+)", run.stdout))
     assert verdicts == {"0": "True", "1": "True"}, run.stdout
     # The whole step's measured activation peak within the budget (0.5) of FSDP2's without fxoffload.
-    measured = dict(re.findall(r"rank (\d): measured step activation peak .* \(([\d.]+)\): within budget 0.5", run.stdout))
+    measured = dict(re.findall(r"rank (\d): measured step activation peak .* \(([\d.]+)\): within budget 0.5",
+                               run.stdout))
     assert set(measured) == {"0", "1"} and all(float(r) <= 0.5 for r in measured.values()), run.stdout
     offloaded = re.findall(r"rank (\d): region \d+ graph \d+: offloaded (\d+)", run.stdout)
     assert {rank for rank, _ in offloaded} == {"0", "1"}, run.stdout
@@ -125,7 +126,8 @@ def test_a_two_stage_pipeline_with_default_options_is_bit_equal_and_halves_each_
     the microbatches it holds, at most half of the reference's (+10%)."""
     lines = run_distributed("pipeline_step.py", schedule)
     found = [re.match(rf"rank (\d): {schedule}: bit-equal to aot_eager_decomp_partition: (\w+), graphs (\d+), "
-                      r"planned for (\d+) runs, transfers \d+, measured activation peak \d+ B of \d+ B \(([\d.]+)\)", line) for line in lines]
+                      r"planned for (\d+) runs, transfers \d+, "
+                      r"measured activation peak \d+ B of \d+ B \(([\d.]+)\)", line) for line in lines]
     assert all(found) and [f[1] for f in found] == ["0", "1"], lines
     for f in found:
         assert f[2] == "True" and float(f[5]) <= 0.55, lines

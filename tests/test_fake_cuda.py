@@ -197,7 +197,8 @@ def test_a_cuda_engine_that_drops_a_deferred_source_early_is_caught_by_the_fake(
 def test_a_copy_issued_under_cuda_graph_capture_raises_clearly():
     with cuda_engine_on_cpu() as fake:
         fake.capturing = True
-        with pytest.raises(RuntimeError, match="capturing a CUDA graph.*cannot be captured.*max-autotune-no-cudagraphs"):
+        with pytest.raises(RuntimeError,
+                           match="capturing a CUDA graph.*cannot be captured.*max-autotune-no-cudagraphs"):
             ops.offload(torch.randn(16))
         fake.capturing = False
         assert runtime.pending_transfers() == 0 and fake.copies_queued == 0

@@ -126,6 +126,7 @@ def forward(self, args_list):
     defer_default_1 = torch.ops.fxoffload.defer.default(offload_default_2, le);  offload_default_2 = le = None
     return (sum_1, primals_4, primals_6, view, defer_default, wait_default, defer_default_1)"""
 
+# Generated code compared exactly: its long lines cannot be wrapped (the noqa after the string covers them).
 MLP_BACKWARD_CODE = """\
 def forward(self, args_list):
     args_iter = iter(args_list)
@@ -182,7 +183,7 @@ def forward(self, args_list):
     sum_4 = torch.ops.aten.sum.dim_IntList(view_12, [0], True);  view_12 = None
     view_13 = torch.ops.aten.view.default(sum_4, [16]);  sum_4 = None
     permute_13 = torch.ops.aten.permute.default(permute_12, [1, 0]);  permute_12 = None
-    return (permute_13, view_13, None, permute_10, view_10, permute_6, view_7)"""
+    return (permute_13, view_13, None, permute_10, view_10, permute_6, view_7)"""  # noqa: E501
 
 
 def test_mlp_rewritten_code_text_golden():
@@ -221,7 +222,8 @@ def test_explain_shows_symbolic_bytes_under_dynamic_shapes():
         assert str(d.nbytes) in text  # e.g. 64*s27*s77: the sympy form, not a number
         # No budget, min_bytes=0: storages of symbolic size are offloaded like any other.
         assert d.reason.startswith("graph input") or d.action == "offload" and d.reason in (
-            "offloaded (all_eligible, >= min_bytes)", "view of relu; offloaded through its base, rebuilt after prefetch")
+            "offloaded (all_eligible, >= min_bytes)",
+            "view of relu; offloaded through its base, rebuilt after prefetch")
     # The memory model evaluates the symbols at their hints: 3 x 5 x 16 floats for tanh.
     tanh = next(lt for lt in record.timeline.lifetimes if lt.name == "tanh")
     assert tanh.nbytes == 3 * 5 * 16 * 4

@@ -58,7 +58,8 @@ def test_budget_fraction_resolves_against_the_unoffloaded_peak():
 
 
 def test_budget_below_the_floor_is_infeasible():
-    with pytest.raises(BudgetInfeasibleError, match="smallest achievable activation peak is 1024 B .* budget of 768 B") as info:
+    with pytest.raises(BudgetInfeasibleError,
+                       match="smallest achievable activation peak is 1024 B .* budget of 768 B") as info:
         plan_deep(0.5)
     # Callers read the numbers and the advice from fields, not from the message.
     assert (info.value.smallest, info.value.budget) == (1024, 768)

@@ -52,7 +52,8 @@ def test_removing_a_backward_wait_breaks_numerics():
         loss, grads = lm_step(compiled, ids)
     runtime.reset()
     # The consumer read the poisoned destination before the copy landed.
-    assert any(not torch.isfinite(g).all() or not torch.allclose(g, expected[1][n], atol=1e-4) for n, g in grads.items())
+    assert any(not torch.isfinite(g).all() or not torch.allclose(g, expected[1][n], atol=1e-4)
+               for n, g in grads.items())
 
 
 def test_removing_a_forward_wait_is_caught():

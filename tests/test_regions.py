@@ -18,7 +18,10 @@ class TwoRegions(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        block = lambda: [torch.nn.Linear(128, 128), torch.nn.Tanh()]
+
+        def block():
+            return [torch.nn.Linear(128, 128), torch.nn.Tanh()]
+
         self.first = torch.nn.Sequential(*block(), *block(), *block())
         self.second = torch.nn.Sequential(*block(), *block(), *block())
 

@@ -2,6 +2,7 @@
 
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -20,6 +21,13 @@ from fxoffload.passes.solvers import (
 from fxoffload.passes.solvers import (
     offload_min_peak as min_peak,
 )
+from fxoffload.passes.solvers import (
+    Option, Queue, curve_with, lateness, solve,
+)
+from fxoffload.passes.solvers import (
+    solve_greedy as greedy_options,
+)
+from fxoffload.passes.solvers import solve_milp as milp_options
 
 
 def three_layer():
@@ -120,16 +128,6 @@ def test_no_candidates_with_the_exact_solver():
 
 # --------------------------------------------------------------------------- keep / offload / recompute form
 
-import itertools  # noqa: E402
-
-from fxoffload.passes.solvers import (  # noqa: E402
-    Option, Queue, curve_with, lateness, solve,
-)
-from fxoffload.passes.solvers import (
-    solve_greedy as greedy_options,
-)
-from fxoffload.passes.solvers import solve_milp as milp_options  # noqa: E402
-
 
 def brute_force(length, base, items, budget, queues, conflicts, host_budget=None):
     """The least cost over every combination (keep = -1), or None when none fits."""
@@ -163,8 +161,13 @@ def test_mixed_plan_beats_either_single_option_by_hand():
     # is 3 s late. Recomputing costs 2 s and 30 B of temporaries at 7. Best: offload one,
     # recompute the other (2 s); both offloaded cost 3 s, both recomputed 4 s.
     base = [(0, 9, 100), (0, 9, 100), (3, 6, 200)]
-    offload = lambda: Option(((1, 8, -100),), 0.0, ((0, 0, 4.0),))
-    recompute = lambda: Option(((1, 8, -100), (7, 7, 30)), 2.0)
+
+    def offload():
+        return Option(((1, 8, -100),), 0.0, ((0, 0, 4.0),))
+
+    def recompute():
+        return Option(((1, 8, -100), (7, 7, 30)), 2.0)
+
     items = [(offload(), recompute()), (offload(), recompute())]
     queues = [Queue((5.0,))]
     result = solve(10, base, items, 250, queues, solver="milp")
@@ -261,7 +264,8 @@ def test_a_host_budget_bounds_every_solver_and_the_exact_one_matches_brute_force
         assert exact is None or not exact.feasible
         return
     assert exact is not None and exact.feasible and abs(exact.cost - best) <= 1e-6 * max(1.0, best)
-    assert solve(length, base, items, budget, queues, conflicts, host_budget=host_budget).cost <= best * (1 + 1e-2) + 1e-9
+    assert solve(length, base, items, budget, queues, conflicts,
+                 host_budget=host_budget).cost <= best * (1 + 1e-2) + 1e-9
 
 
 def test_a_host_budget_turns_an_offload_into_a_recomputation_by_hand():

@@ -42,7 +42,8 @@ def test_plan_offloads_the_base_of_a_saved_view_and_keeps_inputs():
     plan = plan_for(viewed_relu, viewed_relu_inputs(), min_bytes=0)
     assert sorted(t.base.name for t in plan.transfers) == ["le", "relu"]
     actions = {d.name: d.action for d in plan.decisions}
-    assert actions == {"permute": "offload", "le": "offload", "permute_1": "keep", "permute_2": "keep", "permute_3": "keep"}
+    assert actions == {"permute": "offload", "le": "offload", "permute_1": "keep", "permute_2": "keep",
+                       "permute_3": "keep"}
     reason = {d.name: d.reason for d in plan.decisions}["permute"]
     assert reason == "view of relu; offloaded through its base, rebuilt after prefetch"
 

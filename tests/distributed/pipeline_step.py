@@ -79,7 +79,8 @@ def run(schedule: str) -> int:
     transfers = sum(len(r.plan.transfers) for r in backend.records)
     ratio = ours.activation_peak / plain.activation_peak
     sys.stdout.write(f"rank {rank}: {schedule}: bit-equal to aot_eager_decomp_partition: {same}, graphs "
-                     f"{len(backend.records)}, planned for {backend.records[-1].plan.runs} runs, transfers {transfers}, measured activation peak "
+                     f"{len(backend.records)}, planned for {backend.records[-1].plan.runs} runs, "
+                     f"transfers {transfers}, measured activation peak "
                      f"{ours.activation_peak} B of {plain.activation_peak} B ({ratio:.3f})\n")
     sys.stdout.flush()
     return 0 if same else 1
