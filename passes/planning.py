@@ -88,6 +88,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
+import torch
 import torch.fx as fx
 
 from fxoffload.passes.analysis import SavedActivation, SavedInterface, input_position, is_compute, output_storages
@@ -230,12 +231,12 @@ def _kept_lifetimes(timeline: Timeline, reasons: Mapping[fx.Node, str | None]) -
     """Why each saved storage that is not a candidate stays, by lifetime index (graph inputs have none)."""
     kept = {}
     for base, reason in reasons.items():
+        if reason is None or not isinstance(base.meta.get("val"), torch.Tensor):  # (not a single tensor)
+            continue
         try:
-            index = timeline.forward_lifetime(base).index
+            kept[timeline.forward_lifetime(base).index] = reason
         except KeyError:  # a graph input: not on the activation curve
             continue
-        if reason is not None:
-            kept[index] = reason
     return kept
 
 
