@@ -28,6 +28,7 @@ from fxoffload.passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE
 
 __all__ = ["INPUT_ACTIVATION", "backward_symbols", "group_by_base", "group_marks", "replayable", "why_kept"]
 
+
 def group_by_base(activations: Sequence[SavedActivation]) -> dict[fx.Node, list[SavedActivation]]:
     groups: dict[fx.Node, list[SavedActivation]] = {}
     for act in activations:

@@ -82,7 +82,7 @@ class Problem:
     marks: Mapping[fx.Node, frozenset[str]]
     options: PlanOptions
     queued: bool  # model the copy engines as queues (prefetches placed freely, horizon "auto")
-    kept: Mapping[int, str] = dataclasses.field(default_factory=dict)  # lifetime index -> why it cannot move
+    reasons: Mapping[fx.Node, str | None] = dataclasses.field(default_factory=dict)  # why_kept's, by base
 
     def lifetime(self, base: fx.Node):
         return self.timeline.forward_lifetime(base)

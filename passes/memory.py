@@ -62,7 +62,7 @@ from fxoffload.passes.analysis import (
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
            "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between",
-           "UNBOUNDED_REACH", "staging_intervals", "step_peak", "Resident", "residents_at"]
+           "UNBOUNDED_REACH", "staging_intervals", "step_peak", "Resident", "residents_at", "on_device"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
@@ -449,15 +449,18 @@ def intervals(
     """
     out = [] if residual_only else list(temporaries)
     for lt in timeline.lifetimes:
-        if residual_only and not lt.activation:
-            continue
-        if lt.index in moved:
-            release, prefetch = moved[lt.index]
-            out.append((lt.birth, release, lt.nbytes))
-            out.append((prefetch, lt.death, lt.nbytes))
-        else:
-            out.append((lt.birth, lt.death, lt.nbytes))
+        if lt.activation or not residual_only:
+            out += on_device(lt, moved)
     return out
+
+
+def on_device(lt: Lifetime, moved: dict[int, tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The intervals (start, end inclusive, bytes) in which one storage is on the device under ``moved``
+    (see :func:`intervals`): its whole life, or until its release and again from its return."""
+    if lt.index not in moved:
+        return [(lt.birth, lt.death, lt.nbytes)]
+    release, back = moved[lt.index]
+    return [(lt.birth, release, lt.nbytes), (back, lt.death, lt.nbytes)]
 
 
 @dataclass(frozen=True)
@@ -472,11 +475,6 @@ class Resident:
 def residents_at(timeline: Timeline, moved: dict[int, tuple[int, int]], position: int) -> tuple[Resident, ...]:
     """The activations on the device at ``position`` under ``moved`` (as :func:`intervals` reads it),
     largest first: what makes up the activation curve there."""
-    found = []
-    for lt in timeline.lifetimes:
-        if not lt.activation or not lt.birth <= position <= lt.death:
-            continue
-        if lt.index in moved and moved[lt.index][0] < position < moved[lt.index][1]:
-            continue  # in host memory (or not yet rebuilt) there
-        found.append(Resident(lt.index, lt.name, lt.nbytes))
+    found = [Resident(lt.index, lt.name, lt.nbytes) for lt in timeline.lifetimes
+             if lt.activation and any(start <= position <= end for start, end, _ in on_device(lt, moved))]
     return tuple(sorted(found, key=lambda r: (-r.nbytes, r.lifetime)))

@@ -250,7 +250,8 @@ def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position
         return ""
     timeline = problem.timeline
     phase = "forward" if position < len(timeline.fw_nodes) else "backward"
-    named = ", ".join(f"{r.name} {r.nbytes} B ({_stays_why(problem, moved, r, position)})"
+    kept = _kept_lifetimes(timeline, problem.reasons)
+    named = ", ".join(f"{r.name} {r.nbytes} B ({_stays_why(problem, kept, moved, r, position)})"
                       for r in residents[:FLOOR_NAMED])
     rest = residents[FLOOR_NAMED:]
     more = f", and {len(rest)} more ({sum(r.nbytes for r in rest)} B)" if rest else ""
@@ -261,9 +262,10 @@ def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position
     return f"; at {phase} node {timeline.nodes[position].name}, {holds} {named}{more}{earlier}"
 
 
-def _stays_why(problem: Problem, moved: Mapping[int, tuple[int, int]], resident: Resident, position: int) -> str:
+def _stays_why(problem: Problem, kept: Mapping[int, str], moved: Mapping[int, tuple[int, int]], resident: Resident,
+               position: int) -> str:
     """Why an activation is on the device at ``position`` when everything eligible is moved."""
-    if (reason := problem.kept.get(resident.lifetime)) is not None:
+    if (reason := kept.get(resident.lifetime)) is not None:
         return reason
     lifetime = problem.timeline.lifetimes[resident.lifetime]
     if lifetime.handed_on and not lifetime.residual:
@@ -383,7 +385,7 @@ def plan_offloads(
     first_use = {b: min(pos[u] for a in groups[b] for u in a.bw_node.users) for b in candidates}
     recomputable = _recomputable(timeline, groups, recomputes or {}, free, forced, first_use)
     problem = Problem(timeline, moves, costs, recomputable, first_use, marks, options, queued,
-                       _kept_lifetimes(timeline, reasons))
+                       reasons)
     _check_forced_host(problem, forced)
 
     act_before = problem.peak((), (), True)
