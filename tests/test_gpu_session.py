@@ -106,6 +106,7 @@ def test_a_baseline_s_time_is_compared_with_the_simulated_step_without_copies():
 
 @pytest.mark.parametrize("name, heading", [
     ("gpu_session-h200.json", gpu_session.HEADING),
+    ("gpu_session-h100.json", "GPU session (measured on an H100)"),
     ("gpu_session-h200-before-attention-fix.json", "GPU session (measured), before the attention dtype fix"),
 ])
 def test_the_results_hold_what_the_script_renders_of_the_measured_figures(name, heading):
