@@ -11,7 +11,14 @@ PyTorch's ``control_deps`` higher-order op
   reader moved later, or a view's reader, must not outlive the release);
 * the nearest compute op after it depends on the op (it cannot sink);
 * it depends on the fxoffload op before it, so ours keep their planned order
-  even when Inductor moves an anchor earlier (a fused reduction, say).
+  even when Inductor moves an anchor earlier (a fused reduction, say);
+* a ``defer`` also depends on every last kernel of the graph (a compute op no
+  other compute op reads, even through views), so that every kernel runs
+  before it. Inductor takes a source as dead after its ``defer`` and may hand
+  its memory to a later kernel of the same graph (a buffer reuse, no allocator
+  call, so the runtime's reference cannot stop it) while the deferred copy
+  still reads it. Deferred releases sit at the forward's end, so this only
+  stops Inductor from sinking a kernel past them.
 
 Anchors are compute ops that read a value computed in the graph: an op of
 graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
@@ -38,8 +45,8 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.compat import ensure_control_deps
-from fxoffload.passes.analysis import is_anchored_compute, storage_key
-from fxoffload.passes.ops import FXOFFLOAD_OPS, RELEASES
+from fxoffload.passes.analysis import is_anchored_compute, is_compute, storage_key
+from fxoffload.passes.ops import DEFER, FXOFFLOAD_OPS, RELEASES
 
 __all__ = ["pin_offload_order"]
 
@@ -52,7 +59,10 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     previous_op: fx.Node | None = None  # the last fxoffload op: ours keep their planned order
     waiting: list[fx.Node] = []  # fxoffload ops since the last compute op
     readers: dict[int, list[fx.Node]] = {}  # storage -> compute nodes that read it so far
+    last_kernels = _last_kernels(graph)
+    seen: set[fx.Node] = set()  # nodes before this one (never a user of it: the graph is in order)
     for node in graph.nodes:
+        seen.add(node)
         if node.op == "call_function" and node.target in FXOFFLOAD_OPS:
             deps = OrderedSet(d for d in (previous_compute, previous_op) if d is not None)
             previous_op = node
@@ -60,6 +70,8 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
                 # A wait releases its keepalive: it must follow every reader of
                 # that storage, even one Inductor fuses or moves earlier.
                 deps.update(readers.get(storage_key(node.args[1]), []))
+            if node.target is DEFER:
+                deps.update(k for k in last_kernels if k in seen)
             deps = OrderedSet(d for d in deps if d not in node.all_input_nodes)
             if deps:
                 edges[node] = deps
@@ -73,6 +85,16 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
             for arg in node.all_input_nodes:
                 readers.setdefault(storage_key(arg), []).append(node)
     return edges
+
+
+def _last_kernels(graph: fx.Graph) -> list[fx.Node]:
+    """The compute ops whose results no other compute op reads, directly or through views, getitems
+    or fxoffload ops: every kernel of the graph runs before all of them have run."""
+    feeds_compute: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if any(is_compute(u) or u in feeds_compute for u in node.users):
+            feeds_compute.add(node)
+    return [n for n in graph.nodes if is_compute(n) and n not in feeds_compute]
 
 
 def _on_tensors(edges: dict[fx.Node, OrderedSet[fx.Node]]) -> dict[fx.Node, OrderedSet[fx.Node]]:

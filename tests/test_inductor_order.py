@@ -113,3 +113,80 @@ def test_forward_wait_follows_every_reader_of_the_released_buffer():
         for later in lines[i + 1 :]:
             if re.search(rf"\b{released}\b", later) and KERNEL.match(later):
                 pytest.fail(f"{released} is read after its wait:\n{later}\n\n{fw_code}")
+
+
+# --------------------------------------------------------------------------- a deferred source's memory
+
+
+def sink_every_kernel(nodes):
+    """A legal Inductor order, the worst one for a deferred copy: every kernel as late as its users allow.
+
+    Run after Inductor's own reordering (as a compute/communication overlap pass), so that its buffer
+    planning then hands a kernel moved past a ``defer`` the memory the ``defer`` has just let go of."""
+    owner = {name: n for n in nodes for name in n.get_operation_names()}
+    users = {n: set() for n in nodes}
+    for node in nodes:
+        for name in node.ancestors:
+            if owner.get(name) not in (None, node):
+                users[owner[name]].add(node)
+    position = {n: i for i, n in enumerate(nodes)}
+    placed: list = []
+    while len(placed) < len(nodes):  # from the end: the earliest node whose users are all placed
+        ready = [n for n in nodes if n not in placed and users[n].issubset(placed)]
+        placed.append(min(ready, key=position.get))
+    return placed[::-1]
+
+
+class SideOutput(torch.nn.Module):
+    """A wide transient first (the forward's memory peak comes early, so Inductor may reuse buffers at its
+    end), an output of an input alone (a kernel nothing orders before the forward's releases), then a
+    chain whose saved activations are copied out late enough to be deferred."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = torch.nn.Parameter(torch.randn(64, 1024) / 256)
+        self.w1 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.w2 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x, y):
+        total = (x @ self.wide).sum(1, keepdim=True)
+        side = torch.sin(y * 2)
+        h = torch.tanh((x + total) @ self.w1)
+        return h @ self.w2, side
+
+
+def side_output_step(model, x, y):
+    x = x.detach().clone().requires_grad_()
+    out, side = model(x, y)
+    (out.square().sum() + side.sum()).backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.compat
+def test_no_kernel_runs_after_a_defer_so_none_can_take_the_deferred_source_s_memory():
+    # A deferred copy still reads its source after the forward returns; Inductor thinks that buffer dead
+    # after ``defer`` and may hand it to a later kernel of the same graph (no allocator call, so the
+    # runtime's reference cannot stop it). Here the copy is slowed down and Inductor's order is the worst
+    # legal one: a kernel after a defer would overwrite the activation before it is copied.
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from fxoffload import runtime
+
+    torch.manual_seed(0)
+    eager = SideOutput()
+    model = SideOutput()
+    model.load_state_dict(eager.state_dict())
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+    expected = side_output_step(eager, x, y)
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, strategy="offload", all_eligible=True)
+    compiled = torch.compile(model, backend=backend)
+    with inductor_config.patch(reorder_for_compute_comm_overlap=True,
+                               reorder_for_compute_comm_overlap_passes=[sink_every_kernel]), runtime.copy_delay(0.05):
+        got, (fw_code, _) = run_and_get_code(lambda: side_output_step(compiled, x, y))
+    assert any(p.deferred for p in backend.records[0].schedule.placements)
+    for g, e in zip(got, expected):  # wide's gradient adds 1024 columns, in Inductor's order
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)
+    lines = fw_code.split("def call(self, args)")[1].splitlines()
+    first_defer = next(i for i, line in enumerate(lines) if "fxoffload.defer" in line)
+    assert not [line for line in lines[first_defer:] if KERNEL.match(line)], fw_code
