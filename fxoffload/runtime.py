@@ -130,12 +130,15 @@ _serials = itertools.count(1)
 @dataclass
 class DebugCounts:
     """What debug mode (:func:`debugging`) saw: ``waits`` checked, of which ``stalls`` found their copy
-    still running (compute waited there: a copy the schedule did not hide), and ``filled``
-    destinations the CUDA engine filled with NaN before their copy."""
+    still running (compute waited there: a copy the schedule did not hide), ``filled``
+    destinations the CUDA engine filled with NaN before their copy, and ``staged`` copies it put
+    through a contiguous device buffer (a strided source or destination: the plan counts one for
+    each end of a transfer whose traced layout is not dense, ``Transfer.staging``)."""
 
     waits: int = 0
     stalls: int = 0
     filled: int = 0
+    staged: int = 0
 
 
 _debug_depth = 0
@@ -580,6 +583,7 @@ class CudaEngine:
         if _debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
             _poison(dst)
             _debug_counts.filled += 1
+            _debug_counts.staged += not (src.is_contiguous() and dst.is_contiguous())
         src, dst, strided = _dense_ends(src, dst)
         compute = api.current_stream(device)
         stream = self._stream(device, direction)

@@ -100,6 +100,7 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
         host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k]))
         release = DEFER if place.deferred else WAIT
         hosts.append(inserter.after(place.free_after, release, (host, transfer.base)))
+        _unpadded(transfer.base, host, hosts[-1])
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.fw_saved):
         if decision.recompute is not None:
@@ -114,6 +115,16 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     rest = old[interface.num_user_outputs + len(interface.fw_saved) :]
     out.args = (old[: interface.num_user_outputs] + tuple(saved) + rest,)
     return hosts
+
+
+def _unpadded(*nodes: fx.Node) -> None:
+    """Keep Inductor from padding an offloaded source's strides (``comprehensive_padding``, on for
+    GPUs): the plan priced the copy of the traced layout, and the CUDA engine copies a padded tensor
+    through a full-size contiguous buffer the plan would not count. Inductor pads a layout when it
+    fixes it, unless the node it is lowering then dislikes padding: the source's own node, or the
+    offload or release that reads it (their ``control_deps`` wrappers copy the mark)."""
+    for node in nodes:
+        node.meta["dislike_padding"] = True
 
 
 def _replay(bw: fx.Graph, anchor: fx.Node, base: fx.Node, act: SavedActivation) -> fx.Node:

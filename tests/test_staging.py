@@ -52,9 +52,13 @@ def compiled_step(staged: bool):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     if staged:
-        with cuda_engine_on_cpu() as fake:
+        with cuda_engine_on_cpu() as fake, runtime.debugging():
+            runtime.debug_counts(reset=True)
             result = step()
+            counts = runtime.debug_counts(reset=True)
         assert fake.violations == []
+        # Debug mode counts the copies the engine put through a buffer: both ends of a staged transfer.
+        assert counts.staged == 2 * sum(1 for t in backend.records[0].plan.transfers if t.staging) > 0
     else:
         result = step()
     return backend.records[0], result, model, x
@@ -171,3 +175,48 @@ def test_copies_started_ahead_are_counted_by_the_bytes_they_move():
                                   times=[roofline(w, record.profile) for w in record.work], profile=record.profile)
     assert schedule.ahead, "nothing started ahead: the test would prove nothing"
     assert schedule.ahead_bytes == sum(int(plan.transfers[k].nbytes) for k in schedule.ahead)
+
+
+class Wide(torch.nn.Module):
+    """Rows of 1100 floats: Inductor pads their stride to 1120 where padding is on (on GPUs by
+    default; here through its config), for the activations it saves as for any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(64, 1100) / 8)
+        self.w2 = torch.nn.Parameter(torch.randn(1100, 64) / 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.w1) * 2
+        return torch.sin(h) @ self.w2
+
+
+@pytest.mark.compat
+def test_inductor_leaves_an_offloaded_source_unpadded_so_no_copy_is_staged_unplanned():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    eager, model = Wide(), Wide()
+    model.load_state_dict(eager.state_dict())
+    x = torch.randn(256, 64)
+
+    def step(run, m):
+        loss = run(x).square().sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    expected = step(eager, eager)
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, strategy="offload", all_eligible=True)
+    compiled = torch.compile(model, backend=backend)
+    with inductor_config.patch(comprehensive_padding=True, disable_padding_cpu=False), \
+            cuda_engine_on_cpu() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        got, (fw_code, _) = run_and_get_code(lambda: step(compiled, model))
+        counts = runtime.debug_counts(reset=True)
+    assert ", 1120)" not in fw_code and "(1120, 1)" in fw_code  # padding is on: the tensors not offloaded get it
+    transfers = backend.records[0].plan.transfers
+    assert len(transfers) == 2 and counts.filled == 4  # two round trips, each copy made
+    assert counts.staged == 2 * sum(1 for t in transfers if t.staging) == 0
+    assert fake.violations == []
+    assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
