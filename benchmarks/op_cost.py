@@ -38,7 +38,8 @@ from tests.fake_cuda import FakeCuda  # noqa: E402
 
 def measure(calls: int) -> dict[str, dict[str, float]]:
     out = {"CPU engine": op_call_seconds("cpu", calls)}
-    with runtime.use_engine("cpu", runtime.CudaEngine(streams=FakeCuda(), pin_memory=False)):
+    fake = FakeCuda()
+    with runtime.use_engine("cpu", runtime.CudaEngine(streams=fake, host_empty=fake.host_empty)):
         out["CUDA engine over the fake"] = op_call_seconds("cpu", calls)
     return out
 

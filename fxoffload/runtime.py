@@ -546,24 +546,30 @@ _CAPTURING = (
 )
 
 
+def _pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+
+
 class CudaEngine:
     """One copy stream per direction and device; completion by CUDA events.
 
     Written against the CUDA stream/event API: ``streams`` is the slice of
     ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``,
-    ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises).
+    ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises),
+    and ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
+    ``torch.empty``; a pageable buffer would make each copy synchronous).
     This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
-    fake of that API on CPU tensors, with ``pin_memory=False`` (pinning raises on a
-    CPU-only build).
+    fake of that API on CPU tensors, and the fake's ``host_empty`` (this CPU-only build
+    cannot pin; the fake marks its buffers pinned and flags a copy without one).
     """
 
     # A non-contiguous source or destination goes through a contiguous device buffer
     # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
     stages_strided = True
 
-    def __init__(self, streams: Any = None, pin_memory: bool = True) -> None:
+    def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None) -> None:
         self._api = streams
-        self._pin_memory = pin_memory
+        self._host_empty = host_empty or _pinned_empty
         self._streams: dict[tuple[torch.device, str], Any] = {}
 
     @property
@@ -606,7 +612,7 @@ class CudaEngine:
         return _Transfer(finish, keep, direction, event.query, invocation=invocation)
 
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
-        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=self._pin_memory)
+        host = self._host_empty(x.shape, x.dtype)
         _register(host, self._copy("d2h", x.device, host, x, invocation))
         return host
 

@@ -24,10 +24,20 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
   whose storage died is skipped when its turn comes.
 * **One block per copy.** A side-stream copy between layouts that differ (or a strided,
   padded one) would make ``copy_`` build a full-size temporary on that stream: a violation.
+* **Compute is queued too, between any two copies.** The fake runs compute ops at once and
+  cannot see them, so it takes the engine's case as given: the graph ran kernels since the
+  last copy (the source it is about to copy, a destination it read). A copy queued on a side
+  stream that has not waited for the compute stream (``wait_stream``) since its previous
+  copy could, on a GPU, read its source before compute wrote it: a violation.
+* **Nothing is allocated on a side stream.** An op that makes a new tensor inside
+  ``stream(side)`` allocates from that stream's pool; freed while compute still uses it (or
+  reused by compute without ``record_stream``), its block is a race: a violation.
+* **Host buffers are pinned.** ``host_empty`` (the engine's host allocator under the fake:
+  this CPU-only build cannot pin) marks the buffers it makes pinned; a copy neither of whose
+  ends is such a buffer is a violation (a pageable copy is synchronous on a GPU).
 
 Not modelled: copies that run concurrently with compute (here they run when waited for,
-the latest a GPU could run them), kernels other than ``copy_`` on side streams (they run at
-once), more than one device, and CUDA graphs.
+the latest a GPU could run them), more than one device, and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -102,10 +112,13 @@ class FakeStream:
     compute: bool = False
     queue: list[_Copy | None] = field(default_factory=list)  # every copy queued, in order; None once run
     done: int = 0  # the copies before this index have run (a stream runs in order)
+    after_compute: bool = False  # it waited for the compute stream since its last copy
 
     def wait_stream(self, other: "FakeStream") -> None:
         self.fake._check(other)
-        if not other.compute:  # the compute stream has nothing pending: its ops ran when issued
+        if other.compute:  # its ops ran when issued: what follows here is ordered after them
+            self.after_compute = True
+        else:
             self.fake._run(other, len(other.queue))
 
     def wait_event(self, event: "FakeEvent") -> None:
@@ -149,11 +162,27 @@ class _QueueCopies(TorchFunctionMode):
             dst, src = args[0], args[1]
             self.fake._queue(self.stream, dst, src)
             return dst
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and _storage_id(result) not in _storages(args, kwargs):
+            self.fake.violations.append(
+                f"{getattr(func, '__name__', func)} made a tensor on a side stream: its block comes from that "
+                "stream's pool, and compute may use it while the stream reuses it")
+        return result
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunction():
+        return t.untyped_storage().data_ptr()
+
+
+def _storages(args, kwargs) -> set[int]:
+    """The storages of the tensors among an op's arguments (a view of one makes no new block)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return {_storage_id(t) for t in leaves if isinstance(t, torch.Tensor)}
 
 
 class FakeCuda:
-    """The fake API; pass it as ``CudaEngine(streams=fake, pin_memory=False)``."""
+    """The fake API; pass it as ``CudaEngine(streams=fake, host_empty=fake.host_empty)``."""
 
     def __init__(self, complete_on_query: bool = False, poison: bool = True) -> None:
         self.complete_on_query = complete_on_query
@@ -167,6 +196,7 @@ class FakeCuda:
         self._side: list[FakeStream] = []
         self._current: FakeStream | None = None
         self._watches: dict[int, weakref.ref] = {}  # keeps the weak references (and their callbacks) alive
+        self._pinned: weakref.WeakSet = weakref.WeakSet()  # the storages host_empty made
 
     # ----------------------------------------------------------------- the torch.cuda slice
 
@@ -177,6 +207,12 @@ class FakeCuda:
 
     def Event(self) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
         return FakeEvent(self)
+
+    def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer the fake counts as pinned (the engine's ``host_empty``)."""
+        t = torch.empty(shape, dtype=dtype)
+        self._pinned.add(t.untyped_storage())
+        return t
 
     def is_current_stream_capturing(self) -> bool:
         return self.capturing
@@ -223,6 +259,15 @@ class FakeCuda:
     def _queue(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy = _Copy(self._view(dst), self._view(src), stream, self.copies_queued)
         self.copies_queued += 1
+        if not stream.after_compute:
+            self.violations.append(
+                f"copy {copy.number}: queued on a side stream that had not waited for the compute stream since "
+                "its last copy (wait_stream): on a GPU it could run before compute wrote its source")
+        stream.after_compute = False
+        with torch._C.DisableTorchFunction():
+            if not any(t.untyped_storage() in self._pinned for t in (dst, src)):
+                self.violations.append(f"copy {copy.number}: no end is a pinned host buffer (host_empty): a "
+                                       "pageable copy runs synchronously on a GPU")
         if not _one_block(dst, src):
             self.violations.append(
                 f"copy {copy.number}: layouts {tuple(src.stride())} -> {tuple(dst.stride())} on a side stream: copy_ "

@@ -38,8 +38,9 @@ def same_step(expected, actual) -> bool:
 def test_the_fake_runs_a_side_stream_copy_only_when_compute_waits_for_its_event():
     fake = FakeCuda()
     side, compute = fake.Stream(CPU), fake.current_stream(CPU)
-    src, dst = torch.arange(6.0), torch.zeros(6)
+    src, dst = torch.arange(6.0), fake.host_empty((6,), torch.float32)
     event = fake.Event()
+    side.wait_stream(compute)
     with fake.stream(side):
         dst.copy_(src, non_blocking=True)
         event.record(side)
@@ -52,8 +53,9 @@ def test_the_fake_runs_a_side_stream_copy_only_when_compute_waits_for_its_event(
 def test_the_fake_flags_a_storage_that_dies_before_compute_waited_for_its_copy(wait_first):
     fake = FakeCuda()
     side = fake.Stream(CPU)
-    src, dst = torch.randn(64), torch.empty(64)
+    src, dst = torch.randn(64), fake.host_empty((64,), torch.float32)
     event = fake.Event()
+    side.wait_stream(fake.current_stream(CPU))
     with fake.stream(side):
         dst.copy_(src, non_blocking=True)
         event.record(side)
@@ -61,6 +63,48 @@ def test_the_fake_flags_a_storage_that_dies_before_compute_waited_for_its_copy(w
         fake.current_stream(CPU).wait_event(event)
     del src
     assert (fake.violations == []) == wait_first, fake.violations
+
+
+def one_copy(fake: FakeCuda, *, wait: bool = True, pinned: bool = True, allocate: bool = False) -> list[str]:
+    """A device-to-host copy on a side stream, as the engine issues one; the fake's violations."""
+    side, compute = fake.Stream(CPU), fake.current_stream(CPU)
+    src = torch.randn(8)
+    dst = fake.host_empty((8,), torch.float32) if pinned else torch.empty(8)
+    if wait:
+        side.wait_stream(compute)
+    with fake.stream(side):
+        dst.copy_(src.clone() if allocate else src, non_blocking=True)
+    fake.synchronize()
+    return fake.violations
+
+
+def test_the_fake_takes_a_copy_that_follows_the_protocol():
+    assert one_copy(FakeCuda()) == []
+
+
+def test_the_fake_flags_a_copy_not_ordered_after_compute():
+    assert ["had not waited for the compute stream" in v for v in one_copy(FakeCuda(), wait=False)] == [True]
+
+
+def test_the_fake_flags_a_copy_without_a_pinned_host_buffer():
+    assert ["pinned host buffer" in v for v in one_copy(FakeCuda(), pinned=False)] == [True]
+
+
+def test_the_fake_flags_an_allocation_on_a_side_stream():
+    violations = one_copy(FakeCuda(), allocate=True)  # the clone also dies before its copy ran
+    assert ["made a tensor on a side stream" in v for v in violations] == [True, False], violations
+
+
+def test_every_copy_waits_for_compute_anew():
+    # One wait_stream orders the copies after compute only up to then: compute runs between copies.
+    fake = FakeCuda()
+    side, compute = fake.Stream(CPU), fake.current_stream(CPU)
+    src, hosts = torch.ones(4), [fake.host_empty((4,), torch.float32) for _ in range(2)]
+    side.wait_stream(compute)
+    with fake.stream(side):
+        for host in hosts:
+            host.copy_(src)
+    assert len(fake.violations) == 1 and "copy 1: queued on a side stream that had not waited" in fake.violations[0]
 
 
 def test_a_query_completes_the_copy_only_when_the_fake_is_told_the_link_keeps_up():
@@ -96,6 +140,59 @@ def test_round_trip_through_the_cuda_engine_copies_one_block_each_way(layout):
         assert torch.equal(dev, x) and dev.stride() == x.stride()
         assert runtime.pending_transfers() == 0 and fake.pending() == 0
     assert fake.copies_run == 2 and fake.violations == []
+
+
+class Forgetful:
+    """The stream API, with every stream's ``wait_stream`` swallowed: an engine that forgets to order
+    its copies after compute."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self.fake = fake
+
+    def __getattr__(self, name):
+        return getattr(self.fake, name)
+
+    def Stream(self, device=None):  # noqa: N802 (torch.cuda's name)
+        stream = self.fake.Stream(device)
+        stream.wait_stream = lambda other: None
+        return stream
+
+
+def round_trip(engine: runtime.CudaEngine, fake: FakeCuda) -> list[str]:
+    with runtime.use_engine("cpu", engine):
+        x = torch.randn(8, 16)
+        host = ops.wait(ops.offload(x), x)
+        assert torch.equal(ops.wait(ops.prefetch(host, CPU, [8, 16], [16, 1]), host), x)
+    return fake.violations
+
+
+def test_the_fake_catches_an_engine_that_does_not_order_its_copies_after_compute():
+    fake = FakeCuda()
+    assert round_trip(runtime.CudaEngine(streams=fake, host_empty=fake.host_empty), fake) == []
+    fake = FakeCuda()
+    violations = round_trip(runtime.CudaEngine(streams=Forgetful(fake), host_empty=fake.host_empty), fake)
+    assert ["had not waited for the compute stream" in v for v in violations] == [True, True], violations
+
+
+def test_the_fake_catches_an_engine_that_copies_through_pageable_host_memory():
+    fake = FakeCuda()
+    pageable = runtime.CudaEngine(streams=fake, host_empty=lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    violations = round_trip(pageable, fake)
+    assert ["pinned host buffer" in v for v in violations] == [True, True], violations
+
+
+def test_the_cuda_engine_asks_for_pinned_host_memory_by_default():
+    # Without a GPU the request for pinned memory fails (this machine has no pinned allocator).
+    fake, x = FakeCuda(), torch.randn(4)
+    with runtime.use_engine("cpu", runtime.CudaEngine(streams=fake)):
+        if torch.cuda.is_available():
+            host = ops.offload(x)
+            assert host.is_pinned()
+            ops.wait(host, x)
+        else:
+            with pytest.raises(RuntimeError, match="pin_memory|NVIDIA driver"):
+                ops.offload(x)
+    runtime.reset()
 
 
 def test_reading_a_prefetch_before_its_wait_reads_poison_under_the_fake():

@@ -87,7 +87,8 @@ class WatchedCpuEngine(runtime.CpuEngine):
 
 class WatchedCudaEngine(runtime.CudaEngine):
     def __init__(self) -> None:
-        super().__init__(streams=FakeCuda(), pin_memory=False)
+        fake = FakeCuda()
+        super().__init__(streams=fake, host_empty=fake.host_empty)
         self.watched = _Watched()
 
     def _copy(self, direction, device, dst, src, invocation):
