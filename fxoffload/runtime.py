@@ -571,6 +571,7 @@ class CudaEngine:
         self._api = streams
         self._host_empty = host_empty or _pinned_empty
         self._streams: dict[tuple[torch.device, str], Any] = {}
+        self._free_events: list[Any] = []  # events no stream will wait on again: recorded anew, not made anew
 
     @property
     def api(self) -> Any:
@@ -595,21 +596,43 @@ class CudaEngine:
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
         # read, by kernels queued on the compute stream: start after them.
-        stream.wait_stream(compute)
-        event = api.Event()
+        self._after_compute(stream, compute)
+        event = self._event()
         with api.stream(stream):
             dst.copy_(src, non_blocking=True)
             event.record(stream)
+        finished = False
 
         def finish() -> None:
+            nonlocal finished
+            if finished:
+                return
             api.current_stream(device).wait_event(event)
             if strided is not None:  # on the compute stream, after the copy: the layout the graph asked for
                 strided.copy_(dst)
+            finished = True
+            self._free_events.append(event)  # compute's wait holds its place: the event may be recorded again
 
-        # ``event.query()`` is true once the copy has run on the device: a deferred source
-        # may then be freed without ordering compute after the event.
+        def done() -> bool:
+            # ``event.query()`` is true once the copy has run on the device: a deferred source may then be
+            # freed without ordering compute after the event. Once finished, compute is ordered after it
+            # (and the event may be serving another copy).
+            return finished or event.query()
+
         keep = (src, dst) if strided is None else (src, dst, strided)
-        return _Transfer(finish, keep, direction, event.query, invocation=invocation)
+        return _Transfer(finish, keep, direction, done, invocation=invocation)
+
+    def _event(self) -> Any:
+        return self._free_events.pop() if self._free_events else self.api.Event()
+
+    def _after_compute(self, stream: Any, compute: Any) -> None:
+        """``stream.wait_stream(compute)`` with an event of the engine's (``wait_stream`` makes a new one
+        each time, two events per copy with the copy's own): once the wait is issued, the event is free
+        (CUDA: a stream waits for the record before ``cudaStreamWaitEvent`` returned, whatever follows)."""
+        event = self._event()
+        event.record(compute)
+        stream.wait_event(event)
+        self._free_events.append(event)
 
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = self._host_empty(x.shape, x.dtype)

@@ -27,8 +27,9 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
 * **Compute is queued too, between any two copies.** The fake runs compute ops at once and
   cannot see them, so it takes the engine's case as given: the graph ran kernels since the
   last copy (the source it is about to copy, a destination it read). A copy queued on a side
-  stream that has not waited for the compute stream (``wait_stream``) since its previous
-  copy could, on a GPU, read its source before compute wrote it: a violation.
+  stream that has not waited for the compute stream (``wait_stream``, or ``wait_event`` on an
+  event recorded there) since its previous copy could, on a GPU, read its source before
+  compute wrote it: a violation.
 * **Nothing is allocated on a side stream.** An op that makes a new tensor inside
   ``stream(side)`` allocates from that stream's pool; freed while compute still uses it (or
   reused by compute without ``record_stream``), its block is a race: a violation.
@@ -122,6 +123,8 @@ class FakeStream:
             self.fake._run(other, len(other.queue))
 
     def wait_event(self, event: "FakeEvent") -> None:
+        if event.stream is not None and event.stream.compute:  # recorded on compute: ordered after its ops
+            self.after_compute = True
         event.synchronize()
 
 
@@ -192,6 +195,7 @@ class FakeCuda:
         self.copies_queued = 0
         self.copies_run = 0
         self.queries = 0  # event queries (the host cost of polling; issue 37, defect 6)
+        self.events_made = 0  # Event() calls (each a cudaEventCreate on a GPU, at its first record)
         self._compute: dict[torch.device, FakeStream] = {}
         self._side: list[FakeStream] = []
         self._current: FakeStream | None = None
@@ -206,6 +210,7 @@ class FakeCuda:
         return stream
 
     def Event(self) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
+        self.events_made += 1
         return FakeEvent(self)
 
     def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -143,8 +143,8 @@ def test_round_trip_through_the_cuda_engine_copies_one_block_each_way(layout):
 
 
 class Forgetful:
-    """The stream API, with every stream's ``wait_stream`` swallowed: an engine that forgets to order
-    its copies after compute."""
+    """The stream API, with every copy stream's waits swallowed: an engine that forgets to order its
+    copies after compute."""
 
     def __init__(self, fake: FakeCuda) -> None:
         self.fake = fake
@@ -155,6 +155,7 @@ class Forgetful:
     def Stream(self, device=None):  # noqa: N802 (torch.cuda's name)
         stream = self.fake.Stream(device)
         stream.wait_stream = lambda other: None
+        stream.wait_event = lambda event: None
         return stream
 
 
@@ -179,6 +180,18 @@ def test_the_fake_catches_an_engine_that_copies_through_pageable_host_memory():
     pageable = runtime.CudaEngine(streams=fake, host_empty=lambda shape, dtype: torch.empty(shape, dtype=dtype))
     violations = round_trip(pageable, fake)
     assert ["pinned host buffer" in v for v in violations] == [True, True], violations
+
+
+def test_the_cuda_engine_makes_no_event_per_copy_once_warm():
+    # Each copy needs two orderings (after compute, before its consumer): events recorded anew, not made
+    # anew (wait_stream makes one per call, and a new Event per copy is a cudaEventCreate).
+    fake = FakeCuda()
+    engine = runtime.CudaEngine(streams=fake, host_empty=fake.host_empty)
+    round_trip(engine, fake)
+    made = fake.events_made
+    for _ in range(5):
+        round_trip(engine, fake)
+    assert fake.events_made == made <= 2 and fake.copies_run == 12 and fake.violations == []
 
 
 def test_the_cuda_engine_asks_for_pinned_host_memory_by_default():
