@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -51,6 +50,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.callers import CallerWatch, KeptInput, OffloadedInput, kept_warning, offloaded_inputs
+from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
@@ -60,7 +60,7 @@ from fxoffload.passes import (
     Timeline,
     plan_best_partition, rewrite_planned, unbounded_size_warning,
 )
-from fxoffload.passes.analysis import inputs_at, tensor_storage_key
+from fxoffload.passes.analysis import inputs_at
 from fxoffload.passes.scheduling import held_after_forward, plan_digest
 from fxoffload.passes.shares import Share
 from fxoffload.passes.step import KeptSource
@@ -494,7 +494,7 @@ class OffloadBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **unknown: Any) -> Callable:
-        patches = _mode_patches(mode, unknown)
+        patches = mode_patches(mode, unknown)
         # AOTAutograd's cache would return compiled graphs without running the
         # partitioner, so without our passes' record: keep it off for our graphs.
         # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs.)
@@ -532,10 +532,10 @@ class OffloadBackend:
                 if self._step.final(current[0].compilation.record):
                     pending[0] = None  # the graph copy and its inputs go
             # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
-            # stage's metadata inference (see _pipeline_inference). (Runs on fake tensors are: fxoffload plan
-            # traces its steps so.)
+            # stage's metadata inference (see compile_call.pipeline_inference). (Runs on fake tensors are:
+            # fxoffload plan traces its steps so.)
             step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-                            and not _pipeline_inference())
+                            and not pipeline_inference())
             if step_forward and self._backward_seen and (check := self._rank_check) is not None:
                 check.step_begins()  # a new step: compare the plans the ranks published in the last one
             if step_forward:
@@ -671,8 +671,8 @@ class OffloadBackend:
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
                         activations: frozenset[int], patches: dict, replannable: bool = False) -> "_Compiled":
         """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
-        ``patches``: Inductor options of the compile's mode (:func:`_mode_patches`); ``replannable``: the
-        count of its runs may plan it again (see ``_track``)."""
+        ``patches``: Inductor options of the compile's mode (:func:`fxoffload.compile_call.mode_patches`);
+        ``replannable``: the count of its runs may plan it again (see ``_track``)."""
         compilation = _Compilation(self, region, activations, replannable, graph_key(gm, example_inputs))
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
@@ -687,7 +687,7 @@ class OffloadBackend:
                 gm,
                 example_inputs,
                 inner_compile=compilation.inductor_inner,
-                config_patches={**patches, **_no_cudagraphs(), "custom_partitioner_fn": partitioner},
+                config_patches={**patches, **no_cudagraphs(), "custom_partitioner_fn": partitioner},
             )
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
@@ -699,73 +699,6 @@ class OffloadBackend:
             decompositions=select_decomp_table(),
         )
         return compiler(gm, example_inputs)
-
-
-_MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
-
-
-def _mode_patches(mode: str | None, unknown: dict) -> dict:
-    """The Inductor options of a ``torch.compile`` mode; ValueError for modes with CUDA graphs and unknown keywords."""
-    if mode in _MODES and not unknown:
-        from torch._inductor import list_mode_options
-
-        return dict(list_mode_options(mode)) if mode not in (None, "default") else {}
-    given = f"mode={mode!r}" if mode not in _MODES else ", ".join(map(repr, unknown))
-    raise ValueError(
-        f"fxoffload: torch.compile({given}) is not supported; accepted: no mode, 'default' or "
-        "'max-autotune-no-cudagraphs'. CUDA graphs ('reduce-overhead', 'max-autotune') replay fixed addresses "
-        "and cannot follow host copies and releases; pass fxoffload options through offload_backend(...) or "
-        "options={...}")
-
-
-_warned_cudagraphs: list[bool] = []
-
-
-def _no_cudagraphs() -> dict:
-    """Inductor options that keep CUDA graphs off our graphs, warning once when the global setting asked for them."""
-    import torch._inductor.config as inductor_config
-
-    if inductor_config.triton.cudagraphs and not _warned_cudagraphs:
-        _warned_cudagraphs.append(True)
-        warnings.warn("fxoffload: torch._inductor.config.triton.cudagraphs is on; fxoffload compiles its graphs "
-                      "without CUDA graphs (a captured graph would replay its copies and waits without their "
-                      "transfers). Other backends' graphs keep the setting", stacklevel=2)
-    return {"triton.cudagraphs": False}
-
-
-# The methods through which torch.distributed.pipelining runs a stage outside its schedule's steps, to infer
-# its inputs' and outputs' shapes: on meta tensors in torch 2.11 (_shape_inference), on real ones with a
-# backward, once, in the first step, from 2.13 (_forward_metadata_inference).
-_PIPELINE_INFERENCE = frozenset({"_shape_inference", "_forward_metadata_inference"})
-
-
-def _pipeline_inference(depth: int = 16) -> bool:
-    """Whether this forward runs inside a pipeline stage's metadata inference (the ``depth`` callers
-    above the compiled forward): its run and its backward are not the step's, and counting them
-    would learn a step of one run."""
-    if "torch.distributed.pipelining" not in sys.modules:  # the common case: no frames to walk
-        return False
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_name in _PIPELINE_INFERENCE and "pipelining" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def input_activations(example_inputs: list[Any]) -> frozenset[int]:
-    """Positions of the inputs that are activations of the step: tensors an earlier part of the
-    step made with autograd (they require grad and are not leaves: a hidden state from the layer
-    before). The plan counts those its graph saves, once per run of the graph. Leaves (parameters,
-    the batch, a user's input that requires grad) and inputs that do not require grad (masks,
-    rotary tables) are taken to exist before the step. Judged on the call that compiles the graph:
-    a graph first compiled on a leaf does not count the inputs of its later runs. An input that the
-    compiled graph which made it also saved (a ``tanh`` output returned at a graph break) is
-    counted there, not again."""
-    return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
-                     and t.requires_grad and not t.is_leaf and not _held_by_maker(t))
 
 
 def _largest_saved_input(fw: fx.GraphModule, plan: Plan, input_activations: frozenset[int]) -> int:
@@ -780,19 +713,6 @@ def _on_cuda(fw: fx.GraphModule) -> bool:
     """Whether the forward graph takes CUDA tensors (its copies then take pinned host memory)."""
     return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
                for n in fw.graph.nodes if n.op == "placeholder")
-
-
-def _held_by_maker(t: torch.Tensor) -> bool:
-    """Whether the compiled graph whose forward returned ``t`` saved its storage for its backward."""
-    node = t.grad_fn
-    if node is None or "CompiledFunction" not in type(node).__name__:
-        return False
-    try:
-        saved = node.saved_tensors
-    except RuntimeError:  # already freed, or unpacked by a hook that refuses: count it (conservative)
-        return False
-    key = tensor_storage_key(t)
-    return any(isinstance(s, torch.Tensor) and tensor_storage_key(s) == key for s in saved)
 
 
 def offload_backend(**options: Any) -> OffloadBackend:

@@ -1,0 +1,102 @@
+"""What a compile call says before anything is planned: the Inductor options of its ``torch.compile``
+mode (modes that capture CUDA graphs are refused: a replay cannot follow host copies and releases),
+the options that keep CUDA graphs off fxoffload's graphs, whether the forward runs inside
+``torch.distributed.pipelining``'s shape inference (not a step of its own), and which example inputs
+are activations an earlier part of the step made (a layer's hidden state).
+
+Reads the call's mode and keywords, the interpreter's frames, and the example inputs' autograd
+metadata; gives plain values. Limits: the pipeline check walks a fixed number of frames, and an
+input is judged an activation on the call that compiles the graph only.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from fxoffload.passes.analysis import tensor_storage_key
+
+__all__ = ["MODES", "input_activations", "mode_patches", "no_cudagraphs", "pipeline_inference"]
+
+
+MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
+
+
+def mode_patches(mode: str | None, unknown: dict) -> dict:
+    """The Inductor options of a ``torch.compile`` mode; ValueError for modes with CUDA graphs and unknown keywords."""
+    if mode in MODES and not unknown:
+        from torch._inductor import list_mode_options
+
+        return dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+    given = f"mode={mode!r}" if mode not in MODES else ", ".join(map(repr, unknown))
+    raise ValueError(
+        f"fxoffload: torch.compile({given}) is not supported; accepted: no mode, 'default' or "
+        "'max-autotune-no-cudagraphs'. CUDA graphs ('reduce-overhead', 'max-autotune') replay fixed addresses "
+        "and cannot follow host copies and releases; pass fxoffload options through offload_backend(...) or "
+        "options={...}")
+
+
+_warned_cudagraphs: list[bool] = []
+
+
+def no_cudagraphs() -> dict:
+    """Inductor options that keep CUDA graphs off our graphs, warning once when the global setting asked for them."""
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.triton.cudagraphs and not _warned_cudagraphs:
+        _warned_cudagraphs.append(True)
+        warnings.warn("fxoffload: torch._inductor.config.triton.cudagraphs is on; fxoffload compiles its graphs "
+                      "without CUDA graphs (a captured graph would replay its copies and waits without their "
+                      "transfers). Other backends' graphs keep the setting", stacklevel=2)
+    return {"triton.cudagraphs": False}
+
+
+# The methods through which torch.distributed.pipelining runs a stage outside its schedule's steps, to infer
+# its inputs' and outputs' shapes: on meta tensors in torch 2.11 (_shape_inference), on real ones with a
+# backward, once, in the first step, from 2.13 (_forward_metadata_inference).
+PIPELINE_INFERENCE = frozenset({"_shape_inference", "_forward_metadata_inference"})
+
+
+def pipeline_inference(depth: int = 16) -> bool:
+    """Whether this forward runs inside a pipeline stage's metadata inference (the ``depth`` callers
+    above the compiled forward): its run and its backward are not the step's, and counting them
+    would learn a step of one run."""
+    if "torch.distributed.pipelining" not in sys.modules:  # the common case: no frames to walk
+        return False
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in PIPELINE_INFERENCE and "pipelining" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def input_activations(example_inputs: list[Any]) -> frozenset[int]:
+    """Positions of the inputs that are activations of the step: tensors an earlier part of the
+    step made with autograd (they require grad and are not leaves: a hidden state from the layer
+    before). The plan counts those its graph saves, once per run of the graph. Leaves (parameters,
+    the batch, a user's input that requires grad) and inputs that do not require grad (masks,
+    rotary tables) are taken to exist before the step. Judged on the call that compiles the graph:
+    a graph first compiled on a leaf does not count the inputs of its later runs. An input that the
+    compiled graph which made it also saved (a ``tanh`` output returned at a graph break) is
+    counted there, not again."""
+    return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
+                     and t.requires_grad and not t.is_leaf and not _held_by_maker(t))
+
+
+def _held_by_maker(t: torch.Tensor) -> bool:
+    """Whether the compiled graph whose forward returned ``t`` saved its storage for its backward."""
+    node = t.grad_fn
+    if node is None or "CompiledFunction" not in type(node).__name__:
+        return False
+    try:
+        saved = node.saved_tensors
+    except RuntimeError:  # already freed, or unpacked by a hook that refuses: count it (conservative)
+        return False
+    key = tensor_storage_key(t)
+    return any(isinstance(s, torch.Tensor) and tensor_storage_key(s) == key for s in saved)
