@@ -117,3 +117,25 @@ def test_the_results_hold_what_the_script_renders_of_the_measured_figures(name, 
     results = RESULTS.read_text()
     section = results.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
     assert text.strip() in section, "benchmarks/RESULTS.md is stale: run gpu_session.py --from-json ... --write"
+
+
+# --------------------------------------------------------------------------- benchmarks/host_cost.py
+
+
+def test_host_cost_runs_its_cpu_part_here(tmp_path):
+    import host_cost
+
+    assert host_cost.main(["--calls", "5", "--out", str(tmp_path)]) == 0
+    session = json.loads((tmp_path / "host_cost.json").read_text())
+    assert session["device"] == "cpu" and {"op call: offload", "op call: wait (prefetch)"} <= set(session["figures"])
+    with pytest.raises(SystemExit, match="not a GPU's"):
+        host_cost.main(["--from-json", str(tmp_path / "host_cost.json"), "--write"])
+
+
+def test_the_results_hold_what_host_cost_renders_of_the_measured_figures():
+    import host_cost
+
+    session = json.loads((ROOT / "benchmarks" / "measured" / "host_cost-h100.json").read_text())
+    assert session["device"].startswith("NVIDIA")
+    section = RESULTS.read_text().split(f"## {host_cost.HEADING} (measured on {session['device']})\n", 1)[1]
+    assert host_cost.render(session).strip() in section.split("\n## ", 1)[0]
