@@ -623,7 +623,10 @@ class CudaEngine:
         return _Transfer(finish, keep, direction, done, invocation=invocation)
 
     def _event(self) -> Any:
-        return self._free_events.pop() if self._free_events else self.api.Event()
+        try:  # one pop: a forward thread and autograd's device thread may both take one
+            return self._free_events.pop()
+        except IndexError:
+            return self.api.Event()
 
     def _after_compute(self, stream: Any, compute: Any) -> None:
         """``stream.wait_stream(compute)`` with an event of the engine's (``wait_stream`` makes a new one
