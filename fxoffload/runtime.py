@@ -590,8 +590,10 @@ class CudaEngine:
         if _debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
             _poison(dst)
             _debug_counts.filled += 1
-            _debug_counts.staged += not (src.is_contiguous() and dst.is_contiguous())
-        src, dst, strided = _dense_ends(src, dst)
+        dense_src, dst, strided = _dense_ends(src, dst)
+        if _debug_depth:  # a buffer at either end (_dense_ends's own answer, not a second rule)
+            _debug_counts.staged += dense_src is not src or strided is not None
+        src = dense_src
         compute = api.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
