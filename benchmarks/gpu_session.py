@@ -23,7 +23,9 @@ Steps, in this order (each one's figures are saved as soon as it ends, so a run 
    included), and the device bytes held when the backward began (the saved activations, the loss and
    copies still in flight). Predicted, for fxoffload's runs: the step's simulated time
    (``fxoffload.simulate_step`` over the step's graph runs), the saved bytes when the backward begins and,
-   for the one-graph step, the memory model's device peak of the step's tensors.
+   for the one-graph step, the memory model's device peak of the step's tensors. Each run ends with
+   ``fxoffload.release_host_memory()``, noting the pinned bytes it gave back, so that the next run's
+   count of pinned blocks made (and their host time) is its own.
 
 What the predictions cover: the compiled graphs. With one graph per block, the embedding, the head and the
 loss run outside them: their time and the logits they keep are in the measurement only, so compare the
@@ -325,6 +327,12 @@ def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run
                                       - first.get("host_alloc_time.total", 0)) / 1e6
             run.notes.append(f"pinned blocks CUDA allocated over the run's steps: {run.host_allocs}, "
                              f"{run.host_alloc_seconds * 1e3:.1f} ms of host time in all")
+        del loss
+        # Each run starts from an empty cache of pinned blocks (the counts above are its own), and the
+        # release itself is measured: what fxoffload.release_host_memory gave back.
+        released = fxoffload.release_host_memory()
+        if released is not None:
+            run.notes.append(f"release_host_memory gave back {released / 2**20:.1f} MiB of cached pinned blocks")
     else:
         run.peak_bytes = fxoffload.measure_peak(one).total_peak
     for p in params:

@@ -50,6 +50,7 @@ from fxoffload.passes.step import StepSimulation, simulate_step  # noqa: E402
 from fxoffload.plot import plot, plot_step  # noqa: E402
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
 from fxoffload.ranks import PlanMismatchError, RankCheckTimeoutError  # noqa: E402
+from fxoffload.runtime import release_host_memory  # noqa: E402
 
 register_backend_name()  # backend="fxoffload" without an installed entry point (a checkout)
 
@@ -57,5 +58,5 @@ __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile",
     "GraphRecord", "OffloadBackend", "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError",
     "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
-    "offload_backend", "plot", "plot_step", "runtime", "simulate", "simulate_step",
+    "offload_backend", "plot", "plot_step", "release_host_memory", "runtime", "simulate", "simulate_step",
 ]

@@ -55,6 +55,7 @@ from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
 from fxoffload.partition import Partitioner
+from fxoffload.pinned import reservation
 from fxoffload.passes import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, DeviceProfile, PassResult, Plan, PlanOptions, Schedule,
     Timeline,
@@ -116,6 +117,7 @@ class GraphRecord:
     # The largest activation an earlier graph hands it that it saves: back on the device for its
     # backward whatever the plan, so a floor of its peak in the step's accounting.
     largest_saved_input: int = 0
+    host_reserved: bool = False  # its copies' pinned blocks were made before its first run (fxoffload.pinned)
 
 
 def _backward_node(out: Any) -> Any:
@@ -540,6 +542,8 @@ class OffloadBackend:
                 check.step_begins()  # a new step: compare the plans the ranks published in the last one
             if step_forward:
                 self._callers.next_forward()
+            if (record := current[0].compilation.record) is not None and not record.host_reserved:
+                self._reserve_host(record, args)
             with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
                 out = current[0].run(*args)
             record = current[0].compilation.record
@@ -553,6 +557,14 @@ class OffloadBackend:
             return out
 
         return run
+
+    def _reserve_host(self, record: GraphRecord, args: Sequence[Any]) -> None:
+        """Make the host blocks the graph's copies will take before its first run queues a kernel, for
+        the runs its plan counts (one, until the step has counted them): see ``fxoffload.pinned``."""
+        record.host_reserved = True
+        runs = record.plan.runs if record.runs_learned or self.config.runs_per_step != "auto" else 1
+        if (wanted := reservation(record.plan, record.forward, args, runs)) is not None:
+            fxoffload.runtime.reserve_host(wanted.device, wanted.nbytes)
 
     def _replan(self, region: tuple, replan: "_Replan", share: Share | None = None) -> "_Compiled":
         """Plan and compile ``region`` again for the runs counted in a step and, with ``share``, its share of

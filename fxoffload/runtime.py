@@ -98,12 +98,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from fxoffload import pinned
 from fxoffload.passes.ops import LIB as _lib
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "reset", "staging_device_types", "trace",
-    "use_engine",
+    "debug_counts", "debugging", "forward_invocation", "pending_transfers", "release_host_memory", "reserve_host",
+    "reset", "staging_device_types", "trace", "use_engine",
 ]
 
 
@@ -506,6 +507,12 @@ class CpuEngine:
         future.add_done_callback(landed)
         return transfer
 
+    def reserve_host(self, nbytes: Sequence[int]) -> None:
+        """Nothing to reserve: its host buffers are pageable ``torch.empty`` allocations."""
+
+    def release_host(self) -> int | None:
+        return 0  # it caches nothing
+
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype)  # contiguous, as the fake kernel says
         _poison(host)
@@ -546,30 +553,30 @@ _CAPTURING = (
 )
 
 
-def _pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
-
-
 class CudaEngine:
     """One copy stream per direction and device; completion by CUDA events.
 
     Written against the CUDA stream/event API: ``streams`` is the slice of
     ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``,
     ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises),
-    and ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
-    ``torch.empty``; a pageable buffer would make each copy synchronous).
+    ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
+    ``torch.empty``; a pageable buffer would make each copy synchronous), and ``host_release()``
+    gives back the cached ones no tensor uses (default: PyTorch's; see ``fxoffload.pinned``).
     This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
-    fake of that API on CPU tensors, and the fake's ``host_empty`` (this CPU-only build
-    cannot pin; the fake marks its buffers pinned and flags a copy without one).
+    fake of that API on CPU tensors, and the fake's ``host_empty`` and ``release_host`` (this
+    CPU-only build cannot pin; the fake marks its buffers pinned, flags a copy without one, and
+    counts the blocks a caching host allocator would make).
     """
 
     # A non-contiguous source or destination goes through a contiguous device buffer
     # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
     stages_strided = True
 
-    def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None,
+                 host_release: Callable[[], int | None] | None = None) -> None:
         self._api = streams
-        self._host_empty = host_empty or _pinned_empty
+        self._host_empty = host_empty or pinned.pinned_empty
+        self._host_release = host_release or pinned.release_cached
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._free_events: list[Any] = []  # events no stream will wait on again: recorded anew, not made anew
 
@@ -639,6 +646,13 @@ class CudaEngine:
         stream.wait_event(event)
         self._free_events.append(event)
 
+    def reserve_host(self, nbytes: Sequence[int]) -> None:
+        """Make the pinned blocks copies of ``nbytes`` will take, before they run (``fxoffload.pinned``)."""
+        pinned.reserve_blocks(self._host_empty, nbytes)
+
+    def release_host(self) -> int | None:
+        return self._host_release()
+
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = self._host_empty(x.shape, x.dtype)
         _register(host, self._copy("d2h", x.device, host, x, invocation))
@@ -672,6 +686,21 @@ def staging_device_types() -> frozenset[str]:
     """The device types whose engine (now: :func:`use_engine` may swap one) puts a non-contiguous
     tensor through a contiguous device buffer: the CUDA engine's."""
     return frozenset(device for device, engine in _engines.items() if engine.stages_strided)
+
+
+def reserve_host(device: torch.device, nbytes: Sequence[int]) -> None:
+    """Have the engine of ``device`` make the host blocks copies of ``nbytes`` will take, before they
+    run (the CUDA engine's pinned blocks: ``fxoffload.pinned``)."""
+    _engine_for(device).reserve_host(nbytes)
+
+
+def release_host_memory() -> int | None:
+    """Give back the pinned host memory the copies' allocator keeps cached and no tensor uses (after
+    training, or between phases; what a step still holds stays). The bytes given back, where the
+    allocators report them, else None. See ``fxoffload.pinned``."""
+    released = [engine.release_host() for engine in dict.fromkeys(_engines.values())]
+    reported = [nbytes for nbytes in released if nbytes is not None]
+    return sum(reported) if reported else None
 
 
 @contextlib.contextmanager

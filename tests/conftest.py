@@ -331,5 +331,7 @@ def cuda_engine_on_cpu(engine_class=None, complete_on_query=False, poison=True):
     from tests.fake_cuda import FakeCuda
 
     fake = FakeCuda(complete_on_query=complete_on_query, poison=poison)
-    with runtime.use_engine("cpu", (engine_class or runtime.CudaEngine)(streams=fake, host_empty=fake.host_empty)):
+    engine = (engine_class or runtime.CudaEngine)(streams=fake, host_empty=fake.host_empty,
+                                                 host_release=fake.release_host)
+    with runtime.use_engine("cpu", engine):
         yield fake

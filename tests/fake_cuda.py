@@ -36,6 +36,11 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
 * **Host buffers are pinned.** ``host_empty`` (the engine's host allocator under the fake:
   this CPU-only build cannot pin) marks the buffers it makes pinned; a copy neither of whose
   ends is such a buffer is a violation (a pageable copy is synchronous on a GPU).
+* **Pinned blocks are cached as PyTorch's caching host allocator caches them.** Each
+  ``host_empty`` request takes a block of the next power of two of its bytes: a free one of
+  that size if there is one (a block is free once no storage uses it), else a new one
+  (``host_blocks_made``, a ``cudaHostAlloc`` on a GPU, logged with the number of copies queued
+  before it). Blocks stay until ``release_host`` gives back the free ones (``empty_host_cache``).
 
 Not modelled: copies that run concurrently with compute (here they run when waited for,
 the latest a GPU could run them), more than one device, and CUDA graphs.
@@ -128,6 +133,17 @@ class FakeStream:
         event.synchronize()
 
 
+@dataclass(eq=False)
+class HostBlock:
+    """A block of the caching host allocator: its size (a power of two) and the storage using it."""
+
+    size: int
+    user: weakref.ref | None = None
+
+    def free(self) -> bool:
+        return self.user is None or self.user() is None
+
+
 class FakeEvent:
     def __init__(self, fake: "FakeCuda") -> None:
         self.fake = fake
@@ -201,6 +217,8 @@ class FakeCuda:
         self._current: FakeStream | None = None
         self._watches: dict[int, weakref.ref] = {}  # keeps the weak references (and their callbacks) alive
         self._pinned: weakref.WeakSet = weakref.WeakSet()  # the storages host_empty made
+        self.host_blocks: list[HostBlock] = []  # the caching host allocator's blocks, in use or cached
+        self.host_blocks_made: list[int] = []  # per new block (cudaHostAlloc): the copies queued before it
 
     # ----------------------------------------------------------------- the torch.cuda slice
 
@@ -214,10 +232,31 @@ class FakeCuda:
         return FakeEvent(self)
 
     def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer the fake counts as pinned (the engine's ``host_empty``)."""
+        """A host buffer the fake counts as pinned (the engine's ``host_empty``), in a block of the
+        caching host allocator (a cached one of its size, else a new one)."""
         t = torch.empty(shape, dtype=dtype)
         self._pinned.add(t.untyped_storage())
+        nbytes = t.numel() * t.element_size()
+        if nbytes:  # PyTorch hands out no block for an empty request
+            size = 1 << (nbytes - 1).bit_length()
+            block = next((b for b in self.host_blocks if b.size == size and b.free()), None)
+            if block is None:
+                block = HostBlock(size)
+                self.host_blocks.append(block)
+                self.host_blocks_made.append(self.copies_queued)
+            block.user = weakref.ref(t.untyped_storage())
         return t
+
+    def release_host(self) -> int:
+        """Give back the cached blocks no storage uses (``torch.accelerator.empty_host_cache``); their bytes."""
+        free = [b for b in self.host_blocks if b.free()]
+        self.host_blocks = [b for b in self.host_blocks if not b.free()]
+        return sum(b.size for b in free)
+
+    @property
+    def host_reserved_bytes(self) -> int:
+        """Pinned bytes the caching host allocator holds: blocks in use and cached ones."""
+        return sum(b.size for b in self.host_blocks)
 
     def is_current_stream_capturing(self) -> bool:
         return self.capturing
