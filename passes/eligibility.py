@@ -10,7 +10,8 @@ Algorithm. One rule per early return of :func:`why_kept`, in order: graph inputs
 earlier graph made), inputs their caller keeps, MUST_SAVE marks, non-tensors, random-number state,
 storage shared with an output, devices without a copy engine, symbolic sizes the backward could not
 compute, empty storages, tensors stashed on ``ctx``, view chains that cannot be replayed, storages the
-backward never reads, and storages under ``min_bytes``. Limits: reasons are words (see ``plan.Why``).
+backward never reads, and storages under ``min_bytes``. Each rule's answer is data (:class:`Ineligible`:
+a ``plan.Kept`` code and the figures it cites); its words are made from them, in one place.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fxoffload.passes.analysis import (
     SavedActivation, SavedInterface, is_rng_state, storage_key, sym_exprs, symbol_sources, unbuildable,
 )
 from fxoffload.passes.memory import concrete
+from fxoffload.passes.plan import Ineligible, Kept
 from fxoffload.passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE
 
 __all__ = ["INPUT_ACTIVATION", "backward_symbols", "group_by_base", "group_marks", "replayable", "why_kept"]
@@ -53,7 +55,7 @@ def why_kept(
     group: Sequence[SavedActivation], user_storages: frozenset[int], min_bytes: int,
     marks: frozenset[str] = frozenset(), symbols: frozenset = frozenset(),
     input_activations: frozenset[fx.Node] = frozenset(), caller_kept: frozenset[fx.Node] = frozenset(),
-) -> str | None:
+) -> Ineligible | None:
     """Why this storage group must stay on the device, or None if it may be offloaded.
 
     ``marks`` are the group's selective-checkpoint marks (``fxoffload.passes.policies``); ``symbols`` the
@@ -65,33 +67,33 @@ def why_kept(
     base = group[0].base
     val = base.meta.get("val")
     if base.op == "placeholder" and base not in input_activations:
-        return "graph input (parameter or user input), or a view of one"
+        return Ineligible(Kept.GRAPH_INPUT)
     if base in caller_kept:
-        return "layer input its caller keeps after the graph returns (seen at run time): a copy would free nothing"
+        return Ineligible(Kept.CALLER_KEEPS)
     if MUST_SAVE in marks:
-        return "selective checkpoint policy MUST_SAVE"
+        return Ineligible(Kept.MUST_SAVE)
     if not isinstance(val, torch.Tensor):
-        return "base is not a single tensor"
+        return Ineligible(Kept.NOT_A_TENSOR)
     if any(is_rng_state(a.fw_node) for a in group):
-        return "random-number generator state for a recomputed random op"
+        return Ineligible(Kept.RNG_STATE)
     if storage_key(base) in user_storages:
-        return "shares storage with a model output"
+        return Ineligible(Kept.MODEL_OUTPUT)
     if val.device.type not in ("cpu", "cuda"):
-        return f"on device {val.device.type!r}; supported: cpu, cuda"
+        return Ineligible(Kept.NO_ENGINE, (("device", val.device.type),))
     symbolic = not isinstance(group[0].base_nbytes, int)
     if symbolic and (missing := _unbuildable_sizes(group, symbols)):
-        return f"symbolic size the backward cannot compute: {'; '.join(missing)}"
+        return Ineligible(Kept.SYMBOLIC_SIZE, (("missing", "; ".join(missing)),))
     nbytes = concrete(group[0].base_nbytes, val)  # at the size the plan is made for
     if nbytes == 0:
-        return "empty tensor"
+        return Ineligible(Kept.EMPTY)
     if any(a.fw_node.meta.get("saved_tensor_with_no_vc_check", False) for a in group):
-        return "stashed on ctx without save_for_backward"
+        return Ineligible(Kept.CTX_STASH)
     if not symbolic and not all(replayable(a) for a in group):  # symbolic views are rebuilt by as_strided
-        return "view chain takes other graph values as arguments; cannot rebuild it after prefetch"
+        return Ineligible(Kept.VIEW_CHAIN)
     if not any(a.bw_node.users for a in group):
-        return "not used by the backward graph"
+        return Ineligible(Kept.UNUSED)
     if nbytes < min_bytes and MUST_CPU_OFFLOAD not in marks:  # the user asked for this one
-        return f"{nbytes} B < min_bytes={min_bytes}"
+        return Ineligible(Kept.TOO_SMALL, (("nbytes", nbytes), ("min_bytes", min_bytes)))
     return None
 
 

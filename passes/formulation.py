@@ -33,7 +33,9 @@ import torch.fx as fx
 from fxoffload.passes.analysis import tensor_nbytes
 from fxoffload.passes.candidates import RecomputeCost, TransferCost
 from fxoffload.passes.memory import Timeline, concrete, curve, intervals, peak, staging_intervals, step_peak
-from fxoffload.passes.plan import AUTO_STRATEGY, OFFLOAD, RECOMPUTE, PlanOptions, pinned_block, staging_bytes
+from fxoffload.passes.plan import (
+    AUTO_STRATEGY, OFFLOAD, RECOMPUTE, Ineligible, PlanOptions, pinned_block, staging_bytes,
+)
 from fxoffload.passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from fxoffload.passes.solvers import Option, Queue
 
@@ -82,7 +84,7 @@ class Problem:
     marks: Mapping[fx.Node, frozenset[str]]
     options: PlanOptions
     queued: bool  # model the copy engines as queues (prefetches placed freely, horizon "auto")
-    reasons: Mapping[fx.Node, str | None] = dataclasses.field(default_factory=dict)  # why_kept's, by base
+    reasons: Mapping[fx.Node, Ineligible | None] = dataclasses.field(default_factory=dict)  # why_kept's, by base
 
     def lifetime(self, base: fx.Node):
         return self.timeline.forward_lifetime(base)

@@ -7,7 +7,10 @@ activation, its ``Transfer``s and ``Recompute``s, the predicted peaks), ``Budget
 (``recompute_moves``, ``staging_bytes``, ``pinned_block``).
 
 Every value here is frozen: the rewrite, the scheduler, the simulator and ``explain`` read a plan and
-never change it. Limits: ``Decision.reason`` is words for people; code reads ``Decision.why``.
+never change it. Limits: ``Decision.reason`` is words for people; code reads ``Decision.why`` and, for a
+storage that cannot move, ``Decision.kept`` (an ``Ineligible``: a ``Kept`` code and the figures its words
+cite). An offload's or a recomputation's reason is words only: its figures are in its ``Transfer`` or
+``Recompute``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from fxoffload.passes.memory import concrete
 from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, SolverName
 
 __all__ = [
-    "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "KEEP",
-    "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "Plan", "PlanOptions", "RECOMPUTE", "Recompute", "SizeBudget",
-    "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves", "recompute_temporaries",
-    "staging_bytes",
+    "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision",
+    "Ineligible", "KEEP", "Kept", "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "Plan", "PlanOptions", "RECOMPUTE",
+    "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves",
+    "recompute_temporaries", "staging_bytes",
 ]
 
 OFFLOAD = "offload"
@@ -148,6 +151,44 @@ class Why(enum.Enum):
     RECOMPUTED = "recomputed"
 
 
+class Kept(enum.Enum):
+    """Why a storage group must stay on the device, one code per rule of ``eligibility.why_kept``
+    (in its order). Code and tests branch on these; each value is the words, with the figures it
+    cites as ``str.format`` fields (:attr:`Ineligible.words`)."""
+
+    GRAPH_INPUT = "graph input (parameter or user input), or a view of one"
+    CALLER_KEEPS = "layer input its caller keeps after the graph returns (seen at run time): a copy would free nothing"
+    MUST_SAVE = "selective checkpoint policy MUST_SAVE"
+    NOT_A_TENSOR = "base is not a single tensor"
+    RNG_STATE = "random-number generator state for a recomputed random op"
+    MODEL_OUTPUT = "shares storage with a model output"
+    NO_ENGINE = "on device {device!r}; supported: cpu, cuda"
+    SYMBOLIC_SIZE = "symbolic size the backward cannot compute: {missing}"
+    EMPTY = "empty tensor"
+    CTX_STASH = "stashed on ctx without save_for_backward"
+    VIEW_CHAIN = "view chain takes other graph values as arguments; cannot rebuild it after prefetch"
+    UNUSED = "not used by the backward graph"
+    TOO_SMALL = "{nbytes} B < min_bytes={min_bytes}"
+
+
+@dataclass(frozen=True)
+class Ineligible:
+    """Why one storage group stays: its code and the figures the words cite (by field name)."""
+
+    code: Kept
+    figures: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def words(self) -> str:
+        return self.code.value.format(**dict(self.figures))
+
+    def figure(self, name: str) -> Any:
+        return dict(self.figures)[name]
+
+    def __str__(self) -> str:
+        return self.words
+
+
 @dataclass(frozen=True)
 class Decision:
     """What happens to one saved activation, and why (``why``: as data; ``reason``: in words)."""
@@ -162,6 +203,7 @@ class Decision:
     transfer: int | None  # index into Plan.transfers when offloaded
     recompute: int | None = None  # index into Plan.recomputes when recomputed
     why: Why = Why.INELIGIBLE
+    kept: Ineligible | None = None  # why it cannot move, as data (when ``why`` is INELIGIBLE)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ from fxoffload.passes.formulation import (
 from fxoffload.passes.memory import Resident, Timeline, held_sizes, residents_at, timeline_at
 from fxoffload.passes.plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
+    Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
 )
 from fxoffload.passes.policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from fxoffload.passes.solvers import curve_with, host_of, solve
@@ -227,7 +227,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
 FLOOR_NAMED = 4  # the largest tensors an infeasible budget's message names
 
 
-def _kept_lifetimes(timeline: Timeline, reasons: Mapping[fx.Node, str | None]) -> dict[int, str]:
+def _kept_lifetimes(timeline: Timeline, reasons: Mapping[fx.Node, Ineligible | None]) -> dict[int, Ineligible]:
     """Why each saved storage that is not a candidate stays, by lifetime index (graph inputs have none)."""
     kept = {}
     for base, reason in reasons.items():
@@ -262,11 +262,11 @@ def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position
     return f"; at {phase} node {timeline.nodes[position].name}, {holds} {named}{more}{earlier}"
 
 
-def _stays_why(problem: Problem, kept: Mapping[int, str], moved: Mapping[int, tuple[int, int]], resident: Resident,
-               position: int) -> str:
+def _stays_why(problem: Problem, kept: Mapping[int, Ineligible], moved: Mapping[int, tuple[int, int]],
+               resident: Resident, position: int) -> str:
     """Why an activation is on the device at ``position`` when everything eligible is moved."""
     if (reason := kept.get(resident.lifetime)) is not None:
-        return reason
+        return reason.words
     lifetime = problem.timeline.lifetimes[resident.lifetime]
     if lifetime.handed_on and not lifetime.residual:
         return "an output the graph hands to the rest of the step"
@@ -532,6 +532,7 @@ def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: str | None
                                      problem.rebuilt_at(base), problem.recomputes[base]))
         action = RECOMPUTE if recompute is not None else OFFLOAD if transfer is not None else KEEP
         why = _why(action, reasons[base], problem.marks[base], goal)
+        kept = reasons[base] if why is Why.INELIGIBLE else None
         for act in group:
             if recompute is not None:
                 reason = _recompute_reason(act, problem.recomputes[base], goal, problem.marks[base])
@@ -539,12 +540,12 @@ def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: str | None
                 reason = _reason(act, reasons[base], why, goal, problem.marks[base])
             decisions[act.index] = Decision(
                 index=act.index, name=act.name, shape=tuple(act.val.shape), dtype=act.val.dtype, nbytes=act.nbytes,
-                action=action, reason=reason, transfer=transfer, recompute=recompute, why=why,
+                action=action, reason=reason, transfer=transfer, recompute=recompute, why=why, kept=kept,
             )
     return tuple(transfers), tuple(rebuilt), tuple(decisions[i] for i in sorted(decisions))
 
 
-def _why(action: str, kept_because: str | None, marks: frozenset[str], goal: str | None) -> Why:
+def _why(action: str, kept_because: Ineligible | None, marks: frozenset[str], goal: str | None) -> Why:
     """The decision's ``Why``; :func:`_reason` words it."""
     if action == RECOMPUTE:
         return Why.RECOMPUTED
@@ -564,12 +565,13 @@ def _recompute_reason(act: SavedActivation, cost: RecomputeCost, goal: str | Non
     return why if not act.view_chain else f"view of {act.base.name}; base {why}; view rebuilt after it"
 
 
-def _reason(act: SavedActivation, kept_because: str | None, why: Why, goal: str | None,
+def _reason(act: SavedActivation, kept_because: Ineligible | None, why: Why, goal: str | None,
             marks: frozenset[str]) -> str:
     """``why`` in words for ``act`` (kept or offloaded), naming the selective-checkpoint mark it
     honours or overrides."""
     if why is Why.INELIGIBLE:
-        return f"MUST_CPU_OFFLOAD not honoured: {kept_because}" if MUST_CPU_OFFLOAD in marks else kept_because
+        words = kept_because.words
+        return f"MUST_CPU_OFFLOAD not honoured: {words}" if MUST_CPU_OFFLOAD in marks else words
     if why is Why.OFFLOADED:
         if MUST_CPU_OFFLOAD in marks:
             return _offload_reason(act, "selective checkpoint policy MUST_CPU_OFFLOAD")
@@ -586,9 +588,9 @@ def _reason(act: SavedActivation, kept_because: str | None, why: Why, goal: str 
     return f"kept: {holds} without offloading it"
 
 
-def _warn_unhonoured(reasons: Mapping[fx.Node, str | None], marks: Mapping[fx.Node, frozenset[str]]) -> None:
+def _warn_unhonoured(reasons: Mapping[fx.Node, Ineligible | None], marks: Mapping[fx.Node, frozenset[str]]) -> None:
     # A MUST mark the plan cannot follow is something the user must act on.
     for base, reason in reasons.items():
         if MUST_CPU_OFFLOAD in marks[base] and reason is not None:
-            warnings.warn(f"fxoffload: {base.name} is marked MUST_CPU_OFFLOAD but stays on the device: {reason}",
+            warnings.warn(f"fxoffload: {base.name} is marked MUST_CPU_OFFLOAD but stays on the device: {reason.words}",
                           stacklevel=3)

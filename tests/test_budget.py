@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.passes.plan import BudgetInfeasibleWarning
+from fxoffload.passes.plan import BudgetInfeasibleWarning, Why
 from tests.conftest import (
     MODELS, UNPLACED_BYTES, CausalLMLoss, assert_same_step, loss_and_grads, loss_step, measured_run,
 )
@@ -187,7 +187,7 @@ def test_without_a_budget_the_plan_reaches_the_smallest_peak_and_makes_no_needle
     assert smallest.activation_peak_after == every.activation_peak_after < smallest.activation_peak_before
     assert 0 < len(smallest.transfers) < len(every.transfers)
     kept = {d.name for d in smallest.decisions
-            if d.reason == "kept: the smallest peak is reached without offloading it"}
+            if d.why is Why.NOT_NEEDED}
     assert kept == {d.name for d in every.decisions if d.action == "offload"} - {
         d.name for d in smallest.decisions if d.action == "offload"}
     # Measured on the CPU engine: the fewer copies hold the step's activations as low as every copy does.
@@ -257,7 +257,6 @@ def test_each_decision_says_why_as_data_and_its_words_agree():
     """``Decision.why`` is what code branches on (the host-budget rewording of kept decisions, for one):
     it agrees with the action, and with the words people read."""
     import fxoffload
-    from fxoffload.passes.plan import Why
     from tests.conftest import tiny_llama
 
     torch.manual_seed(0)

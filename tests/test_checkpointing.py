@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fxoffload
 from fxoffload import runtime
+from fxoffload.passes.plan import Ineligible, Kept
 from tests.conftest import (
     MODELS, CausalLMLoss, assert_same_step, fxoffload_args, loss_and_grads, loss_step, op_sequence,
 )
@@ -227,9 +228,11 @@ def test_checkpointed_transformers_match_eager_within_budget(name, how):
         plan = record.plan
         assert plan.transfers or plan.recomputes or plan.partition != "min-cut", fxoffload.explain(record)
     if how == "sac":  # the MUST marks reached the plan
-        reasons = {d.reason for d in record.plan.decisions}
-        assert "selective checkpoint policy MUST_SAVE" in reasons, fxoffload.explain(record)
-        assert "selective checkpoint policy MUST_CPU_OFFLOAD" in reasons, fxoffload.explain(record)
+        decisions = record.plan.decisions
+        assert any(d.kept == Ineligible(Kept.MUST_SAVE) for d in decisions), fxoffload.explain(record)
+        # (An offload the mark asked for has no code of its own: its words name the mark.)
+        offloads = {d.reason for d in decisions}
+        assert "selective checkpoint policy MUST_CPU_OFFLOAD" in offloads, fxoffload.explain(record)
 
 
 @pytest.mark.slow

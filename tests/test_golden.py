@@ -7,6 +7,7 @@ reason next to each fxoffload op, and checked against the printed graphs.
 import torch
 
 import fxoffload
+from fxoffload.passes.plan import Ineligible, Kept
 from tests.conftest import MLP, compile_mlp, fxoffload_args, op_sequence
 
 
@@ -221,7 +222,7 @@ def test_explain_shows_symbolic_bytes_under_dynamic_shapes():
     for d in symbolic:
         assert str(d.nbytes) in text  # e.g. 64*s27*s77: the sympy form, not a number
         # No budget, min_bytes=0: storages of symbolic size are offloaded like any other.
-        assert d.reason.startswith("graph input") or d.action == "offload" and d.reason in (
+        assert d.kept == Ineligible(Kept.GRAPH_INPUT) or d.action == "offload" and d.reason in (
             "offloaded (all_eligible, >= min_bytes)",
             "view of relu; offloaded through its base, rebuilt after prefetch")
     # The memory model evaluates the symbols at their hints: 3 x 5 x 16 floats for tanh.

@@ -13,7 +13,7 @@ import torch
 
 import fxoffload
 from fxoffload.config import OptionError
-from fxoffload.passes.plan import pinned_block
+from fxoffload.passes.plan import Why, pinned_block
 from tests.conftest import (
     MLP, MODELS, CausalLMLoss, assert_same_step, lm_step, loss_and_grads, measured_run, per_layer_llama,
 )
@@ -45,7 +45,7 @@ def test_a_host_budget_below_the_uncapped_plans_host_memory_gives_a_plan_within_
     assert sum(pinned_block(int(t.nbytes)) for t in plan.transfers) == plan.pinned_host_bytes <= cap
     # Host bytes alive at once on the CPU engine: exactly the plan's (unrounded) copies, within the cap.
     assert measured.host_peak == plan.host_bytes <= cap, (measured.host_peak, plan.host_bytes, cap)
-    kept = [d.reason for d in plan.decisions if "host_budget leaves" in d.reason]
+    kept = [d for d in plan.decisions if d.why is Why.HOST_BUDGET]
     if mode != "smallest peak":  # all_eligible and the offload strategy can only keep what does not fit
         assert kept, fxoffload.explain(record)
     assert "host_budget left this graph" in fxoffload.explain(record)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from fxoffload.passes import PlanOptions, plan_pair
 from fxoffload.passes.analysis import is_compute, saved_activations, saved_interface
 from fxoffload.passes.candidates import free_index, prefetch_index
+from fxoffload.passes.plan import Ineligible, Kept
 from fxoffload.profiles import PROFILES
 from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
 
@@ -53,7 +54,8 @@ def test_min_bytes_threshold_is_on_the_base_storage():
     assert [t.base.name for t in plan_for(viewed_relu, viewed_relu_inputs(), min_bytes=360).transfers] == ["relu"]
     kept = plan_for(viewed_relu, viewed_relu_inputs(), min_bytes=361)
     assert not kept.transfers
-    assert {d.name: d.reason for d in kept.decisions}["permute"] == "360 B < min_bytes=361"
+    assert {d.name: d.kept for d in kept.decisions}["permute"] == Ineligible(
+        Kept.TOO_SMALL, (("nbytes", 360), ("min_bytes", 361)))
 
 
 def test_model_outputs_and_their_views_are_never_offloaded():
@@ -64,7 +66,7 @@ def test_model_outputs_and_their_views_are_never_offloaded():
     x, w = torch.randn(6, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
     plan = plan_for(returns_activation, [x, w], min_bytes=0)
     assert not plan.transfers
-    assert any(d.reason == "shares storage with a model output" for d in plan.decisions)
+    assert any(d.kept == Ineligible(Kept.MODEL_OUTPUT) for d in plan.decisions)
 
 
 def test_is_compute_skips_views():
