@@ -1,0 +1,241 @@
+"""The copy engines: how ``offload`` and ``prefetch`` copy, per device type.
+
+* :class:`CpuEngine`: the runtime's protocol with real asynchrony. Each direction has one
+  background worker thread; ``offload``/``prefetch`` submit the copy and ``wait`` joins it.
+  Destinations are poisoned (NaN for floating dtypes) before the copy is submitted, so a consumer
+  that reads before its ``wait`` sees poison, not stale memory that happens to hold the right
+  values. Tests inject a delay (``fxoffload.runtime.copy_delay``) to widen every race.
+* :class:`CudaEngine`: one copy stream per direction and device, completion by CUDA events, host
+  buffers from PyTorch's caching pinned-host allocator (``fxoffload.pinned``). No ``record_stream``:
+  the source of every copy is kept alive by its record (and, in the graph, by the ``keepalive``
+  argument of ``wait``) until the compute stream has waited for the copy's event, after which
+  freeing it is ordered after the copy. Both ends of a copy are dense blocks (:func:`_dense_ends`).
+
+Each engine makes a :class:`~fxoffload.runtime_state.CopyRecord` per copy and registers it
+(``runtime_state.register``); the runtime's op kernels find it there. Limits: one device per
+engine call; the CUDA engine's copies of several devices share nothing but the registry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fxoffload import pinned
+from fxoffload.runtime_state import STATE, CopyRecord, event, register, retire
+
+__all__ = ["CpuEngine", "CudaEngine"]
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(math.nan)
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+class CpuEngine:
+    """Copies on one background thread per direction; ``wait`` joins the future."""
+
+    stages_strided = False  # copy_ reads and writes any layout in place: no temporary
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+        self._workers = {
+            "d2h": ThreadPoolExecutor(1, thread_name_prefix="fxoffload-d2h"),
+            "h2d": ThreadPoolExecutor(1, thread_name_prefix="fxoffload-h2d"),
+        }
+
+    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, invocation: int | None) -> CopyRecord:
+        delay = self.delay_s
+        # The same memory under a version counter of its own: a deferred copy lands after autograd
+        # has saved ``dst`` (the forward returned it), and must not look like an in-place change.
+        target = torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage(), dst.storage_offset(), dst.shape,
+                                                       dst.stride())
+        # The worker lets go of both tensors before the future completes: once a wait returns, only
+        # the transfer record holds the source (the executor drops its work item a moment later).
+        tensors = [target, src]
+
+        def run() -> None:
+            if delay:
+                time.sleep(delay)
+            tensors[0].copy_(tensors[1])
+            tensors.clear()
+            event(f"{direction}_done", invocation)
+
+        future = self._workers[direction].submit(run)
+        transfer = CopyRecord(future.result, (src,), direction, future.done,
+                             lambda: future.done() and future.exception() is not None, invocation=invocation)
+        # Weakly: the future keeps its callbacks, and the transfer holds the future (a cycle would
+        # keep every source alive until the garbage collector ran).
+        weak = weakref.ref(transfer)
+
+        def landed(_: Future) -> None:  # a deferred source is dropped as soon as its copy lands
+            transfer = weak()
+            if transfer is not None and transfer.deferred and not transfer.failed():
+                retire(transfer, complete=False)
+
+        future.add_done_callback(landed)
+        return transfer
+
+    def reserve_host(self, nbytes: Sequence[int]) -> None:
+        """Nothing to reserve: its host buffers are pageable ``torch.empty`` allocations."""
+
+    def release_host(self) -> int | None:
+        return 0  # it caches nothing
+
+    def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
+        host = torch.empty(x.shape, dtype=x.dtype)  # contiguous, as the fake kernel says
+        _poison(host)
+        register(host, self._copy("d2h", host, x, invocation))
+        return host
+
+    def prefetch(
+        self, host: torch.Tensor, device: torch.device, size: Sequence[int], stride: Sequence[int],
+        invocation: int | None = None,
+    ) -> torch.Tensor:
+        dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+        _poison(dev)
+        register(dev, self._copy("h2d", dev, host, invocation))
+        return dev
+
+
+
+
+def _dense_ends(src: torch.Tensor, dst: torch.Tensor):
+    """Both ends of a copy as contiguous blocks, made on the compute stream: ``copy_`` between
+    layouts that differ (a transposed, channels-last or padded device tensor against the contiguous
+    host buffer) would build a full-size temporary on the copy stream, in a pool compute cannot
+    reuse. A device source is made contiguous first; a strided device destination gets a contiguous
+    landing buffer, copied into it when compute waits (``strided``, returned third)."""
+    if not src.is_contiguous():
+        src = src.contiguous()
+    if dst.is_contiguous():
+        return src, dst, None
+    return src, torch.empty(dst.shape, dtype=dst.dtype, device=dst.device), dst
+
+
+_CAPTURING = (
+    "fxoffload: a copy was issued while the current CUDA stream is capturing a CUDA graph. A replay would "
+    "run the copy without the runtime's bookkeeping (its wait, its source's lifetime), so fxoffload's "
+    "graphs cannot be captured: compile without mode='reduce-overhead' or 'max-autotune' (use "
+    "'max-autotune-no-cudagraphs'), and do not wrap the step in torch.cuda.graph or make_graphed_callables"
+)
+
+
+class CudaEngine:
+    """One copy stream per direction and device; completion by CUDA events.
+
+    Written against the CUDA stream/event API: ``streams`` is the slice of
+    ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``,
+    ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises),
+    ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
+    ``torch.empty``; a pageable buffer would make each copy synchronous), and ``host_release()``
+    gives back the cached ones no tensor uses (default: PyTorch's; see ``fxoffload.pinned``).
+    This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
+    fake of that API on CPU tensors, and the fake's ``host_empty`` and ``release_host`` (this
+    CPU-only build cannot pin; the fake marks its buffers pinned, flags a copy without one, and
+    counts the blocks a caching host allocator would make).
+    """
+
+    # A non-contiguous source or destination goes through a contiguous device buffer
+    # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
+    stages_strided = True
+
+    def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None,
+                 host_release: Callable[[], int | None] | None = None) -> None:
+        self._api = streams
+        self._host_empty = host_empty or pinned.pinned_empty
+        self._host_release = host_release or pinned.release_cached
+        self._streams: dict[tuple[torch.device, str], Any] = {}
+        self._free_events: list[Any] = []  # events no stream will wait on again: recorded anew, not made anew
+
+    @property
+    def api(self) -> Any:
+        return self._api if self._api is not None else torch.cuda  # looked up late: import needs no CUDA
+
+    def _stream(self, device: torch.device, direction: str) -> Any:
+        key = (device, direction)
+        if key not in self._streams:
+            self._streams[key] = self.api.Stream(device=device)
+        return self._streams[key]
+
+    def _copy(self, direction: str, device: torch.device, dst, src, invocation: int | None) -> CopyRecord:
+        api = self.api
+        if api.is_current_stream_capturing():
+            raise RuntimeError(_CAPTURING)
+        if STATE.debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
+            _poison(dst)
+            STATE.debug_counts.filled += 1
+        dense_src, dst, strided = _dense_ends(src, dst)
+        if STATE.debug_depth:  # a buffer at either end (_dense_ends's own answer, not a second rule)
+            STATE.debug_counts.staged += dense_src is not src or strided is not None
+        src = dense_src
+        compute = api.current_stream(device)
+        stream = self._stream(device, direction)
+        # The source was written, and the destination's memory may have been
+        # read, by kernels queued on the compute stream: start after them.
+        self._after_compute(stream, compute)
+        event = self.event()
+        with api.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event.record(stream)
+        finished = False
+
+        def finish() -> None:
+            nonlocal finished
+            if finished:
+                return
+            api.current_stream(device).wait_event(event)
+            if strided is not None:  # on the compute stream, after the copy: the layout the graph asked for
+                strided.copy_(dst)
+            finished = True
+            self._free_events.append(event)  # compute's wait holds its place: the event may be recorded again
+
+        def done() -> bool:
+            # ``event.query()`` is true once the copy has run on the device: a deferred source may then be
+            # freed without ordering compute after the event. Once finished, compute is ordered after it
+            # (and the event may be serving another copy).
+            return finished or event.query()
+
+        keep = (src, dst) if strided is None else (src, dst, strided)
+        return CopyRecord(finish, keep, direction, done, invocation=invocation)
+
+    def event(self) -> Any:
+        try:  # one pop: a forward thread and autograd's device thread may both take one
+            return self._free_events.pop()
+        except IndexError:
+            return self.api.Event()
+
+    def _after_compute(self, stream: Any, compute: Any) -> None:
+        """``stream.wait_stream(compute)`` with an event of the engine's (``wait_stream`` makes a new one
+        each time, two events per copy with the copy's own): once the wait is issued, the event is free
+        (CUDA: a stream waits for the record before ``cudaStreamWaitEvent`` returned, whatever follows)."""
+        event = self.event()
+        event.record(compute)
+        stream.wait_event(event)
+        self._free_events.append(event)
+
+    def reserve_host(self, nbytes: Sequence[int]) -> None:
+        """Make the pinned blocks copies of ``nbytes`` will take, before they run (``fxoffload.pinned``)."""
+        pinned.reserve_blocks(self._host_empty, nbytes)
+
+    def release_host(self) -> int | None:
+        return self._host_release()
+
+    def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
+        host = self._host_empty(x.shape, x.dtype)
+        register(host, self._copy("d2h", x.device, host, x, invocation))
+        return host
+
+    def prefetch(self, host, device, size, stride, invocation: int | None = None) -> torch.Tensor:
+        # Allocated on the compute stream, so freeing it later needs no
+        # cross-stream bookkeeping once compute has waited for the copy.
+        dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+        register(dev, self._copy("h2d", dev.device, dev, host, invocation))
+        return dev
