@@ -49,7 +49,7 @@ import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
-from fxoffload.callers import CallerWatch, KeptInput, OffloadedInput, kept_warning, offloaded_inputs
+from fxoffload.callers import CallerWatch, offloaded_inputs
 from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
 from fxoffload.config import OffloadConfig, config_from_options
 from fxoffload.explain import explain, format_bytes
@@ -57,9 +57,8 @@ from fxoffload.ordering import pin_offload_order
 from fxoffload.partition import Partitioner
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, DeviceProfile, PassResult, Plan, PlanOptions, Schedule,
-    Timeline,
-    plan_best_partition, rewrite_planned, unbounded_size_warning,
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PassResult, Plan, PlanOptions, plan_best_partition,
+    rewrite_planned, unbounded_size_warning,
 )
 from fxoffload.passes.analysis import inputs_at
 from fxoffload.passes.scheduling import held_after_forward, plan_digest
@@ -67,7 +66,9 @@ from fxoffload.passes.shares import Share
 from fxoffload.passes.step import KeptSource
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import RankCheck, graph_key
-from fxoffload.step_budget import StepBudget
+from fxoffload.record import GraphRecord
+from fxoffload.step_budget import StepBudget, plan_within_cap
+from fxoffload.step_ledger import StepLedger
 
 log = logging.getLogger(__name__)
 
@@ -79,45 +80,6 @@ PROVISIONAL_RUNS = 2
 
 __all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
            "register_backend_name"]
-
-
-@dataclass(kw_only=True)
-class GraphRecord:
-    """What fxoffload did to one compiled graph (built by keyword: its fields are many and alike)."""
-
-    index: int
-    forward: fx.GraphModule  # rewritten forward, as handed to the inner compiler
-    backward: fx.GraphModule  # rewritten backward, as handed to the inner compiler (once compiled)
-    plan: Plan
-    schedule: Schedule
-    pass_seconds: tuple[tuple[str, float], ...]
-    inner: str
-    timeline: Timeline  # the memory model's lifetimes (before the rewrite)
-    profile: DeviceProfile  # the device profile the predictions are for
-    work: tuple = ()  # per timeline node (FLOPs, bytes, dtype), measured before the rewrite
-    region: int = 0  # position among the step's compiled regions (first compile order)
-    held_before: int = 0  # predicted activation bytes earlier regions leave on the device for the backward
-    held_after: int = 0  # the same, this region's included (the running total)
-    runs_learned: bool = False  # re-planned for ``plan.runs`` runs per step, counted in the first step
-    # Planned before the first step counted its runs (runs_per_step="auto", a graph handed an activation
-    # by an earlier graph, its budget out of reach for one run): for PROVISIONAL_RUNS runs, re-planned once
-    # counted; ``provisional_short``: out of reach for those too, so the smallest peak until the re-plan.
-    provisional: bool = False
-    provisional_short: bool = False
-    offloaded_inputs: tuple[OffloadedInput, ...] = ()  # graph inputs the plan offloads (layer inputs)
-    # Of the latest step's runs of this graph: those whose caller kept an offloaded input after the
-    # graph returned (``fxoffload.callers``), and the bytes that copy did not free.
-    caller_kept_runs: int = 0
-    caller_kept_bytes: int = 0
-    # Re-planned, once the first step had shown every region, with this share of the step's memory budget
-    # (``fxoffload.passes.shares``); None: planned with the budget as given (or what earlier regions left of it).
-    step_share: Share | None = None
-    step_budget: int | None = None  # the step's budget in bytes that ``step_share`` is a share of
-    step_round: int = -1  # the round of shares it was planned in (``fxoffload.step_budget``); -1: none
-    # The largest activation an earlier graph hands it that it saves: back on the device for its
-    # backward whatever the plan, so a floor of its peak in the step's accounting.
-    largest_saved_input: int = 0
-    host_reserved: bool = False  # its copies' pinned blocks were made before its first run (fxoffload.pinned)
 
 
 def _backward_node(out: Any) -> Any:
@@ -244,36 +206,14 @@ class OffloadBackend:
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
         self.records: list[GraphRecord] = []
-        # Activation bytes each compiled region leaves on the device after its forward (predicted),
-        # by region, in the order regions were first compiled (the forward's order).
-        self._held: dict[tuple, int] = {}
-        # Pinned host bytes each region's copies take per run (predicted), by region, in the same order.
-        self._host_held: dict[tuple, int] = {}
         self._host_warned = False
         self._compile_count: dict[Any, int] = {}
-        # Forwards of each region since the last backward began (see _count_forwards).
-        self._forwards: dict[tuple, int] = {}
-        self._warned: set[tuple] = set()
-        # The record of each of the latest step's forwards, in the order they ran (see step_invocations).
-        self._step_records: list[GraphRecord] = []
-        self._backward_seen = False
+        # What each region of the step holds and how often it runs (fxoffload.step_ledger).
+        self._ledger = StepLedger(config.runs_per_step)
         # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.callers).
         self._callers = CallerWatch()
-        self._kept_warned: set[int] = set()  # records (by index) warned about
-        self._step_kept: dict[int, list[KeptInput]] = {}
-        # Runs per step: planned for, by region, and the most counted in one step (runs_per_step="auto").
-        self._runs: dict[tuple, int] = {}
-        self._counted: dict[tuple, int] = {}
         # The step as its first backward showed it, and the shares of its memory budget.
         self._step = StepBudget(config.plan_options.budget, config.plan_options.device_bytes is not None)
-        self._region_of: dict[int, tuple] = {}  # record index -> its region
-        # What each region leaves on the device beyond its activations while the next region runs: sources
-        # of copies deferred past its forward's end (during the next forward), and copies the next
-        # backward starts ahead for it (prefetch_ahead, during that backward); the larger of the two.
-        self._spill: dict[tuple, int] = {}
-        # Positions of each region's offloaded inputs a caller kept into a step's backward (fxoffload.callers):
-        # a re-plan with a share counts them and does not move them.
-        self._kept_inputs: dict[tuple, frozenset[int]] = {}
 
     @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
@@ -281,22 +221,17 @@ class OffloadBackend:
         ``torch.distributed`` may be initialised after the backend is made."""
         return RankCheck.of_job(self.config.check_ranks, self.config.check_ranks_timeout)
 
-    def _runs_of(self, region: tuple) -> int:
-        default = self.config.runs_per_step
-        return self._runs.get(region, 1 if default == "auto" else default)
-
     def step_invocations(self) -> list[GraphRecord]:
         """The latest step's forward invocations, in the order they ran: the record of the graph that
         ran, once per run (one graph serving 32 layers appears 32 times).
         ``fxoffload.passes.step.simulate_step`` replays it."""
-        return list(self._step_records)
+        return self._ledger.invocations()
 
     def step_caller_kept(self) -> list[tuple[KeptSource, ...]]:
         """Per invocation of :meth:`step_invocations`: the transfers (indices into its plan's
         transfers) whose source, an input of the graph, its caller kept after the graph returned
         (``fxoffload.callers``): ``simulate_step(..., caller_kept=...)`` counts them."""
-        return [tuple(KeptSource(k.input.transfer, k.into_backward) for k in self._step_kept.get(run, ()))
-                for run in range(len(self._step_records))]
+        return self._ledger.caller_kept()
 
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
@@ -308,43 +243,22 @@ class OffloadBackend:
         again = getattr(compile_id, "frame_compile_id", None)  # a frame's graphs coexist: each is a region
         return (frame, again, count) if frame is not None else ("graph", len(self.records))
 
-    def _place(self, region: tuple) -> int:
-        """A region's position in the step: where it was first compiled, or next if it is new."""
-        regions = list(self._held)
-        return regions.index(region) if region in self._held else len(regions)
-
-    def _earlier_in_step(self, region: tuple) -> list[tuple]:
-        """The regions that run before ``region`` in the step: by the step's shape once it is re-planned
-        with a share of the step's budget, else those whose forwards have run so far in this step."""
-        if region in self._step.shares:
-            return self._step.earlier(region)
-        if self._backward_seen:  # the step's first forward: nothing before it
-            return []
-        ran = dict.fromkeys(self._region_of[r.index] for r in self._step_records)
-        return [r for r in ran if r != region]
-
-    def _held_before(self, earlier: Sequence[tuple]) -> int:
-        """What ``earlier`` regions (in the step's order) hold while the next one runs: each run's activations
-        for its backward, and what the last of them spills into the next (see ``_spill``)."""
-        held = sum(self._held.get(r, 0) * self._runs_of(r) for r in earlier)
-        return held + (self._spill.get(earlier[-1], 0) if earlier else 0)
-
     def _options_for(self, place: int, region: tuple) -> tuple[PlanOptions, int]:
         """The plan options of the region at ``place``, and the bytes earlier regions hold: an
         absolute budget is for the whole step, so a region gets what earlier regions leave of it;
         once the step is known, a region re-planned with its share of the budget gets that share."""
-        options = dataclasses.replace(self.config.plan_options, runs=self._runs_of(region))
-        earlier = self._earlier_in_step(region)
+        options = dataclasses.replace(self.config.plan_options, runs=self._ledger.runs_of(region))
+        earlier = self._ledger.earlier(region, self._step)
         if options.host_bytes is not None:  # the step's host budget, less what earlier regions' copies take
-            host = sum(self._host_held.get(r, 0) * self._runs_of(r) for r in earlier)
+            host = self._ledger.host_before(earlier)
             options = dataclasses.replace(options, host_bytes=max(options.host_bytes - host, 0))
-        held = self._held_before(earlier)
+        held = self._ledger.held_before(earlier)
         if (share := self._step.shares.get(region)) is not None:
             # The step's accounting: an activation one region hands the next counts in the curve of the
             # region that saves it (which may offload it: a layer's input), never in both.
             return dataclasses.replace(options, budget=Budget(nbytes=share.budget), held_cap=share.held_cap,
                                        count_outputs=False,
-                                       kept_inputs=self._kept_inputs.get(region, frozenset())), held
+                                       kept_inputs=self._ledger.kept_inputs.get(region, frozenset())), held
         if options.device_bytes is not None and held:
             return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
         if options.budget is None or options.budget.nbytes is None or not held:
@@ -358,7 +272,7 @@ class OffloadBackend:
     ) -> GraphRecord:
         """Plan and rewrite the pair the partition hook made of ``region``'s graph (``_Compilation.on_pair``
         calls it), with the step's budget as the regions so far leave it; record it."""
-        place = self._place(region)
+        place = self._ledger.place(region)
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total,
                                       staging_devices=fxoffload.runtime.staging_device_types())
@@ -376,7 +290,7 @@ class OffloadBackend:
             with warnings.catch_warnings():
                 if retry:  # (said in the last round, if still out of reach there)
                     warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-                fw, bw, planned = self._plan_capped(plan, options)
+                fw, bw, planned = plan_within_cap(plan, options)
         except BudgetInfeasibleError as error:
             if not (retry or self._may_wait(region, input_activations, replannable, held_before)):
                 raise self._in_step(error, place, held_before, options, region) from None
@@ -395,23 +309,22 @@ class OffloadBackend:
         result: PassResult = rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
-        self._held[region] = held_after_forward(result.plan, result.timeline, result.schedule)
-        self._host_held[region] = result.plan.pinned_host_bytes
         deferred = sum(int(result.plan.transfers[p.transfer].nbytes) for p in result.schedule.placements if p.deferred)
-        self._spill[region] = max(deferred, result.schedule.ahead_bytes)
+        held = held_after_forward(result.plan, result.timeline, result.schedule)
+        self._ledger.note_plan(region, held, result.plan.pinned_host_bytes, max(deferred, result.schedule.ahead_bytes))
         self._check_host_memory(fw)
         record = GraphRecord(
             index=len(self.records), forward=fw, backward=bw, plan=result.plan, schedule=result.schedule,
             pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
             profile=self.config.profile, work=result.work, region=place, held_before=held_before,
-            held_after=held_before + self._held[region], offloaded_inputs=offloaded_inputs(result.plan),
+            held_after=held_before + held, offloaded_inputs=offloaded_inputs(result.plan),
             provisional=provisional, provisional_short=short, step_share=self._step.shares.get(region),
             step_budget=self._step.budget_bytes() if region in self._step.shares else None,
             step_round=self._step.round if region in self._step.shares else -1,
             largest_saved_input=_largest_saved_input(fw, result.plan, input_activations),
         )
         self.records.append(record)
-        self._region_of[record.index] = region
+        self._ledger.region_of[record.index] = region
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if (check := self._rank_check) is not None:
             check.planned(graph, record.index, plan_digest(record.plan, record.schedule))
@@ -420,39 +333,13 @@ class OffloadBackend:
                 pin_offload_order(module)
         return record
 
-    @staticmethod
-    def _plan_capped(plan: Callable[[PlanOptions], tuple], options: PlanOptions) -> tuple:
-        """``plan(options)``; under a held cap (a share of the step's budget) that the region cannot keep
-        to, planned without it: it takes what it needs, and the regions after it get less."""
-        if options.held_cap is None:
-            return plan(options)
-        strict = dataclasses.replace(options, on_infeasible="error")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-                return plan(strict)
-        except BudgetInfeasibleError as error:
-            # The cap is the budget at the forward's end, so the smallest peak there, less the budget, is
-            # how far above the cap the least the region can leave lies: try that cap, then none.
-            least = options.held_cap + max(error.smallest - error.budget, 0)
-            log.info("fxoffload: a region cannot keep what it leaves for the backward to its share of the step's "
-                     "budget (%d B): planned for %d B", options.held_cap, least)
-        if least < options.budget.nbytes:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-                    return plan(dataclasses.replace(strict, held_cap=least))
-            except BudgetInfeasibleError:
-                pass
-        return plan(dataclasses.replace(options, held_cap=None))
-
     def _may_wait(self, region: tuple, input_activations: frozenset[int], replannable: bool, held_before: int) -> bool:
         """Whether a region whose budget is out of reach may run the first step provisionally, to be
         re-planned once the step is known: under runs_per_step="auto", before the step has counted it,
         when it is handed an activation (it may serve several layers), or under a memory budget that
         the rest of the step may make room for (a fraction, or bytes that earlier regions took some of).
         An absolute budget out of reach with nothing before it is out of reach for the step."""
-        if not replannable or region in self._counted or region in self._step.shares:
+        if not replannable or region in self._ledger.counted or region in self._step.shares:
             return False
         options = self.config.plan_options
         if input_activations:
@@ -467,8 +354,8 @@ class OffloadBackend:
         accounting)."""
         if share is not None:
             return self._step.stale(record)
-        planned = record.plan.runs if record is not None else self._runs_of(region)
-        return self._counted[region] > planned or (record is not None and record.provisional)
+        planned = record.plan.runs if record is not None else self._ledger.runs_of(region)
+        return self._ledger.counted[region] > planned or (record is not None and record.provisional)
 
     def _in_step(self, error: BudgetInfeasibleError, place: int, held_before: int,
                  options: PlanOptions, region: tuple | None = None) -> BudgetInfeasibleError:
@@ -487,7 +374,8 @@ class OffloadBackend:
         """Where the step's budget went, for the error of a region that cannot keep to its share."""
         shape, budget = self._step.shape, self.config.memory_budget
         earlier = shape.regions[:shape.index(region)]
-        holds = ", ".join(f"region {self._place(r.region)} {format_bytes(self._held.get(r.region, 0) * r.runs)}"
+        ledger = self._ledger
+        holds = ", ".join(f"region {ledger.place(r.region)} {format_bytes(ledger.held.get(r.region, 0) * r.runs)}"
                           + (f" ({r.runs} runs)" if r.runs > 1 else "") for r in earlier) or "none"
         return (f"the step ({len(shape.regions)} compiled regions, predicted): memory_budget={budget!r} is "
                 f"{self._step.budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
@@ -527,8 +415,8 @@ class OffloadBackend:
         current, pending = [compiled], [replan]
 
         def run(*args: Any) -> Any:
-            if pending[0] is not None and region in self._counted:  # a step has shown how often it runs
-                share = self._step.share(region, self._held_before)
+            if pending[0] is not None and region in self._ledger.counted:  # a step has shown how often it runs
+                share = self._step.share(region, self._ledger.held_before)
                 if self._needs_replan(region, current[0].compilation.record, share):
                     current[0] = self._replan(region, pending[0], share)  # a failure raises here, every time
                 if self._step.final(current[0].compilation.record):
@@ -538,7 +426,7 @@ class OffloadBackend:
             # fxoffload plan traces its steps so.)
             step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                             and not pipeline_inference())
-            if step_forward and self._backward_seen and (check := self._rank_check) is not None:
+            if step_forward and self._ledger.backward_seen and (check := self._rank_check) is not None:
                 check.step_begins()  # a new step: compare the plans the ranks published in the last one
             if step_forward:
                 self._callers.next_forward()
@@ -548,12 +436,12 @@ class OffloadBackend:
                 out = current[0].run(*args)
             record = current[0].compilation.record
             if step_forward and record is not None and (node := _backward_node(out)) is not None:
-                self._note_forward(record)
+                self._ledger.note_forward(record)
                 node.register_prehook(functools.partial(self._on_backward, invocation))
-                self._forwards[region] = self._forwards.get(region, 0) + 1
+                self._ledger.count_forward(region)
                 if warn:
-                    self._check_held(region)
-                self._callers.after_forward(len(self._step_records) - 1, record.offloaded_inputs, args)
+                    self._ledger.warn_held(region, self.config.plan_options.budget.nbytes, self.config.memory_budget)
+                self._callers.after_forward(len(self._ledger.records) - 1, record.offloaded_inputs, args)
             return out
 
         return run
@@ -570,12 +458,12 @@ class OffloadBackend:
         """Plan and compile ``region`` again for the runs counted in a step and, with ``share``, its share of
         the step's memory budget (see ``_track``); a plan that fails (an infeasible budget) leaves the
         region as it was, to fail again at its next forward."""
-        runs, before = self._counted[region], self._runs.get(region)
-        self._runs[region] = runs  # what the plan options read
+        runs, before = self._ledger.counted[region], self._ledger.runs.get(region)
+        self._ledger.runs[region] = runs  # what the plan options read
         if share is not None:
             self._step.shares[region] = share
         log.info("fxoffload: compiled region %d ran %d times in one step%s: re-planning it for the whole step and "
-                 "recompiling it", self._place(region), runs,
+                 "recompiling it", self._ledger.place(region), runs,
                  "" if share is None else f" of {len(self._step.shape.regions)} regions, with its share of the budget")
         try:
             with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -583,9 +471,9 @@ class OffloadBackend:
                                                 replan.input_activations, replan.patches)
         except BaseException:
             if before is None:
-                del self._runs[region]
+                del self._ledger.runs[region]
             else:
-                self._runs[region] = before
+                self._ledger.runs[region] = before
             self._step.shares.pop(region, None)
             raise
         if compiled.compilation.record is not None:
@@ -600,7 +488,7 @@ class OffloadBackend:
         machine's state."""
         if self._host_warned or not _on_cuda(fw):
             return
-        need = sum(nbytes * self._runs_of(r) for r, nbytes in self._host_held.items())
+        need = self._ledger.host_total()
         free, ranks = available_host_memory(), local_processes()
         share = None if free is None else free // ranks
         if share is None or need <= share:
@@ -614,71 +502,22 @@ class OffloadBackend:
             f"{share} B ({format_bytes(share)}) this process may still take (MemAvailable, and its cgroup's memory "
             f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
 
-    def _note_forward(self, record: GraphRecord) -> None:
-        if self._backward_seen:  # the first forward of a new step
-            self._step_records, self._backward_seen, self._step_kept = [], False, {}
-        self._step_records.append(record)
-
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
-        first = not self._backward_seen  # the step's first backward (its last forward's)
-        self._backward_seen = True
-        for region, runs in self._forwards.items():
-            self._counted[region] = max(self._counted.get(region, 1), runs)
-        self._forwards.clear()
+        first = self._ledger.note_backward()  # the step's first backward (its last forward's)
         fxoffload.runtime.backward_begins(invocation)
         if not first:
             return
         if (check := self._rank_check) is not None:
             check.backward_begins()
-        kept_before = dict(self._kept_inputs)
-        self._note_kept(self._callers.backward_begins())
-        if self._step_records:
-            if any(self._kept_inputs[r] != kept_before.get(r) for r in self._kept_inputs if r in self._step.shares):
+        ledger = self._ledger
+        kept_before = dict(ledger.kept_inputs)
+        ledger.note_kept(self._callers.backward_begins())
+        if ledger.records:
+            if any(ledger.kept_inputs[r] != kept_before.get(r) for r in ledger.kept_inputs if r in self._step.shares):
                 # A region re-planned with its share offloaded an input its caller keeps: that copy freed
                 # nothing, so its share was not met; the next round counts the input where it stays.
                 self._step.fell_short()
-            self._step.learn(self._step_records, self._region_of, self._counted)
-
-    def _note_kept(self, kept: list[KeptInput]) -> None:
-        """Record the step's offloaded inputs its callers kept, per invocation, by region and on each graph's
-        record (every record of the step, so that an earlier step's figures do not linger); warn once per graph."""
-        for k in kept:
-            self._step_kept.setdefault(k.run, []).append(k)
-            if k.into_backward:
-                region = self._region_of[self._step_records[k.run].index]
-                self._kept_inputs[region] = self._kept_inputs.get(region, frozenset()) | {k.input.position}
-        for record in self._step_records:
-            record.caller_kept_runs = record.caller_kept_bytes = 0
-        for k in kept:
-            record = self._step_records[k.run]
-            record.caller_kept_runs += 1
-            record.caller_kept_bytes += k.input.nbytes
-        for record in {self._step_records[k.run].index: self._step_records[k.run] for k in kept}.values():
-            inputs = [k for k in kept if self._step_records[k.run] is record]
-            message = kept_warning(record.region, inputs, record.caller_kept_runs)
-            runs = sum(1 for r in self._step_records if r is record)
-            # Half its runs or more: most of its copies are for nothing. Fewer (a model holding its
-            # embedding output keeps the first layer's input): explain and the log say so.
-            if 2 * record.caller_kept_runs < runs:
-                log.info("%s", message)
-            elif record.index not in self._kept_warned:
-                self._kept_warned.add(record.index)
-                warnings.warn(message, stacklevel=2)
-
-    def _check_held(self, region: tuple) -> None:
-        budget = self.config.plan_options.budget.nbytes
-        runs = self._forwards[region]
-        held = sum(self._held.get(r, 0) * n for r, n in self._forwards.items())
-        if runs <= self._runs_of(region) or held <= budget or region in self._warned:
-            return
-        self._warned.add(region)
-        warnings.warn(
-            f"fxoffload: compiled region {self._place(region)} has run {runs} times in this forward (one "
-            f"compiled graph serving several layers, e.g. per-layer compile), but its plan counted its "
-            f"activations once ({self._held.get(region, 0)} B, predicted): the forwards so far leave {held} B of "
-            f"activations on the device for the backward, above memory_budget={self.config.memory_budget!r} "
-            f"({budget} B). Pass runs_per_step=<the number of layers the graph serves> so that the plan "
-            f"covers the whole step.", stacklevel=2)
+            self._step.learn(ledger.records, ledger.region_of, ledger.counted)
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
                         activations: frozenset[int], patches: dict, replannable: bool = False) -> "_Compiled":

@@ -23,13 +23,21 @@ modelled as one forward pass then one backward pass.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from fxoffload.passes.plan import Budget, Plan
+from fxoffload.passes.plan import Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Plan, PlanOptions
 from fxoffload.passes.shares import RegionDemand, Share, share_for, step_peak
 
-__all__ = ["SHARE_ROUNDS", "RunFigures", "StepBudget", "StepRegion", "StepShape", "learn_step", "run_figures"]
+__all__ = [
+    "SHARE_ROUNDS", "RunFigures", "StepBudget", "StepRegion", "StepShape", "learn_step", "plan_within_cap",
+    "run_figures",
+]
+
+log = logging.getLogger(__name__)
 
 # Rounds of shares (see the module docstring).
 SHARE_ROUNDS = 2
@@ -183,3 +191,29 @@ class StepBudget:
 
     def budget_bytes(self) -> int | None:
         return None if self.budget is None or self.shape is None else self.shape.budget_bytes(self.budget)
+
+
+def plan_within_cap(plan: Callable[[PlanOptions], tuple], options: PlanOptions) -> tuple:
+    """``plan(options)``; under a held cap (a share of the step's budget) that the region cannot keep
+    to, planned without it: it takes what it needs, and the regions after it get less."""
+    if options.held_cap is None:
+        return plan(options)
+    strict = dataclasses.replace(options, on_infeasible="error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+            return plan(strict)
+    except BudgetInfeasibleError as error:
+        # The cap is the budget at the forward's end, so the smallest peak there, less the budget, is
+        # how far above the cap the least the region can leave lies: try that cap, then none.
+        least = options.held_cap + max(error.smallest - error.budget, 0)
+        log.info("fxoffload: a region cannot keep what it leaves for the backward to its share of the step's "
+                 "budget (%d B): planned for %d B", options.held_cap, least)
+    if least < options.budget.nbytes:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                return plan(dataclasses.replace(strict, held_cap=least))
+        except BudgetInfeasibleError:
+            pass
+    return plan(dataclasses.replace(options, held_cap=None))

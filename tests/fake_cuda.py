@@ -210,7 +210,7 @@ class FakeCuda:
         self.violations: list[str] = []
         self.copies_queued = 0
         self.copies_run = 0
-        self.queries = 0  # event queries (the host cost of polling; issue 37, defect 6)
+        self.queries = 0  # event queries (the host cost of polling deferred copies)
         self.events_made = 0  # Event() calls (each a cudaEventCreate on a GPU, at its first record)
         self._compute: dict[torch.device, FakeStream] = {}
         self._side: list[FakeStream] = []

@@ -50,7 +50,7 @@ def test_every_preset_plans_a_slice_within_the_budget(capsys, tmp_path, preset):
 
 @pytest.mark.slow
 def test_the_full_llama_2_7b_at_half_budget(capsys):
-    # The command of issue 5's "done when": all 32 layers at sequence 4096 (about 30 s here).
+    # The whole model, as a user runs it: all 32 layers at sequence 4096 (about 30 s here).
     report = run_json(capsys, "--preset", "llama-2-7b", "--seq", "4096", "--batch", "1", "--dtype", "bf16",
                       "--profile", "h100-pcie5", "--budget", "0.5", "--no-plot")
     assert report["layers"] == 32 and len(report["graphs"]) == 1

@@ -385,8 +385,8 @@ def test_the_environment_turns_debug_mode_on(monkeypatch):
 
 @pytest.mark.parametrize("order", ["as offloaded", "reversed"])
 def test_polling_deferred_copies_costs_a_bounded_number_of_queries_per_op_call(order):
-    """Issue 37, defect 6: copies to the host land in the order they were issued, so reaping the
-    deferred ones stops at the first still running. Deferring N copies costs O(N) event queries, not
+    """Copies to the host land in the order they were issued, so reaping the deferred ones stops at
+    the first still running. Deferring N copies costs O(N) event queries, not
     O(N^2); once k have landed, the next op call retires exactly those k, whatever order the forward
     deferred them in."""
     n = 32

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_session.py (issue 37): the first GPU hour in one command, and its dry run on this CPU.
+"""benchmarks/gpu_session.py: the first GPU hour in one command, and its dry run on this CPU.
 
 The dry run is what CI can do of the GPU session: every step on the CPU engine at small sizes, so that
 the script cannot first fail on a lent GPU. The measured figures themselves are kept under

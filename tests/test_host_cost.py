@@ -1,4 +1,4 @@
-"""The host cost of a transfer (issue 17, defect 8): each transfer's four op calls cost the host thread
+"""The host cost of a transfer: each transfer's four op calls cost the host thread
 ``op_seconds`` each, and the planner weighs that where the device would wait for the host.
 
 The profiles here make copies free (no latency, a link of 1 EB/s) so that only the op calls can tell

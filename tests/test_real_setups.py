@@ -1,4 +1,4 @@
-"""What users try beyond one clean training step (issue 8): inference, double backward, integer
+"""What users try beyond one clean training step: inference, double backward, integer
 and boolean saved tensors, channels-last and transposed tensors, in-place updates, compile modes,
 and an exception in the middle of a step. Numerics are compared with eager PyTorch."""
 

@@ -1,4 +1,4 @@
-"""A second backward through a retained graph reads the same host copies again (issue 8 lists it)."""
+"""A second backward through a retained graph reads the same host copies again."""
 
 import pytest
 import torch

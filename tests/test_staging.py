@@ -1,4 +1,4 @@
-"""Staged copies (issue 17, defect 4): the CUDA engine puts a non-contiguous tensor through a
+"""Staged copies: the CUDA engine puts a non-contiguous tensor through a
 contiguous device buffer at each end of its round trip (``runtime._dense_ends``), and the memory
 model counts those buffers when the engine that will copy the graph's tensors stages copies.
 

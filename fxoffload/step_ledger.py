@@ -1,0 +1,163 @@
+"""The step's ledger: what each compiled region of a step holds and how often it runs, as the backend learns it.
+
+A step runs several compiled regions (one graph serving every layer, DDP's buckets, a pipeline's
+stages), each planned on its own; a memory budget is the step's, so each region's plan must know
+what the regions before it leave on the device. The backend keeps, in one :class:`StepLedger`:
+
+* per region, in the order regions were first compiled (the forward's order): the activation
+  bytes one run leaves for its backward, the pinned host bytes of one run's copies and what it
+  spills into the next region (sources of copies deferred past its forward, copies the next
+  backward starts ahead for it), all predicted by its plan; the runs its plan is for, and the
+  most counted in one step; the positions of its offloaded inputs a caller kept;
+* per step: the record of each forward in the order they ran, and the offloaded inputs their
+  callers kept (``fxoffload.callers``), per run.
+
+Algorithm: a new step begins at the first forward after a backward began. The regions before a
+region are, once the step is re-planned with shares of its budget, the step's own order
+(``fxoffload.step_budget``); before that, the regions whose forwards ran so far in this step.
+What they hold is each run's activations for its backward, plus what the last of them spills.
+
+Limits: every figure is a plan's prediction; one ledger per backend, which serves one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from fxoffload.callers import KeptInput, kept_warning
+from fxoffload.passes.step import KeptSource
+from fxoffload.step_budget import StepBudget
+
+__all__ = ["StepLedger"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepLedger:
+    """What each compiled region of the step holds and how often it runs (see the module docstring)."""
+
+    runs_per_step: int | str  # the option: "auto", or the runs every region's plan is for
+    held: dict[tuple, int] = field(default_factory=dict)  # activation bytes one run leaves for its backward
+    host_held: dict[tuple, int] = field(default_factory=dict)  # pinned host bytes of one run's copies
+    spill: dict[tuple, int] = field(default_factory=dict)  # what a run leaves while the next region runs
+    runs: dict[tuple, int] = field(default_factory=dict)  # runs each region is planned for, once counted
+    counted: dict[tuple, int] = field(default_factory=dict)  # the most runs counted in one step
+    forwards: dict[tuple, int] = field(default_factory=dict)  # forwards of each region since a backward began
+    kept_inputs: dict[tuple, frozenset[int]] = field(default_factory=dict)  # inputs callers kept, by region
+    region_of: dict[int, tuple] = field(default_factory=dict)  # record index -> its region
+    records: list[Any] = field(default_factory=list)  # the step's forwards' records, in the order they ran
+    backward_seen: bool = False  # a backward of the latest step has begun
+    kept: dict[int, list[KeptInput]] = field(default_factory=dict)  # offloaded inputs kept, by the step's run
+    held_warned: set[tuple] = field(default_factory=set)
+    kept_warned: set[int] = field(default_factory=set)  # records (by index) warned about
+
+    def runs_of(self, region: tuple) -> int:
+        default = self.runs_per_step
+        return self.runs.get(region, 1 if default == "auto" else default)
+
+    def place(self, region: tuple) -> int:
+        """A region's position in the step: where it was first compiled, or next if it is new."""
+        regions = list(self.held)
+        return regions.index(region) if region in self.held else len(regions)
+
+    def earlier(self, region: tuple, step: StepBudget) -> list[tuple]:
+        """The regions that run before ``region`` in the step: by the step's shape once it is re-planned
+        with a share of the step's budget, else those whose forwards have run so far in this step."""
+        if region in step.shares:
+            return step.earlier(region)
+        if self.backward_seen:  # the step's first forward: nothing before it
+            return []
+        ran = dict.fromkeys(self.region_of[r.index] for r in self.records)
+        return [r for r in ran if r != region]
+
+    def held_before(self, earlier: Sequence[tuple]) -> int:
+        """What ``earlier`` regions (in the step's order) hold while the next one runs: each run's activations
+        for its backward, and what the last of them spills into the next."""
+        held = sum(self.held.get(r, 0) * self.runs_of(r) for r in earlier)
+        return held + (self.spill.get(earlier[-1], 0) if earlier else 0)
+
+    def host_before(self, earlier: Sequence[tuple]) -> int:
+        """The pinned host bytes the copies of ``earlier`` regions take, every run."""
+        return sum(self.host_held.get(r, 0) * self.runs_of(r) for r in earlier)
+
+    def host_total(self) -> int:
+        """The pinned host bytes of every region's copies, every run."""
+        return sum(nbytes * self.runs_of(r) for r, nbytes in self.host_held.items())
+
+    def note_plan(self, region: tuple, held: int, host: int, spill: int) -> None:
+        """A plan of ``region``: what one run leaves for its backward, its copies' pinned host bytes, its spill."""
+        self.held[region], self.host_held[region], self.spill[region] = held, host, spill
+
+    def note_forward(self, record: Any) -> None:
+        """A forward of the step ran ``record``'s graph (the first after a backward begins a new step)."""
+        if self.backward_seen:
+            self.records, self.backward_seen, self.kept = [], False, {}
+        self.records.append(record)
+
+    def count_forward(self, region: tuple) -> int:
+        self.forwards[region] = self.forwards.get(region, 0) + 1
+        return self.forwards[region]
+
+    def note_backward(self) -> bool:
+        """A backward begins: the forwards since the last one are counted. Whether it is the step's first."""
+        first = not self.backward_seen
+        self.backward_seen = True
+        for region, runs in self.forwards.items():
+            self.counted[region] = max(self.counted.get(region, 1), runs)
+        self.forwards.clear()
+        return first
+
+    def invocations(self) -> list[Any]:
+        """The latest step's forward invocations, in the order they ran (a record once per run)."""
+        return list(self.records)
+
+    def caller_kept(self) -> list[tuple[KeptSource, ...]]:
+        """Per invocation: the transfers whose source, a graph input, its caller kept after the graph returned."""
+        return [tuple(KeptSource(k.input.transfer, k.into_backward) for k in self.kept.get(run, ()))
+                for run in range(len(self.records))]
+
+    def note_kept(self, kept: list[KeptInput]) -> None:
+        """Record the step's offloaded inputs its callers kept, per invocation, by region and on each graph's
+        record (every record of the step, so that an earlier step's figures do not linger); warn once per graph."""
+        for k in kept:
+            self.kept.setdefault(k.run, []).append(k)
+            if k.into_backward:
+                region = self.region_of[self.records[k.run].index]
+                self.kept_inputs[region] = self.kept_inputs.get(region, frozenset()) | {k.input.position}
+        for record in self.records:
+            record.caller_kept_runs = record.caller_kept_bytes = 0
+        for k in kept:
+            record = self.records[k.run]
+            record.caller_kept_runs += 1
+            record.caller_kept_bytes += k.input.nbytes
+        for record in {self.records[k.run].index: self.records[k.run] for k in kept}.values():
+            inputs = [k for k in kept if self.records[k.run] is record]
+            message = kept_warning(record.region, inputs, record.caller_kept_runs)
+            runs = sum(1 for r in self.records if r is record)
+            # Half its runs or more: most of its copies are for nothing. Fewer (a model holding its
+            # embedding output keeps the first layer's input): explain and the log say so.
+            if 2 * record.caller_kept_runs < runs:
+                log.info("%s", message)
+            elif record.index not in self.kept_warned:
+                self.kept_warned.add(record.index)
+                warnings.warn(message, stacklevel=2)
+
+    def warn_held(self, region: tuple, budget: int, memory_budget: Any) -> None:
+        """Warn once when a region ran more often in this forward than its plan counted, and the forwards
+        so far leave more activations than an absolute ``budget`` (no re-planning)."""
+        runs = self.forwards[region]
+        held = sum(self.held.get(r, 0) * n for r, n in self.forwards.items())
+        if runs <= self.runs_of(region) or held <= budget or region in self.held_warned:
+            return
+        self.held_warned.add(region)
+        warnings.warn(
+            f"fxoffload: compiled region {self.place(region)} has run {runs} times in this forward (one "
+            f"compiled graph serving several layers, e.g. per-layer compile), but its plan counted its "
+            f"activations once ({self.held.get(region, 0)} B, predicted): the forwards so far leave {held} B of "
+            f"activations on the device for the backward, above memory_budget={memory_budget!r} "
+            f"({budget} B). Pass runs_per_step=<the number of layers the graph serves> so that the plan "
+            f"covers the whole step.", stacklevel=2)
