@@ -9,10 +9,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
+from fxoffload.errors import OptionError
 from fxoffload.passes.candidates import AUTO_HORIZON
 from fxoffload.passes.cost_model import DeviceProfile
 from fxoffload.passes.plan import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
 from fxoffload.passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
+from fxoffload.profiles import resolve_profile
 
 __all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]
 
@@ -25,17 +27,6 @@ BUDGET_FORMS = (
     "None, a fraction in (0, 1] of the activation peak without offloading, "
     "an int number of bytes > 0, or a string such as '6GiB', '512MB' (KB/MB/GB are powers of 10, KiB/MiB/GiB of 2)"
 )
-
-
-class OptionError(ValueError):
-    """A bad option. ``option``: the option's name (a field of :class:`OffloadConfig`); ``detail``: what
-    is wrong and what is accepted. The message is ``"<option>: <detail>"``, or ``detail`` alone where
-    it names the options itself (``named=True``). Callers that spell options otherwise (the CLI's
-    flags) build their own message from the fields."""
-
-    def __init__(self, option: str, detail: str, named: bool = False) -> None:
-        self.option, self.detail = option, detail
-        super().__init__(detail if named else f"{option}: {detail}")
 
 
 def parse_budget(value: Any) -> Budget | None:
@@ -219,8 +210,6 @@ class OffloadConfig:
         nodes = self.solver_node_limit
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise OptionError("solver_node_limit", f"got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")
-        from fxoffload.profiles import resolve_profile
-
         resolve_profile(self.device_profile)
 
     @property
@@ -247,8 +236,6 @@ class OffloadConfig:
 
     @property
     def profile(self) -> DeviceProfile:
-        from fxoffload.profiles import resolve_profile
-
         return resolve_profile(self.device_profile)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from fxoffload.errors import OptionError
 from fxoffload.passes.cost_model import DeviceProfile
 
 __all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "local_processes",
@@ -156,8 +157,6 @@ def resolve_profile(spec: "str | DeviceProfile") -> DeviceProfile:
             return PROFILES[_from_cuda_name(torch.cuda.get_device_name())]
         return PROFILES[DEFAULT_PROFILE]
     if spec not in PROFILES:
-        from fxoffload.config import OptionError
-
         raise OptionError("device_profile", f"unknown profile {spec!r}; known: {', '.join(sorted(PROFILES))}, "
                           "'auto', or a fxoffload.DeviceProfile")
     return PROFILES[spec]

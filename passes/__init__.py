@@ -18,18 +18,18 @@ through a callback), nothing of torch.compile or of the copy engines. This
 module only names what callers use.
 """
 
-from fxoffload.passes.analysis import SavedActivation
-from fxoffload.passes.candidates import Placement
-from fxoffload.passes.cost_model import DeviceProfile
-from fxoffload.passes.memory import Timeline
-from fxoffload.passes.pipeline import (
+from .analysis import SavedActivation
+from .candidates import Placement
+from .cost_model import DeviceProfile
+from .memory import Timeline
+from .pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
-from fxoffload.passes.plan import (
+from .plan import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
 )
-from fxoffload.passes.scheduling import Schedule
-from fxoffload.passes.strategy import plan_best_partition
+from .scheduling import Schedule
+from .strategy import plan_best_partition
 
 __all__ = [
     "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "DeviceProfile", "Placement", "Plan",

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxoffload.passes.ops import FXOFFLOAD_OPS
+from .ops import FXOFFLOAD_OPS
 
 __all__ = [
     "SavedActivation",

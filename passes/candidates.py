@@ -34,11 +34,11 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from fxoffload.passes.analysis import (
+from .analysis import (
     SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
 )
-from fxoffload.passes.cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
-from fxoffload.passes.memory import Timeline
+from .cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
+from .memory import Timeline
 
 __all__ = [
     "AUTO_HORIZON", "Placement", "RecomputeCost", "TransferCost", "free_index", "place_candidates",

@@ -43,8 +43,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from fxoffload.passes.analysis import is_compute, tensor_nbytes, traced_value
-from fxoffload.passes.memory import concrete
+from .analysis import is_compute, tensor_nbytes, traced_value
+from .memory import concrete
 
 __all__ = ["DeviceProfile", "OPTIMIZERS", "OPS_PER_TRANSFER", "OptimizerStep", "Work", "node_time", "node_times",
            "node_work", "optimizer_step", "roofline", "transfer_time", "value_nbytes"]

@@ -21,12 +21,12 @@ from typing import Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxoffload.passes.analysis import (
+from .analysis import (
     SavedActivation, SavedInterface, is_rng_state, storage_key, sym_exprs, symbol_sources, unbuildable,
 )
-from fxoffload.passes.memory import concrete
-from fxoffload.passes.plan import Ineligible, Kept
-from fxoffload.passes.policies import MUST_CPU_OFFLOAD, MUST_SAVE
+from .memory import concrete
+from .plan import Ineligible, Kept
+from .policies import MUST_CPU_OFFLOAD, MUST_SAVE
 
 __all__ = ["INPUT_ACTIVATION", "backward_symbols", "group_by_base", "group_marks", "replayable", "why_kept"]
 

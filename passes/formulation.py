@@ -30,14 +30,14 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 import torch.fx as fx
 
-from fxoffload.passes.analysis import tensor_nbytes
-from fxoffload.passes.candidates import RecomputeCost, TransferCost
-from fxoffload.passes.memory import Timeline, concrete, curve, intervals, peak, staging_intervals, step_peak
-from fxoffload.passes.plan import (
+from .analysis import tensor_nbytes
+from .candidates import RecomputeCost, TransferCost
+from .memory import Timeline, concrete, curve, intervals, peak, staging_intervals, step_peak
+from .plan import (
     AUTO_STRATEGY, OFFLOAD, RECOMPUTE, Ineligible, PlanOptions, pinned_block, staging_bytes,
 )
-from fxoffload.passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
-from fxoffload.passes.solvers import Option, Queue
+from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
+from .solvers import Option, Queue
 
 __all__ = ["Formulation", "Owner", "Part", "Problem", "conflicts_of", "first_options", "fixed_intervals",
            "graph_input_bytes", "over_runs", "solver_items", "split_choice", "stacked", "staging_spans"]

@@ -56,7 +56,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from fxoffload.passes.analysis import (
+from .analysis import (
     SavedInterface, _aliased_input, is_anchored_compute, symbol_sources, tensor_nbytes, tensor_storage_key,
 )
 

@@ -27,17 +27,17 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxoffload.passes.analysis import SavedActivation, SavedInterface, inputs_at, saved_activations, saved_interface
-from fxoffload.passes.candidates import (
+from .analysis import SavedActivation, SavedInterface, inputs_at, saved_activations, saved_interface
+from .candidates import (
     AUTO_HORIZON, Placement, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
-from fxoffload.passes.cost_model import DeviceProfile, node_work, roofline
-from fxoffload.passes.memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
-from fxoffload.passes.eligibility import group_by_base
-from fxoffload.passes.plan import Plan, PlanOptions
-from fxoffload.passes.planning import plan_offloads
-from fxoffload.passes.rewrite import rewrite_pair
-from fxoffload.passes.scheduling import Schedule, schedule_transfers, with_scheduled_peaks
+from .cost_model import DeviceProfile, node_work, roofline
+from .memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
+from .eligibility import group_by_base
+from .plan import Plan, PlanOptions
+from .planning import plan_offloads
+from .rewrite import rewrite_pair
+from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 
 __all__ = [
     "Analysis", "PassResult", "Stopwatch", "analyse_pair", "counted_inputs", "counts_outputs", "gc_paused",

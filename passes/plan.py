@@ -22,9 +22,9 @@ from typing import Any, Literal, Sequence, get_args
 import torch
 import torch.fx as fx
 
-from fxoffload.passes.candidates import RecomputeCost, TransferCost
-from fxoffload.passes.memory import concrete
-from fxoffload.passes.solvers import NODE_LIMIT, TIME_GUARD, SolverName
+from .candidates import RecomputeCost, TransferCost
+from .memory import concrete
+from .solvers import NODE_LIMIT, TIME_GUARD, SolverName
 
 __all__ = [
     "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision",

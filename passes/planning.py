@@ -91,19 +91,19 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 import torch.fx as fx
 
-from fxoffload.passes.analysis import SavedActivation, SavedInterface, input_position, is_compute, output_storages
-from fxoffload.passes.candidates import RecomputeCost, TransferCost
-from fxoffload.passes.eligibility import INPUT_ACTIVATION, backward_symbols, group_by_base, group_marks, why_kept
-from fxoffload.passes.formulation import (
+from .analysis import SavedActivation, SavedInterface, input_position, is_compute, output_storages
+from .candidates import RecomputeCost, TransferCost
+from .eligibility import INPUT_ACTIVATION, backward_symbols, group_by_base, group_marks, why_kept
+from .formulation import (
     Problem, first_options, fixed_intervals, graph_input_bytes, solver_items, split_choice, stacked,
 )
-from fxoffload.passes.memory import Resident, Timeline, held_sizes, residents_at, timeline_at
-from fxoffload.passes.plan import (
+from .memory import Resident, Timeline, held_sizes, residents_at, timeline_at
+from .plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
     Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
 )
-from fxoffload.passes.policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from fxoffload.passes.solvers import curve_with, host_of, solve
+from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
+from .solvers import curve_with, host_of, solve
 
 __all__ = ["plan_offloads"]
 

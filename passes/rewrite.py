@@ -41,11 +41,11 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxoffload.passes.analysis import SavedActivation, SavedInterface, symbol_sources
-from fxoffload.passes.ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
-from fxoffload.passes.eligibility import replayable
-from fxoffload.passes.plan import Plan
-from fxoffload.passes.scheduling import Schedule
+from .analysis import SavedActivation, SavedInterface, symbol_sources
+from .ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
+from .eligibility import replayable
+from .plan import Plan
+from .scheduling import Schedule
 
 __all__ = ["rewrite_pair"]
 

@@ -91,13 +91,13 @@ from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
-from fxoffload.passes.candidates import AUTO_HORIZON, Placement, prefix_sums
-from fxoffload.passes.cost_model import DeviceProfile, transfer_time
-from fxoffload.passes.memory import (
+from .candidates import AUTO_HORIZON, Placement, prefix_sums
+from .cost_model import DeviceProfile, transfer_time
+from .memory import (
     Timeline, curve, intervals, peak, size_ranges, sizes_between, staging_intervals, step_peak, timeline_at,
 )
-from fxoffload.passes.plan import Plan
-from fxoffload.passes.replay import Copy, replay
+from .plan import Plan
+from .replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
            "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "staging_temporaries",

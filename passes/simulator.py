@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fxoffload.passes.cost_model import DeviceProfile, roofline
-from fxoffload.passes.memory import curve, intervals, staging_intervals
-from fxoffload.passes.plan import recompute_moves, recompute_temporaries
-from fxoffload.passes.replay import Copy, Replay, op_starts, replay
+from .cost_model import DeviceProfile, roofline
+from .memory import curve, intervals, staging_intervals
+from .plan import recompute_moves, recompute_temporaries
+from .replay import Copy, Replay, op_starts, replay
 
 __all__ = ["Copy", "Movement", "Replay", "SimulatedCopy", "Simulation", "op_starts", "replay", "simulate",
            "simulate_movements"]

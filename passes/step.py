@@ -43,12 +43,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fxoffload.passes.cost_model import DeviceProfile, roofline
-from fxoffload.passes.memory import curve, intervals
-from fxoffload.passes.plan import recompute_moves
-from fxoffload.passes.replay import Copy, op_starts, replay
-from fxoffload.passes.scheduling import held_after_forward
-from fxoffload.passes.simulator import SimulatedCopy
+from .cost_model import DeviceProfile, roofline
+from .memory import curve, intervals
+from .plan import recompute_moves
+from .replay import Copy, op_starts, replay
+from .scheduling import held_after_forward
+from .simulator import SimulatedCopy
 
 __all__ = ["KeptSource", "StepSimulation", "simulate_step"]
 

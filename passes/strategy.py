@@ -26,14 +26,14 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from fxoffload.passes.analysis import is_random
-from fxoffload.passes.cost_model import DeviceProfile
-from fxoffload.passes.pipeline import (
+from .analysis import is_random
+from .cost_model import DeviceProfile
+from .pipeline import (
     PassResult, Stopwatch, analyse_pair, counted_inputs, counts_outputs, gc_paused, plan_analysed,
 )
-from fxoffload.passes.plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
-from fxoffload.passes.policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
-from fxoffload.passes.simulator import simulate
+from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
+from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
+from .simulator import simulate
 
 __all__ = ["PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition", "plan_best_partition"]
 

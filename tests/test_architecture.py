@@ -17,14 +17,16 @@ def _module_name(path: Path) -> str:
     return package if path.stem == "__init__" else f"{package}.{path.stem}"
 
 
-def _imports(statements, known: set[str]) -> set[str]:
+def _imports(statements, known: set[str], package: str) -> set[str]:
     """Our modules named by ``import`` statements: ``from a import b`` counts as ``a.b`` when that is
-    a module of ours, else as ``a``."""
+    a module of ours, else as ``a``; a relative import is resolved from ``package``, the importer's."""
     found = set()
     for node in statements:
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] == "fxoffload":
-                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+        if isinstance(node, ast.ImportFrom) and (node.level or node.module):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            if module.split(".")[0] == "fxoffload":
+                found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in known else module
                           for a in node.names}
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "fxoffload"}
@@ -37,8 +39,9 @@ def actual_imports() -> dict[str, tuple[set[str], set[str]]]:
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text())
-        top = _imports(tree.body, set(files)) - {name}
-        every = _imports(ast.walk(tree), set(files)) - {name}
+        package = FOLDERS[path.parent.name]
+        top = _imports(tree.body, set(files), package) - {name}
+        every = _imports(ast.walk(tree), set(files), package) - {name}
         graph[name] = (top, every - top)
     return graph
 

@@ -1,0 +1,20 @@
+"""The error every bad option raises: ``OptionError``, naming the option, what is wrong and what is accepted.
+
+Its own module so that the modules that check options (``fxoffload.config``, ``fxoffload.profiles``)
+import it without importing each other. Limits: options only; a bad model or budget has its own error.
+"""
+
+from __future__ import annotations
+
+__all__ = ["OptionError"]
+
+
+class OptionError(ValueError):
+    """A bad option. ``option``: the option's name (a field of :class:`OffloadConfig`); ``detail``: what
+    is wrong and what is accepted. The message is ``"<option>: <detail>"``, or ``detail`` alone where
+    it names the options itself (``named=True``). Callers that spell options otherwise (the CLI's
+    flags) build their own message from the fields."""
+
+    def __init__(self, option: str, detail: str, named: bool = False) -> None:
+        self.option, self.detail = option, detail
+        super().__init__(detail if named else f"{option}: {detail}")
