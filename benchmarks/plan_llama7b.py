@@ -29,7 +29,7 @@ import torch._functorch.partitioners as partitioners  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import fxoffload  # noqa: E402
-import fxoffload.backend  # noqa: E402
+import fxoffload.partition  # noqa: E402
 from fxoffload.explain import format_bytes, format_stages  # noqa: E402
 from fxoffload.passes.scheduling import plan_digest  # noqa: E402
 
@@ -58,7 +58,7 @@ def timed_partitioner():
         finally:
             seconds.append(time.perf_counter() - start)
 
-    fxoffload.backend.min_cut_rematerialization_partition = wrapper
+    fxoffload.partition.min_cut_rematerialization_partition = wrapper  # where the partition hook calls it
     return seconds
 
 
