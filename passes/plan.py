@@ -185,9 +185,6 @@ class Ineligible:
     def figure(self, name: str) -> Any:
         return dict(self.figures)[name]
 
-    def __str__(self) -> str:
-        return self.words
-
 
 @dataclass(frozen=True)
 class Decision:
