@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
     plan.add_argument("--traceback", action="store_true",
                       help="show the full traceback when a model file fails, instead of one line")
+    plan.add_argument("--all-eligible", action="store_true",
+                      help="with --budget none: offload (or under --strategy recompute, recompute) every eligible "
+                           "saved tensor, whether or not that lowers the peak, as naive offloading does")
+    from fxoffload.fit_command import add_fit_parser
+
+    add_fit_parser(commands)
     check = commands.add_parser(
         "check", help="train a small model with and without fxoffload on this machine, and print each figure "
                       "measured beside its prediction (run it first on a GPU machine)",
@@ -136,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "fit":
+            from fxoffload.fit_command import run_fit
+
+            return run_fit(args)
         return _check(args) if args.command == "check" else _plan(args)
     except UsageError as e:
         print(f"fxoffload {args.command}: error: {e}", file=sys.stderr)
@@ -180,7 +190,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     host_budget: Any = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
                    solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
-                   host_budget=host_budget, device_budget=device_budget, reserved=_number_or_text(args.reserved))
+                   host_budget=host_budget, device_budget=device_budget, reserved=_number_or_text(args.reserved),
+                   all_eligible=args.all_eligible)
     try:
         OffloadConfig(**options)
     except OptionError as e:
@@ -215,7 +226,7 @@ def _device_budget_report(options: dict) -> dict:
 # The plan command's flag for each option it sets (an error about another option keeps its own name).
 _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
           "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget",
-          "device_budget": "--device-budget", "reserved": "--reserved"}
+          "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible"}
 
 
 def _number_or_text(text: str) -> Any:

@@ -120,6 +120,8 @@ class ModelSource:
     layers: int | None = None  # of the full model, when known
     origin: str = ""  # how messages name it: "model file 'net.py'"
     user_code: bool = False  # built by the user's own code, whose failures are reported in one line
+    positions: int | None = None  # the longest sequence the model takes (max_position_embeddings), when known
+    vocab: int | None = None  # the vocabulary's size (the logits' last dimension), when known
 
 
 def from_preset(name: str, layers: int | None = None) -> ModelSource:
@@ -303,7 +305,9 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
             sized.image_size = seq
         return _build_step(sized, task, batch, seq, dtype)
 
-    return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}")
+    positions = getattr(config, "max_position_embeddings", None) if task != "image-classification" else None
+    return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
+                       vocab=getattr(config, "vocab_size", None))
 
 
 def _check_size(name: str, config: Any, task: str, seq: int) -> None:

@@ -19,7 +19,7 @@ from fxoffload.explain import format_bytes
 from fxoffload.passes.cost_model import DeviceProfile
 from fxoffload.passes.simulator import Simulation, simulate
 
-__all__ = ["format_seconds", "plot", "plot_step"]
+__all__ = ["format_seconds", "plot", "plot_fit", "plot_step"]
 
 FORMATS = (".png", ".svg", ".pdf")
 COLORS = {"compute": "#4c72b0", "stall": "#d62728", "forward": "#55a868", "backward": "#8172b2",
@@ -84,6 +84,33 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return sim
+
+
+def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: str, title: str) -> None:
+    """``fxoffload fit``'s rows (``fxoffload.fit.Row``) as device peak against size: every size each row
+    planned, its answer starred, and the device's memory as a line. Every peak is a prediction."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(9, 5.5), layout="constrained")
+    ax = figure.subplots()
+    top = max([memory] + [p.device_peak for row in rows for p in row.probes])
+    unit, scale = _unit(top)
+    for row in rows:
+        label = f"{row.name}" + (" (checkpointing)" if row.name == "fxoffload" and row.checkpointing != "none" else "")
+        line, = ax.plot([p.size for p in row.probes], [p.device_peak / scale for p in row.probes], marker="o",
+                        markersize=3, linewidth=1, label=f"{label}: {row.size}")
+        if row.fit is not None:
+            ax.plot([row.fit.size], [row.fit.device_peak / scale], marker="*", markersize=12, color=line.get_color())
+    ax.axhline(memory / scale, color=COLORS["budget"], linewidth=1, linestyle="--", label="device memory")
+    ax.set_xlabel(size_label)
+    ax.set_ylabel(f"device peak ({unit}), predicted")
+    ax.legend(fontsize=8, loc="upper left")
+    figure.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 def _note_host(ax: Any, host: int, pinned: int) -> None:

@@ -100,7 +100,8 @@ from .plan import Plan
 from .replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
-           "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "staging_temporaries",
+           "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "scheduled_moves",
+           "staging_temporaries",
            "with_scheduled_peaks"]
 
 
@@ -458,7 +459,9 @@ def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, tim
 # --------------------------------------------------------------------------- the plan under its schedule
 
 
-def _scheduled_moves(plan: Plan, timeline: Timeline, schedule: Schedule) -> dict[int, tuple[int, int]]:
+def scheduled_moves(plan: Plan, timeline: Timeline, schedule: Schedule) -> dict[int, tuple[int, int]]:
+    """Each moved storage's lifetime index -> (release, return) positions at the schedule's placements
+    (recomputed storages: release and rebuild), as ``fxoffload.passes.memory.intervals`` reads it."""
     pos = timeline.positions
     moved = plan.recompute_moves()
     moved.update({
@@ -481,7 +484,7 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> 
     """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
     if not schedule.placements:
         return plan
-    moved = _scheduled_moves(plan, timeline, schedule)
+    moved = scheduled_moves(plan, timeline, schedule)
     activations = curve(timeline.length, intervals(timeline, moved, True))
     temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule)
     total = peak(curve(timeline.length, intervals(timeline, moved, False, temporaries)))
@@ -504,7 +507,7 @@ def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,
     """The step's activation peak without and with the plan, its symbolic sizes at ``values``."""
     at = timeline_at(timeline, dict(values))
     before = curve(at.length, intervals(at, {}, True))
-    after = curve(at.length, intervals(at, _scheduled_moves(plan, at, schedule), True))
+    after = curve(at.length, intervals(at, scheduled_moves(plan, at, schedule), True))
     forward = len(at.fw_nodes)
     return step_peak(before, forward, plan.runs), step_peak(after, forward, plan.runs)
 
@@ -518,7 +521,7 @@ def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Schedule) -> list
 
 def held_after_forward(plan: Plan, timeline: Timeline, schedule: Schedule) -> int:
     """Predicted activation bytes the pair's forward leaves on the device for its backward."""
-    activations = curve(timeline.length, intervals(timeline, _scheduled_moves(plan, timeline, schedule), True))
+    activations = curve(timeline.length, intervals(timeline, scheduled_moves(plan, timeline, schedule), True))
     return activations[len(timeline.fw_nodes) - 1] if activations else 0
 
 

@@ -1,0 +1,91 @@
+"""``fxoffload fit`` on 7B-8B presets and two GPU profiles: the longest sequence each strategy trains
+at, predicted, and how long the command takes here (measured).
+
+    python benchmarks/fit_presets.py             # print the table
+    python benchmarks/fit_presets.py --write     # and rewrite its section of benchmarks/RESULTS.md
+
+Each run is ``fxoffload fit --preset P --profile F --device-memory 80GB --reserved 16GB --batch 1
+--json`` in a process of its own. Device peaks, step times and tokens per second are predictions
+(memory model, cost model, simulator); the seconds are the command's run time on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import write_section  # noqa: E402
+
+PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b")
+PROFILES = ("h100-pcie5", "a100-pcie4")
+FLAGS = ("--device-memory", "80GB", "--reserved", "16GB", "--batch", "1")
+
+
+def run_fit(preset: str, profile: str) -> tuple[dict, float]:
+    command = [sys.executable, "-m", "fxoffload", "fit", "--preset", preset, "--profile", profile, *FLAGS,
+               "--json", "--quiet", "--no-plot"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout), seconds
+
+
+def table(results: list[tuple[str, str, dict, float]]) -> str:
+    lines = ["| preset | profile | row | longest seq | device peak (GB) | step time (s) | tokens/s | limit | "
+             "fit ran (s, measured) |", "|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for preset, profile, report, seconds in results:
+        for i, row in enumerate(report["rows"]):
+            name = row["name"] + (" (checkpointing)" if row["name"] == "fxoffload" and row["checkpointing"] != "none"
+                                  else "")
+            peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f}"
+            step = "-" if row["step_time"] is None else f"{row['step_time']:.3f}"
+            rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
+            ran = f"{seconds:.0f}" if i == 0 else ""
+            lines.append(f"| {preset} | {profile} | {name} | {row['max_seq']} | {peak} | {step} | {rate} | "
+                         f"{row['limit']} | {ran} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite this script's section of RESULTS.md")
+    parser.add_argument("--presets", nargs="+", default=PRESETS)
+    parser.add_argument("--profiles", nargs="+", default=PROFILES)
+    args = parser.parse_args()
+    results = []
+    for preset in args.presets:
+        for profile in args.profiles:
+            report, seconds = run_fit(preset, profile)
+            results.append((preset, profile, report, seconds))
+            print(f"{preset} on {profile}: {seconds:.0f} s", file=sys.stderr, flush=True)
+    body = (
+        f"`python benchmarks/fit_presets.py --write`, {datetime.date.today().isoformat()}: `fxoffload fit "
+        f"--preset P --profile F {' '.join(FLAGS)} --json` per preset and profile. The longest sequence on a "
+        "256-token grid whose device peak (graph inputs, every tensor the step makes, and the 16 GB reserved) "
+        "fits 80 GB, per row: `plain` (nothing checkpointed or offloaded), `checkpointing` (full, per layer), "
+        "`checkpointing+offload` (the seed's configuration: checkpointed layers, their inputs offloaded) and "
+        "`fxoffload` (its own plan under the device budget, without or with checkpointing, whichever reaches "
+        "further). Device peaks, step times (forward and backward) and tokens per second are **predicted** "
+        "(memory model, cost model, simulator), not measured; `range` means the model's positions "
+        "(max_position_embeddings) were reached. The last column is the command's own run time on this "
+        "machine's CPU (measured, 2 cores), each run in a process of its own.\n\n" + table(results))
+    print(body)
+    if args.write:
+        print(f"wrote {write_section('Will it fit: the longest sequence per strategy (predicted)', body)}",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

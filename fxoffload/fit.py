@@ -1,0 +1,249 @@
+"""Will it fit: the longest sequence (or largest batch) whose predicted device peak fits, per strategy.
+
+Inputs: a function that plans one training step at a size and returns a :class:`Point` (its
+predicted device peak, step time and what fills the device at the peak), the device's memory, what
+is reserved of it, a granularity and the largest size worth trying. Output: one :class:`Row` per
+strategy of :data:`SETUPS`, each with the largest size on the grid that fits and the next one up,
+which does not.
+
+Algorithm (:func:`largest_fitting`, free of FX: it sees a function of an int): a bracket search on
+the grid ``step, 2 * step, ...``. Device peaks grow close to linearly with the sequence length (each
+token adds its activations; attention through SDPA is linear in memory), so each probe is where the
+line through the two probes nearest the bracket's ends meets the device's memory (a secant step),
+rounded down to the grid and kept strictly inside the bracket; the next probe bisects the bracket
+instead when the last one came out as the line did not predict, or when two in a row failed to
+halve it. The search ends when the bracket is one step wide:
+the answer was planned and fits, the next size up was planned and does not (or the answer is the
+largest size tried). A linear peak takes four plans; a peak that is not monotone in the size still
+gets an answer that fits with a next size that does not. Each plan is a full trace and plan of the
+whole step with fake tensors (no length is extrapolated).
+
+Limits: every figure is a prediction (memory model, cost model, simulator), not a measurement; the
+step must compile to one graph (a graph break splits what the device peak must see as one); what
+sets a row's limit is read at the next size up, from the tensors alive at its device peak.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["FitError", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS",
+           "fit_rows", "largest_fitting", "limit_at_peak"]
+
+
+class FitError(ValueError):
+    """A fit that cannot be answered as asked; the message says why and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One size tried and its predicted device peak (bytes, with what is reserved)."""
+
+    size: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class Search:
+    """The largest size on the grid that fits (0: not even the first step) and every probe."""
+
+    size: int
+    over: int | None  # the next size up, planned, that does not fit (None: ``size`` is the largest tried)
+    probes: tuple[Probe, ...]
+
+
+def largest_fitting(peak_of: Callable[[int], int], cap: int, *, step: int, start: int, most: int) -> Search:
+    """The largest multiple of ``step`` in ``[step, most]`` whose ``peak_of`` is at most ``cap``, by the
+    secant-and-bisection bracket search of the module docstring; ``start`` is the first size tried."""
+    if step < 1 or most < step:
+        raise ValueError(f"step {step} and most {most}: need 1 <= step <= most")
+    top = most // step
+    lo, hi = 0, top + 1  # in steps: lo fits (0: nothing tried fits), hi does not (top + 1: beyond the range)
+    probes: dict[int, int] = {}
+    closed: list[int] = []  # the bracket's width after each probe that left both its ends planned
+    surprised = False  # the last probe came out as the line did not predict
+    while hi - lo > 1:
+        if not probes:
+            unit, expected = min(max(start // step, 1), top), None
+        elif surprised or (len(closed) >= 3 and closed[-1] * 2 > closed[-2] and closed[-2] * 2 > closed[-3]):
+            unit, expected = (lo + hi) // 2, None  # bisect: the line misled, or stopped halving the bracket
+        else:
+            guess = _secant(probes, lo, hi, cap)
+            unit = min(max(guess, lo + 1), hi - 1)
+            expected = guess >= unit  # the line puts the cap at or beyond this size: it should fit
+        probes[unit] = peak_of(unit * step)
+        fits = probes[unit] <= cap
+        lo, hi = (unit, hi) if fits else (lo, unit)
+        surprised = expected is not None and fits != expected
+        if lo in probes and hi in probes:
+            closed.append(hi - lo)
+    tried = tuple(Probe(unit * step, peak) for unit, peak in sorted(probes.items()))
+    return Search(lo * step, hi * step if hi <= top else None, tried)
+
+
+def _secant(probes: Mapping[int, int], lo: int, hi: int, cap: int) -> int:
+    """Where the line through the probes at the bracket's ends (or the two nearest it) meets ``cap``,
+    rounded down; with one probe, a step of an eighth of its size towards the cap."""
+    ends = [u for u in (lo, hi) if u in probes]
+    nearest = sorted(probes, key=lambda u: min(abs(u - lo), abs(u - hi)))
+    points = (ends if len(ends) == 2 else (ends + [u for u in nearest if u not in ends])[:2])
+    if len(points) < 2:
+        (unit,) = points
+        move = max(1, unit // 8)
+        return unit + move if probes[unit] <= cap else unit - move
+    (u1, p1), (u2, p2) = sorted((u, probes[u]) for u in points)
+    if p2 <= p1:  # flat or falling: no line to follow; double up or halve down
+        return 2 * u2 if p2 <= cap else u1 // 2
+    return u1 + ((cap - p1) * (u2 - u1)) // (p2 - p1)
+
+
+class LimitCode(enum.Enum):
+    """What fills the device at the peak of the first size that does not fit (the words are for people)."""
+
+    FIXED = "the graph's inputs (parameters, batch) and what is reserved leave no room for the step's tensors"
+    LOGITS = "the logits (and their float copies for the loss)"
+    SAVED = "saved activations kept on the device for the backward"
+    LAYER_INPUTS = "the layer inputs checkpointing saves, kept on the device"
+    TEMPORARIES = "tensors the step makes and frees (a layer's temporaries, gradients), not saved activations"
+    HOST_BUDGET = "host_budget: copies that would lower the peak do not fit the host memory"
+    RANGE = "the largest size tried fits (the model's positions, or --max-seq / --max-batch)"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """What sets a row's limit, as data: a code, and the figures (bytes) it was read from."""
+
+    code: LimitCode
+    figures: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def words(self) -> str:
+        shown = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in self.figures.items())
+        return self.code.value + (f" ({shown})" if shown else "")
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One planned size: the predicted device peak (with what is reserved), step time (with the
+    optimizer's step) and what fills the device at the peak."""
+
+    size: int
+    device_peak: int
+    step_time: float
+    limit: Limit
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How one row's step is planned: the checkpointing the model gets and the fxoffload options.
+
+    ``device_budget``: the search's probes plan for the smallest device peak the strategy reaches
+    (a size fits when that does), and the answer is planned again under ``device_budget`` (the
+    device's memory, less what is reserved): the least predicted cost within it. A plan under the
+    budget itself would report a peak just under it at every size that fits, a flat line that
+    gives the secant nothing to follow."""
+
+    row: str
+    checkpointing: str  # "none" or "full"
+    options: Mapping[str, Any]  # over the common ones (profile, min_bytes, inner)
+    device_budget: bool = False
+
+
+SETUPS: tuple[Setup, ...] = (
+    # A fraction of 1 keeps every saved activation: the step as torch.compile runs it.
+    Setup("plain", "none", {"memory_budget": 1.0}),
+    Setup("checkpointing", "full", {"memory_budget": 1.0}),
+    # The seed's configuration: checkpointed layers, every saved tensor (their inputs) offloaded.
+    Setup("checkpointing+offload", "full", {"strategy": "offload", "all_eligible": True}),
+    # fxoffload's own plan (keep, offload or recompute per tensor), without and with checkpointing:
+    # the row is whichever reaches further (at a tie, the faster).
+    Setup("fxoffload", "none", {}, device_budget=True),
+    Setup("fxoffload", "full", {}, device_budget=True),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One strategy's answer: the largest size that fits, its figures, and the next size up."""
+
+    name: str
+    checkpointing: str
+    size: int  # 0: not even the smallest size fits
+    fit: Point | None  # the answer, planned (None when nothing fits)
+    over: Point | None  # the next size up, planned (None when the answer is the largest tried)
+    limit: Limit
+    probes: tuple[Point, ...]
+
+
+def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, *, step: int, start: int, most: int,
+             setups: Sequence[Setup] = SETUPS, progress: Callable[[str], None] = lambda _: None) -> list[Row]:
+    """One row per distinct ``Setup.row`` (in order): each setup searched with ``largest_fitting`` on
+    the device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as
+    the row reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so; of
+    several setups for one row, the one that reaches furthest, then the fastest there. Each setup's
+    search starts from the previous row's answer (a close guess: rows reach further in the order
+    given)."""
+    found: dict[str, list[Row]] = {}
+    for setup in setups:
+        points: dict[int, Point] = {}
+
+        def peak_of(size: int) -> int:
+            points[size] = evaluate(setup, size, False)
+            progress(f"{setup.row} (checkpointing {setup.checkpointing}) at {size}: device peak "
+                     f"{_gb(points[size].device_peak)} of {_gb(memory)}")
+            return points[size].device_peak
+
+        search = largest_fitting(peak_of, memory, step=step, start=start, most=most)
+        start = max(search.size + step, step)
+        fit = points.get(search.size)
+        if fit is not None and setup.device_budget:
+            fit = evaluate(setup, search.size, True)
+            progress(f"{setup.row} (checkpointing {setup.checkpointing}) at {search.size}, planned under the "
+                     f"device budget: device peak {_gb(fit.device_peak)}, step {fit.step_time:.3f} s")
+        over = points.get(search.over) if search.over is not None else None
+        limit = over.limit if over is not None else Limit(LimitCode.RANGE)
+        row = Row(setup.row, setup.checkpointing, search.size, fit, over, limit,
+                  tuple(points[p.size] for p in search.probes))
+        found.setdefault(setup.row, []).append(row)
+    return [max(rows, key=lambda r: (r.size, -(r.fit.step_time if r.fit else 0.0))) for rows in found.values()]
+
+
+def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, checkpointed: bool) -> Limit:
+    """What fills the device at the step's predicted device peak under ``record``'s plan: the bytes
+    ``fixed`` (graph inputs and what is reserved), the logits (tensors whose last dimension is
+    ``vocab``), the saved activations kept, and everything else alive there; the code names the
+    fixed bytes when they alone reach ``memory``, else the host budget when it held a copy back,
+    else the largest share."""
+    from fxoffload.passes.memory import curve, on_device
+    from fxoffload.passes.plan import Why
+    from fxoffload.passes.scheduling import scheduled_moves, staging_temporaries
+
+    plan, timeline, schedule = record.plan, record.timeline, record.schedule
+    moved = scheduled_moves(plan, timeline, schedule)
+    temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule)
+    spans = [(lt, span) for lt in timeline.lifetimes for span in on_device(lt, moved)]
+    totals = curve(timeline.length, [span for _, span in spans] + list(temporaries))
+    at = max(range(len(totals)), key=totals.__getitem__) if totals else 0
+    shapes = {n.name: getattr(n.meta.get("val"), "shape", None) for n in timeline.fw_nodes + timeline.bw_nodes}
+    shares = {"logits": 0, "saved": 0, "other": sum(n for s, e, n in temporaries if s <= at <= e)}
+    for lt, (start, end, nbytes) in spans:
+        if start <= at <= end:
+            shape = shapes.get(lt.name)
+            logits = vocab is not None and shape is not None and len(shape) >= 1 and shape[-1] == vocab
+            shares["logits" if logits else "saved" if lt.activation else "other"] += nbytes
+    figures = {"graph inputs and reserved": fixed, "logits": shares["logits"],
+               "saved activations": shares["saved"], "other tensors": shares["other"]}
+    if fixed >= memory:
+        return Limit(LimitCode.FIXED, figures)
+    if any(d.why is Why.HOST_BUDGET for d in plan.decisions):
+        return Limit(LimitCode.HOST_BUDGET, figures)
+    largest = max(("logits", "saved", "other"), key=shares.__getitem__)
+    code = {"logits": LimitCode.LOGITS, "other": LimitCode.TEMPORARIES,
+            "saved": LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED}[largest]
+    return Limit(code, figures)

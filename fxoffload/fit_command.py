@@ -1,0 +1,299 @@
+"""The ``fxoffload fit`` command: will a model train on a GPU, and at what length, per strategy.
+
+    fxoffload fit --preset llama-3-8b --device-memory 80GB --reserved 16GB --profile h100-pcie5 --batch 1
+
+For each row of ``fxoffload.fit.SETUPS`` (plain, checkpointing, checkpointing+offload, fxoffload) it
+searches the longest sequence on a grid (``--granularity``, 256 tokens by default; with ``--seq``,
+the largest batch instead) whose predicted device peak, with what is reserved, fits the device's
+memory: each probe builds the model with fake tensors, compiles one training step as one graph
+with the fxoffload backend (``inner="eager"``, nothing runs) and reads the plan's device peak
+(``fxoffload.fit.largest_fitting`` picks the sizes). It prints each row's answer with the predicted
+step time and tokens per second there, what sets the limit (read at the next size up, planned too),
+the ``fxoffload plan`` command that reproduces the answer, and plots device peak against size.
+Every memory and time figure is a prediction; only the command's own run time is measured.
+
+Limits: the step must compile to one graph (``--per-layer`` is refused: layer graphs do not see the
+embedding, the logits and the loss, which count in the device peak); a row's answer is exact on
+its grid for the plans made, not for the GPU's allocator (its slack belongs in ``--reserved``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from fxoffload.cli import UsageError, _number_or_text, _Progress, _source, _trace
+from fxoffload.fit import SETUPS, FitError, Point, Row, Setup, fit_rows, limit_at_peak
+
+__all__ = ["add_fit_parser", "run_fit"]
+
+# The longest sequence tried for a model that does not say how many positions it takes.
+DEFAULT_MAX_SEQ = 131072
+DEFAULT_MAX_BATCH = 256
+
+
+def add_fit_parser(commands: Any) -> None:
+    from fxoffload.models import DTYPES, PRESETS
+    from fxoffload.passes.cost_model import OPTIMIZERS
+    from fxoffload.profiles import PROFILES
+
+    fit = commands.add_parser(
+        "fit", help="the longest sequence (or largest batch) a GPU trains a model at, per strategy, predicted "
+                    "from fake tensors (nothing runs on a GPU)",
+        description=" ".join(__doc__.split("\n\n")[2].split()),
+        epilog=f"presets: {', '.join(PRESETS)}. profiles: {', '.join(PROFILES)}. "
+               "All figures are predictions (simulated), not measurements.")
+    source = fit.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help=f"a built-in architecture: {', '.join(PRESETS)}")
+    source.add_argument("--config", help="a transformers config.json (or the folder holding it)")
+    source.add_argument("--model", help="a Python file defining build(batch, seq, dtype) -> (model, inputs)")
+    fit.add_argument("--device-memory", required=True, help="the GPU's memory, as a size (80GB) or bytes")
+    fit.add_argument("--reserved", default="0",
+                     help="device bytes the graphs cannot see (optimizer state, allocator slack, the CUDA "
+                          "context), as a size or bytes (default 0)")
+    fit.add_argument("--optimizer", default="none", choices=tuple(OPTIMIZERS),
+                     help="adds the optimizer's state (from the parameter count) to what is reserved, and its "
+                          "step to the step time (default none)")
+    fit.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead")
+    fit.add_argument("--dtype", default="bf16", help=f"{', '.join(DTYPES)} (default bf16)")
+    fit.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
+    fit.add_argument("--per-layer", action="store_true", help="refused: fit plans the step as one graph")
+    fit.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
+    fit.add_argument("--host-budget", default="none",
+                     help="pinned host memory the copies may take, as a size or bytes (default none: unbounded)")
+    fit.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")
+    fit.add_argument("--granularity", type=int,
+                     help="the search's grid: 256 tokens (default), or 1 for a batch search with --seq")
+    fit.add_argument("--max-seq", type=int,
+                     help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
+    fit.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                     help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
+    fit.add_argument("--output", default="fxoffload-fit.png", help="plot path, .png/.svg/.pdf")
+    fit.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    fit.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of a table")
+    fit.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    fit.add_argument("--traceback", action="store_true", help="the full traceback when a model file fails")
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from fxoffload.models import DTYPES, ModelError
+
+    started = time.perf_counter()
+    progress = _Progress(args.quiet)
+    memory, reserved = _device_figures(args)
+    common = _common_options(args)
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
+    if args.per_layer:
+        raise UsageError("--per-layer: fit plans the step as one graph, so that the embedding, the logits and the "
+                         "loss count in the device peak; layer graphs do not see them; accepted: without --per-layer")
+    if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
+    try:
+        source = _source(args)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
+    grid = _grid(args, source)
+    evaluate = _evaluator(args, source, DTYPES[args.dtype], memory, reserved, common, grid.by_batch)
+    progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
+             f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB")
+    try:
+        rows = fit_rows(evaluate, memory, step=grid.step, start=grid.start, most=grid.most, progress=progress)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
+    except FitError as e:
+        raise UsageError(str(e)) from None
+    report = fit_report(rows, args, source, memory, reserved, grid)
+    report["seconds"] = time.perf_counter() - started
+    if not args.no_plot:
+        from fxoffload.plot import plot_fit
+
+        plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
+                 f"{source.name}, {_fixed_words(args, grid)}, {args.dtype}: device peak against "
+                 f"{memory / 1e9:.0f} GB, predicted on {args.profile} (simulated, not measured)")
+        report["plot"] = args.output
+        progress(f"wrote {args.output}")
+    print(json.dumps(report, indent=2) if args.json else format_fit(report))
+    return 0
+
+
+class _Grid:
+    """What the search walks: sequence lengths at ``--batch``, or batches at ``--seq``."""
+
+    def __init__(self, by_batch: bool, step: int, start: int, most: int) -> None:
+        self.by_batch, self.step, self.start, self.most = by_batch, step, start, most
+        self.what = "the largest batch" if by_batch else "the longest sequence"
+
+
+def _grid(args: argparse.Namespace, source: Any) -> _Grid:
+    for flag in ("batch", "seq", "layers", "granularity", "max_seq", "max_batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
+    if args.seq is not None:
+        step = args.granularity or 1
+        if step > args.max_batch:
+            raise UsageError(f"--granularity: got {step}, above --max-batch {args.max_batch}; accepted: at most it")
+        return _Grid(True, step, step, args.max_batch)
+    positions = source.positions
+    most = args.max_seq or positions or DEFAULT_MAX_SEQ
+    if positions is not None and most > positions:
+        raise UsageError(f"--max-seq: got {most}; {source.name} takes at most {positions} positions "
+                         "(max_position_embeddings); accepted: up to that")
+    step = args.granularity or 256
+    if step > most:
+        raise UsageError(f"--granularity: got {step}, above the longest sequence tried ({most}); accepted: at most it")
+    return _Grid(False, step, min(source.default_seq, most), most)
+
+
+def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
+    """--device-memory and --reserved in bytes, checked as device_budget and reserved are."""
+    from fxoffload.config import OffloadConfig, OptionError
+
+    try:
+        config = OffloadConfig(device_budget=_number_or_text(args.device_memory),
+                               reserved=_number_or_text(args.reserved))
+    except OptionError as e:
+        flag = {"device_budget": "--device-memory", "reserved": "--reserved"}.get(e.option, e.option)
+        raise UsageError(f"{flag}: {e.detail}") from None
+    return config.device_budget_bytes, config.reserved_bytes
+
+
+def _common_options(args: argparse.Namespace) -> dict[str, Any]:
+    from fxoffload.config import OffloadConfig, OptionError, parse_budget
+
+    min_bytes = _number_or_text(args.min_bytes)
+    if isinstance(min_bytes, (str, float)):
+        try:
+            min_bytes = parse_budget(str(min_bytes)).nbytes
+        except (ValueError, AttributeError):
+            raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
+    host = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
+    options = dict(device_profile=args.profile, min_bytes=min_bytes, inner="eager", host_budget=host)
+    try:
+        OffloadConfig(**options)
+    except OptionError as e:
+        flag = {"device_profile": "--profile", "min_bytes": "--min-bytes", "host_budget": "--host-budget"}
+        raise UsageError(f"{flag.get(e.option, e.option)}: {e.detail}") from None
+    return options
+
+
+def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, reserved: int, common: dict,
+               by_batch: bool) -> Callable[[Setup, int, bool], Point]:
+    """Plans one step of a setup at a size (fake tensors, one graph) and reads its device peak: see
+    ``fxoffload.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
+    from fxoffload.passes.cost_model import optimizer_step
+    from fxoffload.passes.plan import BudgetInfeasibleWarning
+    from fxoffload.passes.simulator import simulate
+    from fxoffload.profiles import resolve_profile
+
+    def evaluate(setup: Setup, size: int, answer: bool) -> Point:
+        batch, seq = (size, args.seq) if by_batch else (args.batch, size)
+        options = {**common, **setup.options}
+        smallest = setup.device_budget and not answer
+        if smallest:  # a budget of one byte, planned for the smallest device peak instead (on_infeasible)
+            options.update(device_budget=1, on_infeasible="warn")
+        elif setup.device_budget:
+            options.update(device_budget=memory, reserved=reserved)
+        # Under a device budget the trace reserves the optimizer's state; for the smallest peak it
+        # must not (one byte cannot hold it), and the state is added below like any reserved bytes.
+        run = argparse.Namespace(batch=batch, checkpointing=setup.checkpointing, per_layer=False,
+                                 optimizer="none" if smallest else args.optimizer, traceback=args.traceback)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+            traced = _trace(source, run, seq, dtype, options, _Progress(True))
+        if len(traced.records) != 1:
+            raise FitError(f"{source.name}: the step compiled to {len(traced.records)} graphs (graph breaks); fit "
+                           "needs it as one graph, whose device peak sees every tensor of the step")
+        record = traced.records[0]
+        optimizer = optimizer_step(args.optimizer, traced.optimizer["parameter_bytes"],
+                                   resolve_profile(args.profile))
+        fixed = reserved + optimizer.state_bytes
+        limit = limit_at_peak(record, record.plan.input_bytes + fixed, memory, source.vocab,
+                              setup.checkpointing != "none")
+        return Point(size, record.plan.device_peak_after + fixed, simulate(record).step_time + optimizer.seconds,
+                     limit)
+
+    return evaluate
+
+
+def _fixed_words(args: argparse.Namespace, grid: _Grid) -> str:
+    return f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
+
+
+def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> str:
+    """The ``fxoffload plan`` command that plans the row's answer alone."""
+    source = next(f"--{flag} {getattr(args, flag)}" for flag in ("preset", "config", "model") if getattr(args, flag))
+    words = ["fxoffload plan", source] + ([f"--layers {args.layers}"] if args.layers else [])
+    words += [f"--seq {seq} --batch {batch} --dtype {args.dtype} --profile {args.profile}"]
+    if row.checkpointing != "none":
+        words.append(f"--checkpointing {row.checkpointing}")
+    words.append({"plain": "--budget 1.0", "checkpointing": "--budget 1.0",
+                  "checkpointing+offload": "--budget none --strategy offload --all-eligible"}.get(
+        row.name, f"--device-budget {args.device_memory} --reserved {args.reserved}"))
+    if args.optimizer != "none":
+        words.append(f"--optimizer {args.optimizer}")
+    if args.host_budget.lower() != "none":
+        words.append(f"--host-budget {args.host_budget}")
+    if args.min_bytes != "64KiB":
+        words.append(f"--min-bytes {args.min_bytes}")
+    return " ".join(words)
+
+
+def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, reserved: int,
+               grid: _Grid) -> dict:
+    """The command's JSON: the setting, then one entry per row."""
+    out = []
+    for row in rows:
+        batch, seq = (row.size, args.seq) if grid.by_batch else (args.batch, row.size)
+        fit = row.fit
+        out.append({
+            "name": row.name, "max_seq": seq, "batch": batch, "checkpointing": row.checkpointing,
+            "device_peak": fit.device_peak if fit else None,
+            "step_time": fit.step_time if fit else None,
+            "tokens_per_second": batch * seq / fit.step_time if fit and fit.step_time else None,
+            "limit": row.limit.code.name.lower().replace("_", "-"), "limit_words": row.limit.words,
+            "next": None if row.over is None else {"size": row.over.size, "device_peak": row.over.device_peak},
+            "planned": [{"size": p.size, "device_peak": p.device_peak} for p in row.probes],
+            "command": _plan_command(args, row, batch, seq) if fit else None,
+        })
+    return {
+        "model": source.name, "searched": "batch" if grid.by_batch else "seq", "batch": args.batch,
+        "seq": args.seq, "dtype": args.dtype, "profile": args.profile, "device_memory": memory,
+        "reserved": reserved, "optimizer": args.optimizer, "granularity": grid.step, "most": grid.most,
+        "note": "device peaks and step times are predictions (memory model, cost model, simulator), not "
+                "measurements; seconds is this command's own run time, measured",
+        "rows": out,
+    }
+
+
+def format_fit(report: dict) -> str:
+    """The report as a table, each row's limit and its plan command below it."""
+    memory = report["device_memory"] / 1e9
+    lines = [f"{report['model']}, {report['dtype']}, on {report['profile']} with {memory:.2f} GB "
+             f"({report['reserved'] / 1e9:.2f} GB reserved, optimizer {report['optimizer']}), grid "
+             f"{report['granularity']} up to {report['most']}: predicted (memory model, cost model, simulator), "
+             "not measured",
+             f"searched: {'the largest batch' if report['searched'] == 'batch' else 'the longest sequence'}",
+             f"{'row':<24}{'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}{'tokens/s':>11}  limit"]
+    for row in report["rows"]:
+        peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f} GB"
+        step = "-" if row["step_time"] is None else f"{row['step_time']:.3f} s"
+        rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
+        name = row["name"] + (" (ckpt)" if row["name"] == "fxoffload" and row["checkpointing"] != "none" else "")
+        lines.append(f"{name:<24}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12}{rate:>11}  {row['limit']}")
+    lines.append("")
+    for row in report["rows"]:
+        up = row["next"]
+        at = f"at {up['size']}, {up['device_peak'] / 1e9:.2f} GB: " if up else ""
+        lines.append(f"{row['name']}: limit {at}{row['limit_words']}")
+        if row["command"]:
+            lines.append(f"  {row['command']}")
+    lines.append(f"\nfit ran {report['seconds']:.0f} s here (measured)")
+    return "\n".join(lines)
+

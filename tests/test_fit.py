@@ -1,0 +1,170 @@
+"""``fxoffload.fit``: the bracket search on plain functions (exact at the answer, few probes), and
+``fxoffload fit`` on a small Llama, each row's answer measured on this CPU (``measure_peak``)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxoffload.fit import Probe, largest_fitting
+
+
+def brute_force(peak_of, cap, step, most):
+    fitting = [s for s in range(step, most + 1, step) if peak_of(s) <= cap]
+    return max(fitting, default=0)
+
+
+def counted(peak_of):
+    calls = []
+
+    def wrapped(size):
+        calls.append(size)
+        return peak_of(size)
+
+    return wrapped, calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(fixed=st.integers(0, 10**9), per_token=st.integers(1, 10**6), cap=st.integers(0, 2 * 10**9),
+       step=st.sampled_from([1, 16, 256]), start=st.integers(1, 70_000), most=st.integers(256, 65_536))
+def test_a_linear_peak_is_answered_exactly_in_at_most_five_probes(fixed, per_token, cap, step, start, most):
+    peak_of, calls = counted(lambda s: fixed + per_token * s)
+    search = largest_fitting(peak_of, cap, step=step, start=start, most=most)
+    assert search.size == brute_force(lambda s: fixed + per_token * s, cap, step, most)
+    assert len(calls) == len(set(calls)) <= 5, calls
+    assert all(p.size % step == 0 for p in search.probes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fixed=st.integers(0, 10**6), linear=st.integers(0, 10**4), square=st.integers(0, 100),
+       jumps=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 10**6)), max_size=4),
+       cap=st.integers(0, 10**9), step=st.sampled_from([1, 7, 64]), start=st.integers(1, 6000),
+       most=st.integers(64, 6000))
+def test_any_monotone_peak_gets_the_exact_answer_in_logarithmically_many_probes(fixed, linear, square, jumps, cap,
+                                                                                 step, start, most):
+    def peak(s):
+        return fixed + linear * s + square * s * s + sum(b for at, b in jumps if s >= at)
+
+    peak_of, calls = counted(peak)
+    search = largest_fitting(peak_of, cap, step=step, start=start, most=most)
+    assert search.size == brute_force(peak, cap, step, most)
+    units = most // step
+    assert len(calls) <= 2 * math.ceil(math.log2(units + 1)) + 4, (len(calls), units)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 100), min_size=1, max_size=60), cap=st.integers(0, 100),
+       start=st.integers(1, 60))
+def test_a_peak_that_is_not_monotone_still_gets_an_answer_that_fits_beside_a_next_size_that_does_not(
+        values, cap, start):
+    peak_of, calls = counted(lambda s: values[s - 1])
+    search = largest_fitting(peak_of, cap, step=1, start=start, most=len(values))
+    planned = {p.size: p.peak for p in search.probes}
+    assert set(calls) == set(planned) and len(calls) == len(set(calls))
+    if search.size:
+        assert planned[search.size] <= cap
+    if search.over is not None:
+        assert search.over == search.size + 1 and planned[search.over] > cap
+    else:
+        assert search.size == len(values)
+
+
+def test_the_answer_and_the_next_size_up_are_both_planned():
+    search = largest_fitting(lambda s: 1000 + 10 * s, 1000 + 10 * 1000, step=256, start=4096, most=65536)
+    assert search.size == 768 and search.over == 1024
+    assert Probe(768, 8680) in search.probes and Probe(1024, 11240) in search.probes
+
+
+def test_nothing_fits_and_everything_fits_are_answers_too():
+    nothing = largest_fitting(lambda s: 10**9, 10, step=256, start=4096, most=65536)
+    assert nothing.size == 0 and nothing.over == 256
+    everything = largest_fitting(lambda s: 0, 10, step=256, start=4096, most=8192)
+    assert everything.size == 8192 and everything.over is None
+
+
+@pytest.mark.parametrize("step, most", [(0, 10), (16, 8)])
+def test_a_grid_that_holds_no_size_is_refused(step, most):
+    with pytest.raises(ValueError, match="need 1 <= step <= most"):
+        largest_fitting(lambda s: 0, 10, step=step, start=1, most=most)
+
+
+# ---------------------------------------------------------------------------- fxoffload fit, measured here
+
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "max_position_embeddings": 1024, "rms_norm_eps": 1e-5}
+GRID = 16
+MEMORY = 24_000_000
+RESERVED = 2_000_000  # also covers what the step makes outside its graph: the loss and the backward seed
+
+
+def fit_json(tmp_path, *flags):
+    import json
+
+    from fxoffload.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "fit.json"
+    import contextlib
+
+    with open(out, "w") as stdout, contextlib.redirect_stdout(stdout):
+        assert main(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", str(MEMORY),
+                     "--reserved", str(RESERVED), "--granularity", str(GRID), "--max-seq", "1024", "--no-plot",
+                     "--quiet", "--json", *flags]) == 0
+    return json.loads(out.read_text()), str(config)
+
+
+def measured_device_peak(config_path, row, seq):
+    """One real step of the tiny Llama at ``seq``, planned as ``row`` plans it: graph inputs (parameters,
+    batch) + every tensor the step makes (``measure_peak``) + what is reserved."""
+    import torch
+
+    import fxoffload
+    from fxoffload.fit import SETUPS
+    from fxoffload.models import checkpoint_layers, from_config_file
+
+    setup = next(s for s in SETUPS if s.row == row["name"] and s.checkpointing == row["checkpointing"])
+    options = {"inner": "eager", **setup.options}
+    if setup.device_budget:  # past the answer no plan fits: plan the smallest peak, which is what fit read
+        options.update(device_budget=MEMORY, reserved=RESERVED, on_infeasible="warn")
+    source = from_config_file(config_path)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    step, _, inputs = source.build(1, seq, torch.float32)
+    checkpoint_layers(step, setup.checkpointing, source.origin)
+    backend = fxoffload.offload_backend(**options)
+    compiled = torch.compile(step, backend=backend)
+
+    def run(**batch):
+        loss = compiled(**batch)
+        loss.backward()
+        return loss
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(**inputs)  # compiles
+        step.zero_grad(set_to_none=True)
+        measured = fxoffload.measure_peak(run, **inputs)
+    assert len(backend.records) == 1
+    return backend.records[0].plan.input_bytes + measured.total_peak + RESERVED
+
+
+@pytest.mark.slow
+def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tmp_path):
+    report, config = fit_json(tmp_path)
+    rows = {row["name"]: row for row in report["rows"]}
+    assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "fxoffload"]
+    for row in rows.values():
+        seq = row["max_seq"]
+        assert GRID <= seq < 1024 and seq % GRID == 0, row  # an answer inside the range, not its end
+        assert row["next"]["size"] == seq + GRID and row["next"]["device_peak"] > MEMORY
+        assert row["device_peak"] <= MEMORY
+        fits, over = measured_device_peak(config, row, seq), measured_device_peak(config, row, seq + GRID)
+        assert fits <= MEMORY < over, (row["name"], seq, fits, over)
+        assert row["tokens_per_second"] == pytest.approx(seq / row["step_time"])
+    assert rows["fxoffload"]["max_seq"] >= max(row["max_seq"] for row in rows.values())
+    assert rows["checkpointing"]["max_seq"] > rows["plain"]["max_seq"]
