@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_section  # noqa: E402
 
-PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b")
+PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3.1-8b")
 PROFILES = ("h100-pcie5", "a100-pcie4")
 FLAGS = ("--device-memory", "80GB", "--reserved", "16GB", "--batch", "1")
 
@@ -78,7 +78,7 @@ def main() -> None:
         "`checkpointing+offload` (the seed's configuration: checkpointed layers, their inputs offloaded) and "
         "`fxoffload` (its own plan under the device budget, without or with checkpointing, whichever reaches "
         "further). Device peaks, step times (forward and backward) and tokens per second are **predicted** "
-        "(memory model, cost model, simulator), not measured; `range` means the model's positions "
+        "(memory model, cost model, simulator), not measured; `positions` means the model's positions "
         "(max_position_embeddings) were reached. The last column is the command's own run time on this "
         "machine's CPU (measured, 2 cores), each run in a process of its own.\n\n" + table(results))
     print(body)

@@ -102,13 +102,14 @@ def _secant(probes: Mapping[int, int], lo: int, hi: int, cap: int) -> int:
 class LimitCode(enum.Enum):
     """What fills the device at the peak of the first size that does not fit (the words are for people)."""
 
-    FIXED = "the graph's inputs (parameters, batch) and what is reserved leave no room for the step's tensors"
+    FIXED_BYTES = "the graph's inputs (parameters, batch) and what is reserved leave no room for the step's tensors"
     LOGITS = "the logits (and their float copies for the loss)"
-    SAVED = "saved activations kept on the device for the backward"
+    SAVED_ACTIVATIONS = "saved activations kept on the device for the backward"
     LAYER_INPUTS = "the layer inputs checkpointing saves, kept on the device"
     TEMPORARIES = "tensors the step makes and frees (a layer's temporaries, gradients), not saved activations"
     HOST_BUDGET = "host_budget: copies that would lower the peak do not fit the host memory"
-    RANGE = "the largest size tried fits (the model's positions, or --max-seq / --max-batch)"
+    POSITIONS = "the model's positions (max_position_embeddings): the longest sequence it takes fits"
+    LARGEST_TRIED = "the largest size tried fits (--max-seq, or --max-batch)"
 
 
 @dataclass(frozen=True)
@@ -182,13 +183,14 @@ class Row:
 
 
 def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, *, step: int, start: int, most: int,
-             setups: Sequence[Setup] = SETUPS, progress: Callable[[str], None] = lambda _: None) -> list[Row]:
+             setups: Sequence[Setup] = SETUPS, progress: Callable[[str], None] = lambda _: None,
+             end: Limit = Limit(LimitCode.LARGEST_TRIED)) -> list[Row]:
     """One row per distinct ``Setup.row`` (in order): each setup searched with ``largest_fitting`` on
     the device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as
     the row reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so; of
     several setups for one row, the one that reaches furthest, then the fastest there. Each setup's
     search starts from the previous row's answer (a close guess: rows reach further in the order
-    given)."""
+    given). ``end``: the limit of a row whose answer is ``most`` (what the largest size stands for)."""
     found: dict[str, list[Row]] = {}
     for setup in setups:
         points: dict[int, Point] = {}
@@ -207,7 +209,7 @@ def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, *, step
             progress(f"{setup.row} (checkpointing {setup.checkpointing}) at {search.size}, planned under the "
                      f"device budget: device peak {_gb(fit.device_peak)}, step {fit.step_time:.3f} s")
         over = points.get(search.over) if search.over is not None else None
-        limit = over.limit if over is not None else Limit(LimitCode.RANGE)
+        limit = over.limit if over is not None else end
         row = Row(setup.row, setup.checkpointing, search.size, fit, over, limit,
                   tuple(points[p.size] for p in search.probes))
         found.setdefault(setup.row, []).append(row)
@@ -240,10 +242,10 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     figures = {"graph inputs and reserved": fixed, "logits": shares["logits"],
                "saved activations": shares["saved"], "other tensors": shares["other"]}
     if fixed >= memory:
-        return Limit(LimitCode.FIXED, figures)
+        return Limit(LimitCode.FIXED_BYTES, figures)
     if any(d.why is Why.HOST_BUDGET for d in plan.decisions):
         return Limit(LimitCode.HOST_BUDGET, figures)
     largest = max(("logits", "saved", "other"), key=shares.__getitem__)
     code = {"logits": LimitCode.LOGITS, "other": LimitCode.TEMPORARIES,
-            "saved": LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED}[largest]
+            "saved": LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED_ACTIVATIONS}[largest]
     return Limit(code, figures)

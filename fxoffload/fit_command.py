@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fxoffload.cli import UsageError, _number_or_text, _Progress, _source, _trace
-from fxoffload.fit import SETUPS, FitError, Point, Row, Setup, fit_rows, limit_at_peak
+from fxoffload.fit import SETUPS, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak
 
 __all__ = ["add_fit_parser", "run_fit"]
 
@@ -103,7 +103,9 @@ def run_fit(args: argparse.Namespace) -> int:
     progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB")
     try:
-        rows = fit_rows(evaluate, memory, step=grid.step, start=grid.start, most=grid.most, progress=progress)
+        rows = fit_rows(evaluate, memory, step=grid.step, start=grid.start, most=grid.most, progress=progress,
+                        end=Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch
+                                  else LimitCode.LARGEST_TRIED))
     except ModelError as e:
         raise UsageError(str(e)) from None
     except FitError as e:
