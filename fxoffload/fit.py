@@ -220,8 +220,8 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     """What fills the device at the step's predicted device peak under ``record``'s plan: the bytes
     ``fixed`` (graph inputs and what is reserved), the logits (tensors whose last dimension is
     ``vocab``), the saved activations kept, and everything else alive there; the code names the
-    fixed bytes when they alone reach ``memory``, else the host budget when it held a copy back,
-    else the largest share."""
+    fixed bytes when they alone reach ``memory``, else the largest share, except that saved
+    activations when the host budget held a copy back are the host budget's limit."""
     from fxoffload.passes.memory import curve, on_device
     from fxoffload.passes.plan import Why
     from fxoffload.passes.scheduling import scheduled_moves, staging_temporaries
@@ -243,9 +243,9 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
                "saved activations": shares["saved"], "other tensors": shares["other"]}
     if fixed >= memory:
         return Limit(LimitCode.FIXED_BYTES, figures)
-    if any(d.why is Why.HOST_BUDGET for d in plan.decisions):
-        return Limit(LimitCode.HOST_BUDGET, figures)
     largest = max(("logits", "saved", "other"), key=shares.__getitem__)
+    if largest == "saved" and any(d.why is Why.HOST_BUDGET for d in plan.decisions):
+        return Limit(LimitCode.HOST_BUDGET, figures)  # saved tensors the host had no room for
     code = {"logits": LimitCode.LOGITS, "other": LimitCode.TEMPORARIES,
             "saved": LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED_ACTIVATIONS}[largest]
     return Limit(code, figures)

@@ -99,21 +99,31 @@ MEMORY = 24_000_000
 RESERVED = 2_000_000  # also covers what the step makes outside its graph: the loss and the backward seed
 
 
-def fit_json(tmp_path, *flags):
+def fit_json(folder, *flags):
+    """``fxoffload fit --json`` on the tiny Llama (config file in ``folder``): the report and the config's path."""
+    import contextlib
+    import io
     import json
 
     from fxoffload.cli import main
 
-    config = tmp_path / "config.json"
+    config = folder / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
-    out = tmp_path / "fit.json"
-    import contextlib
-
-    with open(out, "w") as stdout, contextlib.redirect_stdout(stdout):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
         assert main(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", str(MEMORY),
-                     "--reserved", str(RESERVED), "--granularity", str(GRID), "--max-seq", "1024", "--no-plot",
+                     "--reserved", str(RESERVED), "--granularity", str(GRID), "--max-seq", "1024",
                      "--quiet", "--json", *flags]) == 0
-    return json.loads(out.read_text()), str(config)
+    return json.loads(stdout.getvalue()), str(config)
+
+
+@pytest.fixture(scope="module")
+def tiny_fit(tmp_path_factory):
+    """One fit of the tiny Llama, its plot written: (report, config path, plot path)."""
+    folder = tmp_path_factory.mktemp("fit")
+    plot = folder / "fit.png"
+    report, config = fit_json(folder, "--output", str(plot))
+    return report, config, plot
 
 
 def measured_device_peak(config_path, row, seq):
@@ -154,8 +164,8 @@ def measured_device_peak(config_path, row, seq):
 
 
 @pytest.mark.slow
-def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tmp_path):
-    report, config = fit_json(tmp_path)
+def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit):
+    report, config, _ = tiny_fit
     rows = {row["name"]: row for row in report["rows"]}
     assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "fxoffload"]
     for row in rows.values():
@@ -168,3 +178,61 @@ def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tmp_path)
         assert row["tokens_per_second"] == pytest.approx(seq / row["step_time"])
     assert rows["fxoffload"]["max_seq"] >= max(row["max_seq"] for row in rows.values())
     assert rows["checkpointing"]["max_seq"] > rows["plain"]["max_seq"]
+
+
+@pytest.mark.slow
+def test_the_table_and_the_plot_say_the_same_rows_and_that_they_are_predictions(tiny_fit):
+    from fxoffload.fit_command import format_fit
+
+    report, _, plot = tiny_fit
+    assert report["plot"] == str(plot) and plot.stat().st_size > 10_000
+    text = format_fit(report)
+    assert "predicted" in text and "not measured" in text
+    for row in report["rows"]:
+        line = next(line for line in text.splitlines() if line.startswith(row["name"] + " "))
+        assert f" {row['max_seq']} " in line and row["limit"] in line
+        assert row["command"] in text
+
+
+@pytest.mark.slow
+def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_path, tiny_fit):
+    unbounded = {row["name"]: row for row in tiny_fit[0]["rows"]}
+    report, _ = fit_json(tmp_path, "--host-budget", "64KiB", "--no-plot")
+    rows = {row["name"]: row for row in report["rows"]}
+    for name in ("plain", "checkpointing"):  # nothing copied: the host budget changes nothing
+        assert rows[name]["max_seq"] == unbounded[name]["max_seq"]
+    assert rows["fxoffload"]["max_seq"] <= unbounded["fxoffload"]["max_seq"]
+    assert any(rows[name]["limit"] == "host-budget" for name in ("checkpointing+offload", "fxoffload")), rows
+    assert all("--host-budget 64KiB" in rows[name]["command"] for name in rows)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--per-layer"], "--per-layer: fit plans the step as one graph"),
+    (["--max-seq", "2048"], "--max-seq: got 2048; tiny takes at most 1024 positions"),
+    (["--granularity", "2048"], "--granularity: got 2048, above the longest sequence tried (1024)"),
+    (["--reserved", "30MB"], "--reserved: reserved='30MB' leaves nothing of device_budget"),
+    (["--host-budget", "lots"], "--host-budget: got 'lots'"),
+    (["--seq", "64", "--granularity", "300"], "--granularity: got 300, above --max-batch 256"),
+    (["--batch", "0"], "--batch: got 0; accepted: an integer >= 1"),
+])
+def test_bad_input_is_refused_before_anything_is_planned_with_what_is_accepted(tmp_path, capsys, flags, words):
+    import json
+
+    from fxoffload.cli import main
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert main(["fit", "--config", str(folder), "--device-memory", "24MB", "--no-plot", "--quiet", *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("fxoffload fit: error: ") and words in error, error
+
+
+def test_device_memory_is_required_and_checked(capsys):
+    from fxoffload.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--preset", "llama-2-7b"])
+    assert "--device-memory" in capsys.readouterr().err
+    assert main(["fit", "--preset", "llama-2-7b", "--device-memory", "80 apples", "--quiet"]) == 2
+    assert "--device-memory: got '80 apples'" in capsys.readouterr().err
