@@ -42,10 +42,20 @@ def run_fit(preset: str, profile: str) -> tuple[dict, float]:
     return json.loads(done.stdout), seconds
 
 
+def plan_alone(command: str) -> bool:
+    """Whether ``fxoffload plan`` of the fxoffload row's answer, alone, is within its device budget."""
+    words = command.split()[2:]  # after "fxoffload plan"
+    done = subprocess.run([sys.executable, "-m", "fxoffload", "plan", *words, "--json", "--quiet", "--no-plot"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{command} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return all(graph["within_device_budget"] for graph in json.loads(done.stdout)["graphs"])
+
+
 def table(results: list[tuple[str, str, dict, float]]) -> str:
     lines = ["| preset | profile | row | longest seq | device peak (GB) | step time (s) | tokens/s | limit | "
              "fit ran (s, measured) |", "|---|---|---|---:|---:|---:|---:|---|---:|"]
-    for preset, profile, report, seconds in results:
+    for preset, profile, report, seconds, _ in results:
         for i, row in enumerate(report["rows"]):
             name = row["name"] + (" (checkpointing)" if row["name"] == "fxoffload" and row["checkpointing"] != "none"
                                   else "")
@@ -68,8 +78,11 @@ def main() -> None:
     for preset in args.presets:
         for profile in args.profiles:
             report, seconds = run_fit(preset, profile)
-            results.append((preset, profile, report, seconds))
-            print(f"{preset} on {profile}: {seconds:.0f} s", file=sys.stderr, flush=True)
+            row = next(row for row in report["rows"] if row["name"] == "fxoffload")
+            within = plan_alone(row["command"])
+            results.append((preset, profile, report, seconds, within))
+            print(f"{preset} on {profile}: {seconds:.0f} s; its fxoffload row planned alone: "
+                  f"{'within' if within else 'OVER'} the device budget", file=sys.stderr, flush=True)
     body = (
         f"`python benchmarks/fit_presets.py --write`, {datetime.date.today().isoformat()}: `fxoffload fit "
         f"--preset P --profile F {' '.join(FLAGS)} --json` per preset and profile. The longest sequence on a "
@@ -80,7 +93,10 @@ def main() -> None:
         "further). Device peaks, step times (forward and backward) and tokens per second are **predicted** "
         "(memory model, cost model, simulator), not measured; `positions` means the model's positions "
         "(max_position_embeddings) were reached. The last column is the command's own run time on this "
-        "machine's CPU (measured, 2 cores), each run in a process of its own.\n\n" + table(results))
+        "machine's CPU (measured, 2 cores), each run in a process of its own. Each `fxoffload` row's "
+        "`fxoffload plan` command (`--device-budget 80GB --reserved 16GB` at its length), run alone: "
+        + ", ".join(f"{p} on {f} {'within' if w else '**over**'} its budget" for p, f, _, _, w in results)
+        + ".\n\n" + table(results))
     print(body)
     if args.write:
         print(f"wrote {write_section('Will it fit: the longest sequence per strategy (predicted)', body)}",
