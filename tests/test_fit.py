@@ -126,9 +126,9 @@ def tiny_fit(tmp_path_factory):
     return report, config, plot
 
 
-def measured_device_peak(config_path, row, seq):
-    """One real step of the tiny Llama at ``seq``, planned as ``row`` plans it: graph inputs (parameters,
-    batch) + every tensor the step makes (``measure_peak``) + what is reserved."""
+def measured_device_peak(config_path, row, seq, batch=1):
+    """One real step of the tiny Llama at ``batch`` x ``seq``, planned as ``row`` plans it: graph inputs
+    (parameters, batch) + every tensor the step makes (``measure_peak``) + what is reserved."""
     import torch
 
     import fxoffload
@@ -142,7 +142,7 @@ def measured_device_peak(config_path, row, seq):
     source = from_config_file(config_path)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    step, _, inputs = source.build(1, seq, torch.float32)
+    step, _, inputs = source.build(batch, seq, torch.float32)
     checkpoint_layers(step, setup.checkpointing, source.origin)
     backend = fxoffload.offload_backend(**options)
     compiled = torch.compile(step, backend=backend)
@@ -178,6 +178,22 @@ def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit)
         assert row["tokens_per_second"] == pytest.approx(seq / row["step_time"])
     assert rows["fxoffload"]["max_seq"] >= max(row["max_seq"] for row in rows.values())
     assert rows["checkpointing"]["max_seq"] > rows["plain"]["max_seq"]
+
+
+@pytest.mark.slow
+def test_with_a_length_given_the_largest_batch_fits_when_measured_and_one_more_does_not(tmp_path):
+    report, config = fit_json(tmp_path, "--seq", "64", "--granularity", "1", "--max-batch", "64", "--no-plot")
+    assert report["searched"] == "batch"
+    rows = {row["name"]: row for row in report["rows"]}
+    for name in ("plain", "fxoffload"):
+        row = rows[name]
+        batch = row["batch"]
+        assert row["max_seq"] == 64 and 1 <= batch < 64 and row["next"]["size"] == batch + 1, row
+        assert row["tokens_per_second"] == pytest.approx(batch * 64 / row["step_time"])
+        fits = measured_device_peak(config, row, 64, batch)
+        over = measured_device_peak(config, row, 64, batch + 1)
+        assert fits <= MEMORY < over, (name, batch, fits, over)
+    assert rows["fxoffload"]["batch"] > rows["plain"]["batch"]
 
 
 @pytest.mark.slow
