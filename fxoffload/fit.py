@@ -8,15 +8,15 @@ which does not.
 
 Algorithm (:func:`largest_fitting`, free of FX: it sees a function of an int): a bracket search on
 the grid ``step, 2 * step, ...``. Device peaks grow close to linearly with the sequence length (each
-token adds its activations; attention through SDPA is linear in memory), so each probe is where the
-line through the two probes nearest the bracket's ends meets the device's memory (a secant step),
-rounded down to the grid and kept strictly inside the bracket; the next probe bisects the bracket
-instead when the last one came out as the line did not predict, or when two in a row failed to
-halve it. The search ends when the bracket is one step wide:
-the answer was planned and fits, the next size up was planned and does not (or the answer is the
-largest size tried). A linear peak takes four plans; a peak that is not monotone in the size still
-gets an answer that fits with a next size that does not. Each plan is a full trace and plan of the
-whole step with fake tensors (no length is extrapolated).
+token adds its activations; a quadratic attention mask, as Mistral's sliding window makes, bends the
+line a little), so each probe is where the line through the two probes nearest the bracket's ends
+meets the device's memory (a secant step), rounded down to the grid and kept strictly inside the
+bracket; the next probe bisects the bracket instead when the last one came out as the line did not
+predict, or when two in a row failed to halve it. The search ends when the bracket is one step
+wide: the answer was planned and fits, the next size up was planned and does not (or the answer is
+the largest size tried). A linear peak takes at most five plans (property-tested); a peak that is
+not monotone in the size still gets an answer that fits beside a next size that does not. Each
+plan is a full trace and plan of the whole step with fake tensors (no length is extrapolated).
 
 Limits: every figure is a prediction (memory model, cost model, simulator), not a measurement; the
 step must compile to one graph (a graph break splits what the device peak must see as one); what

@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,12 +125,18 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
 class _Grid:
-    """What the search walks: sequence lengths at ``--batch``, or batches at ``--seq``."""
+    """What the search walks: sequence lengths at ``--batch``, or batches at ``--seq`` (``by_batch``)."""
 
-    def __init__(self, by_batch: bool, step: int, start: int, most: int) -> None:
-        self.by_batch, self.step, self.start, self.most = by_batch, step, start, most
-        self.what = "the largest batch" if by_batch else "the longest sequence"
+    by_batch: bool
+    step: int
+    start: int
+    most: int
+
+    @property
+    def what(self) -> str:
+        return "the largest batch" if self.by_batch else "the longest sequence"
 
 
 def _grid(args: argparse.Namespace, source: Any) -> _Grid:
