@@ -96,18 +96,20 @@ def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: s
 
     figure = Figure(figsize=(9, 5.5), layout="constrained")
     ax = figure.subplots()
-    top = max([memory] + [p.device_peak for row in rows for p in row.probes])
-    unit, scale = _unit(top)
+    scale = 1e9  # GB, as the command prints them
     for row in rows:
-        label = f"{row.name}" + (" (checkpointing)" if row.name == "fxoffload" and row.checkpointing != "none" else "")
+        label = f"{row.name}: {row.size}"
+        if row.name == "fxoffload":  # its probes plan the smallest peak; its answer, under the device budget
+            label += (", checkpointing" if row.checkpointing != "none" else "") + \
+                " (dots: the smallest peak it reaches; star: its plan at the answer)"
         line, = ax.plot([p.size for p in row.probes], [p.device_peak / scale for p in row.probes], marker="o",
-                        markersize=3, linewidth=1, label=f"{label}: {row.size}")
+                        markersize=3, linewidth=1, label=label)
         if row.fit is not None:
             ax.plot([row.fit.size], [row.fit.device_peak / scale], marker="*", markersize=12, color=line.get_color())
     ax.axhline(memory / scale, color=COLORS["budget"], linewidth=1, linestyle="--", label="device memory")
     ax.set_xlabel(size_label)
-    ax.set_ylabel(f"device peak ({unit}), predicted")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylabel("device peak (GB), predicted")
+    ax.legend(fontsize=8, loc="lower right")
     figure.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
