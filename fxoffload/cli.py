@@ -334,7 +334,7 @@ def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, 
             progress(f"checkpointing ({args.checkpointing}) each of {wrapped} layers")
         seconds["build"] = time.perf_counter() - start
         optimizer = _optimizer(step, args.optimizer, options)
-        if optimizer["state_bytes"] and options["device_budget"] is not None:
+        if optimizer["state_bytes"] and options.get("device_budget") is not None:
             options = _reserve_optimizer_state(options, optimizer)
         if lengths and len(lengths) == 2:
             _mark_lengths(inputs, kwargs, *lengths)

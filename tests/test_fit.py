@@ -252,3 +252,29 @@ def test_device_memory_is_required_and_checked(capsys):
     assert "--device-memory" in capsys.readouterr().err
     assert main(["fit", "--preset", "llama-2-7b", "--device-memory", "80 apples", "--quiet"]) == 2
     assert "--device-memory: got '80 apples'" in capsys.readouterr().err
+
+
+def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_time(tmp_path):
+    import argparse
+    import json
+
+    import torch
+
+    from fxoffload.fit import SETUPS
+    from fxoffload.fit_command import _common_options, _evaluator
+    from fxoffload.models import from_config_file
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = from_config_file(tmp_path)
+    parameter_bytes = 4 * sum(p.numel() for p in source.build(1, 8, torch.float32)[0].parameters())
+
+    def evaluate(optimizer, setup, answer):
+        args = argparse.Namespace(seq=None, batch=1, optimizer=optimizer, traceback=False, profile="h100-pcie5",
+                                  min_bytes="64KiB", host_budget="none")
+        run = _evaluator(args, source, torch.float32, 10**9, RESERVED, _common_options(args), False)
+        return run(setup, 128, answer)
+
+    for setup, answer in ((SETUPS[0], False), (SETUPS[3], False), (SETUPS[3], True)):
+        without, adamw = evaluate("none", setup, answer), evaluate("adamw", setup, answer)
+        assert adamw.device_peak - without.device_peak == 2 * parameter_bytes, setup  # AdamW's two moments
+        assert adamw.step_time > without.step_time
