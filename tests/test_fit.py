@@ -278,3 +278,23 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
         without, adamw = evaluate("none", setup, answer), evaluate("adamw", setup, answer)
         assert adamw.device_peak - without.device_peak == 2 * parameter_bytes, setup  # AdamW's two moments
         assert adamw.step_time > without.step_time
+
+
+@pytest.mark.slow
+def test_a_device_smaller_than_the_parameters_fits_no_row_and_says_why(tmp_path, capsys):
+    import json
+
+    from fxoffload.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert main(["fit", "--config", str(tmp_path), "--dtype", "fp32", "--device-memory", "5MB", "--max-seq", "128",
+                 "--granularity", "16", "--no-plot", "--quiet", "--json"]) == 0
+    from fxoffload.fit_command import format_fit
+
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert [row["max_seq"] for row in rows] == [0, 0, 0, 0]
+    assert format_fit(report).count("fixed-bytes") == 4
+    for row in rows:
+        assert row["limit"] == "fixed-bytes" and row["next"]["size"] == 16, row
+        assert row["device_peak"] is None and row["command"] is None and row["tokens_per_second"] is None
