@@ -107,22 +107,25 @@ def run_fit(args: argparse.Namespace) -> int:
         rows = fit_rows(evaluate, memory, step=grid.step, start=grid.start, most=grid.most, progress=progress,
                         end=Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch
                                   else LimitCode.LARGEST_TRIED))
-    except ModelError as e:
-        raise UsageError(str(e)) from None
-    except FitError as e:
+    except (ModelError, FitError) as e:
         raise UsageError(str(e)) from None
     report = fit_report(rows, args, source, memory, reserved, grid)
     report["seconds"] = time.perf_counter() - started
     if not args.no_plot:
-        from fxoffload.plot import plot_fit
-
-        plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
-                 f"{source.name}, {_fixed_words(args, grid)}, {args.dtype}: device peak against "
-                 f"{memory / 1e9:.0f} GB, predicted on {args.profile} (simulated, not measured)")
-        report["plot"] = args.output
+        report["plot"] = _plot(rows, args, source, memory, grid)
         progress(f"wrote {args.output}")
     print(json.dumps(report, indent=2) if args.json else format_fit(report))
     return 0
+
+
+def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: "_Grid") -> str:
+    from fxoffload.plot import plot_fit
+
+    fixed = f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
+    plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
+             f"{source.name}, {fixed}, {args.dtype}: device peak against {memory / 1e9:.0f} GB, predicted on "
+             f"{args.profile} (simulated, not measured)")
+    return args.output
 
 
 @dataclass(frozen=True)
@@ -229,10 +232,6 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
                      limit)
 
     return evaluate
-
-
-def _fixed_words(args: argparse.Namespace, grid: _Grid) -> str:
-    return f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
 
 
 def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> str:
