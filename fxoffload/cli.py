@@ -176,19 +176,13 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from fxoffload.config import OffloadConfig, OptionError, parse_budget
+    from fxoffload.config import OffloadConfig, OptionError
 
     budget: Any = _memory_budget(args)
     device_budget: Any = None if args.device_budget.lower() == "none" else _number_or_text(args.device_budget)
     horizon: Any = args.horizon if args.horizon == "auto" else _number_or_text(args.horizon)
-    min_bytes = _number_or_text(args.min_bytes)
-    if isinstance(min_bytes, (str, float)):
-        try:
-            min_bytes = parse_budget(str(min_bytes)).nbytes
-        except (ValueError, AttributeError):
-            raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
     host_budget: Any = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
-    options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes,
+    options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes_of(args),
                    solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
                    host_budget=host_budget, device_budget=device_budget, reserved=_number_or_text(args.reserved),
                    all_eligible=args.all_eligible)
@@ -203,6 +197,19 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
     _seq_range(args.seq)  # checked here with the other flags, before anything is built
     return options
+
+
+def min_bytes_of(args: argparse.Namespace) -> Any:
+    """``--min-bytes`` as a number of bytes (a size like 1MiB is parsed); a UsageError naming the forms."""
+    from fxoffload.config import parse_budget
+
+    min_bytes = _number_or_text(args.min_bytes)
+    if isinstance(min_bytes, (str, float)):
+        try:
+            min_bytes = parse_budget(str(min_bytes)).nbytes
+        except (ValueError, AttributeError):
+            raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
+    return min_bytes
 
 
 def _budget_text(args: argparse.Namespace) -> str:

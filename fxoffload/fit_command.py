@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fxoffload.cli import UsageError, _number_or_text, _Progress, _source, _trace
+from fxoffload.cli import UsageError, _number_or_text, _Progress, _source, _trace, min_bytes_of
 from fxoffload.fit import SETUPS, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak
 
 __all__ = ["add_fit_parser", "run_fit"]
@@ -177,16 +177,10 @@ def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _common_options(args: argparse.Namespace) -> dict[str, Any]:
-    from fxoffload.config import OffloadConfig, OptionError, parse_budget
+    from fxoffload.config import OffloadConfig, OptionError
 
-    min_bytes = _number_or_text(args.min_bytes)
-    if isinstance(min_bytes, (str, float)):
-        try:
-            min_bytes = parse_budget(str(min_bytes)).nbytes
-        except (ValueError, AttributeError):
-            raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
     host = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
-    options = dict(device_profile=args.profile, min_bytes=min_bytes, inner="eager", host_budget=host)
+    options = dict(device_profile=args.profile, min_bytes=min_bytes_of(args), inner="eager", host_budget=host)
     try:
         OffloadConfig(**options)
     except OptionError as e:

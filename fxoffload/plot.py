@@ -28,9 +28,7 @@ COLORS = {"compute": "#4c72b0", "stall": "#d62728", "forward": "#55a868", "backw
 
 def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, title: str | None = None) -> Simulation:
     """Simulate ``record`` on ``profile`` (default: its own) and draw it to ``path`` (.png, .svg or .pdf)."""
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    path = _image_path(path)
     from matplotlib.figure import Figure
 
     sim = simulate(record, profile)
@@ -59,9 +57,7 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
     order they ran) and draw it to ``path``: every run, copies crossing run boundaries included."""
     from fxoffload.passes.step import simulate_step
 
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    path = _image_path(path)
     from matplotlib.figure import Figure
 
     sim = simulate_step(invocations, profile)
@@ -89,9 +85,7 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
 def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: str, title: str) -> None:
     """``fxoffload fit``'s rows (``fxoffload.fit.Row``) as device peak against size: every size each row
     planned, its answer starred, and the device's memory as a line. Every peak is a prediction."""
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    path = _image_path(path)
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(9, 5.5), layout="constrained")
@@ -113,6 +107,14 @@ def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: s
     figure.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
+
+
+def _image_path(path: "str | Path") -> Path:
+    """``path`` as a Path, refused (naming the accepted endings) where its ending names no image format."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"plot: cannot tell the image format of {str(path)!r}; accepted endings: {', '.join(FORMATS)}")
+    return path
 
 
 def _note_host(ax: Any, host: int, pinned: int) -> None:
