@@ -2,14 +2,14 @@
 
 Inductor reorders nodes (peak-memory and locality passes, scheduler fusion);
 a custom op whose only inputs are early values can be hoisted to the top of
-the generated code. For every fxoffload op we add two ordering edges with
+the generated code. For every fxoffload op we add ordering edges with
 PyTorch's ``control_deps`` higher-order op
 (``torch/_inductor/fx_passes/control_dependencies.py``):
 
-* the op depends on the nearest compute op before it (it cannot rise), and
-  a ``wait`` or ``defer`` also on every earlier reader of the storage it releases (a fused
+* the op depends on an anchor before it (it cannot rise), and a ``wait`` or
+  ``defer`` also on every earlier reader of the storage it releases (a fused
   reader moved later, or a view's reader, must not outlive the release);
-* the nearest compute op after it depends on the op (it cannot sink);
+* an anchor after it depends on the op (it cannot sink);
 * it depends on the fxoffload op before it, so ours keep their planned order
   even when Inductor moves an anchor earlier (a fused reduction, say);
 * a ``defer`` also depends on every last kernel of the graph (a compute op no
@@ -19,6 +19,24 @@ PyTorch's ``control_deps`` higher-order op
   call, so the runtime's reference cannot stop it) while the deferred copy
   still reads it. Deferred releases sit at the forward's end, so this only
   stops Inductor from sinking a kernel past them.
+
+Anchors do not split fusions. An edge from a pointwise op through our op to
+the next pointwise op forbids Inductor to fuse the two (the path through an op
+it never fuses would make a cycle): pinned to its nearest compute neighbours,
+each transfer cost a kernel (SwiGLU's ``silu`` and ``mul`` apart, RoPE's two
+halves apart; 48 more Triton kernels in 8 layers on an H200). So anchors are
+fusion barriers (``is_fusion_barrier``: matmuls, attention, convolutions,
+fallbacks), the nearest on each side such that no fusion partner of the op's
+fusible neighbours (``_Reach.partners``: ops reachable through fusible ops and
+views) lies beyond it, unless the barrier is already on a path between them.
+A prefetch whose nearest barrier lies past its own wait (a stretch of
+pointwise ops only), and the wait of such a prefetch, are anchored on a
+fusible op that starts (or ends) a fusion of its own, so that the two keep
+their distance. Limits: partners are vertical (data edges); Inductor's
+horizontal fusions of ops sharing inputs are not modelled, nor the layout an
+offload's source takes when the offload is its first reader. A neighbour's
+partners are searched up to ``_CANDIDATES`` anchors away; past that the op has
+no anchor on that side.
 
 Anchors are compute ops that read a value computed in the graph: an op of
 graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
@@ -37,16 +55,19 @@ name.
 
 from __future__ import annotations
 
+import bisect
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch._inductor import lowering as inductor_lowering
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.compat import ensure_control_deps
 from fxoffload.passes.analysis import is_anchored_compute, is_compute, storage_key
-from fxoffload.passes.ops import DEFER, FXOFFLOAD_OPS, RELEASES
+from fxoffload.passes.ops import DEFER, FXOFFLOAD_OPS, PREFETCH, RELEASES, WAIT
 
 __all__ = ["pin_offload_order"]
 
@@ -55,36 +76,240 @@ ensure_control_deps()
 
 def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     edges: dict[fx.Node, OrderedSet[fx.Node]] = {}
-    previous_compute: fx.Node | None = None
-    previous_op: fx.Node | None = None  # the last fxoffload op: ours keep their planned order
-    waiting: list[fx.Node] = []  # fxoffload ops since the last compute op
-    readers: dict[int, list[fx.Node]] = {}  # storage -> compute nodes that read it so far
+    reach = _Reach(graph)
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target in FXOFFLOAD_OPS]
+    anchors = [n for n in graph.nodes if is_anchored_compute(n)]
+    barriers = [n for n in anchors if is_fusion_barrier(n)]
     last_kernels = _last_kernels(graph)
-    seen: set[fx.Node] = set()  # nodes before this one (never a user of it: the graph is in order)
+    readers = _readers_before(graph)
+    upstream = _chained(ops, lambda op: _fed_by(op, readers, last_kernels, reach), reach, upstream=True)
+    downstream = _chained(ops, reach.feeds, reach, upstream=False)
+    previous_op: fx.Node | None = None  # ours keep their planned order
+    for op, ups, downs in zip(ops, upstream, downstream):
+        rise = _rise_anchor(op, barriers, downs, reach)
+        if op.target is WAIT and _crosses(rise, op.args[0], reach, after=False):
+            # No barrier between a prefetch and its wait: a fusible op keeps the wait from the prefetch.
+            rise = _rise_anchor(op, anchors, downs, reach)
+        deps = OrderedSet(d for d in (rise, previous_op) if d is not None)
+        previous_op = op
+        if op.target in RELEASES:
+            # A release must follow every reader of the storage it frees, even one Inductor fuses or
+            # moves earlier.
+            deps.update(readers[op])
+        if op.target is DEFER:
+            deps.update(k for k in last_kernels if reach.index[k] < reach.index[op])
+        deps = OrderedSet(d for d in deps if d not in op.all_input_nodes)
+        if deps:
+            edges[op] = deps
+        sink = _sink_anchor(op, barriers, ups, reach)
+        if op.target is PREFETCH and any(_crosses(sink, user, reach, after=True) for user in op.users):
+            sink = _sink_anchor(op, anchors, ups, reach)
+        if sink is not None and op not in sink.all_input_nodes:
+            edges.setdefault(sink, OrderedSet()).add(op)
+    return edges
+
+
+def is_fusion_barrier(node: fx.Node) -> bool:
+    """A compute op Inductor runs as a kernel of its own, never fused with its neighbours: an extern
+    kernel (matmul, attention, convolution), a fallback (an op Inductor has no lowering for, a custom
+    op). Pointwise ops, reductions, views and the like may be fused into one kernel."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return True
+    packet = target.overloadpacket
+    tables = (inductor_lowering.needs_realized_inputs, inductor_lowering.fallbacks)
+    if any(target in table or packet in table for table in tables) or packet in _EXTERN_KERNELS:
+        return True
+    return target not in inductor_lowering.lowerings and packet not in inductor_lowering.lowerings
+
+
+_EXTERN_KERNELS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("addmm", "baddbmm", "_int_mm", "_scaled_mm")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _rise_anchor(op: fx.Node, anchors: list[fx.Node], downstream: set[fx.Node], reach: "_Reach") -> fx.Node | None:
+    """The latest compute op before ``op`` that can precede it without splitting a fusion."""
+    at = bisect.bisect_left(anchors, reach.index[op], key=reach.index.__getitem__)
+    for anchor in reversed(anchors[max(0, at - _CANDIDATES):at]):
+        if not _splits_any(reach, anchor, op, downstream, after=False):
+            return anchor
+    return None
+
+
+def _sink_anchor(op: fx.Node, anchors: list[fx.Node], upstream: set[fx.Node], reach: "_Reach") -> fx.Node | None:
+    """The earliest compute op after ``op`` that can follow it without splitting a fusion."""
+    at = bisect.bisect_right(anchors, reach.index[op], key=reach.index.__getitem__)
+    for anchor in anchors[at:at + _CANDIDATES]:
+        if not _splits_any(reach, anchor, op, upstream, after=True):
+            return anchor
+    return None
+
+
+def _crosses(anchor: fx.Node | None, partner: fx.Node, reach: "_Reach", after: bool) -> bool:
+    """Whether ``anchor`` lies beyond ``partner`` (the wait of a prefetch, the prefetch of a wait), or
+    is missing: it would leave the two ops free to meet."""
+    if anchor is None:
+        return True
+    return reach.index[anchor] > reach.index[partner] if after else reach.index[anchor] < reach.index[partner]
+
+
+def _splits_any(reach: "_Reach", anchor: fx.Node, op: fx.Node, neighbours: set[fx.Node], after: bool) -> bool:
+    return any(reach.splits(anchor, n, op, after) for n in neighbours)
+
+
+_CANDIDATES = 16  # barriers tried on each side of an op; none harmless among them: no anchor there
+
+
+def _readers_before(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each release, the compute ops before it that read the storage it frees."""
+    readers: dict[int, list[fx.Node]] = {}
+    found: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        seen.add(node)
-        if node.op == "call_function" and node.target in FXOFFLOAD_OPS:
-            deps = OrderedSet(d for d in (previous_compute, previous_op) if d is not None)
-            previous_op = node
-            if node.target in RELEASES:
-                # A wait releases its keepalive: it must follow every reader of
-                # that storage, even one Inductor fuses or moves earlier.
-                deps.update(readers.get(storage_key(node.args[1]), []))
-            if node.target is DEFER:
-                deps.update(k for k in last_kernels if k in seen)
-            deps = OrderedSet(d for d in deps if d not in node.all_input_nodes)
-            if deps:
-                edges[node] = deps
-            waiting.append(node)
+        if node.op == "call_function" and node.target in RELEASES:
+            found[node] = list(readers.get(storage_key(node.args[1]), []))
         elif is_anchored_compute(node):
-            for op in waiting:
-                if op not in node.all_input_nodes:
-                    edges.setdefault(node, OrderedSet()).add(op)
-            waiting = []
-            previous_compute = node
             for arg in node.all_input_nodes:
                 readers.setdefault(storage_key(arg), []).append(node)
-    return edges
+    return found
+
+
+def _fed_by(op: fx.Node, readers: dict[fx.Node, list[fx.Node]], last_kernels: list[fx.Node],
+            reach: "_Reach") -> set[fx.Node]:
+    """The fusible compute ops ``op`` will follow: those feeding it, the readers it waits for."""
+    ups = reach.fed_by(op)
+    ups.update(r for r in readers.get(op, ()) if reach.fusible(r))
+    if op.target is DEFER:
+        ups.update(k for k in last_kernels if reach.fusible(k) and reach.index[k] < reach.index[op])
+    return ups
+
+
+def _chained(ops: list[fx.Node], local: Callable[[fx.Node], set[fx.Node]],
+             reach: "_Reach", upstream: bool) -> list[set[fx.Node]]:
+    """Each op's fusible neighbours on one side (``upstream``: those it follows; else those that
+    follow it), with those of the ops chained to it on that side (each op follows the previous one),
+    kept while one of their fusion partners lies across the op. ``ops`` in graph order."""
+    result: list[set[fx.Node]] = []
+    carried: set[fx.Node] = set()
+    for op in (ops if upstream else ops[::-1]):
+        at = reach.index[op]
+        here = local(op) | {n for n in carried if reach.partner_across(n, at, upstream)}
+        result.append(here)
+        carried = here
+    return result if upstream else result[::-1]
+
+
+class _Reach:
+    """Data-edge reachability and fusion partners in one graph, computed on demand and memoised.
+
+    A node's fusion partners are the fusible compute ops it reaches, or is reached from, through
+    fusible ops and views only: the ops Inductor may fuse with it into one kernel."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.index = {n: i for i, n in enumerate(graph.nodes)}
+        self._reaches: dict[tuple[fx.Node, fx.Node], bool] = {}
+        self._partners: dict[tuple[fx.Node, bool], list[fx.Node]] = {}
+
+    def fusible(self, node: fx.Node) -> bool:
+        return is_compute(node) and not is_fusion_barrier(node)
+
+    def _within_kernel(self, node: fx.Node) -> bool:
+        """A fused kernel may extend through ``node``: a fusible op, a view or a getitem."""
+        if node.op != "call_function" or node.target in FXOFFLOAD_OPS:
+            return False
+        return not is_compute(node) or self.fusible(node)
+
+    def reaches(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether a path of data edges leads from ``a`` to ``b``."""
+        key = (a, b)
+        if key not in self._reaches:
+            self._reaches[key] = self._search(a, b)
+        return self._reaches[key]
+
+    def _search(self, a: fx.Node, b: fx.Node) -> bool:
+        low = self.index[a]
+        if self.index[b] <= low:
+            return False
+        seen, stack = {b}, [b]
+        while stack:
+            for arg in stack.pop().all_input_nodes:
+                if arg is a:
+                    return True
+                if arg not in seen and self.index[arg] > low:
+                    seen.add(arg)
+                    stack.append(arg)
+        return False
+
+    def partners(self, node: fx.Node, after: bool) -> list[fx.Node]:
+        key = (node, after)
+        if key not in self._partners:
+            found: list[fx.Node] = []
+            seen, stack = {node}, [node]
+            while stack:
+                current = stack.pop()
+                for nxt in (current.users if after else current.all_input_nodes):
+                    if nxt in seen or not self._within_kernel(nxt):
+                        continue
+                    seen.add(nxt)
+                    stack.append(nxt)
+                    if is_compute(nxt):
+                        found.append(nxt)
+            self._partners[key] = found
+        return self._partners[key]
+
+    def splits(self, anchor: fx.Node, neighbour: fx.Node, op: fx.Node, after: bool) -> bool:
+        """Whether ordering ``op`` (ours: Inductor never fuses it) between ``neighbour`` (a fusible op it
+        follows, or one that follows it) and ``anchor`` (a compute op ``after`` it, or before it) would
+        split a fusion Inductor could make. Harmless: a barrier already on a path between the two
+        (a fusion across it is impossible anyway), or an anchor beyond every fusion partner of the
+        neighbour that, if fusible, starts (ends) a fusion of its own after (before) ``op``."""
+        first, then = (neighbour, anchor) if after else (anchor, neighbour)
+        if self.fusible(anchor):
+            if not self._partners_on_own_side(anchor, op, after):
+                return True
+        elif self.reaches(first, then):
+            return False
+        if after:
+            return any(k is then or self.reaches(then, k) for k in self.partners(first, after=True)
+                       if self.index[k] >= self.index[then])
+        return any(k is first or self.reaches(k, first) for k in self.partners(then, after=False)
+                   if self.index[k] <= self.index[first])
+
+    def _partners_on_own_side(self, anchor: fx.Node, op: fx.Node, after: bool) -> bool:
+        at = self.index[op]
+        if after:
+            return all(self.index[k] > at for k in self.partners(anchor, after=False))
+        return all(self.index[k] < at for k in self.partners(anchor, after=True))
+
+    def partner_across(self, node: fx.Node, at: int, upstream: bool) -> bool:
+        """Whether a fusion partner of ``node`` lies after (``upstream``) or before position ``at``."""
+        if upstream:
+            return any(self.index[k] > at for k in self.partners(node, after=True))
+        return any(self.index[k] < at for k in self.partners(node, after=False))
+
+    def fed_by(self, op: fx.Node) -> set[fx.Node]:
+        return self._walk(op, after=False)
+
+    def feeds(self, op: fx.Node) -> set[fx.Node]:
+        return self._walk(op, after=True)
+
+    def _walk(self, op: fx.Node, after: bool) -> set[fx.Node]:
+        """The fusible compute ops next to ``op`` on one side, through views, getitems and fxoffload ops."""
+        found: set[fx.Node] = set()
+        seen, stack = {op}, [op]
+        while stack:
+            current = stack.pop()
+            for nxt in (current.users if after else current.all_input_nodes):
+                if nxt in seen or nxt.op != "call_function":
+                    continue
+                seen.add(nxt)
+                if is_compute(nxt):
+                    if self.fusible(nxt):
+                        found.add(nxt)
+                else:
+                    stack.append(nxt)
+        return found
 
 
 def _last_kernels(graph: fx.Graph) -> list[fx.Node]:
