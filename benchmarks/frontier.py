@@ -1,0 +1,560 @@
+"""The memory/time frontier, measured: fxoffload's budgeted plans against PyTorch's own recompute budget
+and full checkpointing, every way in one process on one GPU.
+
+    python benchmarks/frontier.py --out DIR               # on an H100 or H200 (torch 2.11), every way
+    python benchmarks/frontier.py --out DIR --profile     # and a torch.profiler summary of one step per way
+    python benchmarks/frontier.py --dry-run --out DIR     # every way on this CPU, small sizes (CI runs it)
+    python benchmarks/frontier.py --from-json F --write   # a GPU run's figures into benchmarks/RESULTS.md
+
+The model (``examples/llama_layers.py``) defaults to 8 decoder layers shaped like Llama-3-8B's at 1 x 8192
+tokens in bf16, each block compiled on its own (torchtitan style; the embedding, head and loss eager);
+``--layers --hidden --heads --kv-heads --ffn --vocab --seq --batch --compile whole`` change it.
+
+The ways: plain (Inductor); PyTorch's ``activation_memory_budget`` at each budget; full checkpointing per
+block (non-reentrant); fxoffload ``memory_budget`` at each budget under each strategy (``auto`` is the
+default options); checkpointing per block with fxoffload offloading the layer inputs. Per way: the median
+step (forward and backward, after warm-up steps), the device peak (``max_memory_allocated`` above what
+was allocated before the step), the device bytes held when the backward begins, and for fxoffload's ways
+its predictions (the simulated step over the step's graph runs, the bytes it predicts held). The
+verdicts place each fxoffload way on PyTorch's frontier: the straight line between the two PyTorch points
+(plain, its budgets, full checkpointing) whose measured peaks bracket the way's measured peak.
+
+``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
+torch): kernel time by kind and the kernels added against plain, each stream's busy time and the compute
+stream's idle time within the step, copy bytes and throughput by direction, and the host time of
+fxoffload's ops.
+
+``--dry-run`` runs every way on this CPU with the eager inner compiler (``aot_eager_decomp_partition``
+for PyTorch's ways): its figures are not a GPU's and are never written to RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
+
+import fxoffload  # noqa: E402
+from _recipes import plain_backend  # noqa: E402
+from gpu_session import Run, measure, predict  # noqa: E402
+from gpu_session import _one_line as one_line  # noqa: E402
+from llama_layers import LlamaShape, LlamaStack  # noqa: E402
+
+HEADING = "Frontier (measured)"
+BUDGETS = (0.7, 0.5, 0.3)
+STRATEGIES = ("auto", "offload", "recompute")
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The model, the batch and how each way's step is compiled and timed."""
+
+    shape: LlamaShape
+    batch: int
+    seq: int
+    dtype: str
+    compile: str  # "per-block" (each block on its own) or "whole" (the step as one graph)
+    inner: str  # fxoffload's inner compiler: "inductor" on a GPU, "eager" in the dry run
+    warmup: int
+    timed: int
+
+    @staticmethod
+    def for_run(dry_run: bool) -> "Setup":
+        if dry_run:
+            return Setup(LlamaShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=128), batch=1, seq=64,
+                         dtype="float32", compile="per-block", inner="eager", warmup=1, timed=2)
+        return Setup(LlamaShape(), batch=1, seq=8192, dtype="bfloat16", compile="per-block", inner="inductor",
+                     warmup=3, timed=5)
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way to run the step: ``kind`` is plain, pytorch (its recompute budget), checkpoint, fxoffload,
+    or checkpoint+fxoffload (checkpointed blocks, their inputs offloaded)."""
+
+    kind: str
+    budget: float | None = None
+    strategy: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kind == "plain":
+            return "plain"
+        if self.kind == "pytorch":
+            return f"PyTorch activation_memory_budget={self.budget}"
+        if self.kind == "checkpoint":
+            return "full checkpointing per block"
+        if self.kind == "checkpoint+fxoffload":
+            return "checkpointing per block, layer inputs offloaded (fxoffload)"
+        return f"fxoffload memory_budget={self.budget}, strategy={self.strategy}"
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.kind in ("checkpoint", "checkpoint+fxoffload")
+
+
+def default_ways(budgets: Iterable[float] = BUDGETS, strategies: Iterable[str] = STRATEGIES) -> list[Way]:
+    """PyTorch's points first (the frontier), then fxoffload's ways, its default options (auto) first."""
+    budgets, strategies = tuple(budgets), tuple(strategies)
+    return [Way("plain"), *(Way("pytorch", b) for b in budgets), Way("checkpoint"),
+            *(Way("fxoffload", b, s) for s in strategies for b in budgets), Way("checkpoint+fxoffload")]
+
+
+@dataclass
+class Frontier:
+    device: str
+    torch_version: str
+    dry_run: bool
+    started: str
+    setup: Setup
+    runs: list[Run] = field(default_factory=list)
+    profiles: dict = field(default_factory=dict)  # way name -> summarize_trace(...)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def save(self, out: Path | None) -> None:
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "frontier.json").write_text(json.dumps(asdict(self), indent=1, default=str))
+        (out / "frontier.md").write_text(render(asdict(self)))
+
+
+# ----------------------------------------------------------------------------- the step
+
+class StepLoss(nn.Module):
+    """Tokens in, next-token loss out."""
+
+    def __init__(self, stack: LlamaStack) -> None:
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.stack(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn.Module:
+    """A fresh stack (seeded weights) on ``device``, compiled with ``backend`` as ``setup`` says."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    stack = LlamaStack(setup.shape).to(device=device, dtype=getattr(torch, setup.dtype))
+    for i, block in enumerate(stack.blocks):
+        if way.checkpointed:
+            block = checkpoint_wrapper(block)
+        if setup.compile == "per-block":
+            block = torch.compile(block, backend=backend, fullgraph=True)
+        stack.blocks[i] = block
+    step = StepLoss(stack)
+    return torch.compile(step, backend=backend) if setup.compile == "whole" else step
+
+
+def backend_for(setup: Setup, way: Way, profile: Any, cuda: bool) -> tuple[Any, Any]:
+    """(the backend to compile with, fxoffload's backend or None)."""
+    if way.kind not in ("fxoffload", "checkpoint+fxoffload"):
+        return plain_backend(setup.inner), None
+    options: dict[str, Any] = {"inner": setup.inner, "device_profile": profile}
+    if way.kind == "fxoffload":
+        # on_infeasible="warn": a budget out of reach still runs, at the lowest peak it reaches (noted).
+        options.update(memory_budget=way.budget, strategy=way.strategy, on_infeasible="warn")
+    else:
+        options.update(strategy="offload")  # no budget: every layer input the plan can move
+    if not cuda:
+        options["min_bytes"] = 0  # the dry run's tensors are all small
+    backend = fxoffload.offload_backend(**options)
+    return backend, backend
+
+
+def compile_context(way: Way) -> Callable[[], Any]:
+    if way.kind == "pytorch":
+        return lambda: torch._functorch.config.patch(activation_memory_budget=way.budget)
+    return contextlib.nullcontext
+
+
+def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.device, profile: Any, cuda: bool,
+            with_profile: bool) -> Run:
+    """Build, compile, run and measure one way; an error is recorded, not raised."""
+    setup = frontier.setup
+    run = Run(setup.compile, way.name)
+    torch._dynamo.reset()
+    try:
+        backend, fx_backend = backend_for(setup, way, profile, cuda)
+        step = build_step(setup, way, backend, device)
+        measure(step, tokens, setup, cuda, run, compile_context(way))
+        if fx_backend is not None:
+            predict(fx_backend, run)
+        if with_profile:
+            frontier.profiles[way.name] = profile_step(step, tokens, cuda)
+    except Exception as error:  # noqa: BLE001 -- one failing way must not cost the others' figures
+        run.error = one_line(error)
+        run.notes.append(traceback.format_exc(limit=4)[-1500:])
+    return run
+
+
+# ----------------------------------------------------------------------------- the profile
+
+def profile_step(step: nn.Module, tokens: torch.Tensor, cuda: bool) -> dict:
+    """torch.profiler over one step, its Chrome trace summarised (``summarize_trace``)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        step(tokens).backward()
+        if cuda:
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    for p in step.parameters():
+        p.grad = None
+    return summarize_trace(events)
+
+
+KERNEL_KINDS = (("triton", ("triton_",)), ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+                ("attention", ("flash", "fmha", "attention")), ("elementwise", ("elementwise", "reduce")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals`` (start, end)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _direction(name: str) -> str | None:
+    if "HtoD" in name or "Host to Device" in name:
+        return "host_to_device"
+    if "DtoH" in name or "Device to Host" in name:
+        return "device_to_host"
+    return None
+
+
+def summarize_trace(events: list[dict]) -> dict:
+    """A Chrome trace's events (torch.profiler's export) as the step's device timeline, in microseconds:
+    kernels by kind, each stream's busy time, the compute stream's (the one with the most kernel time)
+    idle time within the step's span, copies by direction and the host time of fxoffload's ops."""
+    kernels: dict[str, dict] = {}
+    streams: dict[str, list[tuple[float, float]]] = {}
+    kernel_time: dict[str, float] = {}
+    kernel_count: dict[str, int] = {}
+    copies: dict[str, dict] = {}
+    host_ops: dict[str, dict] = {}
+    span = [float("inf"), float("-inf")]
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        cat, name, start, dur = e.get("cat", ""), e.get("name", ""), float(e["ts"]), float(e["dur"])
+        args = e.get("args") or {}
+        if cat == "cpu_op" and name.startswith("fxoffload::"):
+            op = host_ops.setdefault(name, {"calls": 0, "us": 0.0})
+            op["calls"] += 1
+            op["us"] += dur
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        stream = str(args.get("stream", "?"))
+        streams.setdefault(stream, []).append((start, start + dur))
+        span = [min(span[0], start), max(span[1], start + dur)]
+        if cat == "kernel":
+            kind = kernels.setdefault(kernel_kind(name), {"count": 0, "us": 0.0})
+            kind["count"] += 1
+            kind["us"] += dur
+            kernel_time[stream] = kernel_time.get(stream, 0.0) + dur
+            kernel_count[stream] = kernel_count.get(stream, 0) + 1
+        elif cat == "gpu_memcpy" and (direction := _direction(name)):
+            copy = copies.setdefault(direction, {"count": 0, "bytes": 0, "us": 0.0})
+            copy["count"] += 1
+            copy["bytes"] += int(args.get("bytes", 0) or 0)
+            copy["us"] += dur
+    for copy in copies.values():
+        copy["gb_per_s"] = copy["bytes"] / copy["us"] / 1e3 if copy["us"] else None
+    busy = {stream: _busy(intervals) for stream, intervals in streams.items()}
+    compute = max(kernel_time, key=kernel_time.get) if kernel_time else None
+    step_us = span[1] - span[0] if compute is not None else 0.0
+    return {"kernels": kernels, "kernel_count": sum(k["count"] for k in kernels.values()),
+            "compute_kernels": kernel_count.get(compute, 0),
+            "stream_busy_us": busy, "compute_stream": compute, "step_us": step_us,
+            "compute_idle_us": step_us - busy[compute] if compute is not None else 0.0,
+            "copies": copies, "fxoffload_host": host_ops}
+
+
+# ----------------------------------------------------------------------------- the verdicts
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    peak: float
+    step: float
+
+
+def frontier_line(points: list[Point], peak: float) -> tuple[float, str] | None:
+    """PyTorch's step at ``peak`` on the straight line between its two points whose peaks bracket it, with
+    the two names; below its lowest point, that point's step (no faster way to hold less). None above the
+    highest point (a way that holds more than plain is on no line of PyTorch's)."""
+    ordered = sorted(points, key=lambda p: p.peak)
+    if not ordered or peak > ordered[-1].peak:
+        return None
+    if peak <= ordered[0].peak:
+        return ordered[0].step, ordered[0].name
+    for low, high in zip(ordered, ordered[1:]):
+        if low.peak <= peak <= high.peak:
+            if high.peak == low.peak:
+                return min(low.step, high.step), f"{low.name} / {high.name}"
+            t = (peak - low.peak) / (high.peak - low.peak)
+            return low.step + t * (high.step - low.step), f"{low.name} .. {high.name}"
+    return None
+
+
+def verdicts(runs: list[dict]) -> list[dict]:
+    """Each fxoffload way placed against PyTorch's frontier (plain, its budgets, full checkpointing)."""
+    points = [Point(r["way"], r["peak_bytes"], r["step_seconds"]) for r in runs
+              if not r["error"] and r["peak_bytes"] and _kind(r["way"]) in ("plain", "pytorch", "checkpoint")]
+    out = []
+    for r in runs:
+        if r["error"] or not r["peak_bytes"] or _kind(r["way"]) not in ("fxoffload", "checkpoint+fxoffload"):
+            continue
+        line = frontier_line(points, r["peak_bytes"])
+        out.append({"way": r["way"], "peak_bytes": r["peak_bytes"], "step_seconds": r["step_seconds"],
+                    "line_seconds": None if line is None else line[0], "between": None if line is None else line[1],
+                    "faster_by": None if line is None else 1 - r["step_seconds"] / line[0]})
+    return out
+
+
+_NAME_KINDS = (("plain", "plain"), ("PyTorch activation_memory_budget", "pytorch"),
+               ("full checkpointing", "checkpoint"), ("checkpointing per block, layer inputs", "checkpoint+fxoffload"),
+               ("fxoffload memory_budget", "fxoffload"))
+
+
+def _kind(way_name: str) -> str:
+    """The kind of a way from its name (as ``Way.name`` writes it)."""
+    return next(kind for prefix, kind in _NAME_KINDS if way_name.startswith(prefix))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def _gib(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / GIB:.2f} GiB" if abs(v) >= GIB / 10 else f"{v / 2**20:.2f} MiB"
+
+
+def overheads(runs: list[dict]) -> dict[str, tuple[float, float | None]]:
+    """Each fxoffload way's overhead over its set-up's baseline (plain; full checkpointing for the
+    checkpointed way), measured and predicted (the simulated step over the same graphs without copies)."""
+    baseline = {kind: next((r for r in runs if r["way"] == Way(kind).name and not r["error"]), None)
+                for kind in ("plain", "checkpoint")}
+    out = {}
+    for r in runs:
+        kind = _kind(r["way"])
+        base = baseline["checkpoint" if kind == "checkpoint+fxoffload" else "plain"]
+        if r["error"] or kind not in ("fxoffload", "checkpoint+fxoffload") or base is None:
+            continue
+        predicted = None
+        if r["predicted_step_seconds"] and r["predicted_compute_seconds"]:
+            predicted = r["predicted_step_seconds"] / r["predicted_compute_seconds"] - 1
+        out[r["way"]] = (r["step_seconds"] / base["step_seconds"] - 1, predicted)
+    return out
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
+def _runs_table(frontier: dict) -> list[str]:
+    runs = frontier["runs"]
+    plain = next((r for r in runs if r["way"] == Way("plain").name and not r["error"]), None)
+    over = overheads(runs)
+    lines = ["| way | step | vs plain | device peak | held at backward | predicted step | predicted held | "
+             "copies | overhead | predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r["error"]:
+            lines.append(f"| {r['way']} | failed: {r['error'][:200]} | | | | | | | | |")
+            continue
+        ratio = f"{r['step_seconds'] / plain['step_seconds']:.3f}" if plain else "-"
+        lines.append(f"| {r['way']} | {_ms(r['step_seconds'])} | {ratio} | {_gib(r['peak_bytes'])} | "
+                     f"{_gib(r['held_at_backward'])} | {_ms(r['predicted_step_seconds'])} | "
+                     f"{_gib(r['predicted_held_at_backward'])} | {'-' if r['transfers'] is None else r['transfers']} | "
+                     f"{_share(over.get(r['way'], (None,))[0])} | {_share(over.get(r['way'], (None, None))[1])} |")
+    return lines
+
+
+def _verdict_lines(frontier: dict) -> list[str]:
+    found = verdicts(frontier["runs"])
+    if not found:
+        return []
+    lines = ["", "Against PyTorch's frontier (its step at the same measured peak, on the line between its two "
+             "points that bracket it):", "", "| way | step | PyTorch's line | between | faster by |",
+             "|---|---|---|---|---|"]
+    for v in found:
+        faster = "-" if v["faster_by"] is None else f"{v['faster_by']:+.1%}"
+        lines.append(f"| {v['way']} | {_ms(v['step_seconds'])} | {_ms(v['line_seconds'])} | "
+                     f"{v['between'] or 'above plain'} | {faster} |")
+    return lines
+
+
+def _profile_lines(frontier: dict) -> list[str]:
+    profiles = frontier["profiles"]
+    if not profiles:
+        return []
+    plain = profiles.get(Way("plain").name)
+    lines = ["", "Profile of one step per way (torch.profiler): kernels on all streams, those added against plain, "
+             "the compute stream's busy and idle time within the step, copies each way, fxoffload's host time.", "",
+             "| way | kernels | added | compute busy | compute idle | step span | to host | to device | "
+             "fxoffload host time |", "|---|---|---|---|---|---|---|---|---|"]
+    for way, p in profiles.items():
+        added = "-" if plain is None else f"{p['compute_kernels'] - plain['compute_kernels']:+d}"
+        busy = p["stream_busy_us"].get(p["compute_stream"], 0.0) if p["compute_stream"] else 0.0
+
+        def copy(direction: str) -> str:
+            c = p["copies"].get(direction)
+            if not c:
+                return "-"
+            rate = "" if c["gb_per_s"] is None else f", {c['gb_per_s']:.1f} GB/s"
+            return f"{c['bytes'] / GIB:.2f} GiB in {c['us'] / 1e3:.1f} ms{rate}"
+
+        host = ", ".join(f"{name.split('::')[1]} {o['calls']} x {o['us'] / o['calls']:.0f} us"
+                         for name, o in p["fxoffload_host"].items()) or "-"
+        lines.append(f"| {way} | {p['kernel_count']} | {added} | {busy / 1e3:.1f} ms | "
+                     f"{p['compute_idle_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | {copy('device_to_host')} | "
+                     f"{copy('host_to_device')} | {host} |")
+    return lines
+
+
+def render(frontier: dict) -> str:
+    s = frontier["setup"]
+    shape = s["shape"]
+    kind = "dry run on a CPU (not a GPU measurement)" if frontier["dry_run"] else f"measured on {frontier['device']}"
+    lines = [f"Written by `python benchmarks/frontier.py` ({kind}), torch {frontier['torch_version']}, started "
+             f"{frontier['started']}, {frontier['seconds']:.0f} s in all. Columns headed predicted are fxoffload's "
+             "simulator and memory model; every other figure is measured.", "",
+             f"Model: {shape['layers']} Llama-style layers (hidden {shape['hidden']}, {shape['heads']} heads, "
+             f"{shape['kv_heads']} KV heads, FFN {shape['ffn']}, vocabulary {shape['vocab']}), batch {s['batch']} x "
+             f"{s['seq']} tokens, {s['dtype']}, compiled {s['compile']}, inner compiler {s['inner']}; the median of "
+             f"{s['timed']} steps after {s['warmup']} warm-up steps. Peak: `max_memory_allocated` over one step "
+             "above what was allocated before it. Held at backward: bytes allocated when the backward began. "
+             "Overhead: the step over its set-up's baseline (plain; full checkpointing for the checkpointed way), "
+             "measured and predicted.", ""]
+    lines += _runs_table(frontier) + _verdict_lines(frontier) + _profile_lines(frontier)
+    if frontier["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(frontier["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="every way on this CPU, small sizes")
+    parser.add_argument("--out", type=Path, help="folder for frontier.json and frontier.md")
+    parser.add_argument("--profile", action="store_true", help="also summarise one profiled step per way")
+    parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--deadline", type=float, default=540.0, help="seconds after which the remaining ways "
+                        "are skipped (default 540)")
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
+        parser.add_argument(f"--{name}", type=int, help="model size (default: Llama-3-8B's layer, 8 layers, "
+                            "1 x 8192 tokens; the dry run's are smaller)")
+    parser.add_argument("--compile", choices=("per-block", "whole"), help="compile each block, or the step as one "
+                        "graph (default per-block)")
+    parser.add_argument("--from-json", type=Path, help="render a GPU run's frontier.json instead of running")
+    parser.add_argument("--write", action="store_true", help="with --from-json: write its RESULTS.md section")
+    args = parser.parse_args(argv)
+    if any(not 0 < b <= 1 for b in args.budgets):
+        parser.error(f"--budgets {args.budgets}: each must be a fraction in (0, 1]")
+    return args
+
+
+def setup_from(args: argparse.Namespace, dry_run: bool) -> Setup:
+    setup = Setup.for_run(dry_run)
+    sizes = {f: getattr(args, f) for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+             if getattr(args, f) is not None}
+    try:
+        shape = replace(setup.shape, **sizes)
+    except ValueError as error:
+        raise SystemExit(f"frontier: {error}") from None
+    return replace(setup, shape=shape, **{f: getattr(args, f) for f in ("seq", "batch", "compile")
+                                          if getattr(args, f) is not None})
+
+
+def write_results(path: Path) -> int:
+    frontier = json.loads(path.read_text())
+    text = render(frontier)
+    print(text)
+    if frontier["dry_run"]:
+        raise SystemExit("frontier: a dry run's figures are not a GPU's; not written to RESULTS.md")
+    from results import write_section
+
+    command = f"python benchmarks/frontier.py --from-json {path.as_posix()} --write"
+    source = f"Figures: `{path.as_posix()}`, rendered by `{command}`."
+    print(f"wrote {write_section(HEADING, source + chr(10) + chr(10) + text)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        if args.write:
+            return write_results(args.from_json)
+        print(render(json.loads(args.from_json.read_text())))
+        return 0
+    if args.write:
+        raise SystemExit("frontier: --write takes --from-json (the GPU machine's RESULTS.md does not come back)")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        raise SystemExit("frontier: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU, "
+                         "or with --dry-run on this machine")
+    start = time.monotonic()
+    say = lambda line: print(f"[{time.monotonic() - start:6.1f} s] {line}", flush=True)  # noqa: E731
+    frontier = Frontier(torch.cuda.get_device_name() if cuda else "cpu", torch.__version__, not cuda,
+                        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        setup_from(args, not cuda))
+    profile = fxoffload.calibrate() if cuda else fxoffload.offload_backend().config.profile
+    say(f"profile: {profile.name}{' (calibrated)' if cuda else ' (dry run: the default, not calibrated)'}")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    s = frontier.setup
+    tokens = torch.randint(0, s.shape.vocab, (s.batch, s.seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    for way in default_ways(args.budgets, args.strategies):
+        if time.monotonic() - start > args.deadline:
+            frontier.skipped.append(f"{way.name}: past the deadline")
+            continue
+        run = one_way(frontier, way, tokens, device, profile, cuda, args.profile)
+        frontier.runs.append(run)
+        frontier.save(args.out)
+        say(f"{way.name}: " + (f"FAILED {run.error}" if run.error else
+                               f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+    frontier.seconds = time.monotonic() - start
+    frontier.save(args.out)
+    print(render(asdict(frontier)))
+    return 1 if any(r.error for r in frontier.runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

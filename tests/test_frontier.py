@@ -1,0 +1,113 @@
+"""benchmarks/frontier.py: its trace summary and its frontier line on plain numbers, and its dry run on this CPU
+(every way the GPU run measures, at small sizes), so that the script cannot first fail on a lent GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import frontier  # noqa: E402
+
+
+def kernel(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_the_trace_summary_counts_busy_time_once_where_kernels_overlap():
+    events = [
+        kernel("triton_poi_fused_mul_0", 0, 10), kernel("sm90_xmma_gemm_bf16", 5, 20),  # overlap: busy 0..25
+        kernel("triton_red_fused_sum_1", 40, 10),  # a gap of 15 us on the compute stream
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 10, "dur": 30,
+         "args": {"stream": 20, "bytes": 3_000_000}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 45, "dur": 10,
+         "args": {"stream": 21, "bytes": 500_000}},
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 1, "dur": 40},
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 50, "dur": 60},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2, "dur": 5},
+        {"ph": "i", "cat": "kernel", "name": "an instant, not a span", "ts": 3, "args": {"stream": 7}},
+    ]
+    summary = frontier.summarize_trace(events)
+    assert summary["compute_stream"] == "7"
+    assert summary["stream_busy_us"] == {"7": 35.0, "20": 30.0, "21": 10.0}
+    assert summary["step_us"] == 55.0  # from the first kernel's start to the last copy's end
+    assert summary["compute_idle_us"] == 20.0
+    assert summary["kernels"] == {"triton": {"count": 2, "us": 20.0}, "gemm": {"count": 1, "us": 20.0}}
+    assert summary["compute_kernels"] == 3
+    to_host = summary["copies"]["device_to_host"]
+    assert to_host["bytes"] == 3_000_000 and to_host["gb_per_s"] == pytest.approx(100.0)
+    assert summary["copies"]["host_to_device"]["bytes"] == 500_000
+    assert summary["fxoffload_host"] == {"fxoffload::offload": {"calls": 2, "us": 100.0}}
+
+
+def test_the_frontier_line_interpolates_between_the_bracketing_points():
+    points = [frontier.Point("plain", 20.0, 0.200), frontier.Point("b0.5", 16.0, 0.230),
+              frontier.Point("checkpointing", 12.0, 0.260)]
+    step, between = frontier.frontier_line(points, 18.0)
+    assert step == pytest.approx(0.215) and between == "b0.5 .. plain"
+    assert frontier.frontier_line(points, 14.0)[0] == pytest.approx(0.245)
+    assert frontier.frontier_line(points, 10.0) == (0.260, "checkpointing")  # below the lowest: that point
+    assert frontier.frontier_line(points, 21.0) is None  # holds more than plain: on no line
+
+
+def test_a_way_is_faster_than_the_line_only_when_its_step_is_below_it():
+    runs = [{"way": "plain", "peak_bytes": 20, "step_seconds": 0.2, "error": None},
+            {"way": "full checkpointing per block", "peak_bytes": 10, "step_seconds": 0.3, "error": None},
+            {"way": "fxoffload memory_budget=0.5, strategy=auto", "peak_bytes": 15, "step_seconds": 0.24,
+             "error": None}]
+    (verdict,) = frontier.verdicts(runs)
+    assert verdict["line_seconds"] == pytest.approx(0.25)
+    assert verdict["faster_by"] == pytest.approx(1 - 0.24 / 0.25)
+
+
+def test_bad_sizes_and_budgets_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--budgets", "1.5"])
+    assert "each must be a fraction in (0, 1]" in capsys.readouterr().err
+    args = frontier.parse_args(["--heads", "5", "--hidden", "64"])
+    with pytest.raises(SystemExit, match="must split into 5 heads"):
+        frontier.setup_from(args, dry_run=True)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("frontier")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--dry-run", "--profile",
+                          "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "frontier.json").read_text()), (out / "frontier.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_dry_run_measures_every_way_the_gpu_run_does(dry_run):
+    result, markdown = dry_run
+    assert result["dry_run"] and not result["skipped"]
+    ways = {r["way"]: r for r in result["runs"]}
+    assert set(ways) == {w.name for w in frontier.default_ways()}
+    for name, run in ways.items():
+        assert run["error"] is None, (name, run["error"], run["notes"])
+        assert run["step_seconds"] > 0 and run["peak_bytes"] > 0, name
+    offloading = [w for w in frontier.default_ways() if w.kind == "checkpoint+fxoffload"
+                  or (w.kind == "fxoffload" and w.strategy == "offload")]
+    for way in offloading:
+        run = ways[way.name]
+        assert run["predicted_step_seconds"] > 0 and run["transfers"], way.name
+        assert "fxoffload::offload" in result["profiles"][way.name]["fxoffload_host"], way.name
+    assert "dry run on a CPU (not a GPU measurement)" in markdown
+    assert "Against PyTorch's frontier" in markdown
+
+
+@pytest.mark.slow
+def test_a_dry_run_is_never_written_to_the_results(dry_run, tmp_path):
+    path = tmp_path / "dry.json"
+    path.write_text(json.dumps(dry_run[0]))
+    with pytest.raises(SystemExit, match="not a GPU's"):
+        frontier.main(["--from-json", str(path), "--write"])
