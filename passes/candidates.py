@@ -79,6 +79,9 @@ class TransferCost:
     host: float = 0.0
     issued_at: float = 0.0
     needed_at: float = 0.0
+    # Compute-stream seconds of a staged transfer's two device copies (``cost_model.staging_seconds``):
+    # priced when the plan knows its engine stages (``fxoffload.passes.pipeline.priced_staging``).
+    staging: float = 0.0
 
     @property
     def stall(self) -> float:

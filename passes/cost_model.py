@@ -12,7 +12,10 @@ link bandwidth of its direction. Each fxoffload op call (offload, its release,
 prefetch, its wait: :data:`OPS_PER_TRANSFER` per transfer) costs the profile's
 ``op_seconds`` on the host thread that issues compute; the simulator runs a
 host clock beside the device's, so that host time shows only where the device
-would wait for it (a host-bound step).
+would wait for it (a host-bound step). A staged transfer (a strided tensor, which
+an engine that copies dense blocks puts through a contiguous buffer) also costs
+the compute stream two device copies (``staging_seconds``): one before its
+device-to-host copy, one after its host-to-device copy lands.
 
 An optimizer step (``optimizer_step``, outside the compiled graphs) is a memory-bound pass over
 the parameters: ``OPTIMIZERS`` gives, per parameter byte, the state it keeps and the bytes it
@@ -47,7 +50,7 @@ from .analysis import is_compute, tensor_nbytes, traced_value
 from .memory import concrete
 
 __all__ = ["DeviceProfile", "OPTIMIZERS", "OPS_PER_TRANSFER", "OptimizerStep", "Work", "node_time", "node_times",
-           "node_work", "optimizer_step", "roofline", "transfer_time", "value_nbytes"]
+           "node_work", "optimizer_step", "roofline", "staging_seconds", "transfer_time", "value_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,13 @@ def node_times(nodes: tuple[fx.Node, ...], profile: DeviceProfile) -> list[float
 
 def transfer_time(nbytes: int, bandwidth: float, latency: float) -> float:
     return latency + nbytes / bandwidth
+
+
+def staging_seconds(nbytes: int, profile: DeviceProfile) -> float:
+    """Compute-stream time of one staging copy of a staged transfer (a strided source made contiguous
+    before its device-to-host copy, or the landed contiguous copy put back in its strides before its
+    consumer): ``nbytes`` read and written over the device memory bandwidth."""
+    return 2 * nbytes / profile.memory_bandwidth if nbytes else 0.0
 
 
 class OptimizerCost(NamedTuple):

@@ -221,7 +221,7 @@ def solver_items(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.
         work = ((0, slots[b][0], c.d2h), (1, slots[b][1], c.h2d)) if problem.queued else ()
         if host_queue is not None:
             work += tuple((len(queues), host_slots[b, phase], c.host / 2) for phase in (0, 1))
-        raw[b, OFFLOAD] = (stall + COPY_WEIGHT * (c.d2h + c.h2d), work)
+        raw[b, OFFLOAD] = (stall + c.staging + COPY_WEIGHT * (c.d2h + c.h2d), work)
     if host_queue is not None:
         queues = [*queues, host_queue]
     for b in recomputable:

@@ -29,12 +29,12 @@ import torch.fx as fx
 
 from .analysis import SavedActivation, SavedInterface, inputs_at, saved_activations, saved_interface
 from .candidates import (
-    AUTO_HORIZON, Placement, place_candidates, recompute_costs, timeline_moves, transfer_costs,
+    AUTO_HORIZON, Placement, TransferCost, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
-from .cost_model import DeviceProfile, node_work, roofline
+from .cost_model import DeviceProfile, node_work, roofline, staging_seconds
 from .memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
 from .eligibility import group_by_base
-from .plan import Plan, PlanOptions
+from .plan import Plan, PlanOptions, staging_bytes
 from .planning import plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
@@ -129,13 +129,21 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     return Analysis(interface, tuple(activations), timeline, work, times, placements, moves, costs, recomputes)
 
 
+def priced_staging(costs: Mapping[fx.Node, TransferCost], options: PlanOptions,
+                   profile: DeviceProfile) -> dict[fx.Node, TransferCost]:
+    """Each candidate's copy costs with its staging copies' compute time (``options.staging_devices``:
+    the engines that stage a strided tensor; none, nothing changes)."""
+    return {b: dataclasses.replace(c, staging=2 * staging_seconds(staging_bytes(b, options), profile))
+            if staging_bytes(b, options) else c for b, c in costs.items()}
+
+
 def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
                   policies: Mapping[str, str] | None, watch: Stopwatch) -> PassResult:
     """Plan and schedule an analysed pair under ``options``; the graphs are not changed."""
     a = analysis
     recomputes = {} if options.strategy == "offload" else a.recomputes
-    plan = plan_offloads(a.interface, a.activations, a.timeline, a.moves, a.costs, options, policies, recomputes,
-                         queued=horizon == AUTO_HORIZON)
+    plan = plan_offloads(a.interface, a.activations, a.timeline, a.moves, priced_staging(a.costs, options, profile),
+                         options, policies, recomputes, queued=horizon == AUTO_HORIZON)
     watch.stamp("plan")
     schedule = schedule_transfers(plan, a.placements, horizon, timeline=a.timeline, times=list(a.times),
                                   profile=profile, cross_graphs=options.cross_graphs)

@@ -13,7 +13,10 @@ everything after it. The host issues every op: compute ops cost it nothing,
 each copy's issue and each wait cost it the profile's ``op_seconds``
 (``fxoffload.passes.cost_model``), and the device never runs ahead of the host (where
 the host falls behind, the device waits: ``host_wait``). A plan's recompute
-chains run on the compute stream right before their consumers. Device
+chains run on the compute stream right before their consumers; a staged
+transfer's two device copies (``cost_model.staging_seconds``) run on it too,
+one right before its device-to-host copy is issued, one right after its
+host-to-device copy lands (``staging_time``). Device
 memory follows the memory model's intervals (``fxoffload.passes.memory``) under the
 plan, placed on the simulated clock, so the simulated peak is the planner's
 predicted total peak.
@@ -37,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cost_model import DeviceProfile, roofline
+from .cost_model import DeviceProfile, roofline, staging_seconds
 from .memory import curve, intervals, staging_intervals
 from .plan import recompute_moves, recompute_temporaries
 from .replay import Copy, Replay, op_starts, replay
@@ -75,6 +78,7 @@ class Simulation:
     activation_peak: int
     recompute_time: float = 0.0  # compute the plan's recomputations add
     host_wait: float = 0.0  # device time idle while the host issued fxoffload ops
+    staging_time: float = 0.0  # compute the staged transfers' device copies add (``cost_model.staging_seconds``)
 
     @property
     def overhead(self) -> float:
@@ -88,7 +92,7 @@ class Simulation:
     @property
     def bound(self) -> str:
         """What limits this plan's floor: "compute" or "link"."""
-        compute = self.compute_time + self.recompute_time
+        compute = self.compute_time + self.recompute_time + self.staging_time
         return "compute" if self.floor <= compute * (1 + 1e-9) else "link"  # sums in another order
 
 
@@ -145,6 +149,10 @@ def simulate_movements(
     times = list(base_times)
     for r in recomputes:
         times[r.at - 1] += r.cost.seconds
+    recomputed = sum(times) - sum(base_times)
+    for m in movements:  # a staged copy's device copies: before its offload, after its landing
+        times[m.offload_at - 1] += staging_seconds(m.staging, profile)
+        times[m.wait_at] += staging_seconds(m.staging, profile)
     engines = ("d2h", "h2d") if profile.duplex else ("link", "link")
     down = [Copy(m.offload_at, m.offload_wait_at, m.d2h_seconds, engines[0]) for m in movements]
     order = list(prefetch_order) if prefetch_order is not None else range(len(movements))
@@ -165,7 +173,8 @@ def simulate_movements(
     return Simulation(
         step_time=run.step_time,
         compute_time=sum(base_times),
-        recompute_time=sum(times) - sum(base_times),
+        recompute_time=recomputed,
+        staging_time=sum(times) - sum(base_times) - recomputed,
         host_wait=run.host_wait,
         floor=_floor(times[:forward], times[forward:], down, up),
         backward_start=run.starts[forward],

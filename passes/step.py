@@ -10,7 +10,8 @@ in the order the invocations ran:
 
 * Compute: one stream runs every invocation's forward nodes, then every
   backward, last invocation first, each node for its predicted time (the
-  roofline cost model, recompute chains included).
+  roofline cost model, recompute chains and staged transfers' device copies
+  included).
 * Copies: the copy engines carry over from one invocation to the next (one per
   direction, or one shared engine when the link is not full duplex), so a
   deferred device-to-host copy (``Placement.deferred``) runs under the next
@@ -43,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cost_model import DeviceProfile, roofline
+from .cost_model import DeviceProfile, roofline, staging_seconds
 from .memory import curve, intervals
 from .plan import recompute_moves
 from .replay import Copy, op_starts, replay
@@ -134,6 +135,10 @@ def _graph(record: Any, profile: DeviceProfile) -> _Graph:
     times = list(base_times)
     for r in plan.recomputes:
         times[r.at - 1] += r.cost.seconds
+    for p in schedule.placements:  # a staged copy's device copies: before its offload, after its landing
+        staged = staging_seconds(plan.transfers[p.transfer].staging, profile)
+        times[pos[p.offload_after]] += staged
+        times[pos[p.wait_before]] += staged
     order = schedule.prefetch_order or tuple(range(len(schedule.placements)))
     transfers = []
     for k in order:

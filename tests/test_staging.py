@@ -14,9 +14,10 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from fxoffload.passes.cost_model import roofline
+from fxoffload.passes.cost_model import roofline, staging_seconds
 from fxoffload.passes.scheduling import schedule_transfers
 from fxoffload.passes.simulator import simulate
+from fxoffload.passes.step import simulate_step
 from tests.conftest import assert_same_step, cuda_engine_on_cpu, lm_step, per_layer_llama
 
 HIDDEN, BATCH = 256, 32
@@ -76,6 +77,37 @@ def test_only_a_non_contiguous_base_copied_by_a_staging_engine_is_staged():
     assert "staged copies" not in fxoffload.explain(unstaged)
 
 
+def test_a_staged_transfer_costs_the_compute_stream_its_two_device_copies():
+    """The staging copies run on the compute stream (the CUDA engine's ``.contiguous()`` before the
+    device-to-host copy, and the landed buffer copied into its strides before the consumer): the
+    simulated step holds both, ``2 x bytes`` over the memory bandwidth each, at the positions they run."""
+    staged, _, _, _ = compiled_step(staged=True)
+    plan, profile = staged.plan, staged.profile
+    unbuffered = dataclasses.replace(staged, plan=dataclasses.replace(
+        plan, transfers=tuple(dataclasses.replace(t, staging=0) for t in plan.transfers)))
+    before, after = simulate(unbuffered), simulate(staged)
+    (place,) = [p for p in staged.schedule.placements if plan.transfers[p.transfer].base_name == "tanh"]
+    copy = staging_seconds(HIDDEN * BATCH * 4, profile)
+    assert copy == pytest.approx(2 * HIDDEN * BATCH * 4 / profile.memory_bandwidth)
+    pos = staged.timeline.positions
+    longer = {i: b - a for i, ((_, a), (_, b)) in enumerate(zip(before.ops, after.ops)) if b != a}
+    assert longer == {pos[place.offload_after]: pytest.approx(copy), pos[place.wait_before]: pytest.approx(copy)}
+    assert after.staging_time == pytest.approx(2 * copy) and after.recompute_time == before.recompute_time == 0
+    # The step simulator (several graph runs) puts them at the same places.
+    step_before, step_after = simulate_step([unbuffered]), simulate_step([staged])
+    longer = {i: b - a for i, ((_, a), (_, b)) in enumerate(zip(step_before.ops, step_after.ops)) if b != a}
+    assert longer == {pos[place.offload_after]: pytest.approx(copy), pos[place.wait_before]: pytest.approx(copy)}
+    assert after.step_time > before.step_time  # this step is host-bound: the copies hide part of the wait
+
+
+def test_the_planner_prices_the_staging_copies():
+    """A staged candidate's copy cost carries its two device copies; an unstaged one's carries none."""
+    staged, _, _, _ = compiled_step(staged=True)
+    costs = {t.base_name: t.cost for t in staged.plan.transfers}
+    assert costs["tanh"].staging == pytest.approx(2 * staging_seconds(HIDDEN * BATCH * 4, staged.profile))
+    assert costs["le"].staging == 0.0
+
+
 def test_the_staging_buffers_raise_the_total_curve_exactly_where_they_live():
     """The staged plan's total curve, against the same placements with the buffers left out: it is
     higher by the buffer's bytes from the node its offload follows to its release, and from its
@@ -93,7 +125,7 @@ def test_the_staging_buffers_raise_the_total_curve_exactly_where_they_live():
     before, after = simulate(unbuffered), simulate(staged)
     rise = [b2 - b1 for (_, b1), (_, b2) in zip(before.memory, after.memory)]
     assert rise == [HIDDEN * BATCH * 4 if i in live else 0 for i in range(len(rise))]
-    assert after.activations == before.activations
+    assert [b for _, b in after.activations] == [b for _, b in before.activations]
     # The plan's re-evaluated total peak is the staged curve's peak: here the buffer raises it.
     assert plan.total_peak_after == after.peak == max(b + r for (_, b), r in zip(before.memory, rise)) > before.peak
 
