@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,9 +50,10 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 
 import fxoffload  # noqa: E402
 from _recipes import plain_backend  # noqa: E402
-from gpu_session import Run, measure, predict  # noqa: E402
+from gpu_session import LossOf, Run, measure, predict  # noqa: E402
 from gpu_session import _one_line as one_line  # noqa: E402
 from llama_layers import LlamaShape, LlamaStack  # noqa: E402
+from results import gpu_or_dry_run, save_run, show_measured  # noqa: E402
 
 HEADING = "Frontier (measured)"
 BUDGETS = (0.7, 0.5, 0.3)
@@ -129,26 +129,10 @@ class Frontier:
     seconds: float = 0.0
 
     def save(self, out: Path | None) -> None:
-        if out is None:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "frontier.json").write_text(json.dumps(asdict(self), indent=1, default=str))
-        (out / "frontier.md").write_text(render(asdict(self)))
+        save_run(out, "frontier", self, render)
 
 
 # ----------------------------------------------------------------------------- the step
-
-class StepLoss(nn.Module):
-    """Tokens in, next-token loss out."""
-
-    def __init__(self, stack: LlamaStack) -> None:
-        super().__init__()
-        self.stack = stack
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.stack(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-
 
 def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn.Module:
     """A fresh stack (seeded weights) on ``device``, compiled with ``backend`` as ``setup`` says."""
@@ -162,7 +146,7 @@ def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn
         if setup.compile == "per-block":
             block = torch.compile(block, backend=backend, fullgraph=True)
         stack.blocks[i] = block
-    step = StepLoss(stack)
+    step = LossOf(stack)  # tokens in, next-token loss out
     return torch.compile(step, backend=backend) if setup.compile == "whole" else step
 
 
@@ -503,33 +487,12 @@ def setup_from(args: argparse.Namespace, dry_run: bool) -> Setup:
                                           if getattr(args, f) is not None})
 
 
-def write_results(path: Path) -> int:
-    frontier = json.loads(path.read_text())
-    text = render(frontier)
-    print(text)
-    if frontier["dry_run"]:
-        raise SystemExit("frontier: a dry run's figures are not a GPU's; not written to RESULTS.md")
-    from results import write_section
-
-    command = f"python benchmarks/frontier.py --from-json {path.as_posix()} --write"
-    source = f"Figures: `{path.as_posix()}`, rendered by `{command}`."
-    print(f"wrote {write_section(HEADING, source + chr(10) + chr(10) + text)}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        if args.write:
-            return write_results(args.from_json)
-        print(render(json.loads(args.from_json.read_text())))
+        show_measured("frontier", HEADING, args.from_json, args.write, render)
         return 0
-    if args.write:
-        raise SystemExit("frontier: --write takes --from-json (the GPU machine's RESULTS.md does not come back)")
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.dry_run:
-        raise SystemExit("frontier: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU, "
-                         "or with --dry-run on this machine")
+    cuda = gpu_or_dry_run("frontier", args.write, args.dry_run)
     start = time.monotonic()
     say = lambda line: print(f"[{time.monotonic() - start:6.1f} s] {line}", flush=True)  # noqa: E731
     frontier = Frontier(torch.cuda.get_device_name() if cuda else "cpu", torch.__version__, not cuda,

@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import json
 import re
 import statistics
 import sys
@@ -141,11 +140,9 @@ class Session:
     seconds: float = 0.0
 
     def save(self, out: Path | None) -> None:
-        if out is None:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_session.json").write_text(json.dumps(asdict(self), indent=1, default=str))
-        (out / "gpu_session.md").write_text(render(asdict(self)))
+        from results import save_run
+
+        save_run(out, "gpu_session", self, render)
 
 
 # ----------------------------------------------------------------------------- steps 1 and 2
@@ -657,25 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="with --from-json: write its RESULTS.md section")
     parser.add_argument("--heading", default=HEADING, help=f"with --write: the section's heading (default {HEADING!r})")
     args = parser.parse_args(argv)
-    if args.from_json:
-        session = json.loads(args.from_json.read_text())
-        text = render(session)
-        print(text)
-        if args.write:
-            if session["dry_run"]:
-                raise SystemExit("gpu_session: a dry run's figures are not a GPU's; not written to RESULTS.md")
-            from results import write_section
+    from results import gpu_or_dry_run, show_measured
 
-            source = f"Figures: `{args.from_json.as_posix()}`, rendered by " \
-                     f"`python benchmarks/gpu_session.py --from-json {args.from_json.as_posix()} --write`."
-            print(f"wrote {write_section(args.heading, source + chr(10) + chr(10) + text)}")
+    if args.from_json:
+        show_measured("gpu_session", args.heading, args.from_json, args.write, render)
         return 0
-    if args.write:
-        raise SystemExit("gpu_session: --write takes --from-json (the GPU machine's RESULTS.md does not come back)")
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.dry_run:
-        raise SystemExit("gpu_session: no CUDA device here (torch.cuda.is_available() is False); "
-                         "run it on a GPU, or with --dry-run on this machine")
+    cuda = gpu_or_dry_run("gpu_session", args.write, args.dry_run)
     start = time.monotonic()
     say = lambda line: print(f"[{time.monotonic() - start:6.1f} s] {line}", flush=True)  # noqa: E731
     session = Session(torch.cuda.get_device_name() if cuda else "cpu", torch.__version__, not cuda,

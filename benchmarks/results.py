@@ -2,10 +2,52 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from dataclasses import asdict
+from typing import Any, Callable
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
+
+
+def save_run(out: Path | None, stem: str, run: Any, render: Callable[[dict], str]) -> None:
+    """A GPU script's figures so far (a dataclass) as ``out/stem.json`` and its rendering as ``out/stem.md``."""
+    if out is None:
+        return
+    figures = asdict(run)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(figures, indent=1, default=str))
+    (out / f"{stem}.md").write_text(render(figures))
+
+
+def show_measured(script: str, heading: str, path: Path, write: bool, render: Callable[[dict], str]) -> None:
+    """Print a GPU script's rendering of its JSON at ``path``; with ``write``, also write it as the
+    script's section, headed by the command that renders it. A dry run's figures are refused there."""
+    measured = json.loads(path.read_text())
+    text = render(measured)
+    print(text)
+    if not write:
+        return
+    if measured["dry_run"]:
+        raise SystemExit(f"{script}: a dry run's figures are not a GPU's; not written to RESULTS.md")
+    source = (f"Figures: `{path.as_posix()}`, rendered by "
+              f"`python benchmarks/{script}.py --from-json {path.as_posix()} --write`.")
+    print(f"wrote {write_section(heading, source + chr(10) + chr(10) + text)}")
+
+
+def gpu_or_dry_run(script: str, write: bool, dry_run: bool) -> bool:
+    """Whether CUDA is here; a GPU script's refusals: ``--write`` without ``--from-json``, and a run with
+    neither a GPU nor ``--dry-run``."""
+    import torch
+
+    if write:
+        raise SystemExit(f"{script}: --write takes --from-json (the GPU machine's RESULTS.md does not come back)")
+    cuda = torch.cuda.is_available()
+    if not cuda and not dry_run:
+        raise SystemExit(f"{script}: no CUDA device here (torch.cuda.is_available() is False); "
+                         "run it on a GPU, or with --dry-run on this machine")
+    return cuda
 
 
 def write_section(heading: str, body: str) -> Path:

@@ -44,9 +44,9 @@ from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offloa
 from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
 from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
-from fxoffload.passes.plan import BudgetInfeasibleError, BudgetInfeasibleWarning  # noqa: E402
-from fxoffload.passes.simulator import Simulation, simulate  # noqa: E402
-from fxoffload.passes.step import StepSimulation, simulate_step  # noqa: E402
+from fxoffload.passes import (  # noqa: E402
+    BudgetInfeasibleError, BudgetInfeasibleWarning, Simulation, StepSimulation, simulate, simulate_step,
+)
 from fxoffload.plot import plot, plot_step  # noqa: E402
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
 from fxoffload.ranks import PlanMismatchError, RankCheckTimeoutError  # noqa: E402

@@ -57,13 +57,9 @@ from fxoffload.ordering import pin_offload_order
 from fxoffload.partition import Partitioner
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PassResult, Plan, PlanOptions, plan_best_partition,
-    rewrite_planned, unbounded_size_warning,
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, KeptSource, PassResult, Plan, PlanOptions, Share,
+    held_after_forward, inputs_at, plan_best_partition, plan_digest, rewrite_planned, unbounded_size_warning,
 )
-from fxoffload.passes.analysis import inputs_at
-from fxoffload.passes.scheduling import held_after_forward, plan_digest
-from fxoffload.passes.shares import Share
-from fxoffload.passes.step import KeptSource
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import RankCheck, graph_key
 from fxoffload.record import GraphRecord

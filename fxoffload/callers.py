@@ -28,8 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from fxoffload.passes.analysis import input_position
-from fxoffload.passes.plan import Plan
+from fxoffload.passes import Plan, input_position
 
 __all__ = ["CallerWatch", "KeptInput", "OffloadedInput", "kept_warning", "offloaded_inputs"]
 

@@ -280,7 +280,7 @@ def _on_this_device(config: CheckConfig, cuda: bool, progress) -> tuple[CheckRep
 
 def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile: Any, progress) -> None:
     import fxoffload
-    from fxoffload.passes.simulator import simulate
+    from fxoffload.passes import simulate
 
     cuda = report.cuda
     torch.manual_seed(config.seed)
@@ -323,7 +323,7 @@ def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile
 
 def _one_record(debug: Any, timed: Any) -> Any:
     """The one graph both runs compiled, planned alike (plans do not depend on debug mode)."""
-    from fxoffload.passes.scheduling import plan_digest
+    from fxoffload.passes import plan_digest
 
     if len(debug.records) != 1 or len(timed.records) != 1:
         raise RuntimeError(f"fxoffload check: expected one compiled graph per run, got {len(debug.records)} and "

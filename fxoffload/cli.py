@@ -32,7 +32,7 @@ from fxoffload.report import plan_report, print_report, range_report, step_repor
 __all__ = ["main"]
 
 
-class _Progress:
+class Progress:
     """Timestamped progress lines on stderr (tracing a 7B graph takes tens of seconds)."""
 
     def __init__(self, quiet: bool) -> None:
@@ -45,7 +45,7 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     from fxoffload.models import CHECKPOINTING, DTYPES, PRESETS
-    from fxoffload.passes.cost_model import OPTIMIZERS
+    from fxoffload.passes import OPTIMIZERS
     from fxoffload.profiles import PROFILES
 
     parser = argparse.ArgumentParser(prog="fxoffload", description="fxoffload: activation offloading for torch.compile")
@@ -157,7 +157,7 @@ def _check(args: argparse.Namespace) -> int:
     from fxoffload.check import CheckConfig, format_report, run_check
     from fxoffload.config import OptionError, parse_budget
 
-    budget = None if args.budget.lower() == "none" else _number_or_text(args.budget)
+    budget = None if args.budget.lower() == "none" else number_or_text(args.budget)
     try:
         parse_budget(budget)
         config = CheckConfig(layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps,
@@ -166,7 +166,7 @@ def _check(args: argparse.Namespace) -> int:
         raise UsageError(f"--budget: {e.detail}") from None
     except ValueError as e:
         raise UsageError(f"--{e}") from None
-    progress = _Progress(args.quiet)
+    progress = Progress(args.quiet)
     report = run_check(config, progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
@@ -179,12 +179,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     from fxoffload.config import OffloadConfig, OptionError
 
     budget: Any = _memory_budget(args)
-    device_budget: Any = None if args.device_budget.lower() == "none" else _number_or_text(args.device_budget)
-    horizon: Any = args.horizon if args.horizon == "auto" else _number_or_text(args.horizon)
-    host_budget: Any = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
+    device_budget: Any = None if args.device_budget.lower() == "none" else number_or_text(args.device_budget)
+    horizon: Any = args.horizon if args.horizon == "auto" else number_or_text(args.horizon)
+    host_budget: Any = None if args.host_budget.lower() == "none" else number_or_text(args.host_budget)
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes_of(args),
                    solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
-                   host_budget=host_budget, device_budget=device_budget, reserved=_number_or_text(args.reserved),
+                   host_budget=host_budget, device_budget=device_budget, reserved=number_or_text(args.reserved),
                    all_eligible=args.all_eligible)
     try:
         OffloadConfig(**options)
@@ -203,7 +203,7 @@ def min_bytes_of(args: argparse.Namespace) -> Any:
     """``--min-bytes`` as a number of bytes (a size like 1MiB is parsed); a UsageError naming the forms."""
     from fxoffload.config import parse_budget
 
-    min_bytes = _number_or_text(args.min_bytes)
+    min_bytes = number_or_text(args.min_bytes)
     if isinstance(min_bytes, (str, float)):
         try:
             min_bytes = parse_budget(str(min_bytes)).nbytes
@@ -219,7 +219,7 @@ def _budget_text(args: argparse.Namespace) -> str:
 
 def _memory_budget(args: argparse.Namespace) -> Any:
     text = _budget_text(args)
-    return None if text.lower() == "none" else _number_or_text(text)
+    return None if text.lower() == "none" else number_or_text(text)
 
 
 def _device_budget_report(options: dict) -> dict:
@@ -236,7 +236,7 @@ _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon":
           "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible"}
 
 
-def _number_or_text(text: str) -> Any:
+def number_or_text(text: str) -> Any:
     for kind in (int, float):
         try:
             return kind(text)
@@ -245,7 +245,7 @@ def _number_or_text(text: str) -> Any:
     return text
 
 
-def _source(args: argparse.Namespace):
+def model_source(args: argparse.Namespace):
     from fxoffload import models
 
     if args.preset or args.config:
@@ -266,17 +266,17 @@ def _source(args: argparse.Namespace):
 def _plan(args: argparse.Namespace) -> int:
     from fxoffload.models import DTYPES, ModelError
 
-    progress = _Progress(args.quiet)
+    progress = Progress(args.quiet)
     options = _options(args)
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
     if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
     try:
-        source = _source(args)
+        source = model_source(args)
         lengths = _seq_range(args.seq)
         seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
-        records, invocations, seconds, optimizer = _trace(source, args, seq, DTYPES[args.dtype], options, progress,
+        records, invocations, seconds, optimizer = trace_step(source, args, seq, DTYPES[args.dtype], options, progress,
                                                           lengths)
     except ModelError as e:
         if args.traceback and e.__cause__ is not None:
@@ -320,7 +320,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: _Progress,
+def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: Progress,
            lengths: tuple[int, ...] | None = None):
     """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
     ``--optimizer``) joins what is reserved under a device budget."""
@@ -392,8 +392,8 @@ class _Traced(NamedTuple):
 
 def _optimizer(step: Any, kind: str, options: dict) -> dict:
     """The optimizer's figures for the model's parameters (predicted): state bytes and step seconds."""
-    from fxoffload.passes.analysis import tensor_nbytes
-    from fxoffload.passes.cost_model import optimizer_step
+    from fxoffload.passes import tensor_nbytes
+    from fxoffload.passes import optimizer_step
     from fxoffload.profiles import resolve_profile
 
     if kind != "none" and not isinstance(step, torch.nn.Module):
@@ -426,7 +426,7 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
     budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
     from fxoffload.models import ModelError, one_line
-    from fxoffload.passes.plan import ADVICE_WARN, BudgetInfeasibleError
+    from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):

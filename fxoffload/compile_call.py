@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxoffload.passes.analysis import tensor_storage_key
+from fxoffload.passes import tensor_storage_key
 
 __all__ = ["MODES", "input_activations", "mode_patches", "no_cudagraphs", "pipeline_inference"]
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
 from fxoffload.errors import OptionError
-from fxoffload.passes.candidates import AUTO_HORIZON
-from fxoffload.passes.cost_model import DeviceProfile
-from fxoffload.passes.plan import ON_INFEASIBLE, STRATEGIES, Budget, OnInfeasible, PlanOptions, Strategy
-from fxoffload.passes.solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
+from fxoffload.passes import (
+    AUTO_HORIZON, NODE_LIMIT, ON_INFEASIBLE, SOLVERS, STRATEGIES, TIME_GUARD, Budget, DeviceProfile, OnInfeasible,
+    PlanOptions, SolverName, Strategy,
+)
 from fxoffload.profiles import resolve_profile
 
 __all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]

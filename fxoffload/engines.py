@@ -9,7 +9,7 @@
   buffers from PyTorch's caching pinned-host allocator (``fxoffload.pinned``). No ``record_stream``:
   the source of every copy is kept alive by its record (and, in the graph, by the ``keepalive``
   argument of ``wait``) until the compute stream has waited for the copy's event, after which
-  freeing it is ordered after the copy. Both ends of a copy are dense blocks (:func:`_dense_ends`).
+  freeing it is ordered after the copy. Both ends of a copy are dense blocks (:func:`dense_ends`).
 
 Each engine makes a :class:`~fxoffload.runtime_state.CopyRecord` per copy and registers it
 (``runtime_state.register``); the runtime's op kernels find it there. Limits: one device per
@@ -107,7 +107,7 @@ class CpuEngine:
 
 
 
-def _dense_ends(src: torch.Tensor, dst: torch.Tensor):
+def dense_ends(src: torch.Tensor, dst: torch.Tensor):
     """Both ends of a copy as contiguous blocks, made on the compute stream: ``copy_`` between
     layouts that differ (a transposed, channels-last or padded device tensor against the contiguous
     host buffer) would build a full-size temporary on the copy stream, in a pool compute cannot
@@ -144,7 +144,7 @@ class CudaEngine:
     """
 
     # A non-contiguous source or destination goes through a contiguous device buffer
-    # (:func:`_dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
+    # (:func:`dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
     stages_strided = True
 
     def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None,
@@ -172,8 +172,8 @@ class CudaEngine:
         if STATE.debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
             _poison(dst)
             STATE.debug_counts.filled += 1
-        dense_src, dst, strided = _dense_ends(src, dst)
-        if STATE.debug_depth:  # a buffer at either end (_dense_ends's own answer, not a second rule)
+        dense_src, dst, strided = dense_ends(src, dst)
+        if STATE.debug_depth:  # a buffer at either end (dense_ends's own answer, not a second rule)
             STATE.debug_counts.staged += dense_src is not src or strided is not None
         src = dense_src
         compute = api.current_stream(device)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fxoffload.cli import UsageError, _number_or_text, _Progress, _source, _trace, min_bytes_of
+from fxoffload.cli import UsageError, number_or_text, Progress, model_source, trace_step, min_bytes_of
 from fxoffload.fit import SETUPS, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak
 
 __all__ = ["add_fit_parser", "run_fit"]
@@ -39,7 +39,7 @@ DEFAULT_MAX_BATCH = 256
 
 def add_fit_parser(commands: Any) -> None:
     from fxoffload.models import DTYPES, PRESETS
-    from fxoffload.passes.cost_model import OPTIMIZERS
+    from fxoffload.passes import OPTIMIZERS
     from fxoffload.profiles import PROFILES
 
     fit = commands.add_parser(
@@ -85,7 +85,7 @@ def run_fit(args: argparse.Namespace) -> int:
     from fxoffload.models import DTYPES, ModelError
 
     started = time.perf_counter()
-    progress = _Progress(args.quiet)
+    progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
     common = _common_options(args)
     if args.dtype not in DTYPES:
@@ -96,7 +96,7 @@ def run_fit(args: argparse.Namespace) -> int:
     if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
     try:
-        source = _source(args)
+        source = model_source(args)
     except ModelError as e:
         raise UsageError(str(e)) from None
     grid = _grid(args, source)
@@ -168,8 +168,8 @@ def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
     from fxoffload.config import OffloadConfig, OptionError
 
     try:
-        config = OffloadConfig(device_budget=_number_or_text(args.device_memory),
-                               reserved=_number_or_text(args.reserved))
+        config = OffloadConfig(device_budget=number_or_text(args.device_memory),
+                               reserved=number_or_text(args.reserved))
     except OptionError as e:
         flag = {"device_budget": "--device-memory", "reserved": "--reserved"}.get(e.option, e.option)
         raise UsageError(f"{flag}: {e.detail}") from None
@@ -179,7 +179,7 @@ def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
 def _common_options(args: argparse.Namespace) -> dict[str, Any]:
     from fxoffload.config import OffloadConfig, OptionError
 
-    host = None if args.host_budget.lower() == "none" else _number_or_text(args.host_budget)
+    host = None if args.host_budget.lower() == "none" else number_or_text(args.host_budget)
     options = dict(device_profile=args.profile, min_bytes=min_bytes_of(args), inner="eager", host_budget=host)
     try:
         OffloadConfig(**options)
@@ -193,9 +193,9 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
                by_batch: bool) -> Callable[[Setup, int, bool], Point]:
     """Plans one step of a setup at a size (fake tensors, one graph) and reads its device peak: see
     ``fxoffload.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
-    from fxoffload.passes.cost_model import optimizer_step
-    from fxoffload.passes.plan import BudgetInfeasibleWarning
-    from fxoffload.passes.simulator import simulate
+    from fxoffload.passes import optimizer_step
+    from fxoffload.passes import BudgetInfeasibleWarning
+    from fxoffload.passes import simulate
     from fxoffload.profiles import resolve_profile
 
     def evaluate(setup: Setup, size: int, answer: bool) -> Point:
@@ -212,7 +212,7 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
                                  optimizer="none" if smallest else args.optimizer, traceback=args.traceback)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-            traced = _trace(source, run, seq, dtype, options, _Progress(True))
+            traced = trace_step(source, run, seq, dtype, options, Progress(True))
         if len(traced.records) != 1:
             raise FitError(f"{source.name}: the step compiled to {len(traced.records)} graphs (graph breaks); fit "
                            "needs it as one graph, whose device peak sees every tensor of the step")

@@ -40,8 +40,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxoffload.passes.analysis import tensor_storage_key
-from fxoffload.passes.ops import FXOFFLOAD_OPS, OFFLOAD, PREFETCH
+from fxoffload.passes import FXOFFLOAD_OPS, OFFLOAD, PREFETCH, tensor_storage_key
 
 __all__ = ["MemoryMeasurement", "measure_peak"]
 

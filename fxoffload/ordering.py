@@ -66,8 +66,9 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.compat import ensure_control_deps
-from fxoffload.passes.analysis import is_anchored_compute, is_compute, storage_key
-from fxoffload.passes.ops import DEFER, FXOFFLOAD_OPS, PREFETCH, RELEASES, WAIT
+from fxoffload.passes import (
+    DEFER, FXOFFLOAD_OPS, PREFETCH, RELEASES, WAIT, is_anchored_compute, is_compute, storage_key,
+)
 
 __all__ = ["pin_offload_order"]
 

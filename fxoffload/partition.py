@@ -28,8 +28,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from fxoffload.passes import unoffloaded_total_peak
-from fxoffload.passes.policies import offload_marked, read_policies, save_offload_marks
+from fxoffload.passes import offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak
 
 __all__ = ["Partitioner", "SolveMemo", "quick_min_cut"]
 

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
-from fxoffload.passes.plan import Plan
+from fxoffload.passes import Plan
 
 __all__ = ["Reservation", "pinned_empty", "release_cached", "reservation", "reserve_blocks"]
 

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes
-from fxoffload.passes.cost_model import DeviceProfile
-from fxoffload.passes.simulator import Simulation, simulate
+from fxoffload.passes import DeviceProfile, Simulation, simulate
 
 __all__ = ["format_seconds", "plot", "plot_fit", "plot_step"]
 
@@ -55,7 +54,7 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
               title: str | None = None, budget: int | None = None) -> Any:
     """Replay a step of several compiled-graph runs (``fxoffload.passes.step.simulate_step``: records in the
     order they ran) and draw it to ``path``: every run, copies crossing run boundaries included."""
-    from fxoffload.passes.step import simulate_step
+    from fxoffload.passes import simulate_step
 
     path = _image_path(path)
     from matplotlib.figure import Figure

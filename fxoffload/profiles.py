@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from fxoffload.errors import OptionError
-from fxoffload.passes.cost_model import DeviceProfile
+from fxoffload.passes import DeviceProfile
 
 __all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "local_processes",
            "op_call_seconds", "resolve_profile"]

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxoffload.callers import OffloadedInput
-from fxoffload.passes import DeviceProfile, Plan, Schedule, Timeline
-from fxoffload.passes.shares import Share
+from fxoffload.passes import DeviceProfile, Plan, Schedule, Share, Timeline
 
 __all__ = ["GraphRecord"]
 

@@ -41,8 +41,8 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
     """The graph's predicted activation peaks at both ends of the range (planned at the longest);
     a fractional budget is the same fraction at every length."""
     from fxoffload.config import parse_budget
-    from fxoffload.passes.memory import plan_sizes
-    from fxoffload.passes.scheduling import activation_peaks_at
+    from fxoffload.passes import plan_sizes
+    from fxoffload.passes import activation_peaks_at
 
     plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
@@ -70,8 +70,8 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
 def plan_report(records: list, *, model: str, batch: int, seq: int, dtype: str, layers: int | None,
                 checkpointing: str, budget: str, horizon: Any) -> dict:
     """Each compiled graph's figures (predicted: memory model, cost model, simulator), with what was planned."""
-    from fxoffload.passes.scheduling import plan_digest
-    from fxoffload.passes.simulator import simulate
+    from fxoffload.passes import plan_digest
+    from fxoffload.passes import simulate
 
     graphs = []
     for record in records:
@@ -131,7 +131,7 @@ def with_optimizer(step: dict, optimizer: dict) -> dict:
 def step_report(invocations: list, memory_budget: Any) -> dict:
     """The step's figures: every compiled-graph invocation replayed as one step (simulated)."""
     from fxoffload.config import parse_budget
-    from fxoffload.passes.step import simulate_step
+    from fxoffload.passes import simulate_step
 
     sim = simulate_step(invocations)
     budget = parse_budget(memory_budget)

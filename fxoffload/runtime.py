@@ -79,8 +79,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from fxoffload.engines import CpuEngine, CudaEngine, _dense_ends  # noqa: F401  (_dense_ends: the tests')
-from fxoffload.passes.ops import LIB as _lib
+from fxoffload.engines import CpuEngine, CudaEngine, dense_ends  # noqa: F401  (dense_ends: the tests')
+from fxoffload.passes import LIB as _lib
 from fxoffload.runtime_state import (
     STATE, CopyRecord, DebugCounts, Invocation, Offloaded, copies_in_flight, debug_counts, debugging, pending_transfers,
     trace,

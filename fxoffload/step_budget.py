@@ -29,8 +29,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from fxoffload.passes.plan import Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Plan, PlanOptions
-from fxoffload.passes.shares import RegionDemand, Share, share_for, step_peak
+from fxoffload.passes import (
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Plan, PlanOptions, RegionDemand, Share, share_for,
+    step_peak,
+)
 
 __all__ = [
     "SHARE_ROUNDS", "RunFigures", "StepBudget", "StepRegion", "StepShape", "learn_step", "plan_within_cap",

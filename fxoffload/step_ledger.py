@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from fxoffload.callers import KeptInput, kept_warning
-from fxoffload.passes.step import KeptSource
+from fxoffload.passes import KeptSource
 from fxoffload.step_budget import StepBudget
 
 __all__ = ["StepLedger"]

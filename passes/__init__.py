@@ -15,25 +15,45 @@ imports: docs/architecture.md.
 
 This package knows FX and PyTorch graphs (and calls PyTorch's partitioner only
 through a callback), nothing of torch.compile or of the copy engines. This
-module only names what callers use.
+module is the package's face: it names what callers use, and ``fxoffload/``
+imports from it alone (``tests/test_architecture.py``); tests may reach a stage.
 """
 
-from .analysis import SavedActivation
-from .candidates import Placement
-from .cost_model import DeviceProfile
-from .memory import Timeline
+from .analysis import (
+    SavedActivation, input_position, inputs_at, is_anchored_compute, is_compute, storage_key, tensor_nbytes,
+    tensor_storage_key,
+)
+from .candidates import AUTO_HORIZON, Placement
+from .cost_model import OPTIMIZERS, DeviceProfile, optimizer_step
+from .memory import Timeline, curve, on_device, plan_sizes, size_ranges, smallest_sizes
+from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, RELEASES, WAIT
 from .pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
 from .plan import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision, Plan, PlanOptions, Transfer,
+    ADVICE_WARN, ON_INFEASIBLE, STRATEGIES, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
+    OnInfeasible, Plan, PlanOptions, Strategy, Transfer, Why,
 )
-from .scheduling import Schedule
+from .policies import offload_marked, read_policies, save_offload_marks
+from .scheduling import (
+    Schedule, activation_peaks_at, held_after_forward, peaks_over_range, plan_digest, scheduled_moves,
+    staging_temporaries,
+)
+from .shares import RegionDemand, Share, share_for, step_peak
+from .simulator import Simulation, simulate
+from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
+from .step import KeptSource, StepSimulation, simulate_step
 from .strategy import plan_best_partition
 
 __all__ = [
-    "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "DeviceProfile", "Placement", "Plan",
-    "PlanOptions",
-    "PassResult", "SavedActivation", "Schedule", "Timeline", "Transfer", "plan_pair",
-    "plan_best_partition", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
+    "ADVICE_WARN", "AUTO_HORIZON", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "DEFER", "Decision",
+    "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
+    "OnInfeasible", "PREFETCH", "PassResult", "Placement", "Plan", "PlanOptions", "RELEASES", "RegionDemand",
+    "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
+    "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "activation_peaks_at", "curve",
+    "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute", "offload_marked",
+    "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
+    "plan_sizes", "read_policies", "rewrite_planned", "save_offload_marks", "scheduled_moves", "share_for",
+    "simulate", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
+    "storage_key", "tensor_nbytes", "tensor_storage_key", "unbounded_size_warning", "unoffloaded_total_peak",
 ]

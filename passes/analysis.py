@@ -93,14 +93,14 @@ def tensor_nbytes(val: torch.Tensor) -> Any:
     return int(numel) * val.element_size()
 
 
-def _aliased_input(node: fx.Node) -> fx.Node | None:
+def aliased_input(node: fx.Node) -> fx.Node | None:
     """The input whose storage ``node`` reuses (a view's base), or None for a new storage."""
     if node.op != "call_function":
         return None
     if node.target is operator.getitem:
         source = node.args[0]
         key = storage_key(node)
-        return source if key is not None and _aliased_input(source) is not None else None
+        return source if key is not None and aliased_input(source) is not None else None
     outputs = _output_storages(node)
     for arg in node.all_input_nodes:
         if storage_key(arg) in outputs:
@@ -130,7 +130,7 @@ def is_compute(node: fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         return False
-    return _aliased_input(node) is None
+    return aliased_input(node) is None
 
 
 def is_rng_state(node: fx.Node) -> bool:
@@ -260,7 +260,7 @@ class SavedActivation:
 def _trace_to_base(node: fx.Node) -> tuple[fx.Node, tuple[fx.Node, ...]]:
     chain = []
     current = node
-    while (parent := _aliased_input(current)) is not None:
+    while (parent := aliased_input(current)) is not None:
         chain.append(current)
         current = parent
     return current, tuple(reversed(chain))

@@ -57,7 +57,7 @@ import torch
 import torch.fx as fx
 
 from .analysis import (
-    SavedInterface, _aliased_input, is_anchored_compute, symbol_sources, tensor_nbytes, tensor_storage_key,
+    SavedInterface, aliased_input, is_anchored_compute, symbol_sources, tensor_nbytes, tensor_storage_key,
 )
 
 __all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
@@ -311,7 +311,7 @@ class _Walker:
             for arg in node.all_input_nodes:
                 for lifetime in self.lifetimes_of(arg):
                     self.death[lifetime] = i
-            if _aliased_input(node) is not None:
+            if aliased_input(node) is not None:
                 continue  # a view: no new storage
             for key, val in zip(self.node_keys(node), _vals(node)):
                 if node.target is operator.getitem and key in self.current:

@@ -66,6 +66,25 @@ def test_the_documented_import_table_is_the_code_s():
     assert not wrong, f"docs/architecture.md's imports differ from the code's: {wrong}"
 
 
+def test_fxoffload_reaches_the_passes_through_their_face_only():
+    """``fxoffload/`` imports the stages through ``fxoffload.passes`` (its ``__init__``), never a stage
+    module, at module level or inside a function: the stages may move and split behind it."""
+    reaching = {name: sorted(dep for dep in top | lazy if dep.startswith("fxoffload.passes."))
+                for name, (top, lazy) in actual_imports().items() if not name.startswith("fxoffload.passes")}
+    assert not {name: deps for name, deps in reaching.items() if deps}, reaching
+
+
+def test_no_private_name_is_imported_from_another_module_of_ours():
+    """A name with a leading underscore stays in its module (tests may reach in; the package may not)."""
+    files = [p for folder in FOLDERS for p in sorted((ROOT / folder).glob("*.py"))]
+    private = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fxoffload")):
+                private += [f"{path.parent.name}/{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, private
+
+
 def test_module_level_imports_have_no_cycle():
     graph = nx.DiGraph((name, dep) for name, (top, _) in actual_imports().items() for dep in top)
     assert nx.is_directed_acyclic_graph(graph), next(iter(nx.simple_cycles(graph)))

@@ -1,5 +1,5 @@
 """Staged copies: the CUDA engine puts a non-contiguous tensor through a
-contiguous device buffer at each end of its round trip (``runtime._dense_ends``), and the memory
+contiguous device buffer at each end of its round trip (``runtime.dense_ends``), and the memory
 model counts those buffers when the engine that will copy the graph's tensors stages copies.
 
 Run here through the fake of the CUDA stream API on CPU tensors (``tests/fake_cuda.py``): the
