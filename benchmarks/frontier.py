@@ -21,8 +21,9 @@ verdicts place each fxoffload way on PyTorch's frontier: the straight line betwe
 
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
 torch): kernel time by kind and the kernels added against plain, each stream's busy time and the compute
-stream's idle time within the step, copy bytes and throughput by direction, and the host time of
-fxoffload's ops.
+stream's idle time within the step (and how much of it passed with a copy in flight, or with the host
+inside one of fxoffload's op calls: a late prefetch, or the ops' host time holding the device back), copy
+bytes and throughput by direction, and the host time of fxoffload's ops.
 
 ``--dry-run`` runs every way on this CPU with the eager inner compiler (``aot_eager_decomp_partition``
 for PyTorch's ways): its figures are not a GPU's and are never written to RESULTS.md.
@@ -219,13 +220,46 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
 
 
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of ``intervals`` (start, end)."""
-    total, reach = 0.0, float("-inf")
+Intervals = list[tuple[float, float]]
+
+
+def _merged(intervals: Intervals) -> Intervals:
+    """The union of ``intervals`` (start, end) as disjoint intervals, in order."""
+    out: Intervals = []
     for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _busy(intervals: Intervals) -> float:
+    """The length of the union of ``intervals``."""
+    return sum(end - start for start, end in _merged(intervals))
+
+
+def _gaps(busy: Intervals, span: tuple[float, float]) -> Intervals:
+    """The parts of ``span`` no interval of ``busy`` covers."""
+    out, at = [], span[0]
+    for start, end in _merged(busy):
+        if start > at:
+            out.append((at, min(start, span[1])))
+        at = max(at, end)
+    if at < span[1]:
+        out.append((at, span[1]))
+    return out
+
+
+def _overlap(a: Intervals, b: Intervals) -> float:
+    """The length of the intersection of two unions of intervals."""
+    a, b, total, i, j = _merged(a), _merged(b), 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 
@@ -240,13 +274,17 @@ def _direction(name: str) -> str | None:
 def summarize_trace(events: list[dict]) -> dict:
     """A Chrome trace's events (torch.profiler's export) as the step's device timeline, in microseconds:
     kernels by kind, each stream's busy time, the compute stream's (the one with the most kernel time)
-    idle time within the step's span, copies by direction and the host time of fxoffload's ops."""
+    idle time within the step's span, copies by direction and the host time of fxoffload's ops. The idle
+    time is told apart: while a copy was in flight (a prefetch landing late, most likely), and while the
+    host was inside an fxoffload op call (the op's host time holding the device back)."""
     kernels: dict[str, dict] = {}
     streams: dict[str, list[tuple[float, float]]] = {}
     kernel_time: dict[str, float] = {}
     kernel_count: dict[str, int] = {}
     copies: dict[str, dict] = {}
     host_ops: dict[str, dict] = {}
+    host_calls: Intervals = []
+    in_flight: Intervals = []
     span = [float("inf"), float("-inf")]
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -257,6 +295,7 @@ def summarize_trace(events: list[dict]) -> dict:
             op = host_ops.setdefault(name, {"calls": 0, "us": 0.0})
             op["calls"] += 1
             op["us"] += dur
+            host_calls.append((start, start + dur))
         if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         stream = str(args.get("stream", "?"))
@@ -273,15 +312,19 @@ def summarize_trace(events: list[dict]) -> dict:
             copy["count"] += 1
             copy["bytes"] += int(args.get("bytes", 0) or 0)
             copy["us"] += dur
+            in_flight.append((start, start + dur))
     for copy in copies.values():
         copy["gb_per_s"] = copy["bytes"] / copy["us"] / 1e3 if copy["us"] else None
     busy = {stream: _busy(intervals) for stream, intervals in streams.items()}
     compute = max(kernel_time, key=kernel_time.get) if kernel_time else None
     step_us = span[1] - span[0] if compute is not None else 0.0
+    idle = _gaps(streams[compute], (span[0], span[1])) if compute is not None else []
     return {"kernels": kernels, "kernel_count": sum(k["count"] for k in kernels.values()),
             "compute_kernels": kernel_count.get(compute, 0),
             "stream_busy_us": busy, "compute_stream": compute, "step_us": step_us,
             "compute_idle_us": step_us - busy[compute] if compute is not None else 0.0,
+            "idle_copy_in_flight_us": _overlap(idle, in_flight),
+            "idle_in_fxoffload_host_us": _overlap(idle, host_calls),
             "copies": copies, "fxoffload_host": host_ops}
 
 
@@ -410,8 +453,8 @@ def _profile_lines(frontier: dict) -> list[str]:
     plain = profiles.get(Way("plain").name)
     lines = ["", "Profile of one step per way (torch.profiler): kernels on all streams, those added against plain, "
              "the compute stream's busy and idle time within the step, copies each way, fxoffload's host time.", "",
-             "| way | kernels | added | compute busy | compute idle | step span | to host | to device | "
-             "fxoffload host time |", "|---|---|---|---|---|---|---|---|---|"]
+             "| way | kernels | added | compute busy | compute idle | idle, a copy in flight | idle, in our op calls | "
+             "step span | to host | to device | fxoffload host time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for way, p in profiles.items():
         added = "-" if plain is None else f"{p['compute_kernels'] - plain['compute_kernels']:+d}"
         busy = p["stream_busy_us"].get(p["compute_stream"], 0.0) if p["compute_stream"] else 0.0
@@ -426,8 +469,9 @@ def _profile_lines(frontier: dict) -> list[str]:
         host = ", ".join(f"{name.split('::')[1]} {o['calls']} x {o['us'] / o['calls']:.0f} us"
                          for name, o in p["fxoffload_host"].items()) or "-"
         lines.append(f"| {way} | {p['kernel_count']} | {added} | {busy / 1e3:.1f} ms | "
-                     f"{p['compute_idle_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | {copy('device_to_host')} | "
-                     f"{copy('host_to_device')} | {host} |")
+                     f"{p['compute_idle_us'] / 1e3:.1f} ms | {p['idle_copy_in_flight_us'] / 1e3:.1f} ms | "
+                     f"{p['idle_in_fxoffload_host_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | "
+                     f"{copy('device_to_host')} | {copy('host_to_device')} | {host} |")
     return lines
 
 

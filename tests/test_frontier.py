@@ -30,7 +30,7 @@ def test_the_trace_summary_counts_busy_time_once_where_kernels_overlap():
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 45, "dur": 10,
          "args": {"stream": 21, "bytes": 500_000}},
         {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 1, "dur": 40},
-        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 50, "dur": 60},
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 60, "dur": 40},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2, "dur": 5},
         {"ph": "i", "cat": "kernel", "name": "an instant, not a span", "ts": 3, "args": {"stream": 7}},
     ]
@@ -44,7 +44,11 @@ def test_the_trace_summary_counts_busy_time_once_where_kernels_overlap():
     to_host = summary["copies"]["device_to_host"]
     assert to_host["bytes"] == 3_000_000 and to_host["gb_per_s"] == pytest.approx(100.0)
     assert summary["copies"]["host_to_device"]["bytes"] == 500_000
-    assert summary["fxoffload_host"] == {"fxoffload::offload": {"calls": 2, "us": 100.0}}
+    assert summary["fxoffload_host"] == {"fxoffload::offload": {"calls": 2, "us": 80.0}}
+    # The compute stream idles over 25..40 (the copy to host in flight, an offload call on the host) and
+    # 50..55 (the copy to device in flight).
+    assert summary["idle_copy_in_flight_us"] == 20.0
+    assert summary["idle_in_fxoffload_host_us"] == 15.0
 
 
 def test_the_frontier_line_interpolates_between_the_bracketing_points():
