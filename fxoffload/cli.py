@@ -21,26 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
-import torch
 
 from fxoffload.report import plan_report, print_report, range_report, step_report, with_optimizer
+from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, seq_range, trace_step
 
 __all__ = ["main"]
-
-
-class Progress:
-    """Timestamped progress lines on stderr (tracing a 7B graph takes tens of seconds)."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet, self.start = quiet, time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        if not self.quiet:
-            print(f"[{time.perf_counter() - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,10 +122,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class UsageError(ValueError):
-    """Bad input to the command; its message is printed as is."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -195,21 +179,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
-    _seq_range(args.seq)  # checked here with the other flags, before anything is built
+    seq_range(args.seq)  # checked here with the other flags, before anything is built
     return options
-
-
-def min_bytes_of(args: argparse.Namespace) -> Any:
-    """``--min-bytes`` as a number of bytes (a size like 1MiB is parsed); a UsageError naming the forms."""
-    from fxoffload.config import parse_budget
-
-    min_bytes = number_or_text(args.min_bytes)
-    if isinstance(min_bytes, (str, float)):
-        try:
-            min_bytes = parse_budget(str(min_bytes)).nbytes
-        except (ValueError, AttributeError):
-            raise UsageError(f"--min-bytes: got {args.min_bytes!r}; accepted: a number of bytes or a size like 1MiB")
-    return min_bytes
 
 
 def _budget_text(args: argparse.Namespace) -> str:
@@ -236,33 +207,6 @@ _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon":
           "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible"}
 
 
-def number_or_text(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def model_source(args: argparse.Namespace):
-    from fxoffload import models
-
-    if args.preset or args.config:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            raise UsageError("--preset and --config models are built with transformers, which is not installed; "
-                             "pip install 'fxoffload[models]'") from None
-    if args.preset:
-        return models.from_preset(args.preset, args.layers)
-    if args.config:
-        return models.from_config_file(args.config, args.layers)
-    if args.layers is not None:
-        raise UsageError("--layers: applies to --preset and --config models only (a model file builds its own)")
-    return models.from_python_file(args.model)
-
-
 def _plan(args: argparse.Namespace) -> int:
     from fxoffload.models import DTYPES, ModelError
 
@@ -274,7 +218,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
     try:
         source = model_source(args)
-        lengths = _seq_range(args.seq)
+        lengths = seq_range(args.seq)
         seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
         records, invocations, seconds, optimizer = trace_step(source, args, seq, DTYPES[args.dtype], options, progress,
                                                           lengths)
@@ -318,176 +262,6 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print_report(report, records)
     return 0
-
-
-def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: Progress,
-           lengths: tuple[int, ...] | None = None):
-    """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
-    ``--optimizer``) joins what is reserved under a device budget."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import fxoffload
-    from fxoffload.explain import format_stages
-    from fxoffload.models import checkpoint_layers, layer_list
-
-    torch._dynamo.reset()
-    seconds = {}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        progress(f"building {source.name} with fake tensors (batch {args.batch}, size {seq}, {dtype})")
-        start = time.perf_counter()
-        step, inputs, kwargs = source.build(args.batch, seq, dtype)
-        wrapped = checkpoint_layers(step, args.checkpointing, source.origin)
-        if wrapped:
-            progress(f"checkpointing ({args.checkpointing}) each of {wrapped} layers")
-        seconds["build"] = time.perf_counter() - start
-        optimizer = _optimizer(step, args.optimizer, options)
-        if optimizer["state_bytes"] and options.get("device_budget") is not None:
-            options = _reserve_optimizer_state(options, optimizer)
-        if lengths and len(lengths) == 2:
-            _mark_lengths(inputs, kwargs, *lengths)
-        progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
-        start = time.perf_counter()
-        blocks = list(layer_list(step) or ()) if args.per_layer else []
-        if args.per_layer and not blocks:
-            raise UsageError(f"--per-layer: {source.name} has no list of repeated layers (an nn.ModuleList "
-                             "of one layer class) to compile one at a time")
-        # One graph serves every layer: plan it for the step's runs of it.
-        backend = fxoffload.offload_backend(**options, **({"runs_per_step": len(blocks)} if blocks else {}))
-        try:
-            if blocks:
-                progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
-                for block in blocks:
-                    block.compile(backend=backend)
-                step(*inputs, **kwargs)  # the rest of the step runs eagerly, on fake tensors
-            else:
-                torch.compile(step, backend=backend)(*inputs, **kwargs)
-        except Exception as e:
-            error = _usage_error(e, source, args.traceback)
-            if error is e:
-                raise
-            raise error from None
-        seconds["trace_and_plan"] = time.perf_counter() - start
-    torch._dynamo.reset()
-    _check_compiled(backend, blocks, source)
-    stages: dict[str, float] = {}
-    for record in backend.records:
-        for stage, spent in record.pass_seconds:
-            stages[stage] = stages.get(stage, 0.0) + spent
-    seconds["fxoffload_passes"] = sum(stages.values())
-    seconds["fxoffload_stages"] = stages
-    progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
-             f"(fxoffload passes {format_stages(tuple(stages.items()))})")
-    return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer)
-
-
-class _Traced(NamedTuple):
-    """What tracing and planning one step gave: the records, the step's invocations (records in the
-    order they ran), wall times (measured) and the optimizer's figures (predicted: ``_optimizer``)."""
-
-    records: list
-    invocations: list
-    seconds: dict
-    optimizer: dict
-
-
-def _optimizer(step: Any, kind: str, options: dict) -> dict:
-    """The optimizer's figures for the model's parameters (predicted): state bytes and step seconds."""
-    from fxoffload.passes import tensor_nbytes
-    from fxoffload.passes import optimizer_step
-    from fxoffload.profiles import resolve_profile
-
-    if kind != "none" and not isinstance(step, torch.nn.Module):
-        raise UsageError(f"--optimizer {kind}: the model's step is not a torch.nn.Module, so its parameters are "
-                         "unknown; accepted: a model that is one, or --optimizer none")
-    parameters = list(step.parameters()) if isinstance(step, torch.nn.Module) else []
-    parameter_bytes = sum(int(tensor_nbytes(p)) for p in parameters)
-    cost = optimizer_step(kind, parameter_bytes, resolve_profile(options["device_profile"]))
-    return {"kind": kind, "parameter_bytes": parameter_bytes, "state_bytes": cost.state_bytes,
-            "step_time": cost.seconds}
-
-
-def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
-    """``options`` with the optimizer's state added to what is reserved of the device budget."""
-    from fxoffload.config import OffloadConfig, OptionError
-    from fxoffload.explain import format_bytes
-
-    reserved = OffloadConfig(**options).reserved_bytes + optimizer["state_bytes"]
-    try:
-        OffloadConfig(**{**options, "reserved": reserved})
-    except OptionError:
-        raise UsageError(f"--optimizer {optimizer['kind']}: its state ({optimizer['state_bytes']} B, "
-                         f"{format_bytes(optimizer['state_bytes'])}) and --reserved ({options['reserved']}) take "
-                         f"{reserved} B, nothing left of --device-budget {options['device_budget']}; accepted: a "
-                         "larger --device-budget, or less reserved") from None
-    return {**options, "reserved": reserved}
-
-
-def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
-    """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
-    budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
-    from fxoffload.models import ModelError, one_line
-    from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError
-
-    cause = _cause(error, (BudgetInfeasibleError, ModelError))
-    if isinstance(cause, BudgetInfeasibleError):
-        # The command plans for the budget it is given: the advice to warn instead does not apply.
-        advice = [a for a in cause.advice if a != ADVICE_WARN]
-        return UsageError(f"impossible budget: {cause.explained(advice)}")
-    if isinstance(cause, ModelError):
-        return UsageError(str(cause))
-    if source.user_code and not traceback:
-        return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: "
-                          f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
-    return error
-
-
-def _check_compiled(backend: Any, blocks: list, source: Any) -> None:
-    if blocks and not backend.records:
-        kind = type(blocks[0])
-        raise UsageError(
-            f"--per-layer: compiling each {kind.__name__} layer of {source.name} on its own gave no graph"
-            + (f": dynamo skipped torch.nn's own module {kind.__module__}.{kind.__name__} (torch 2.13 and earlier do "
-               "not compile torch.nn's modules one at a time); "
-               "put each layer in a module class of your own" if kind.__module__.startswith("torch.nn") else ""))
-    if not backend.records:
-        raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
-
-
-def _seq_range(text: str | None) -> tuple[int, ...] | None:
-    """``--seq``: None, (length,) or (lo, hi)."""
-    if text is None:
-        return None
-    accepted = "accepted: a length like 4096, or a range LO:HI like 1024:4096 with 2 <= LO < HI"
-    parts = text.split(":")
-    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
-        raise UsageError(f"--seq: got {text!r}; {accepted}")
-    values = tuple(int(p) for p in parts)
-    if len(values) == 2 and not 2 <= values[0] < values[1] or values[0] < 1:
-        raise UsageError(f"--seq: got {text!r}; {accepted}")
-    return values
-
-
-def _mark_lengths(inputs: tuple, kwargs: dict, lo: int, hi: int) -> None:
-    """One graph for every length in [lo, hi]: the token ids' sequence dimension is dynamic, bounded."""
-    ids = kwargs.get("input_ids")
-    if ids is None:
-        ids = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
-    if ids is None or kwargs.get("pixel_values") is not None:
-        raise UsageError("--seq LO:HI: needs a text model whose inputs are token ids (input_ids, batch x length)")
-    torch._dynamo.mark_dynamic(ids, 1, min=lo, max=hi)
-
-
-def _chain(error: BaseException):
-    """``error`` and the errors it wraps, outermost first (dynamo wraps the model's and the backend's)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        yield error
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-
-
-def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
-    return next((e for e in _chain(error) if isinstance(e, kinds)), None)
 
 
 def _plot_paths(path: Path, count: int) -> list[Path]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from fxoffload.passes import plan_digest
+from fxoffload.passes import activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, size_ranges, smallest_sizes
 
 __all__ = ["explain", "format_bytes", "format_stages"]
 
@@ -133,9 +133,6 @@ def _sizes(record: Any) -> list[str]:
     """Under dynamic shapes: the size the plan (and its copy times) is made for, the other sizes it
     holds a fractional budget at, and the worst predicted share across that range; else the peaks
     at the smallest size the graph serves."""
-    from fxoffload.passes import plan_sizes, size_ranges, smallest_sizes
-    from fxoffload.passes import activation_peaks_at, peaks_over_range
-
     sizes = plan_sizes(record.timeline)
     if not sizes:
         return []

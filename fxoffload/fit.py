@@ -222,9 +222,7 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     ``vocab``), the saved activations kept, and everything else alive there; the code names the
     fixed bytes when they alone reach ``memory``, else the largest share, except that saved
     activations when the host budget held a copy back are the host budget's limit."""
-    from fxoffload.passes import curve, on_device
-    from fxoffload.passes import Why
-    from fxoffload.passes import scheduled_moves, staging_temporaries
+    from fxoffload.passes import Why, curve, on_device, scheduled_moves, staging_temporaries
 
     plan, timeline, schedule = record.plan, record.timeline, record.schedule
     moved = scheduled_moves(plan, timeline, schedule)

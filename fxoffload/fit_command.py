@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fxoffload.cli import UsageError, number_or_text, Progress, model_source, trace_step, min_bytes_of
+from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
 from fxoffload.fit import SETUPS, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak
 
 __all__ = ["add_fit_parser", "run_fit"]
@@ -193,9 +193,7 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
                by_batch: bool) -> Callable[[Setup, int, bool], Point]:
     """Plans one step of a setup at a size (fake tensors, one graph) and reads its device peak: see
     ``fxoffload.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
-    from fxoffload.passes import optimizer_step
-    from fxoffload.passes import BudgetInfeasibleWarning
-    from fxoffload.passes import simulate
+    from fxoffload.passes import BudgetInfeasibleWarning, optimizer_step, simulate
     from fxoffload.profiles import resolve_profile
 
     def evaluate(setup: Setup, size: int, answer: bool) -> Point:

@@ -41,8 +41,7 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
     """The graph's predicted activation peaks at both ends of the range (planned at the longest);
     a fractional budget is the same fraction at every length."""
     from fxoffload.config import parse_budget
-    from fxoffload.passes import plan_sizes
-    from fxoffload.passes import activation_peaks_at
+    from fxoffload.passes import activation_peaks_at, plan_sizes
 
     plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
@@ -70,8 +69,7 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
 def plan_report(records: list, *, model: str, batch: int, seq: int, dtype: str, layers: int | None,
                 checkpointing: str, budget: str, horizon: Any) -> dict:
     """Each compiled graph's figures (predicted: memory model, cost model, simulator), with what was planned."""
-    from fxoffload.passes import plan_digest
-    from fxoffload.passes import simulate
+    from fxoffload.passes import plan_digest, simulate
 
     graphs = []
     for record in records:

@@ -280,7 +280,7 @@ def test_torch_nn_layers_that_compile_to_nothing_get_advice():
     """Releases up to 2.13 skip torch.nn's own modules compiled one at a time: the error says what to do."""
     from types import SimpleNamespace
 
-    from fxoffload.cli import UsageError, _check_compiled
+    from fxoffload.tracing import UsageError, _check_compiled
 
     with pytest.raises(UsageError) as error:
         _check_compiled(SimpleNamespace(records=[]), [torch.nn.Linear(2, 2)], SimpleNamespace(name="net"))
