@@ -76,6 +76,9 @@ ensure_control_deps()
 
 
 def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
+    """Node -> the nodes it must follow: each fxoffload op after its rise anchor, the op before it and
+    (a release) the readers of what it frees, (a defer) the graph's last kernels; its sink anchor after
+    it. Anchors are chosen so that no fusion splits (see the module docstring)."""
     edges: dict[fx.Node, OrderedSet[fx.Node]] = {}
     reach = _Reach(graph)
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target in FXOFFLOAD_OPS]
@@ -160,7 +163,7 @@ def _splits_any(reach: "_Reach", anchor: fx.Node, op: fx.Node, neighbours: set[f
     return any(reach.splits(anchor, n, op, after) for n in neighbours)
 
 
-_CANDIDATES = 16  # barriers tried on each side of an op; none harmless among them: no anchor there
+_CANDIDATES = 16  # anchors tried on each side of an op; none harmless among them: no anchor on that side
 
 
 def _readers_before(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
