@@ -133,8 +133,11 @@ def priced_staging(costs: Mapping[fx.Node, TransferCost], options: PlanOptions,
                    profile: DeviceProfile) -> dict[fx.Node, TransferCost]:
     """Each candidate's copy costs with its staging copies' compute time (``options.staging_devices``:
     the engines that stage a strided tensor; none, nothing changes)."""
-    return {b: dataclasses.replace(c, staging=2 * staging_seconds(staging_bytes(b, options), profile))
-            if staging_bytes(b, options) else c for b, c in costs.items()}
+    priced = dict(costs)
+    for b, c in costs.items():
+        if staged := staging_bytes(b, options):
+            priced[b] = dataclasses.replace(c, staging=2 * staging_seconds(staged, profile))
+    return priced
 
 
 def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
