@@ -12,7 +12,9 @@ tokens in bf16, each block compiled on its own (torchtitan style; the embedding,
 
 The ways: plain (Inductor); PyTorch's ``activation_memory_budget`` at each budget; full checkpointing per
 block (non-reentrant); fxoffload ``memory_budget`` at each budget under each strategy (``auto`` is the
-default options); checkpointing per block with fxoffload offloading the layer inputs. Per way: the median
+default options), and at ``--measured-budgets`` (default 0.5) strategy auto with ``select="measured"``
+(its candidate plans timed in extra warm-up steps, the fastest kept; the notes say which); checkpointing
+per block with fxoffload offloading the layer inputs. Per way: the median
 step (forward and backward, after warm-up steps), the device peak (``max_memory_allocated`` above what
 was allocated before the step), the device bytes held when the backward begins, and for fxoffload's ways
 its predictions (the simulated step over the step's graph runs, the bytes it predicts held). The
@@ -59,6 +61,11 @@ from results import gpu_or_dry_run, save_run, show_measured  # noqa: E402
 HEADING = "Frontier (measured)"
 BUDGETS = (0.7, 0.5, 0.3)
 STRATEGIES = ("auto", "offload", "recompute")
+MEASURED_BUDGETS = (0.5,)
+SELECT_STEPS = 2  # timed steps per candidate under select="measured"
+# Warm-up steps measured selection adds: the re-plan once the first step counted the runs, then at most
+# four candidates, each a warm-up step and its timed steps.
+SELECTION_WARMUP = 1 + 4 * (1 + SELECT_STEPS)
 GIB = 2 ** 30
 
 
@@ -72,14 +79,14 @@ class Setup:
     dtype: str
     compile: str  # "per-block" (each block on its own) or "whole" (the step as one graph)
     inner: str  # fxoffload's inner compiler: "inductor" on a GPU, "eager" in the dry run
-    warmup: int
+    warmup: int  # at least 2: fxoffload re-plans and recompiles a block graph at the second step (runs_per_step)
     timed: int
 
     @staticmethod
     def for_run(dry_run: bool) -> "Setup":
         if dry_run:
             return Setup(LlamaShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=128), batch=1, seq=64,
-                         dtype="float32", compile="per-block", inner="eager", warmup=1, timed=2)
+                         dtype="float32", compile="per-block", inner="eager", warmup=2, timed=2)
         return Setup(LlamaShape(), batch=1, seq=8192, dtype="bfloat16", compile="per-block", inner="inductor",
                      warmup=3, timed=5)
 
@@ -92,6 +99,7 @@ class Way:
     kind: str
     budget: float | None = None
     strategy: str | None = None
+    select: str = "predicted"  # fxoffload's select option
 
     @property
     def name(self) -> str:
@@ -103,18 +111,23 @@ class Way:
             return "full checkpointing per block"
         if self.kind == "checkpoint+fxoffload":
             return "checkpointing per block, layer inputs offloaded (fxoffload)"
-        return f"fxoffload memory_budget={self.budget}, strategy={self.strategy}"
+        measured = ", select=measured" if self.select == "measured" else ""
+        return f"fxoffload memory_budget={self.budget}, strategy={self.strategy}{measured}"
 
     @property
     def checkpointed(self) -> bool:
         return self.kind in ("checkpoint", "checkpoint+fxoffload")
 
 
-def default_ways(budgets: Iterable[float] = BUDGETS, strategies: Iterable[str] = STRATEGIES) -> list[Way]:
-    """PyTorch's points first (the frontier), then fxoffload's ways, its default options (auto) first."""
+def default_ways(budgets: Iterable[float] = BUDGETS, strategies: Iterable[str] = STRATEGIES,
+                 measured: Iterable[float] = MEASURED_BUDGETS) -> list[Way]:
+    """PyTorch's points first (the frontier), then fxoffload's ways: its default options (auto) first, then
+    measured selection, then the other strategies (a deadline skips the last ways first)."""
     budgets, strategies = tuple(budgets), tuple(strategies)
-    return [Way("plain"), *(Way("pytorch", b) for b in budgets), Way("checkpoint"),
-            *(Way("fxoffload", b, s) for s in strategies for b in budgets), Way("checkpoint+fxoffload")]
+    by_strategy = [[Way("fxoffload", b, s) for b in budgets] for s in strategies]
+    return [Way("plain"), *(Way("pytorch", b) for b in budgets), Way("checkpoint"), *by_strategy[0],
+            *(Way("fxoffload", b, "auto", "measured") for b in measured), *sum(by_strategy[1:], []),
+            Way("checkpoint+fxoffload")]
 
 
 @dataclass
@@ -159,6 +172,8 @@ def backend_for(setup: Setup, way: Way, profile: Any, cuda: bool) -> tuple[Any, 
     if way.kind == "fxoffload":
         # on_infeasible="warn": a budget out of reach still runs, at the lowest peak it reaches (noted).
         options.update(memory_budget=way.budget, strategy=way.strategy, on_infeasible="warn")
+        if way.select == "measured":
+            options.update(select="measured", select_steps=SELECT_STEPS)
     else:
         options.update(strategy="offload")  # no budget: every layer input the plan can move
     if not cuda:
@@ -182,15 +197,28 @@ def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.de
     try:
         backend, fx_backend = backend_for(setup, way, profile, cuda)
         step = build_step(setup, way, backend, device)
-        measure(step, tokens, setup, cuda, run, compile_context(way))
+        sizes = replace(setup, warmup=setup.warmup + SELECTION_WARMUP) if way.select == "measured" else setup
+        measure(step, tokens, sizes, cuda, run, compile_context(way))
         if fx_backend is not None:
             predict(fx_backend, run)
+            run.notes += selection_notes(fx_backend)
         if with_profile:
             frontier.profiles[way.name] = profile_step(step, tokens, cuda)
     except Exception as error:  # noqa: BLE001 -- one failing way must not cost the others' figures
         run.error = one_line(error)
         run.notes.append(traceback.format_exc(limit=4)[-1500:])
     return run
+
+
+def selection_notes(backend: Any) -> list[str]:
+    """What measured selection kept in each compiled region, with every candidate's measured median."""
+    notes = []
+    for record in backend.records:
+        if (selection := record.selection) is not None:
+            timed = ", ".join(f"{t.key} {_ms(t.median)}" for t in selection.candidates)
+            notes.append(f"region {record.region}: measured selection kept {selection.kept.key} ({timed} "
+                         "per step, medians)")
+    return notes
 
 
 # ----------------------------------------------------------------------------- the profile
@@ -504,6 +532,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="also summarise one profiled step per way")
     parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--measured-budgets", type=float, nargs="*", default=list(MEASURED_BUDGETS),
+                        help="budgets at which strategy auto also runs with select='measured' (none: leave it out)")
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds after which the remaining ways "
                         "are skipped (default 540)")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
@@ -514,8 +544,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--from-json", type=Path, help="render a GPU run's frontier.json instead of running")
     parser.add_argument("--write", action="store_true", help="with --from-json: write its RESULTS.md section")
     args = parser.parse_args(argv)
-    if any(not 0 < b <= 1 for b in args.budgets):
-        parser.error(f"--budgets {args.budgets}: each must be a fraction in (0, 1]")
+    for flag, budgets in (("--budgets", args.budgets), ("--measured-budgets", args.measured_budgets)):
+        if any(not 0 < b <= 1 for b in budgets):
+            parser.error(f"{flag} {budgets}: each must be a fraction in (0, 1]")
     return args
 
 
@@ -548,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     s = frontier.setup
     tokens = torch.randint(0, s.shape.vocab, (s.batch, s.seq + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
-    for way in default_ways(args.budgets, args.strategies):
+    for way in default_ways(args.budgets, args.strategies, args.measured_budgets):
         if time.monotonic() - start > args.deadline:
             frontier.skipped.append(f"{way.name}: past the deadline")
             continue

@@ -51,18 +51,19 @@ from torch.fx.graph import _BoxedCodeGen
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.callers import CallerWatch, offloaded_inputs
 from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
-from fxoffload.config import OffloadConfig, config_from_options
+from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import pin_offload_order
 from fxoffload.partition import Partitioner
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, KeptSource, PassResult, Plan, PlanOptions, Share,
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Candidate, KeptSource, PassResult, Plan, PlanOptions, Share,
     held_after_forward, inputs_at, plan_best_partition, plan_digest, rewrite_planned, unbounded_size_warning,
 )
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import RankCheck, graph_key
 from fxoffload.record import GraphRecord
+from fxoffload.selection import Mark, RegionSelection
 from fxoffload.step_budget import StepBudget, plan_within_cap
 from fxoffload.step_ledger import StepLedger
 
@@ -125,6 +126,12 @@ class _Replan:
                               else t for t in example_inputs]
         return cls(fx.GraphModule(gm, graph), list(example_inputs), activations, patches)
 
+    def copy(self) -> "_Replan":
+        """Another copy of the graph, to compile once more (a compile may edit the graph it is handed)."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.module.graph, {}))
+        return dataclasses.replace(self, module=fx.GraphModule(self.module, graph))
+
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     # Boxed code takes the argument list and clears it, so every input (a saved
@@ -148,18 +155,22 @@ class _Compilation:
     """
 
     def __init__(self, backend: "OffloadBackend", region: tuple, input_activations: frozenset[int],
-                 replannable: bool = False, graph: str = "") -> None:
+                 replannable: bool = False, graph: str = "", choose: str | None = None) -> None:
         self.backend = backend
         self.region = region
         self.graph = graph  # the key ranks compare its plan under (fxoffload.ranks.graph_key)
         self.input_activations = input_activations
         self.replannable = replannable  # runs_per_step="auto" may plan it again once the step is counted
+        self.choose = choose  # the candidate plan to compile (measured selection), else the fastest predicted
         self.record: GraphRecord | None = None
+        # While its step is timed (measured selection): takes a Mark of each backward run.
+        self.timer: Callable[[Mark], None] | None = None
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.record = self.backend.plan_region(fw, bw, num_user_outputs, policies, repartition, self.region,
-                                              plain_total, self.input_activations, self.replannable, self.graph)
+                                              plain_total, self.input_activations, self.replannable, self.graph,
+                                              self.choose)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -170,7 +181,7 @@ class _Compilation:
         def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
             self.capture(gm, is_backward)
             compiled = _eager_compile(gm, example_inputs)
-            return _run_backward(compiled, self.backend.config.debug) if is_backward else compiled
+            return _run_backward(compiled, self.backend.config.debug, self) if is_backward else compiled
 
         return compile_graph
 
@@ -181,16 +192,23 @@ class _Compilation:
         if not kwargs.get("is_inference", False):
             self.capture(gm, is_backward)
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        return _run_backward(compiled, self.backend.config.debug) if is_backward else compiled
+        return _run_backward(compiled, self.backend.config.debug, self) if is_backward else compiled
 
 
-def _run_backward(compiled: Callable, debug: bool) -> Callable:
+def _run_backward(compiled: Callable, debug: bool, compilation: _Compilation) -> Callable:
     """A boxed backward that, when it raises, drops the copies it left in flight
-    (:func:`fxoffload.runtime.backward_graph`), in debug mode under ``debug`` (forwards: see ``_track``)."""
+    (:func:`fxoffload.runtime.backward_graph`), in debug mode under ``debug`` (forwards: see ``_track``),
+    timed while ``compilation.timer`` is set (measured selection)."""
 
     def run(args: list) -> Any:
+        timer = compilation.timer
+        if timer is not None and (device := _device_of(args)) is not None:
+            start = fxoffload.runtime.timing_mark(device)
         with fxoffload.runtime.backward_graph(), fxoffload.runtime.debugging(debug):
-            return compiled(args)
+            out = compiled(args)
+        if timer is not None and device is not None:
+            timer(Mark(device, start, fxoffload.runtime.timing_mark(device)))
+        return out
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -210,6 +228,7 @@ class OffloadBackend:
         self._callers = CallerWatch()
         # The step as its first backward showed it, and the shares of its memory budget.
         self._step = StepBudget(config.plan_options.budget, config.plan_options.device_bytes is not None)
+        self._steps = 0  # steps begun (a new one at the first forward after a backward began)
 
     @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
@@ -265,9 +284,11 @@ class OffloadBackend:
         self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
         repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
         input_activations: frozenset[int] = frozenset(), replannable: bool = False, graph: str = "",
+        choose: str | None = None,
     ) -> GraphRecord:
         """Plan and rewrite the pair the partition hook made of ``region``'s graph (``_Compilation.on_pair``
-        calls it), with the step's budget as the regions so far leave it; record it."""
+        calls it), with the step's budget as the regions so far leave it; record it. ``choose``: the
+        candidate plan of strategy auto to take (measured selection), else the fastest predicted."""
         place = self._ledger.place(region)
         options, held_before = self._options_for(place, region)
         options = dataclasses.replace(options, total_cap=plain_total,
@@ -277,7 +298,7 @@ class OffloadBackend:
             return plan_best_partition(
                 fw, bw, num_user_outputs, repartition,
                 options=options, horizon=self.config.horizon, profile=self.config.profile, policies=policies,
-                input_activations=input_activations,
+                input_activations=input_activations, compare_all=self.config.select == "measured", choose=choose,
             )
 
         provisional = short = False
@@ -305,9 +326,7 @@ class OffloadBackend:
         result: PassResult = rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
-        deferred = sum(int(result.plan.transfers[p.transfer].nbytes) for p in result.schedule.placements if p.deferred)
-        held = held_after_forward(result.plan, result.timeline, result.schedule)
-        self._ledger.note_plan(region, held, result.plan.pinned_host_bytes, max(deferred, result.schedule.ahead_bytes))
+        held = self._note_plan(region, result.plan, result.timeline, result.schedule)
         self._check_host_memory(fw)
         record = GraphRecord(
             index=len(self.records), forward=fw, backward=bw, plan=result.plan, schedule=result.schedule,
@@ -318,6 +337,7 @@ class OffloadBackend:
             step_budget=self._step.budget_bytes() if region in self._step.shares else None,
             step_round=self._step.round if region in self._step.shares else -1,
             largest_saved_input=_largest_saved_input(fw, result.plan, input_activations),
+            candidates=result.candidates, candidate_key=choose,
         )
         self.records.append(record)
         self._ledger.region_of[record.index] = region
@@ -328,6 +348,13 @@ class OffloadBackend:
             for module in (fw, bw):
                 pin_offload_order(module)
         return record
+
+    def _note_plan(self, region: tuple, plan: Plan, timeline: Any, schedule: Any) -> int:
+        """Tell the ledger what a plan of ``region`` holds, takes and spills; what one run leaves for its backward."""
+        deferred = sum(int(plan.transfers[p.transfer].nbytes) for p in schedule.placements if p.deferred)
+        held = held_after_forward(plan, timeline, schedule)
+        self._ledger.note_plan(region, held, plan.pinned_host_bytes, max(deferred, schedule.ahead_bytes))
+        return held
 
     def _may_wait(self, region: tuple, input_activations: frozenset[int], replannable: bool, held_before: int) -> bool:
         """Whether a region whose budget is out of reach may run the first step provisionally, to be
@@ -390,47 +417,63 @@ class OffloadBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], patches: dict) -> Callable:
         region = self._region_key()
         activations = input_activations(example_inputs)
-        replan = (_Replan.of(gm, example_inputs, activations, patches) if self.config.runs_per_step == "auto"
-                  else None)
+        measured = self.config.select == "measured"
+        if measured:
+            _refuse_several_ranks()
+        source = (_Replan.of(gm, example_inputs, activations, patches)
+                  if self.config.runs_per_step == "auto" or measured else None)
+        replan = source if self.config.runs_per_step == "auto" else None
         compiled = self._compile_region(gm, example_inputs, region, activations, patches,
                                         replannable=replan is not None)
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
         warn = budget is not None and budget.nbytes is not None and replan is None
-        return self._track(region, compiled, warn, replan)
+        return self._track(region, _RegionRun(compiled, replan, source if measured else None, selected=not measured),
+                           warn)
 
-    def _track(self, region: tuple, compiled: "_Compiled", warn: bool, replan: "_Replan | None") -> Callable:
+    def _track(self, region: tuple, state: "_RegionRun", warn: bool) -> Callable:
         """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the
         backward that runs next (``fxoffload.runtime``), and tell the runtime when its backward begins.
 
         Count the region's forwards until a backward begins: one compiled graph may serve several
-        layers (per-layer ``compile``, as FSDP2 recipes do). With ``replan`` (runs_per_step="auto"),
+        layers (per-layer ``compile``, as FSDP2 recipes do). With ``state.replan`` (runs_per_step="auto"),
         a graph whose region ran more often than its plan counted, or whose plan was provisional, is
         re-planned and recompiled, once, before its next forward. With ``warn`` (an absolute budget, no
-        re-plan), say with the numbers when the activations of its runs add up past the budget."""
-        current, pending = [compiled], [replan]
+        re-plan), say with the numbers when the activations of its runs add up past the budget. Under
+        select="measured", once its plan is final, each step's first forward runs the candidate
+        ``_select_step`` says, timed."""
 
         def run(*args: Any) -> Any:
-            if pending[0] is not None and region in self._ledger.counted:  # a step has shown how often it runs
+            if state.replan is not None and region in self._ledger.counted:  # a step has shown how often it runs
                 share = self._step.share(region, self._ledger.held_before)
-                if self._needs_replan(region, current[0].compilation.record, share):
-                    current[0] = self._replan(region, pending[0], share)  # a failure raises here, every time
-                if self._step.final(current[0].compilation.record):
-                    pending[0] = None  # the graph copy and its inputs go
+                if self._needs_replan(region, state.compiled.compilation.record, share):
+                    state.compiled = self._replan(region, state.replan, share)  # a failure raises here, every time
+                if self._step.final(state.compiled.compilation.record):
+                    state.replan = None  # the graph copy and its inputs go
             # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
             # stage's metadata inference (see compile_call.pipeline_inference). (Runs on fake tensors are:
             # fxoffload plan traces its steps so.)
             step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                             and not pipeline_inference())
-            if step_forward and self._ledger.backward_seen and (check := self._rank_check) is not None:
-                check.step_begins()  # a new step: compare the plans the ranks published in the last one
+            if step_forward and self._ledger.backward_seen:  # a new step
+                self._steps += 1
+                if (check := self._rank_check) is not None:
+                    check.step_begins()  # compare the plans the ranks published in the last one
             if step_forward:
                 self._callers.next_forward()
-            if (record := current[0].compilation.record) is not None and not record.host_reserved:
+                if state.step != self._steps:  # the region's first forward of this step
+                    state.step = self._steps
+                    self._select_step(region, state)
+            if (record := state.compiled.compilation.record) is not None and not record.host_reserved:
                 self._reserve_host(record, args)
+            timer = state.compiled.compilation.timer if step_forward else None
+            if timer is not None and (device := _device_of(args)) is not None:
+                start = fxoffload.runtime.timing_mark(device)
             with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
-                out = current[0].run(*args)
-            record = current[0].compilation.record
+                out = state.compiled.run(*args)
+            if timer is not None and device is not None:
+                timer(Mark(device, start, fxoffload.runtime.timing_mark(device)))
+            record = state.compiled.compilation.record
             if step_forward and record is not None and (node := _backward_node(out)) is not None:
                 self._ledger.note_forward(record)
                 node.register_prehook(functools.partial(self._on_backward, invocation))
@@ -441,6 +484,66 @@ class OffloadBackend:
             return out
 
         return run
+
+    def _select_step(self, region: tuple, state: "_RegionRun") -> None:
+        """Measured selection (``fxoffload.selection``), at a region's first forward of a step: once its plan
+        is final, run each candidate plan of strategy auto for its steps (compiled when its turn comes,
+        timed after a warm-up step), then keep the fastest measured for good."""
+        if state.selected or state.replan is not None:
+            return
+        if state.trials is None:
+            record = state.compiled.compilation.record
+            candidates = list(record.candidates) if record is not None else []
+            if state.source is None or len(candidates) < 2:  # nothing to choose, or no graph to compile again
+                state.selected = True
+                return
+            keys = tuple(c.key for c in candidates)
+            state.trials = _Trials(RegionSelection(keys, self.config.select_steps), candidates,
+                                   {keys[0]: state.compiled})
+        schedule = state.trials.schedule
+        state.compiled.compilation.timer = None
+        schedule.begin_step()
+        while not schedule.measured:
+            if (compiled := self._trial(region, state.source, state.trials)) is not None:
+                state.compiled = compiled
+                compiled.compilation.timer = schedule.note if schedule.timing else None
+                return
+        self._keep_fastest(region, state)
+
+    def _trial(self, region: tuple, source: "_Replan", trials: "_Trials") -> "_Compiled | None":
+        """The compiled candidate whose steps these are, compiled at its first; None when it cannot be
+        compiled (then left out, with a warning)."""
+        index = trials.schedule.candidate
+        candidate = trials.candidates[index]
+        if candidate.key not in trials.compiled:
+            try:
+                with torch._functorch.config.patch(enable_autograd_cache=False):
+                    source = source.copy()
+                    trials.compiled[candidate.key] = self._compile_region(
+                        source.module, source.example_inputs, region, source.input_activations, source.patches,
+                        choose=candidate.key)
+            except Exception as error:  # noqa: BLE001 (any failure leaves the candidate out, said)
+                warnings.warn(f"fxoffload: measured selection leaves out the plan {candidate.label!r} of compiled "
+                              f"region {self._ledger.place(region)}: compiling it again failed ({error})",
+                              stacklevel=3)
+                trials.schedule.drop(index)
+                del trials.candidates[index]
+                return None
+        return trials.compiled[candidate.key]
+
+    def _keep_fastest(self, region: tuple, state: "_RegionRun") -> None:
+        """Read the timed steps, keep the candidate with the least median for good, and tell the ledger its figures."""
+        trials = state.trials
+        selection = trials.schedule.decide(
+            trials.candidates, lambda m: fxoffload.runtime.elapsed_seconds(m.device, m.start, m.end))
+        kept = trials.compiled[selection.kept.key]
+        record = kept.compilation.record
+        record.selection, record.candidate_key = selection, None
+        self._note_plan(region, record.plan, record.timeline, record.schedule)
+        state.compiled, state.trials, state.selected = kept, None, True
+        log.info("fxoffload: compiled region %d: measured selection keeps %r (median %.3f ms per step, of %d plans)",
+                 self._ledger.place(region), selection.kept.label, 1e3 * (selection.kept.median or 0.0),
+                 len(selection.candidates))
 
     def _reserve_host(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Make the host blocks the graph's copies will take before its first run queues a kernel, for
@@ -463,8 +566,9 @@ class OffloadBackend:
                  "" if share is None else f" of {len(self._step.shape.regions)} regions, with its share of the budget")
         try:
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                compiled = self._compile_region(replan.module, replan.example_inputs, region,
-                                                replan.input_activations, replan.patches)
+                source = replan.copy()  # measured selection may compile it again
+                compiled = self._compile_region(source.module, source.example_inputs, region,
+                                                source.input_activations, source.patches)
         except BaseException:
             if before is None:
                 del self._ledger.runs[region]
@@ -516,11 +620,13 @@ class OffloadBackend:
             self._step.learn(ledger.records, ledger.region_of, ledger.counted)
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
-                        activations: frozenset[int], patches: dict, replannable: bool = False) -> "_Compiled":
+                        activations: frozenset[int], patches: dict, replannable: bool = False,
+                        choose: str | None = None) -> "_Compiled":
         """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
         ``patches``: Inductor options of the compile's mode (:func:`fxoffload.compile_call.mode_patches`);
-        ``replannable``: the count of its runs may plan it again (see ``_track``)."""
-        compilation = _Compilation(self, region, activations, replannable, graph_key(gm, example_inputs))
+        ``replannable``: the count of its runs may plan it again (see ``_track``); ``choose``: the
+        candidate plan to take (measured selection)."""
+        compilation = _Compilation(self, region, activations, replannable, graph_key(gm, example_inputs), choose)
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,
@@ -546,6 +652,42 @@ class OffloadBackend:
             decompositions=select_decomp_table(),
         )
         return compiler(gm, example_inputs)
+
+
+@dataclass
+class _Trials:
+    """A region's candidates under measured selection: their schedule and timings, and those compiled so far."""
+
+    schedule: RegionSelection
+    candidates: list[Candidate]  # in predicted order, as the schedule's keys
+    compiled: dict[str, _Compiled]  # by candidate key
+
+
+@dataclass
+class _RegionRun:
+    """What a region's run wrapper (``OffloadBackend._track``) carries from one call to the next."""
+
+    compiled: _Compiled  # what runs now
+    replan: _Replan | None  # runs_per_step="auto": to plan it again once a step has counted it; None once final
+    source: _Replan | None  # select="measured": to compile each candidate plan
+    trials: _Trials | None = None  # measured selection under way
+    step: int = -1  # the backend's step in which it last ran a forward
+    selected: bool = False  # measured selection is over (or off, or has nothing to choose)
+
+
+def _device_of(args: Sequence[Any]) -> torch.device | None:
+    """The device of a graph's first tensor argument (what its marks are taken on)."""
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def _refuse_several_ranks() -> None:
+    """select="measured" in one process only: ranks would time apart and plan apart."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and (ranks := dist.get_world_size()) > 1:
+        raise OptionError("select", f"select='measured' in a job of {ranks} ranks: each rank would time its own "
+                          "candidates and keep its own plan, and ranks must plan alike; accepted: 'measured' in "
+                          "one process, or 'predicted' (the default)")
 
 
 def _largest_saved_input(fw: fx.GraphModule, plan: Plan, input_activations: frozenset[int]) -> int:

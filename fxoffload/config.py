@@ -20,6 +20,8 @@ __all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"
 
 InnerCompiler = Literal["inductor", "eager"]
 INNER_COMPILERS: tuple[str, ...] = get_args(InnerCompiler)
+Select = Literal["predicted", "measured"]
+SELECTS: tuple[str, ...] = get_args(Select)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)\s*$", re.IGNORECASE)
@@ -162,6 +164,20 @@ class OffloadConfig:
     recompute every recomputable one) whether or not that lowers the peak, as naive offloading
     does: a baseline for comparisons and tests. Not with ``memory_budget`` or ``device_budget``."""
 
+    select: Select = "predicted"
+    """How strategy auto picks among its plans of a graph that meet the budget (the min-cut pair's
+    joint plan, offload-only, recompute-only, and PyTorch's recompute-only partition): ``"predicted"``,
+    the fastest the cost model predicts (plans depend on the graph and the options alone); or
+    ``"measured"``, the fastest measured: the first steps run each candidate (one warm-up step, then
+    ``select_steps`` timed steps; CUDA events around each graph) and the fastest median is kept for
+    good, and ``explain`` reports every candidate's figures. Under ``"measured"`` the alternatives are
+    planned even when the first plan predicts no cost. One process only (ranks would time apart and
+    plan apart); needs ``strategy="auto"`` and a memory budget to have a choice, and graphs without
+    symbolic sizes (they are compiled again per candidate)."""
+
+    select_steps: int = 3
+    """Timed steps per candidate under ``select="measured"``, after its warm-up step (the median counts)."""
+
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
         _device_bytes("device_budget", self.device_budget)
@@ -192,6 +208,10 @@ class OffloadConfig:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("solver", self.solver, SOLVERS)
         _check_choice("on_infeasible", self.on_infeasible, ON_INFEASIBLE)
+        _check_choice("select", self.select, SELECTS)
+        steps = self.select_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise OptionError("select_steps", f"got {steps!r}; accepted: an int >= 1 (timed steps per candidate)")
         runs = self.runs_per_step
         if runs != "auto" and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
             raise OptionError("runs_per_step", f"got {runs!r}; accepted: 'auto', or an int >= 1 (the number of "

@@ -83,6 +83,14 @@ class CpuEngine:
         future.add_done_callback(landed)
         return transfer
 
+    def timing_mark(self, device: torch.device) -> float:
+        """Now, for timing a graph (``fxoffload.selection``): compute runs on the calling thread, and a
+        wait joins its copy there, so the host clock sees both."""
+        return time.perf_counter()
+
+    def elapsed_seconds(self, start: float, end: float) -> float:
+        return end - start
+
     def reserve_host(self, nbytes: Sequence[int]) -> None:
         """Nothing to reserve: its host buffers are pageable ``torch.empty`` allocations."""
 
@@ -220,6 +228,18 @@ class CudaEngine:
         event.record(compute)
         stream.wait_event(event)
         self._free_events.append(event)
+
+    def timing_mark(self, device: torch.device) -> Any:
+        """A timing event recorded on ``device``'s compute stream now, for timing a graph on the device
+        (``fxoffload.selection``): what runs between two marks, waits for copies included."""
+        mark = self.api.Event(enable_timing=True)
+        mark.record(self.api.current_stream(device))
+        return mark
+
+    def elapsed_seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two marks, once the later one has run (waits for it)."""
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def reserve_host(self, nbytes: Sequence[int]) -> None:
         """Make the pinned blocks copies of ``nbytes`` will take, before they run (``fxoffload.pinned``)."""

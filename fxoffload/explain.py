@@ -113,6 +113,7 @@ def _summary(record: Any) -> str:
             f"({share.fraction:.2f} of "
             f"its own figures; re-planned once the first step had shown every region, round {record.step_round + 1})")
     lines += _layer_inputs(record)
+    lines += _selection(record)
     handed_on = [lt for lt in record.timeline.lifetimes if lt.handed_on]
     if handed_on:
         lines.append(
@@ -160,6 +161,22 @@ def _sizes(record: Any) -> list[str]:
         share += " (before: this partition's own peak without the plan)"
     return lines + [f"at the smallest size the guards allow ({', '.join(f'{s}={v}' for s, v in smallest.items())}): "
                     f"predicted activation peak {format_bytes(before)} -> {format_bytes(after)}{share}"]
+
+
+def _selection(record: Any) -> list[str]:
+    """What measured selection timed (on the record it kept), or that a record was one of its trials."""
+    selection = getattr(record, "selection", None)
+    if selection is None:
+        key = getattr(record, "candidate_key", None)
+        return [] if key is None else [
+            f"compiled to be timed by measured selection (candidate {key!r}); see the record it kept"]
+    figures = "; ".join(
+        f"{t.label}: predicted {t.predicted_step * 1e3:.3f} ms, measured "
+        + ("not timed" if t.median is None else f"{t.median * 1e3:.3f} ms (median of {len(t.seconds)} steps)")
+        + (" <- kept" if t is selection.kept else "")
+        for t in selection.candidates)
+    return [f"measured selection (select='measured'): each plan of strategy auto that met the budget ran its steps, "
+            f"timed on the device; the fastest median is kept for good: {figures}"]
 
 
 def _layer_inputs(record: Any) -> list[str]:

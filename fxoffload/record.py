@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from fxoffload.callers import OffloadedInput
 from fxoffload.passes import DeviceProfile, Plan, Schedule, Share, Timeline
+from fxoffload.selection import Selection
 
 __all__ = ["GraphRecord"]
 
@@ -55,4 +56,9 @@ class GraphRecord:
     # The largest activation an earlier graph hands it that it saves: back on the device for its
     # backward whatever the plan, so a floor of its peak in the step's accounting.
     largest_saved_input: int = 0
+    # Strategy auto's plans of this graph that met its budget (``fxoffload.passes.Candidate``), fastest
+    # predicted first; and, under select="measured", the measurement that kept this one (on the kept record).
+    candidates: tuple = ()
+    selection: Selection | None = None
+    candidate_key: str | None = None  # compiled as this candidate, to be timed (measured selection)
     host_reserved: bool = False  # its copies' pinned blocks were made before its first run (fxoffload.pinned)

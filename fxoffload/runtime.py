@@ -75,7 +75,7 @@ import bisect
 import contextlib
 import itertools
 import weakref
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -91,8 +91,9 @@ from fxoffload.runtime_state import retire as _retire
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "copies_in_flight", "debug_counts", "debugging", "forward_invocation", "pending_transfers", "release_host_memory",
-    "reserve_host", "reset", "staging_device_types", "trace", "use_engine",
+    "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_invocation", "pending_transfers",
+    "release_host_memory",
+    "reserve_host", "reset", "staging_device_types", "timing_mark", "trace", "use_engine",
 ]
 
 
@@ -288,6 +289,16 @@ def staging_device_types() -> frozenset[str]:
     """The device types whose engine (now: :func:`use_engine` may swap one) puts a non-contiguous
     tensor through a contiguous device buffer: the CUDA engine's."""
     return frozenset(device for device, engine in _engines.items() if engine.stages_strided)
+
+
+def timing_mark(device: torch.device) -> Any:
+    """A mark of now on ``device``'s compute stream, from its engine (a CUDA event, or the host clock)."""
+    return _engine_for(device).timing_mark(device)
+
+
+def elapsed_seconds(device: torch.device, start: Any, end: Any) -> float:
+    """Seconds between two marks of :func:`timing_mark` (waits for the later one)."""
+    return _engine_for(device).elapsed_seconds(start, end)
 
 
 def reserve_host(device: torch.device, nbytes: Sequence[int]) -> None:

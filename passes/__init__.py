@@ -43,10 +43,11 @@ from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_step
-from .strategy import plan_best_partition
+from .strategy import CANDIDATE_KEYS, Candidate, plan_best_partition
 
 __all__ = [
-    "ADVICE_WARN", "AUTO_HORIZON", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "DEFER", "Decision",
+    "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "Candidate", "BudgetInfeasibleError",
+    "BudgetInfeasibleWarning", "DEFER", "Decision",
     "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
     "OnInfeasible", "PREFETCH", "PassResult", "Placement", "Plan", "PlanOptions", "RELEASES", "RegionDemand",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",

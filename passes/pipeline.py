@@ -54,6 +54,7 @@ class PassResult:
     schedule: Schedule
     seconds: tuple[tuple[str, float], ...]  # (stage name, wall time) in run order
     work: tuple = ()  # per timeline node: (FLOPs, bytes, dtype) or None, for the cost model
+    candidates: tuple = ()  # strategy auto's plans that qualify (``strategy.Candidate``), fastest predicted first
 
 
 class Stopwatch:

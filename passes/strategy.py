@@ -11,7 +11,11 @@ predicted cost, also plan the same pair offload-only and recompute-only (from
 the driver's one analysis), and the pair PyTorch's recompute-only partitioner
 makes at the budget; simulate each (``fxoffload.passes.simulator``) and keep
 the fastest predicted that meets the budget without a total peak above the
-min-cut pair's. Limits: the ranking trusts the simulator's step time, not a
+min-cut pair's. The result lists those that qualify (:class:`Candidate`, fastest
+predicted first, plans alike counted once), so that measured selection
+(``fxoffload.selection``) can time them: ``compare_all`` plans the alternatives
+even when the first plan predicts no cost, and ``choose`` returns the one a
+measurement chose. Limits: the ranking trusts the simulator's step time, not a
 measurement; the user's ``PREFER_*`` marks, which the simulator does not weigh,
 keep the joint plan; a re-partitioned backward that draws random numbers is
 skipped (PyTorch's partitioner would recompute them without their seed).
@@ -20,6 +24,7 @@ skipped (PyTorch's partitioner would recompute them without their seed).
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -33,13 +38,27 @@ from .pipeline import (
 )
 from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
+from .scheduling import plan_digest
 from .simulator import simulate
 
-__all__ = ["PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition", "plan_best_partition"]
+__all__ = ["CANDIDATE_KEYS", "Candidate", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",
+           "plan_best_partition"]
 
 
 Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
 PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION = 1e-3
+# Strategy auto's plans of one graph, by the key a measured selection names them with.
+MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE = "min-cut", "offload-only", "recompute-only", "pytorch"
+CANDIDATE_KEYS = (MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One of strategy auto's plans of a graph that meets the budget: what measured selection times."""
+
+    key: str  # one of CANDIDATE_KEYS
+    label: str  # the plan's ``partition`` words
+    predicted_step: float  # seconds (simulator)
 
 
 def _predicted_step(result: PassResult, profile: DeviceProfile, watch: Stopwatch) -> float:
@@ -60,6 +79,8 @@ def plan_best_partition(
     profile: DeviceProfile,
     policies: Mapping[str, str] | None = None,
     input_activations: frozenset[int] = frozenset(),
+    compare_all: bool = False,
+    choose: str | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
     """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
     predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
@@ -75,7 +96,10 @@ def plan_best_partition(
     fraction refers to. With ``PREFER_*`` selective-checkpoint hints, the joint program's plan
     stands: it weighs the hints, which the simulator's step time does not. ``input_activations``: as
     for :func:`plan_pair` (by input position, so it holds for the re-partitioned pair too). The
-    result's ``seconds`` sum each stage over every alternative.
+    result's ``seconds`` sum each stage over every alternative, and its ``candidates`` list the plans
+    that qualify, fastest predicted first. ``compare_all``: plan the alternatives even when the first
+    plan predicts no cost (measured selection times them all). ``choose``: return the candidate of that
+    key (``CANDIDATE_KEYS``) instead of the fastest predicted; ValueError when it does not qualify.
     """
     watch = Stopwatch()
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
@@ -107,12 +131,14 @@ def plan_best_partition(
     first = alternative(analysis, options)
     plain = sum(analysis.times)
     step = _predicted_step(first, profile, watch)
-    if first.plan.feasible and step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION):
-        return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times)
-    tried = [_Tried(fw_module, bw_module, first, "min-cut", step)]
+    cheap = step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION)
+    if first.plan.feasible and cheap and not compare_all and choose in (None, MIN_CUT):
+        only = (Candidate(MIN_CUT, first.plan.partition, step),)
+        return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
+    tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
     tried += _alternatives(fw_module, bw_module, analysis, first.plan, repartition, analysed, alternative, options,
                            profile, watch)
-    fw, bw, best = _best_of(tried, watch)
+    fw, bw, best = _best_of(tried, watch, choose)
     if not best.plan.feasible:
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
         if options.on_infeasible == "error":
@@ -129,6 +155,7 @@ class _Tried:
     result: PassResult
     label: str
     step: float  # predicted step time (simulator)
+    key: str  # one of CANDIDATE_KEYS
 
 
 def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, alternative, options, profile, watch):
@@ -140,7 +167,8 @@ def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, a
     for single in ("offload", "recompute"):
         result = alternative(analysis, dataclasses.replace(held, strategy=single))
         tried.append(_Tried(fw_module, bw_module, result, f"min-cut, {single} only predicted fastest",
-                            _predicted_step(result, profile, watch)))
+                            _predicted_step(result, profile, watch), {"offload": OFFLOAD_ONLY,
+                                                                     "recompute": RECOMPUTE_ONLY}[single]))
     if repartition is not None:
         fraction = min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1))
         watch.restart()
@@ -150,35 +178,72 @@ def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, a
             result = alternative(analysed(fw2, bw2, held), held)
             tried.append(_Tried(fw2, bw2, result,
                                 f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
-                                _predicted_step(result, profile, watch)))
+                                _predicted_step(result, profile, watch), PYTORCH_RECOMPUTE))
     return tried
 
 
-def _best_of(tried: list[_Tried], watch: Stopwatch) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
-    """The fastest predicted of the joint plan (``tried[0]``) and its alternatives, relabelled as
-    strategy auto's with the joint plan's peaks "before"."""
+def _best_of(tried: list[_Tried], watch: Stopwatch,
+             choose: str | None = None) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
+    """The fastest predicted of the joint plan (``tried[0]``) and its alternatives (or the one ``choose``
+    names), relabelled as strategy auto's with the joint plan's peaks "before", and the candidates."""
     plan = tried[0].result.plan
 
     def rank(entry: _Tried):
         result = entry.result
-        # Recomputing more may pile temporaries up: never above the min-cut pair's total peak.
-        over_total = entry is not tried[0] and result.plan.total_peak_after > plan.total_peak_before
         # Else the least over the budget, in the peak it bounds (the step's over its runs, or the
         # device's, at the size furthest over): not one run's activation peak, which offloading a
         # layer's input does not lower.
         reach, limit = result.plan.shortfall or (result.plan.activation_peak_after, 0)
         missed = 0 if result.plan.feasible else reach - limit
-        return (not result.plan.feasible, missed, over_total, entry.step)
+        return (not result.plan.feasible, missed, _over_total(entry, tried[0]), entry.step)
 
-    best = min(tried, key=rank)
+    ranked = sorted(tried, key=rank)  # stable: on a tie, the joint plan, then the order tried
+    qualified = _distinct([e for e in ranked if e.result.plan.feasible and not _over_total(e, tried[0])])
+    best = ranked[0]
+    if choose is not None:
+        best = next((e for e in qualified if e.key == choose), None)
+        if best is None:
+            raise ValueError(f"strategy auto: no plan {choose!r} qualifies; those that do: "
+                             f"{', '.join(e.key for e in qualified) or 'none'}")
     relabelled = dataclasses.replace(
         best.result.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
         total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before, held_before=plan.held_before,
-        device_peak_before=plan.device_peak_before, strategy="auto", partition=best.label,
+        device_peak_before=plan.device_peak_before, strategy="auto",
+        partition=best.label if choose is None else _measured_label(best.label),
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
                     for size, reference in zip(best.result.plan.sizes, plan.sizes)),
     )
-    return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times)
+    candidates = tuple(Candidate(e.key, _plain_label(e.label), e.step) for e in qualified)
+    return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times,
+                                                 candidates=candidates)
+
+
+def _plain_label(label: str) -> str:
+    """A candidate's words without "predicted fastest" (which only the one the prediction chose earns)."""
+    return re.sub(r",? predicted fastest$", "", label)
+
+
+def _measured_label(label: str) -> str:
+    """A candidate's words once a measurement chose it."""
+    return _plain_label(label) + ", measured fastest"
+
+
+def _over_total(entry: _Tried, joint: _Tried) -> bool:
+    """Recomputing more may pile temporaries up: an alternative never goes above the min-cut pair's total peak."""
+    return entry is not joint and entry.result.plan.total_peak_after > joint.result.plan.total_peak_before
+
+
+def _distinct(entries: list[_Tried]) -> list[_Tried]:
+    """``entries`` less those whose rewrite repeats an earlier one's (offload-only often plans what the
+    joint program plans): timing the same graphs twice would tell nothing."""
+    seen, kept = set(), []
+    for entry in entries:
+        pair = "pytorch" if entry.key == PYTORCH_RECOMPUTE else "min-cut"
+        digest = plan_digest(dataclasses.replace(entry.result.plan, partition=pair), entry.result.schedule)
+        if digest not in seen:
+            seen.add(digest)
+            kept.append(entry)
+    return kept
 
 
 def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:

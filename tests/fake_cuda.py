@@ -42,6 +42,10 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
   (``host_blocks_made``, a ``cudaHostAlloc`` on a GPU, logged with the number of copies queued
   before it). Blocks stay until ``release_host`` gives back the free ones (``empty_host_cache``).
 
+* **A clock for timing events.** ``Event(enable_timing=True)`` recorded on a compute stream
+  reads ``clock()``: the host's clock plus ``copy_seconds`` for every copy run so far. Copies
+  run when compute waits for them, so a copy that did not hide costs compute that much.
+
 Not modelled: copies that run concurrently with compute (here they run when waited for,
 the latest a GPU could run them), more than one device, and CUDA graphs.
 """
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -145,15 +150,25 @@ class HostBlock:
 
 
 class FakeEvent:
-    def __init__(self, fake: "FakeCuda") -> None:
+    def __init__(self, fake: "FakeCuda", enable_timing: bool = False) -> None:
         self.fake = fake
         self.stream: FakeStream | None = None
         self.mark = 0
+        self.timing = enable_timing
+        self.time: float | None = None  # the fake's clock when recorded on a compute stream
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream if stream is not None else self.fake._current
         self.fake._check(stream)
         self.stream, self.mark = stream, len(stream.queue)
+        if self.timing and stream.compute:
+            self.time = self.fake.clock()
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        """Milliseconds from this event to ``end`` (both timing events recorded on a compute stream)."""
+        if not (self.timing and end.timing) or self.time is None or end.time is None:
+            raise RuntimeError("elapsed_time needs two timing events (enable_timing=True) that were recorded")
+        return (end.time - self.time) * 1e3
 
     def synchronize(self) -> None:
         if self.stream is not None:
@@ -210,6 +225,7 @@ class FakeCuda:
         self.violations: list[str] = []
         self.copies_queued = 0
         self.copies_run = 0
+        self.copy_seconds = 0.0  # what each copy adds to clock(): a GPU copy's time, which compute waits for
         self.queries = 0  # event queries (the host cost of polling deferred copies)
         self.events_made = 0  # Event() calls (each a cudaEventCreate on a GPU, at its first record)
         self._compute: dict[torch.device, FakeStream] = {}
@@ -227,9 +243,13 @@ class FakeCuda:
         self._side.append(stream)
         return stream
 
-    def Event(self) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
+    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
         self.events_made += 1
-        return FakeEvent(self)
+        return FakeEvent(self, enable_timing)
+
+    def clock(self) -> float:
+        """Seconds: the host's clock, plus ``copy_seconds`` per copy run so far (see the module docstring)."""
+        return time.perf_counter() + self.copy_seconds * self.copies_run
 
     def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer the fake counts as pinned (the engine's ``host_empty``), in a block of the

@@ -34,6 +34,9 @@ from fxoffload.config import OffloadConfig
         ({"all_eligible": True, "memory_budget": 0.5},
          "a budget decides what moves; accepted: all_eligible=True with no"),
         ({"all_eligible": True, "device_budget": "1GiB"}, "all_eligible=True with .*device_budget='1GiB'"),
+        ({"select": "timed"}, "select: got 'timed'; accepted: 'predicted', 'measured'"),
+        ({"select_steps": 0}, "select_steps: got 0; accepted: an int >= 1"),
+        ({"select_steps": 2.5}, "select_steps: got 2.5; accepted: an int >= 1"),
     ],
 )
 def test_bad_options_name_the_option(options, message):

@@ -1,0 +1,130 @@
+"""Measured selection: time strategy auto's plans of a region in the first steps and keep the fastest.
+
+Inputs: a region's candidates (``fxoffload.passes.Candidate``: the plans of one graph that meet its
+budget, fastest predicted first, each rewrite once), and the timing marks taken around each of its
+forwards and backwards (``fxoffload.runtime.timing_mark``: CUDA events on the compute stream, or the
+host clock for the CPU engine). Output: the candidate each step runs, and once each has run, the one
+kept, with every candidate's figures (:class:`Selection`, which ``explain`` prints).
+
+Algorithm (:class:`RegionSelection`): candidate ``i`` runs the region's steps ``i*(1+S)`` to
+``(i+1)*(1+S)-1``: one warm-up step (its first run compiles kernels and makes pinned blocks), then
+``S`` timed steps (``select_steps``). A step's time is the sum, over the region's runs in that step,
+of the device time from each forward's start to its end and from each backward's start to its end,
+waits for copies included. The kept candidate has the least median step time; a tie goes to the
+faster predicted (:func:`fastest`). The marks are read once, when every candidate has run (reading
+waits for the device), and the choice is final: the one place a plan depends on a measurement.
+
+Limits: a region's time is its own graphs': a copy of this region's that makes another region's
+graph wait is charged to that one. Several regions are timed in the same steps, each against its own
+candidates, so one region's candidate can shift another's time. Ranks would measure differently and
+plan differently, so the backend refuses measured selection in a job of several ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+__all__ = ["Mark", "RegionSelection", "Selection", "Timed", "fastest"]
+
+WARMUP_STEPS = 1  # per candidate, before its timed steps
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One candidate as measured: its key and words, its predicted step and its measured steps (seconds)."""
+
+    key: str
+    label: str
+    predicted_step: float
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.seconds) if self.seconds else None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A region's measured selection: every candidate timed, in predicted order, and the one kept."""
+
+    candidates: tuple[Timed, ...]
+    chosen: int  # index into candidates
+
+    @property
+    def kept(self) -> Timed:
+        return self.candidates[self.chosen]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Two timing marks around one graph run, on ``device`` (read with ``fxoffload.runtime.elapsed_seconds``)."""
+
+    device: Any
+    start: Any
+    end: Any
+
+
+def fastest(seconds: Sequence[Sequence[float]]) -> int:
+    """The index of the least median among the candidates' timed steps; a tie goes to the earlier
+    (faster predicted). Candidates with no timed step never win; with none timed, the first."""
+    medians = [(statistics.median(s), i) for i, s in enumerate(seconds) if s]
+    return min(medians)[1] if medians else 0
+
+
+@dataclass
+class RegionSelection:
+    """Which candidate a region runs in each of its steps, and the marks of its timed steps (see the
+    module docstring). ``keys`` are the candidates' keys, in predicted order."""
+
+    keys: tuple[str, ...]
+    steps: int  # timed steps per candidate
+    step: int = -1  # the region's steps begun since selection began
+    marks: dict[int, list[list[Mark]]] = field(default_factory=dict)  # candidate -> its timed steps' marks
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    @property
+    def per_candidate(self) -> int:
+        return WARMUP_STEPS + self.steps
+
+    @property
+    def measured(self) -> bool:
+        """Every candidate has run its steps: time to decide."""
+        return self.step >= len(self.keys) * self.per_candidate
+
+    @property
+    def candidate(self) -> int:
+        """The candidate this step runs (the last one's index once measured)."""
+        return min(self.step // self.per_candidate, len(self.keys) - 1)
+
+    @property
+    def timing(self) -> bool:
+        """Whether this step's runs are timed (not a warm-up step, not past the measurement)."""
+        return not self.measured and self.step % self.per_candidate >= WARMUP_STEPS
+
+    def note(self, mark: Mark) -> None:
+        """A run of this step's candidate, timed (call only while :attr:`timing`)."""
+        runs = self.marks.setdefault(self.candidate, [])
+        offset = self.step % self.per_candidate - WARMUP_STEPS
+        while len(runs) <= offset:
+            runs.append([])
+        runs[offset].append(mark)
+
+    def drop(self, index: int) -> None:
+        """Leave out candidate ``index`` before its first step (it could not be compiled): the next
+        one runs in its place."""
+        if self.marks.get(index) or index != self.candidate or self.step % self.per_candidate:
+            raise ValueError(f"candidate {index} can only be dropped at its first step, before any timing")
+        self.keys = self.keys[:index] + self.keys[index + 1:]
+
+    def decide(self, candidates: Sequence[Any], read: Callable[[Mark], float]) -> Selection:
+        """The selection, from the marks read with ``read`` (seconds between a mark's ends);
+        ``candidates``: what the keys stand for (``fxoffload.passes.Candidate``, same order)."""
+        timed = []
+        for i, candidate in enumerate(candidates):
+            steps = tuple(sum(read(m) for m in marks) for marks in self.marks.get(i, []) if marks)
+            timed.append(Timed(candidate.key, candidate.label, candidate.predicted_step, steps))
+        return Selection(tuple(timed), fastest([t.seconds for t in timed]))

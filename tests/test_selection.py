@@ -1,0 +1,168 @@
+"""Measured selection (``select="measured"``): strategy auto's plans of a graph timed in the first steps,
+the fastest measured kept (``fxoffload.selection``).
+
+The core is tested on plain numbers. End to end, copies are made slow (the CPU engine's copy delay, or
+the fake CUDA's clock, which charges each copy when compute waits for it) under a device profile whose
+slow compute makes the cost model predict offloading fastest: a measurement must then keep PyTorch's
+recompute-only partition, which copies nothing, where the prediction keeps an offloading plan. Every
+step, the trials' included, is compared with eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from fxoffload.passes import plan_digest
+from fxoffload.selection import Mark, RegionSelection, fastest
+from tests.conftest import assert_same_step, cuda_engine_on_cpu, lm_step, tiny_llama
+
+
+# --------------------------------------------------------------------------- the core, on plain numbers
+
+
+def test_fastest_keeps_the_least_median_and_a_tie_goes_to_the_faster_predicted():
+    assert fastest([[3.0, 1.0, 2.0], [1.5, 1.5, 9.0]]) == 1  # medians 2.0 and 1.5
+    assert fastest([[2.0], [2.0], [1.0, 3.0]]) == 0  # all 2.0: the first (faster predicted)
+    assert fastest([[], [5.0]]) == 1  # a candidate never timed never wins
+    assert fastest([[], []]) == 0
+
+
+def test_each_candidate_runs_a_warm_up_step_then_its_timed_steps():
+    schedule = RegionSelection(("a", "b"), steps=2)
+    seen = []
+    for _ in range(6):
+        schedule.begin_step()
+        seen.append((schedule.candidate, schedule.timing, schedule.measured))
+    assert seen == [(0, False, False), (0, True, False), (0, True, False),
+                    (1, False, False), (1, True, False), (1, True, False)]
+    schedule.begin_step()
+    assert schedule.measured and not schedule.timing
+
+
+def test_a_step_sums_its_runs_and_the_least_median_is_kept():
+    candidates = [fxoffload.passes.Candidate(key, key, predicted) for key, predicted in (("a", 1.0), ("b", 2.0))]
+    schedule = RegionSelection(("a", "b"), steps=2)
+    runs = {0: [(0.4, 0.4), (0.5, 0.5)], 1: [(0.2, 0.3), (0.3, 0.2)]}  # per timed step: two runs' seconds
+    for candidate in (0, 1):
+        schedule.begin_step()  # warm-up
+        for step in runs[candidate]:
+            schedule.begin_step()
+            for seconds in step:
+                schedule.note(Mark("cpu", 0.0, seconds))
+    schedule.begin_step()
+    selection = schedule.decide(candidates, lambda m: m.end - m.start)
+    assert [t.seconds for t in selection.candidates] == [(0.8, 1.0), (0.5, 0.5)]
+    assert selection.kept.key == "b" and selection.kept.predicted_step == 2.0
+
+
+def test_a_candidate_that_cannot_compile_is_dropped_at_its_first_step_only():
+    schedule = RegionSelection(("a", "b", "c"), steps=1)
+    schedule.begin_step()
+    schedule.begin_step()
+    schedule.note(Mark("cpu", 0.0, 1.0))
+    schedule.begin_step()  # b's first step
+    schedule.drop(schedule.candidate)
+    assert schedule.keys == ("a", "c") and schedule.candidate == 1 and not schedule.timing
+    schedule.begin_step()
+    with pytest.raises(ValueError, match="only be dropped at its first step"):
+        schedule.drop(schedule.candidate)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _slow_compute() -> fxoffload.DeviceProfile:
+    """A profile whose compute is so slow that recomputing anything is predicted dearer than any copy."""
+    base = fxoffload.PROFILES["h100-pcie5"]
+    return dataclasses.replace(base, name="slow-compute", flops=tuple((d, 1e9) for d, _ in base.flops),
+                               memory_bandwidth=1e9)
+
+
+def _train(select: str, steps: int = 8, **options):
+    """Steps of a 2-layer Llama under memory_budget=0.5, each compared with eager; the backend."""
+    torch.manual_seed(0)
+    eager = tiny_llama(2).train()
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 256, (2, 32))
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0, select=select, select_steps=1,
+                                        device_profile=_slow_compute(), **options)
+    compiled = torch.compile(model, backend=backend)
+    expected = lm_step(eager, ids)
+    for _ in range(steps):
+        assert_same_step(expected, lm_step(compiled, ids))
+    return backend
+
+
+def _kept(backend) -> fxoffload.GraphRecord:
+    kept = [r for r in backend.records if r.selection is not None]
+    assert len(kept) == 1
+    return kept[0]
+
+
+def test_slow_copies_make_the_measurement_keep_what_the_prediction_ranked_below():
+    with runtime.copy_delay(0.02):
+        predicted = _train("predicted", steps=2)
+        measured = _train("measured")
+    first = measured.records[0]  # compiled before any step: the fastest predicted
+    keys = [c.key for c in first.candidates]
+    assert keys[0] == "min-cut" and "pytorch" in keys and first.plan.transfers  # predicted: offload
+    digest = lambda record: plan_digest(record.plan, record.schedule)  # noqa: E731
+    assert len(predicted.records) == 1 and digest(predicted.records[0]) == digest(first)
+    assert predicted.records[0].selection is None
+    kept = _kept(measured)
+    assert kept.selection.kept.key == "pytorch" and not kept.plan.transfers
+    assert [t.key for t in kept.selection.candidates] == keys  # every candidate timed, in predicted order
+    assert all(len(t.seconds) == 1 for t in kept.selection.candidates)
+    assert kept.plan.partition.endswith("measured fastest")
+    # one compile per candidate, and the kept one runs from then on (the last step ran its graph)
+    assert len(measured.records) == len(keys)
+    assert measured.step_invocations()[-1] is kept
+    text = fxoffload.explain(kept)
+    assert "measured selection" in text and "<- kept" in text
+
+
+def test_over_the_fake_cuda_the_events_time_the_copies_compute_waits_for():
+    with cuda_engine_on_cpu() as fake:
+        fake.copy_seconds = 0.05
+        backend = _train("measured")
+        assert fake.violations == []
+    kept = _kept(backend)
+    assert kept.selection.kept.key == "pytorch"
+    slowest = max(kept.selection.candidates, key=lambda t: t.median)
+    assert slowest.median > 0.05  # at least one copy's charge: the events saw the waits
+
+
+def test_without_a_choice_nothing_is_timed_or_compiled_again():
+    backend = _train("measured", steps=3, strategy="offload")
+    assert len(backend.records) == 1 and backend.records[0].selection is None
+
+
+def test_measured_selection_refuses_a_job_of_several_ranks(monkeypatch):
+    import torch.distributed as dist
+
+    from fxoffload.backend import _refuse_several_ranks
+
+    _refuse_several_ranks()  # one process: fine
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(fxoffload.OptionError, match="select='measured' in a job of 2 ranks.*accepted: 'measured' in "
+                       "one process"):
+        _refuse_several_ranks()
+
+
+def test_a_kept_candidate_timed_earlier_runs_again_exactly(monkeypatch):
+    """The swap back: when the first candidate wins (made so here: the measurement's own choice is
+    tested above), its graph, compiled before the others ran, runs every later step, exact."""
+    import fxoffload.selection
+
+    monkeypatch.setattr(fxoffload.selection, "fastest", lambda seconds: 0)
+    backend = _train("measured", steps=9)
+    kept = _kept(backend)
+    assert kept is backend.records[0] and kept.selection.kept.key == "min-cut" and kept.plan.transfers
+    assert backend.step_invocations()[-1] is kept
