@@ -53,7 +53,7 @@ from fxoffload.callers import CallerWatch, offloaded_inputs
 from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.explain import explain, format_bytes
-from fxoffload.ordering import pin_offload_order
+from fxoffload.ordering import constrain_offload_sources, pin_offload_order
 from fxoffload.partition import Partitioner
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
@@ -636,6 +636,7 @@ class OffloadBackend:
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
+            constrain_offload_sources()
             return compile_fx(
                 gm,
                 example_inputs,

@@ -32,9 +32,14 @@ views) lies beyond it, unless the barrier is already on a path between them.
 A prefetch whose nearest barrier lies past its own wait (a stretch of
 pointwise ops only), and the wait of such a prefetch, are anchored on a
 fusible op that starts (or ends) a fusion of its own, so that the two keep
-their distance. Limits: partners are vertical (data edges); Inductor's
-horizontal fusions of ops sharing inputs are not modelled, nor the layout an
-offload's source takes when the offload is its first reader. A neighbour's
+their distance. An offload's source whose layout Inductor has not fixed yet takes its traced
+strides (:func:`constrain_offload_sources`): were the offload its first reader,
+Inductor would freeze it in the order its own reads are cheapest, and a later
+matmul would need a copy kernel of it. Limits: partners are vertical (data
+edges); Inductor's horizontal fusions of ops sharing inputs are not modelled.
+(The C++ backend writes the kernels between two extern calls into one function,
+so one of our ops between two kernels makes one function more there, not a
+kernel more: ``benchmarks/fusions.py`` counts kernels.) A neighbour's
 partners are searched up to ``_CANDIDATES`` anchors away; past that the op has
 no anchor on that side.
 
@@ -70,9 +75,35 @@ from fxoffload.passes import (
     DEFER, FXOFFLOAD_OPS, PREFETCH, RELEASES, WAIT, is_anchored_compute, is_compute, storage_key,
 )
 
-__all__ = ["pin_offload_order"]
+__all__ = ["constrain_offload_sources", "pin_offload_order"]
 
 ensure_control_deps()
+
+
+def _offload_source_layout(node: fx.Node, x, *args, **kwargs):
+    """Inductor's layout constraint for ``offload``'s source: one whose layout Inductor has not fixed
+    yet (a pointwise result not yet written, or written in a flexible layout) is realized and frozen at
+    its traced strides, which its other readers expect; one already fixed is handed over as it is
+    (the op's ``flexible_layout`` tag). Without it, an offload that is the first reader freezes the
+    source in the order its own reads are cheapest: the attention's transposed clone kept the
+    transposed layout, and the output projection's matmul then needed a copy kernel of it."""
+    from torch._inductor import ir
+
+    value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    if isinstance(x, ir.TensorBox) and isinstance(value, torch.Tensor):
+        x.realize()
+        if ir.is_storage_and_layout(x) and isinstance(x.get_layout(), ir.FlexibleLayout):
+            x = ir.ExternKernel.require_exact_strides(x, value.stride())
+    return (x, *args), kwargs
+
+
+def constrain_offload_sources() -> None:
+    """Lower ``offload`` as a fallback kernel with :func:`_offload_source_layout` as its layout constraint
+    (once). Registered before Inductor first meets the op, which would otherwise make it an implicit
+    fallback under the default constraint for custom ops (the source copied to its traced strides)."""
+    offload = torch.ops.fxoffload.offload.default
+    if offload not in inductor_lowering.lowerings:
+        inductor_lowering.make_fallback(offload, layout_constraint=_offload_source_layout)
 
 
 def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
