@@ -258,8 +258,8 @@ class OffloadBackend:
         again = getattr(compile_id, "frame_compile_id", None)  # a frame's graphs coexist: each is a region
         return (frame, again, count) if frame is not None else ("graph", len(self.records))
 
-    def _options_for(self, place: int, region: tuple) -> tuple[PlanOptions, int]:
-        """The plan options of the region at ``place``, and the bytes earlier regions hold: an
+    def _options_for(self, region: tuple) -> tuple[PlanOptions, int]:
+        """The plan options of ``region``, and the bytes earlier regions hold: an
         absolute budget is for the whole step, so a region gets what earlier regions leave of it;
         once the step is known, a region re-planned with its share of the budget gets that share."""
         options = dataclasses.replace(self.config.plan_options, runs=self._ledger.runs_of(region))
@@ -290,7 +290,7 @@ class OffloadBackend:
         calls it), with the step's budget as the regions so far leave it; record it. ``choose``: the
         candidate plan of strategy auto to take (measured selection), else the fastest predicted."""
         place = self._ledger.place(region)
-        options, held_before = self._options_for(place, region)
+        options, held_before = self._options_for(region)
         options = dataclasses.replace(options, total_cap=plain_total,
                                       staging_devices=fxoffload.runtime.staging_device_types())
 
@@ -340,7 +340,7 @@ class OffloadBackend:
             candidates=result.candidates, candidate_key=choose,
         )
         self.records.append(record)
-        self._ledger.region_of[record.index] = region
+        self._ledger.note_record(record.index, region)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if (check := self._rank_check) is not None:
             check.planned(graph, record.index, plan_digest(record.plan, record.schedule))
@@ -557,25 +557,15 @@ class OffloadBackend:
         """Plan and compile ``region`` again for the runs counted in a step and, with ``share``, its share of
         the step's memory budget (see ``_track``); a plan that fails (an infeasible budget) leaves the
         region as it was, to fail again at its next forward."""
-        runs, before = self._ledger.counted[region], self._ledger.runs.get(region)
-        self._ledger.runs[region] = runs  # what the plan options read
-        if share is not None:
-            self._step.shares[region] = share
+        runs = self._ledger.counted[region]
         log.info("fxoffload: compiled region %d ran %d times in one step%s: re-planning it for the whole step and "
                  "recompiling it", self._ledger.place(region), runs,
                  "" if share is None else f" of {len(self._step.shape.regions)} regions, with its share of the budget")
-        try:
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                source = replan.copy()  # measured selection may compile it again
-                compiled = self._compile_region(source.module, source.example_inputs, region,
-                                                source.input_activations, source.patches)
-        except BaseException:
-            if before is None:
-                del self._ledger.runs[region]
-            else:
-                self._ledger.runs[region] = before
-            self._step.shares.pop(region, None)
-            raise
+        with self._ledger.planning_runs(region, runs), self._step.sharing(region, share), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            source = replan.copy()  # measured selection may compile it again
+            compiled = self._compile_region(source.module, source.example_inputs, region,
+                                            source.input_activations, source.patches)
         if compiled.compilation.record is not None:
             compiled.compilation.record.runs_learned = True
         return compiled

@@ -23,11 +23,12 @@ modelled as one forward pass then one backward pass.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from fxoffload.passes import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Plan, PlanOptions, RegionDemand, Share, share_for,
@@ -183,6 +184,19 @@ class StepBudget:
         if record is None or record.step_share is None:
             return True
         return record.step_round <= self._settled or record.step_round >= SHARE_ROUNDS - 1
+
+    @contextlib.contextmanager
+    def sharing(self, region: tuple, share: Share | None) -> Iterator[None]:
+        """Inside: ``region`` planned with ``share`` (None: as it is). Kept once the block ends; if the block
+        raises (a re-plan that failed), the region is left without a share, to be given one again at its
+        next forward."""
+        if share is not None:
+            self.shares[region] = share
+        try:
+            yield
+        except BaseException:
+            self.shares.pop(region, None)
+            raise
 
     def may_retry(self, region: tuple) -> bool:
         """Whether a region short of its share may run at its smallest peak until the next round."""

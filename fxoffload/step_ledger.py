@@ -22,10 +22,11 @@ Limits: every figure is a plan's prediction; one ledger per backend, which serve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from fxoffload.callers import KeptInput, kept_warning
 from fxoffload.passes import KeptSource
@@ -87,6 +88,25 @@ class StepLedger:
     def host_total(self) -> int:
         """The pinned host bytes of every region's copies, every run."""
         return sum(nbytes * self.runs_of(r) for r, nbytes in self.host_held.items())
+
+    @contextlib.contextmanager
+    def planning_runs(self, region: tuple, runs: int) -> Iterator[None]:
+        """Inside: ``region``'s plans are for ``runs`` runs (what the plan options read). Kept once the block
+        ends; the count it had before comes back if the block raises (a re-plan that failed)."""
+        before = self.runs.get(region)
+        self.runs[region] = runs
+        try:
+            yield
+        except BaseException:
+            if before is None:
+                del self.runs[region]
+            else:
+                self.runs[region] = before
+            raise
+
+    def note_record(self, index: int, region: tuple) -> None:
+        """The record ``index`` is a plan of ``region``."""
+        self.region_of[index] = region
 
     def note_plan(self, region: tuple, held: int, host: int, spill: int) -> None:
         """A plan of ``region``: what one run leaves for its backward, its copies' pinned host bytes, its spill."""
