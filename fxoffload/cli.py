@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
+from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.report import plan_report, print_report, range_report, step_report, with_optimizer
 from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, seq_range, trace_step
 
@@ -32,8 +33,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fxoffload.models import CHECKPOINTING, DTYPES, PRESETS
-    from fxoffload.passes import OPTIMIZERS
+    from fxoffload.models import CHECKPOINTING, PRESETS
     from fxoffload.profiles import PROFILES
 
     parser = argparse.ArgumentParser(prog="fxoffload", description="fxoffload: activation offloading for torch.compile")
@@ -44,18 +44,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"presets: {', '.join(PRESETS)}. profiles: {', '.join(PROFILES)}. "
                "All figures are predictions (simulated), not measurements.",
     )
-    source = plan.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help=f"a built-in architecture: {', '.join(PRESETS)}")
-    source.add_argument("--config", help="a transformers config.json (or the folder holding it)")
-    source.add_argument("--model", help="a Python file defining build(batch, seq, dtype) -> (model, inputs)")
-    plan.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    add_model_source(plan)
+    add_batch(plan)
     plan.add_argument("--seq", help="sequence length (default: the model's, at most 4096), or a range LO:HI: one "
                                     "graph for every length in it (dynamic shapes), planned at HI, with the "
                                     "figures at both ends")
     plan.add_argument("--image-size", type=int, help="image side in pixels, for vision models (default: the model's)")
-    plan.add_argument("--dtype", default="bf16",
-                      help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
-    plan.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
+    add_shape(plan)
     plan.add_argument("--per-layer", action="store_true",
                       help="compile each layer on its own, as FSDP2 and torchtitan do (layer.compile on every "
                            "block of the model's layer list), instead of the whole step as one graph")
@@ -70,31 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-budget", default="none",
                       help="device_budget: the step's device peak (graph inputs, every tensor the step creates, "
                            "and --reserved) as a size (80GiB) or bytes, instead of --budget; 'none' (default)")
-    plan.add_argument("--reserved", default="0",
-                      help="reserved: device bytes the graphs cannot see (optimizer state, allocator slack), "
-                           "counted against --device-budget, as a size or bytes (default 0)")
-    plan.add_argument("--optimizer", default="none", choices=tuple(OPTIMIZERS),
-                      help="the optimizer the step ends with: its state (AdamW: two moments per parameter) is "
-                           "reserved under --device-budget, and its step (a memory-bound pass over parameters, "
-                           "gradients and state) is added to the step's predicted time (default none)")
-    plan.add_argument("--host-budget", default="none",
-                      help="host_budget: pinned host memory the step's copies may take, as a size (64GiB) or bytes; "
-                           "'none' (default): unbounded")
+    add_device(plan)
     plan.add_argument("--horizon", default="auto", help="prefetch horizon: 'auto' or a number of compute ops")
-    plan.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
-    plan.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")
     plan.add_argument("--solver", default="auto", help="auto, milp or greedy")
     plan.add_argument("--strategy", default="auto",
                       help="auto (keep, offload or recompute), offload or recompute (default auto)")
     plan.add_argument("--no-cross-graphs", action="store_true",
                       help="keep every copy inside its own compiled graph (cross_graphs=False)")
-    plan.add_argument("--output", default="fxoffload-plan.png",
-                      help="plot path, .png/.svg/.pdf (default fxoffload-plan.png)")
-    plan.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    plan.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of tables")
-    plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    plan.add_argument("--traceback", action="store_true",
-                      help="show the full traceback when a model file fails, instead of one line")
+    add_output(plan, plot="fxoffload-plan.png")
     plan.add_argument("--all-eligible", action="store_true",
                       help="with --budget none: offload (or under --strategy recompute, recompute) every eligible "
                            "saved tensor, whether or not that lowers the peak, as naive offloading does")
@@ -110,15 +88,16 @@ def _parser() -> argparse.ArgumentParser:
                     "same flow runs on the CPU engine, and says so. Exits 1 when the numerics differ or a "
                     "transfer stays pending.")
     check.add_argument("--steps", type=int, default=4, help="SGD steps per run, the first compiles (default 4)")
-    check.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    check.add_argument("--layers", type=int, default=2,
+                       help="the small model's transformer blocks (default 2; not a slice, as in plan and fit)")
     check.add_argument("--hidden", type=int, help="hidden size (default: 512 on CUDA, 64 on a CPU)")
-    check.add_argument("--seq", type=int, help="sequence length (default: 512 on CUDA, 64 on a CPU)")
-    check.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
-    check.add_argument("--budget", default="0.5", help="memory_budget for fxoffload (default 0.5)")
+    check.add_argument("--seq", type=int, help="the small model's sequence length (default: 512 on CUDA, 64 on a CPU)")
+    add_batch(check, default=4)
+    check.add_argument("--budget", default="0.5",
+                       help="memory_budget for the small model's fxoffload run (default 0.5)")
     check.add_argument("--inner", choices=("eager", "inductor"),
                        help="inner compiler, for both runs (default: inductor on CUDA, eager on a CPU)")
-    check.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    check.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_output(check, model_file=False)
     return parser
 
 

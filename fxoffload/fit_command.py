@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
 from fxoffload.fit import SETUPS, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak
 
@@ -38,8 +39,7 @@ DEFAULT_MAX_BATCH = 256
 
 
 def add_fit_parser(commands: Any) -> None:
-    from fxoffload.models import DTYPES, PRESETS
-    from fxoffload.passes import OPTIMIZERS
+    from fxoffload.models import PRESETS
     from fxoffload.profiles import PROFILES
 
     fit = commands.add_parser(
@@ -48,37 +48,21 @@ def add_fit_parser(commands: Any) -> None:
         description=" ".join(__doc__.split("\n\n")[2].split()),
         epilog=f"presets: {', '.join(PRESETS)}. profiles: {', '.join(PROFILES)}. "
                "All figures are predictions (simulated), not measurements.")
-    source = fit.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help=f"a built-in architecture: {', '.join(PRESETS)}")
-    source.add_argument("--config", help="a transformers config.json (or the folder holding it)")
-    source.add_argument("--model", help="a Python file defining build(batch, seq, dtype) -> (model, inputs)")
+    add_model_source(fit)
     fit.add_argument("--device-memory", required=True, help="the GPU's memory, as a size (80GB) or bytes")
-    fit.add_argument("--reserved", default="0",
-                     help="device bytes the graphs cannot see (optimizer state, allocator slack, the CUDA "
-                          "context), as a size or bytes (default 0)")
-    fit.add_argument("--optimizer", default="none", choices=tuple(OPTIMIZERS),
-                     help="adds the optimizer's state (from the parameter count) to what is reserved, and its "
-                          "step to the step time (default none)")
-    fit.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead")
-    fit.add_argument("--dtype", default="bf16", help=f"{', '.join(DTYPES)} (default bf16)")
-    fit.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
+    add_device(fit)
+    add_batch(fit)
+    fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead (not a "
+                                              "range, as in plan)")
+    add_shape(fit)
     fit.add_argument("--per-layer", action="store_true", help="refused: fit plans the step as one graph")
-    fit.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
-    fit.add_argument("--host-budget", default="none",
-                     help="pinned host memory the copies may take, as a size or bytes (default none: unbounded)")
-    fit.add_argument("--min-bytes", default="64KiB", help="smallest storage worth a transfer (default 64KiB)")
     fit.add_argument("--granularity", type=int,
                      help="the search's grid: 256 tokens (default), or 1 for a batch search with --seq")
     fit.add_argument("--max-seq", type=int,
                      help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
     fit.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                      help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
-    fit.add_argument("--output", default="fxoffload-fit.png", help="plot path, .png/.svg/.pdf")
-    fit.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    fit.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout instead of a table")
-    fit.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    fit.add_argument("--traceback", action="store_true", help="the full traceback when a model file fails")
+    add_output(fit, plot="fxoffload-fit.png")
 
 
 def run_fit(args: argparse.Namespace) -> int:

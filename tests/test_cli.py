@@ -361,3 +361,21 @@ def test_a_host_budget_bounds_the_pinned_host_memory_of_the_plan(capsys, tmp_pat
     capped = run_json(capsys, *args, "--host-budget", str(free // 2))
     assert 0 < capped["step"]["pinned_host_bytes"] <= free // 2
     assert [g["host_budget_bytes"] for g in capped["graphs"]] == [free // 2]
+
+
+def test_a_flag_that_means_the_same_is_declared_once():
+    """plan, fit and check share their common flags through fxoffload.flags; only the flags whose
+    meaning differs between commands (FLAGS_MEANING_APART, their help says how) are declared apart."""
+    import re
+    from collections import Counter
+    from pathlib import Path
+
+    import fxoffload
+    from fxoffload.flags import FLAGS_MEANING_APART
+
+    package = Path(fxoffload.__file__).parent
+    declared = Counter(flag for path in package.glob("*.py")
+                       for flag in re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", path.read_text()))
+    twice = {flag for flag, count in declared.items() if count > 1}
+    assert twice == FLAGS_MEANING_APART, f"declared more than once: {sorted(twice - FLAGS_MEANING_APART)}; " \
+                                         f"listed apart but declared once: {sorted(FLAGS_MEANING_APART - twice)}"
