@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -30,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from fxoffload.passes import offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak
 
-__all__ = ["Partitioner", "SolveMemo", "quick_min_cut"]
+__all__ = ["CseOnce", "Partitioner", "SolveMemo", "quick_min_cut"]
 
 
 class Partitioner(CustomPartitionerFn):
@@ -90,6 +91,8 @@ def quick_min_cut():
       shares (``tests/test_min_cut.py`` checks it).
     * Each solve remembered (:class:`SolveMemo`): the recompute-only partition begins with the
       very solve the default partition made.
+    * Common subexpressions eliminated once (:class:`CseOnce`): the partitioner replaces the joint
+      graph with its eliminated copy, which the recompute-only partition would eliminate again.
     * The garbage collector paused: a full collection walks every object of the compile (graphs,
       fake tensors), and networkx's allocations set one off every few hundred milliseconds. The
       discarded graphs are collected once, after the passes.
@@ -99,18 +102,44 @@ def quick_min_cut():
 
     enabled, default = gc.isenabled(), flow.maxflow.default_flow_func
     solve = getattr(partitioners, "solve_min_cut", None)
+    cse = getattr(partitioners, "fx_graph_cse", None)
     gc.disable()
     flow.maxflow.default_flow_func = flow.boykov_kolmogorov
     if solve is not None:
         partitioners.solve_min_cut = SolveMemo(solve)
+    if cse is not None:
+        partitioners.fx_graph_cse = CseOnce(cse)
     try:
         yield
     finally:
         flow.maxflow.default_flow_func = default
         if solve is not None:
             partitioners.solve_min_cut = solve
+        if cse is not None:
+            partitioners.fx_graph_cse = cse
         if enabled:
             gc.enable()
+
+
+class CseOnce:
+    """PyTorch's ``fx_graph_cse``, handing back as it is a graph it made itself. The partitioner sets
+    the joint module's graph to the copy the pass returns, so a second partition of the same joint
+    graph would copy it once more, with nothing left to eliminate (the pass reaches its fixed point
+    in one run: it merges a node into the first alike, inputs merged first); and the node names stay
+    those :class:`SolveMemo` keys its answers by."""
+
+    def __init__(self, cse: Callable) -> None:
+        self._cse = cse
+        self._made: weakref.WeakSet = weakref.WeakSet()
+        self.hits = 0
+
+    def __call__(self, graph: fx.Graph, *args: Any, **kwargs: Any) -> fx.Graph:
+        if graph in self._made:
+            self.hits += 1
+            return graph
+        made = self._cse(graph, *args, **kwargs)
+        self._made.add(made)
+        return made
 
 
 class SolveMemo:

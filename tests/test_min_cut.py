@@ -76,13 +76,14 @@ def test_boykov_kolmogorov_cuts_where_preflow_push_does_on_graphs_with_many_mini
 
 def test_the_context_restores_the_default_flow_and_the_collector_after_a_raise():
     default, solve = nx.algorithms.flow.maxflow.default_flow_func, partitioners.solve_min_cut
+    cse = partitioners.fx_graph_cse
     assert gc.isenabled()
     with pytest.raises(RuntimeError), quick_min_cut():
         assert not gc.isenabled()
         assert nx.algorithms.flow.maxflow.default_flow_func is nx.algorithms.flow.boykov_kolmogorov
         raise RuntimeError("inside")
     assert gc.isenabled() and nx.algorithms.flow.maxflow.default_flow_func is default
-    assert partitioners.solve_min_cut is solve
+    assert partitioners.solve_min_cut is solve and partitioners.fx_graph_cse is cse
 
 
 def _joint_graph():
@@ -117,8 +118,9 @@ def test_the_partitioner_makes_the_same_pair_under_the_quick_min_cut(budget):
     plain = partition(copy.deepcopy(joint["gm"]), budget)
     gm = copy.deepcopy(joint["gm"])
     with quick_min_cut():
-        memo = partitioners.solve_min_cut
+        memo, cse = partitioners.solve_min_cut, partitioners.fx_graph_cse
         partition(gm, 1.0)
         quick = partition(gm, budget)
     assert memo.hits == 1  # the second partition's default solve was the first one's
+    assert cse.hits == 1  # and its graph the first one's, its common subexpressions eliminated
     assert quick == plain

@@ -278,3 +278,24 @@ def test_a_host_budget_turns_an_offload_into_a_recomputation_by_hand():
         capped = solve(10, base, items, 50, solver=solver, host_budget=59)
         assert capped.chosen == ((0, 1),) and capped.host == 0 and capped.cost == 5.0
         assert not solve(10, base, [items[0][:1]], 50, solver=solver, host_budget=59).feasible
+
+
+def test_highs_options_are_used_only_where_highs_knows_them(monkeypatch):
+    """MIP_OPTIONS go to HiGHS verbatim: a SciPy whose HiGHS lacks one would warn at every solve, so
+    it plans without them (and without a warning)."""
+    import warnings
+
+    from fxoffload.passes import solvers
+
+    solvers._mip_options.cache_clear()
+    assert solvers._mip_options() == solvers.MIP_OPTIONS  # this SciPy's HiGHS knows them
+    monkeypatch.setattr(solvers, "MIP_OPTIONS", {"no_such_highs_option": 1})
+    solvers._mip_options.cache_clear()
+    try:
+        assert solvers._mip_options() == {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            found = solvers.solve_milp(4, [(0, 3, 10)], [[solvers.Option(((0, 3, -6),), 1.0)]], 5)
+        assert found.feasible and found.chosen == ((0, 0),)
+    finally:
+        solvers._mip_options.cache_clear()
