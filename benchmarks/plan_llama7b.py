@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 import fxoffload  # noqa: E402
 import fxoffload.partition  # noqa: E402
 from fxoffload.explain import format_bytes, format_stages  # noqa: E402
-from fxoffload.passes.scheduling import plan_digest  # noqa: E402
+from fxoffload.passes import plan_digest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results import write_section  # noqa: E402

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
-from fxoffload.passes.scheduling import plan_digest  # noqa: E402
+from fxoffload.passes import plan_digest  # noqa: E402
 
 
 def build_model(layers: int, hidden: int = 64, vocab: int = 256) -> torch.nn.Module:

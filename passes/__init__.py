@@ -25,6 +25,7 @@ from .analysis import (
 )
 from .candidates import AUTO_HORIZON, Placement
 from .cost_model import OPTIMIZERS, DeviceProfile, optimizer_step
+from .digest import plan_digest
 from .memory import Timeline, curve, on_device, plan_sizes, size_ranges, smallest_sizes
 from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, RELEASES, WAIT
 from .pipeline import (
@@ -36,7 +37,7 @@ from .plan import (
 )
 from .policies import offload_marked, read_policies, save_offload_marks
 from .scheduling import (
-    Schedule, activation_peaks_at, held_after_forward, peaks_over_range, plan_digest, scheduled_moves,
+    Schedule, activation_peaks_at, held_after_forward, peaks_over_range, scheduled_moves,
     staging_temporaries,
 )
 from .shares import RegionDemand, Share, share_for, step_peak

@@ -27,7 +27,7 @@ from .memory import concrete
 from .solvers import NODE_LIMIT, TIME_GUARD, SolverName
 
 __all__ = [
-    "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision",
+    "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Goal",
     "Ineligible", "KEEP", "Kept", "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "Plan", "PlanOptions", "RECOMPUTE",
     "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves",
     "recompute_temporaries", "staging_bytes",
@@ -137,6 +137,13 @@ class PlanOptions:
     # Positions, among the compiled function's inputs, of activations handed in that the caller was seen
     # to keep after the graph returned (``fxoffload.callers``): counted, never moved (a copy frees nothing).
     kept_inputs: frozenset[int] = frozenset()
+
+
+class Goal(enum.Enum):
+    """What a plan's choice was made to do; the reasons name it (``value``: the words)."""
+
+    MEET_BUDGET = "meet the budget"
+    SMALLEST_PEAK = "reach the smallest peak"
 
 
 class Why(enum.Enum):

@@ -100,7 +100,7 @@ from .formulation import (
 from .memory import Resident, Timeline, held_sizes, residents_at, timeline_at
 from .plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
+    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .solvers import curve_with, host_of, solve
@@ -468,7 +468,7 @@ def _host_reasons(problem: Problem, decisions: tuple[Decision, ...], groups, cho
 
 
 def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], limit: int | None,
-            held: Sequence[SizeTarget]) -> tuple[_Choice, str | None]:
+            held: Sequence[SizeTarget]) -> tuple[_Choice, Goal | None]:
     """The choice for a budget of ``limit`` bytes (None: no budget) at the plan's size and ``held``'s,
     and the goal its reasons name (None: every eligible candidate, ``all_eligible``)."""
     if limit is None:
@@ -478,9 +478,9 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         # The smallest peak is the budget: a move that cannot lower it is not made, nor one that lowers
         # it by less than min_bytes (a saving that small is not worth a copy, as a storage that small is not).
         limit = _smallest_peak(problem, wanted, forced) + problem.options.min_bytes
-        free, goal = wanted, "reach the smallest peak"
+        free, goal = wanted, Goal.SMALLEST_PEAK
     else:
-        goal = "meet the budget"
+        goal = Goal.MEET_BUDGET
     cap = problem.options.held_cap
     under_cap = cap is None or problem.device or problem.held(forced, ()) <= cap
     if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held) \
@@ -512,7 +512,7 @@ def _held(problem: Problem) -> list[SizeTarget]:
     return out
 
 
-def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: str | None):
+def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: Goal | None):
     """Transfers, recomputations and per-activation decisions of a choice made to reach ``goal``."""
     offloaded, recomputed = set(choice.offloaded), set(choice.recomputed)
     transfers: list[Transfer] = []
@@ -545,7 +545,7 @@ def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: str | None
     return tuple(transfers), tuple(rebuilt), tuple(decisions[i] for i in sorted(decisions))
 
 
-def _why(action: str, kept_because: Ineligible | None, marks: frozenset[str], goal: str | None) -> Why:
+def _why(action: str, kept_because: Ineligible | None, marks: frozenset[str], goal: Goal | None) -> Why:
     """The decision's ``Why``; :func:`_reason` words it."""
     if action == RECOMPUTE:
         return Why.RECOMPUTED
@@ -553,19 +553,19 @@ def _why(action: str, kept_because: Ineligible | None, marks: frozenset[str], go
         return Why.OFFLOADED
     if kept_because is not None:
         return Why.INELIGIBLE
-    return Why.PREFER_SAVE if PREFER_SAVE in marks and goal != "meet the budget" else Why.NOT_NEEDED
+    return Why.PREFER_SAVE if PREFER_SAVE in marks and goal is not Goal.MEET_BUDGET else Why.NOT_NEEDED
 
 
-def _recompute_reason(act: SavedActivation, cost: RecomputeCost, goal: str | None, marks: frozenset[str]) -> str:
+def _recompute_reason(act: SavedActivation, cost: RecomputeCost, goal: Goal | None, marks: frozenset[str]) -> str:
     ops = sum(1 for n in cost.chain if is_compute(n))
     source = ", ".join(r.name for r in cost.reads) or "nothing saved"
     why = (f"recomputed before {cost.consumer.name} from {source} ({ops} ops, {cost.seconds * 1e6:.1f} us predicted)"
-           + (f"; chosen to {goal}" if goal else "; all_eligible, strategy 'recompute'")
+           + (f"; chosen to {goal.value}" if goal else "; all_eligible, strategy 'recompute'")
            + (", overriding PREFER_SAVE" if PREFER_SAVE in marks else ""))
     return why if not act.view_chain else f"view of {act.base.name}; base {why}; view rebuilt after it"
 
 
-def _reason(act: SavedActivation, kept_because: Ineligible | None, why: Why, goal: str | None,
+def _reason(act: SavedActivation, kept_because: Ineligible | None, why: Why, goal: Goal | None,
             marks: frozenset[str]) -> str:
     """``why`` in words for ``act`` (kept or offloaded), naming the selective-checkpoint mark it
     honours or overrides."""
@@ -576,13 +576,13 @@ def _reason(act: SavedActivation, kept_because: Ineligible | None, why: Why, goa
         if MUST_CPU_OFFLOAD in marks:
             return _offload_reason(act, "selective checkpoint policy MUST_CPU_OFFLOAD")
         if PREFER_SAVE in marks:
-            return _offload_reason(act, f"chosen to {goal}, overriding PREFER_SAVE")
-        chosen = f"chosen to {goal}" if goal else _EVERY_ELIGIBLE
+            return _offload_reason(act, f"chosen to {goal.value}, overriding PREFER_SAVE")
+        chosen = f"chosen to {goal.value}" if goal else _EVERY_ELIGIBLE
         reason = _offload_reason(act, "PREFER_CPU_OFFLOAD, " + chosen if PREFER_CPU_OFFLOAD in marks else chosen)
         return f"{INPUT_ACTIVATION}: {reason}" if act.base.op == "placeholder" else reason
     if why is Why.PREFER_SAVE:
         return "kept: selective checkpoint policy PREFER_SAVE"
-    holds = "the budget holds" if goal == "meet the budget" else "the smallest peak is reached"
+    holds = "the budget holds" if goal is Goal.MEET_BUDGET else "the smallest peak is reached"
     if PREFER_CPU_OFFLOAD in marks:
         return f"kept: {holds} without offloading it (overrides PREFER_CPU_OFFLOAD)"
     return f"kept: {holds} without offloading it"

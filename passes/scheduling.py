@@ -6,7 +6,7 @@ predicted op times and the device profile. Output: a :class:`Schedule` (each
 transfer's final :class:`~fxoffload.passes.candidates.Placement`, the prefetch order,
 the copies started ahead, predicted stalls), and the plan's predicted peaks
 re-evaluated under it (:func:`with_scheduled_peaks`, :func:`activation_peaks_at`,
-:func:`held_after_forward`) and the digest of plan and schedule (:func:`plan_digest`).
+:func:`held_after_forward`). Their digest: ``fxoffload.passes.digest``.
 
 Algorithm.
 * Offload: right after its base is computed. Post-AOTAutograd graphs are
@@ -85,7 +85,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -100,7 +99,7 @@ from .plan import Plan
 from .replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
-           "latest_starts", "peaks_over_range", "plan_digest", "schedule_transfers", "scheduled_moves",
+           "latest_starts", "peaks_over_range", "schedule_transfers", "scheduled_moves",
            "staging_temporaries",
            "with_scheduled_peaks"]
 
@@ -524,20 +523,3 @@ def held_after_forward(plan: Plan, timeline: Timeline, schedule: Schedule) -> in
     activations = curve(timeline.length, intervals(timeline, scheduled_moves(plan, timeline, schedule), True))
     return activations[len(timeline.fw_nodes) - 1] if activations else 0
 
-
-def plan_digest(plan: Plan, schedule: Schedule) -> str:
-    """A short hash of what the rewrite does with a pair: each saved activation's decision, each copy's
-    four places and each recomputation's chain, by node name, and the partition planned. Equal plans
-    give equal digests on every rank and in every process; predictions (seconds, peaks) are left out,
-    so that only a different rewrite changes it."""
-    name = lambda node: None if node is None else node.name  # noqa: E731
-    parts = [
-        plan.partition,
-        [(d.name, d.action) for d in plan.decisions],
-        [(t.base_name, str(t.nbytes), t.members) for t in plan.transfers],
-        [(r.base_name, r.at, r.release, [name(n) for n in r.cost.chain]) for r in plan.recomputes],
-        [(p.transfer, name(p.offload_after), name(p.free_after), name(p.prefetch_before), name(p.wait_before),
-          p.deferred) for p in schedule.placements],
-        schedule.prefetch_order, name(schedule.ahead_before), schedule.ahead,
-    ]
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

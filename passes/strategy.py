@@ -38,7 +38,7 @@ from .pipeline import (
 )
 from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
-from .scheduling import plan_digest
+from .digest import plan_digest
 from .simulator import simulate
 
 __all__ = ["CANDIDATE_KEYS", "Candidate", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",

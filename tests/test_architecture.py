@@ -101,7 +101,7 @@ STAGE_ORDER = {
     "fxoffload.passes.candidates": 3,
     "fxoffload.passes.eligibility": 4, "fxoffload.passes.plan": 4, "fxoffload.passes.formulation": 4,
     "fxoffload.passes.planning": 4,
-    "fxoffload.passes.scheduling": 5,
+    "fxoffload.passes.scheduling": 5, "fxoffload.passes.digest": 5,
     "fxoffload.passes.simulator": 6, "fxoffload.passes.step": 6, "fxoffload.passes.rewrite": 6,
     "fxoffload.passes.pipeline": 7,  # the driver
     "fxoffload.passes.strategy": 8,  # strategy auto's search, on the driver

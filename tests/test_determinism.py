@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fxoffload
-from fxoffload.passes.scheduling import plan_digest
+from fxoffload.passes import plan_digest
 from fxoffload.passes.solvers import Option, Queue, solve_milp
 from tests.conftest import compile_mlp  # the golden MLP, compiled with min_bytes=0
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # solver) and prints each digest. (Under strategy auto, PyTorch's recompute-only partition wins here.)
 PLAN_IN_A_PROCESS = """
 import torch, fxoffload
-from fxoffload.passes.scheduling import plan_digest
+from fxoffload.passes import plan_digest
 from tests.conftest import lm_step, tiny_llama
 torch.manual_seed(0)
 backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, strategy="offload",

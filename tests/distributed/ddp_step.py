@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxoffload
-from fxoffload.passes.scheduling import plan_digest
+from fxoffload.passes import plan_digest
 
 
 def model() -> torch.nn.Module:

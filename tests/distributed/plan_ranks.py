@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import fxoffload
-from fxoffload.passes.scheduling import plan_digest
+from fxoffload.passes import plan_digest
 
 TIMEOUT = 2.0
 
