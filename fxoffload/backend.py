@@ -57,8 +57,8 @@ from fxoffload.ordering import constrain_offload_sources, pin_offload_order
 from fxoffload.partition import Partitioner
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Candidate, KeptSource, PassResult, Plan, PlanOptions, Share,
-    held_after_forward, inputs_at, plan_best_partition, plan_digest, rewrite_planned, unbounded_size_warning,
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, PassResult, Plan, PlanOptions,
+    Share, held_after_forward, inputs_at, plan_best_partition, plan_digest, rewrite_planned, unbounded_size_warning,
 )
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import RankCheck, graph_key
@@ -650,7 +650,7 @@ class _Trials:
     """A region's candidates under measured selection: their schedule and timings, and those compiled so far."""
 
     schedule: RegionSelection
-    candidates: list[Candidate]  # in predicted order, as the schedule's keys
+    candidates: list[CandidatePlan]  # in predicted order, as the schedule's keys
     compiled: dict[str, _Compiled]  # by candidate key
 
 
@@ -667,8 +667,10 @@ class _RegionRun:
 
 
 def _device_of(args: Sequence[Any]) -> torch.device | None:
-    """The device of a graph's first tensor argument (what its marks are taken on)."""
-    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    """The device a graph's marks are taken on: its first accelerator tensor argument's, else its first
+    tensor's (a CPU scalar beside CUDA tensors must not make the host clock time queued kernels)."""
+    devices = [a.device for a in args if isinstance(a, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
 
 
 def _refuse_several_ranks() -> None:

@@ -56,7 +56,7 @@ class GraphRecord:
     # The largest activation an earlier graph hands it that it saves: back on the device for its
     # backward whatever the plan, so a floor of its peak in the step's accounting.
     largest_saved_input: int = 0
-    # Strategy auto's plans of this graph that met its budget (``fxoffload.passes.Candidate``), fastest
+    # Strategy auto's plans of this graph that met its budget (``fxoffload.passes.CandidatePlan``), fastest
     # predicted first; and, under select="measured", the measurement that kept this one (on the kept record).
     candidates: tuple = ()
     selection: Selection | None = None

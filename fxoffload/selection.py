@@ -1,6 +1,6 @@
 """Measured selection: time strategy auto's plans of a region in the first steps and keep the fastest.
 
-Inputs: a region's candidates (``fxoffload.passes.Candidate``: the plans of one graph that meet its
+Inputs: a region's candidates (``fxoffload.passes.CandidatePlan``: the plans of one graph that meet its
 budget, fastest predicted first, each rewrite once), and the timing marks taken around each of its
 forwards and backwards (``fxoffload.runtime.timing_mark``: CUDA events on the compute stream, or the
 host clock for the CPU engine). Output: the candidate each step runs, and once each has run, the one
@@ -122,7 +122,7 @@ class RegionSelection:
 
     def decide(self, candidates: Sequence[Any], read: Callable[[Mark], float]) -> Selection:
         """The selection, from the marks read with ``read`` (seconds between a mark's ends);
-        ``candidates``: what the keys stand for (``fxoffload.passes.Candidate``, same order)."""
+        ``candidates``: what the keys stand for (``fxoffload.passes.CandidatePlan``, same order)."""
         timed = []
         for i, candidate in enumerate(candidates):
             steps = tuple(sum(read(m) for m in marks) for marks in self.marks.get(i, []) if marks)

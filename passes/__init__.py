@@ -44,10 +44,10 @@ from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_step
-from .strategy import CANDIDATE_KEYS, Candidate, plan_best_partition
+from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
 
 __all__ = [
-    "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "Candidate", "BudgetInfeasibleError",
+    "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "CandidatePlan", "BudgetInfeasibleError",
     "BudgetInfeasibleWarning", "DEFER", "Decision",
     "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
     "OnInfeasible", "PREFETCH", "PassResult", "Placement", "Plan", "PlanOptions", "RELEASES", "RegionDemand",

@@ -11,7 +11,7 @@ predicted cost, also plan the same pair offload-only and recompute-only (from
 the driver's one analysis), and the pair PyTorch's recompute-only partitioner
 makes at the budget; simulate each (``fxoffload.passes.simulator``) and keep
 the fastest predicted that meets the budget without a total peak above the
-min-cut pair's. The result lists those that qualify (:class:`Candidate`, fastest
+min-cut pair's. The result lists those that qualify (:class:`CandidatePlan`, fastest
 predicted first, plans alike counted once), so that measured selection
 (``fxoffload.selection``) can time them: ``compare_all`` plans the alternatives
 even when the first plan predicts no cost, and ``choose`` returns the one a
@@ -41,7 +41,7 @@ from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .digest import plan_digest
 from .simulator import simulate
 
-__all__ = ["CANDIDATE_KEYS", "Candidate", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",
+__all__ = ["CANDIDATE_KEYS", "CandidatePlan", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",
            "plan_best_partition"]
 
 
@@ -53,7 +53,7 @@ CANDIDATE_KEYS = (MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE)
 
 
 @dataclass(frozen=True)
-class Candidate:
+class CandidatePlan:
     """One of strategy auto's plans of a graph that meets the budget: what measured selection times."""
 
     key: str  # one of CANDIDATE_KEYS
@@ -133,7 +133,7 @@ def plan_best_partition(
     step = _predicted_step(first, profile, watch)
     cheap = step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION)
     if first.plan.feasible and cheap and not compare_all and choose in (None, MIN_CUT):
-        only = (Candidate(MIN_CUT, first.plan.partition, step),)
+        only = (CandidatePlan(MIN_CUT, first.plan.partition, step),)
         return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
     tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
     tried += _alternatives(fw_module, bw_module, analysis, first.plan, repartition, analysed, alternative, options,
@@ -209,11 +209,11 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
         best.result.plan, budget=plan.budget, activation_peak_before=plan.activation_peak_before,
         total_peak_before=plan.total_peak_before, step_peak_before=plan.step_peak_before, held_before=plan.held_before,
         device_peak_before=plan.device_peak_before, strategy="auto",
-        partition=best.label if choose is None else _measured_label(best.label),
+        partition=best.label if choose is None else _plain_label(best.label) + ", a candidate of measured selection",
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
                     for size, reference in zip(best.result.plan.sizes, plan.sizes)),
     )
-    candidates = tuple(Candidate(e.key, _plain_label(e.label), e.step) for e in qualified)
+    candidates = tuple(CandidatePlan(e.key, _plain_label(e.label), e.step) for e in qualified)
     return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times,
                                                  candidates=candidates)
 
@@ -222,10 +222,6 @@ def _plain_label(label: str) -> str:
     """A candidate's words without "predicted fastest" (which only the one the prediction chose earns)."""
     return re.sub(r",? predicted fastest$", "", label)
 
-
-def _measured_label(label: str) -> str:
-    """A candidate's words once a measurement chose it."""
-    return _plain_label(label) + ", measured fastest"
 
 
 def _over_total(entry: _Tried, joint: _Tried) -> bool:
