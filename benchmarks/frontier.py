@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 
 import fxoffload  # noqa: E402
+from fxoffload.selection import WARMUP_STEPS  # noqa: E402
 from _recipes import plain_backend  # noqa: E402
 from gpu_session import LossOf, Run, measure, predict  # noqa: E402
 from gpu_session import _one_line as one_line  # noqa: E402
@@ -64,8 +65,8 @@ STRATEGIES = ("auto", "offload", "recompute")
 MEASURED_BUDGETS = (0.5,)
 SELECT_STEPS = 2  # timed steps per candidate under select="measured"
 # Warm-up steps measured selection adds: the re-plan once the first step counted the runs, then at most
-# four candidates, each a warm-up step and its timed steps.
-SELECTION_WARMUP = 1 + 4 * (1 + SELECT_STEPS)
+# one candidate per plan strategy auto makes, each its warm-up steps and its timed steps.
+SELECTION_WARMUP = 1 + len(fxoffload.passes.CANDIDATE_KEYS) * (WARMUP_STEPS + SELECT_STEPS)
 GIB = 2 ** 30
 
 

@@ -37,12 +37,13 @@ by the rewritten graphs) stays on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -114,8 +115,6 @@ class _Replan:
         sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
         if any(isinstance(s, torch.SymInt) for s in (*sizes, *example_inputs)):
             return None
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
         # Fake copies: the inputs dynamo hands over may be the real tensors of the first call (its
         # activations and batch), which must not live as long as the compiled function.
         from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -124,13 +123,18 @@ class _Replan:
             mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
             example_inputs = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) if isinstance(t, torch.Tensor)
                               else t for t in example_inputs]
-        return cls(fx.GraphModule(gm, graph), list(example_inputs), activations, patches)
+        return cls(_module_copy(gm), list(example_inputs), activations, patches)
 
     def copy(self) -> "_Replan":
         """Another copy of the graph, to compile once more (a compile may edit the graph it is handed)."""
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(self.module.graph, {}))
-        return dataclasses.replace(self, module=fx.GraphModule(self.module, graph))
+        return dataclasses.replace(self, module=_module_copy(self.module))
+
+
+def _module_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a graph of its own (the same nodes, copied), sharing its submodules and attributes."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -201,14 +205,9 @@ def _run_backward(compiled: Callable, debug: bool, compilation: _Compilation) ->
     timed while ``compilation.timer`` is set (measured selection)."""
 
     def run(args: list) -> Any:
-        timer = compilation.timer
-        if timer is not None and (device := _device_of(args)) is not None:
-            start = fxoffload.runtime.timing_mark(device)
-        with fxoffload.runtime.backward_graph(), fxoffload.runtime.debugging(debug):
-            out = compiled(args)
-        if timer is not None and device is not None:
-            timer(Mark(device, start, fxoffload.runtime.timing_mark(device)))
-        return out
+        with _timed(compilation.timer, args), fxoffload.runtime.backward_graph(), \
+                fxoffload.runtime.debugging(debug):
+            return compiled(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -428,8 +427,7 @@ class OffloadBackend:
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
         warn = budget is not None and budget.nbytes is not None and replan is None
-        return self._track(region, _RegionRun(compiled, replan, source if measured else None, selected=not measured),
-                           warn)
+        return self._track(region, _RegionRun(compiled, replan, source if measured else None), warn)
 
     def _track(self, region: tuple, state: "_RegionRun", warn: bool) -> Callable:
         """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the
@@ -467,12 +465,9 @@ class OffloadBackend:
             if (record := state.compiled.compilation.record) is not None and not record.host_reserved:
                 self._reserve_host(record, args)
             timer = state.compiled.compilation.timer if step_forward else None
-            if timer is not None and (device := _device_of(args)) is not None:
-                start = fxoffload.runtime.timing_mark(device)
-            with fxoffload.runtime.forward_invocation() as invocation, fxoffload.runtime.debugging(self.config.debug):
+            with _timed(timer, args), fxoffload.runtime.forward_invocation() as invocation, \
+                    fxoffload.runtime.debugging(self.config.debug):
                 out = state.compiled.run(*args)
-            if timer is not None and device is not None:
-                timer(Mark(device, start, fxoffload.runtime.timing_mark(device)))
             record = state.compiled.compilation.record
             if step_forward and record is not None and (node := _backward_node(out)) is not None:
                 self._ledger.note_forward(record)
@@ -663,7 +658,20 @@ class _RegionRun:
     source: _Replan | None  # select="measured": to compile each candidate plan
     trials: _Trials | None = None  # measured selection under way
     step: int = -1  # the backend's step in which it last ran a forward
-    selected: bool = False  # measured selection is over (or off, or has nothing to choose)
+    selected: bool = False  # measured selection is over (or off: no source; or nothing to choose)
+
+
+@contextlib.contextmanager
+def _timed(timer: Callable[[Mark], None] | None, args: Sequence[Any]) -> Iterator[None]:
+    """Hand ``timer`` a :class:`Mark` around the block, on the device of ``args`` (read before the block:
+    a boxed graph clears its argument list); nothing without a timer. A block that raises is not timed."""
+    device = _device_of(args) if timer is not None else None
+    if device is None:
+        yield
+        return
+    start = fxoffload.runtime.timing_mark(device)
+    yield
+    timer(Mark(device, start, fxoffload.runtime.timing_mark(device)))
 
 
 def _device_of(args: Sequence[Any]) -> torch.device | None:

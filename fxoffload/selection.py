@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["Mark", "RegionSelection", "Selection", "Timed", "fastest"]
+__all__ = ["WARMUP_STEPS", "Mark", "RegionSelection", "Selection", "Timed", "fastest"]
 
 WARMUP_STEPS = 1  # per candidate, before its timed steps
 
