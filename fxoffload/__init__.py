@@ -45,7 +45,8 @@ from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
 from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
 from fxoffload.passes import (  # noqa: E402
-    BudgetInfeasibleError, BudgetInfeasibleWarning, Simulation, StepSimulation, simulate, simulate_step,
+    BudgetInfeasibleError, BudgetInfeasibleWarning, OverheadExceededError, Simulation, StepSimulation, simulate,
+    simulate_step,
 )
 from fxoffload.plot import plot, plot_step  # noqa: E402
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
@@ -56,7 +57,8 @@ register_backend_name()  # backend="fxoffload" without an installed entry point 
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile",
-    "GraphRecord", "OffloadBackend", "MemoryMeasurement", "OffloadConfig", "OptionError", "PlanMismatchError",
+    "GraphRecord", "OffloadBackend", "MemoryMeasurement", "OffloadConfig", "OptionError", "OverheadExceededError",
+    "PlanMismatchError",
     "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",
     "offload_backend", "plot", "plot_step", "release_host_memory", "runtime", "simulate", "simulate_step",
 ]

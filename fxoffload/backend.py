@@ -58,8 +58,9 @@ from fxoffload.ordering import constrain_offload_sources, pin_offload_order
 from fxoffload.partition import Partitioner
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, PassResult, Plan, PlanOptions,
-    Share, held_after_forward, inputs_at, plan_best_partition, plan_digest, rewrite_planned, unbounded_size_warning,
+    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
+    PassResult, Plan, PlanOptions, Share, held_after_forward, inputs_at, plan_best_partition, plan_digest,
+    rewrite_planned, unbounded_size_warning,
 )
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.ranks import RankCheck, graph_key
@@ -308,7 +309,9 @@ class OffloadBackend:
                     warnings.simplefilter("ignore", BudgetInfeasibleWarning)
                 fw, bw, planned = plan_within_cap(plan, options)
         except BudgetInfeasibleError as error:
-            if not (retry or self._may_wait(region, input_activations, replannable, held_before)):
+            # Waiting for the step's shares may bring a budget within reach, not a cheaper plan of one.
+            overhead = isinstance(error, OverheadExceededError)
+            if overhead or not (retry or self._may_wait(region, input_activations, replannable, held_before)):
                 raise self._in_step(error, place, held_before, options, region) from None
             # Out of reach before the first step has shown the step: a graph handed an activation most
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step

@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", default=None,
                       help="memory_budget: a fraction of the activation peak (0.5) or a size (6GiB, 512MB); 'none' "
                            "plans for the smallest peak, at least cost (default 0.5; none with --device-budget)")
+    plan.add_argument("--max-overhead", default="none",
+                      help="max_overhead: the time each graph's plan may add, as a percentage (1%%) or fraction "
+                           "(0.01) of its predicted time without offloading; with --budget none, the smallest "
+                           "peak within it; with a budget, a plan that needs more is refused; 'none' (default)")
     plan.add_argument("--device-budget", default="none",
                       help="device_budget: the step's device peak (graph inputs, every tensor the step creates, "
                            "and --reserved) as a size (80GiB) or bytes, instead of --budget; 'none' (default)")
@@ -148,7 +152,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes_of(args),
                    solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
                    host_budget=host_budget, device_budget=device_budget, reserved=number_or_text(args.reserved),
-                   all_eligible=args.all_eligible)
+                   all_eligible=args.all_eligible, max_overhead=_max_overhead(args))
     try:
         OffloadConfig(**options)
     except OptionError as e:
@@ -172,6 +176,11 @@ def _memory_budget(args: argparse.Namespace) -> Any:
     return None if text.lower() == "none" else number_or_text(text)
 
 
+def _max_overhead(args: argparse.Namespace) -> Any:
+    text = args.max_overhead.strip()
+    return None if text.lower() == "none" else text if text.endswith("%") else number_or_text(text)
+
+
 def _device_budget_report(options: dict) -> dict:
     """The step's device budget and what is reserved of it, in bytes (None: no device budget)."""
     from fxoffload.config import OffloadConfig
@@ -183,7 +192,8 @@ def _device_budget_report(options: dict) -> dict:
 # The plan command's flag for each option it sets (an error about another option keeps its own name).
 _FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
           "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget",
-          "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible"}
+          "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible",
+          "max_overhead": "--max-overhead"}
 
 
 def _plan(args: argparse.Namespace) -> int:

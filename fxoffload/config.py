@@ -16,7 +16,7 @@ from fxoffload.passes import (
 )
 from fxoffload.profiles import resolve_profile
 
-__all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget"]
+__all__ = ["OffloadConfig", "OptionError", "config_from_options", "parse_budget", "parse_overhead"]
 
 InnerCompiler = Literal["inductor", "eager"]
 INNER_COMPILERS: tuple[str, ...] = get_args(InnerCompiler)
@@ -56,6 +56,29 @@ def parse_budget(value: Any) -> Budget | None:
             raise bad
         return Budget(nbytes=nbytes)
     raise bad
+
+
+OVERHEAD_FORMS = ("None, a fraction in [0, 1) of each compiled graph's predicted time without offloading (0.01), or a "
+                  "percentage string ('1%', '0.5%')")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def parse_overhead(value: Any) -> float | None:
+    """The fraction a ``max_overhead`` value stands for; :class:`OptionError` naming the accepted forms.
+    An int is refused: ``1`` would read as 100%, and a user who writes it most likely means 1%."""
+    bad = OptionError("max_overhead", f"got {value!r}; accepted: {OVERHEAD_FORMS}")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = _PERCENT.match(value)
+        if not match:
+            raise bad
+        value = float(match.group(1)) / 100
+    elif not isinstance(value, float):
+        raise bad
+    if not 0.0 <= value < 1.0:  # (NaN fails this too)
+        raise bad
+    return value
 
 
 @dataclass(frozen=True)
@@ -178,8 +201,18 @@ class OffloadConfig:
     select_steps: int = 3
     """Timed steps per candidate under ``select="measured"``, after its warm-up step (the median counts)."""
 
+    max_overhead: Any = None
+    """Bound on the time a plan may add to each compiled graph (stalls on copies, recomputation), as a
+    fraction of its predicted compute time without offloading: ``0.01`` or ``"1%"``. Without a budget,
+    each graph's plan is the smallest activation peak within it (instead of the smallest at any cost);
+    with ``memory_budget`` or ``device_budget``, the budget is the limit and this the preference: a graph
+    that can meet its budget only above it raises ``OverheadExceededError`` (``on_infeasible="warn"``:
+    warns, and meets the budget). Predicted by the cost model, as every plan is. None: unbounded.
+    See ``OVERHEAD_FORMS``."""
+
     def __post_init__(self) -> None:
         parse_budget(self.memory_budget)
+        parse_overhead(self.max_overhead)
         _device_bytes("device_budget", self.device_budget)
         _device_bytes("reserved", self.reserved, allow_zero=True)
         _device_bytes("host_budget", self.host_budget)
@@ -201,6 +234,10 @@ class OffloadConfig:
             raise OptionError("all_eligible", f"all_eligible=True with memory_budget={self.memory_budget!r}, "
                               f"device_budget={self.device_budget!r}: a budget decides what moves; accepted: "
                               "all_eligible=True with no budget, or a budget with all_eligible=False", named=True)
+        if self.all_eligible and self.max_overhead is not None:
+            raise OptionError("all_eligible", f"all_eligible=True with max_overhead={self.max_overhead!r}: "
+                              "all_eligible moves every candidate whatever it costs; accepted: one of them",
+                              named=True)
         _check_int("min_bytes", self.min_bytes)
         if self.horizon != AUTO_HORIZON:
             _check_int("horizon", self.horizon, also="or 'auto'")
@@ -242,6 +279,7 @@ class OffloadConfig:
             runs=1 if self.runs_per_step == "auto" else self.runs_per_step,
             host_bytes=_device_bytes("host_budget", self.host_budget),
             device_bytes=None if self.device_budget is None else self.device_budget_bytes - self.reserved_bytes,
+            max_overhead=parse_overhead(self.max_overhead),
         )
 
     @property

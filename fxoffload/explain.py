@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from fxoffload.passes import activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, size_ranges, smallest_sizes
+from fxoffload.passes import (
+    Why, activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, size_ranges, smallest_sizes,
+)
 
 __all__ = ["explain", "format_bytes", "format_stages"]
 
@@ -113,6 +115,7 @@ def _summary(record: Any) -> str:
             f"({share.fraction:.2f} of "
             f"its own figures; re-planned once the first step had shown every region, round {record.step_round + 1})")
     lines += _layer_inputs(record)
+    lines += _overhead(plan)
     lines += _selection(record)
     handed_on = [lt for lt in record.timeline.lifetimes if lt.handed_on]
     if handed_on:
@@ -161,6 +164,18 @@ def _sizes(record: Any) -> list[str]:
         share += " (before: this partition's own peak without the plan)"
     return lines + [f"at the smallest size the guards allow ({', '.join(f'{s}={v}' for s, v in smallest.items())}): "
                     f"predicted activation peak {format_bytes(before)} -> {format_bytes(after)}{share}"]
+
+
+def _overhead(plan: Any) -> list[str]:
+    """Under max_overhead: the bound, and what it kept that the smallest peak would have moved."""
+    if getattr(plan, "max_overhead", None) is None:
+        return []
+    kept = [d for d in plan.decisions if d.why is Why.OVERHEAD]
+    because = (f"; kept because of it (the smallest peak moves them): {len(kept)} saved tensors, "
+               f"{format_bytes(sum(int(d.nbytes) for d in kept))}, "
+               + ", ".join(d.name for d in kept[:4]) + (", ..." if len(kept) > 4 else "")) if kept else ""
+    return [f"max_overhead: {plan.max_overhead:g} of the graph's predicted compute time without offloading "
+            f"({plan.overhead_bound * 1e3:.3f} ms per run, predicted){because}"]
 
 
 def _selection(record: Any) -> list[str]:

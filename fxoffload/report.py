@@ -69,7 +69,7 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
 def plan_report(records: list, *, model: str, batch: int, seq: int, dtype: str, layers: int | None,
                 checkpointing: str, budget: str, horizon: Any) -> dict:
     """Each compiled graph's figures (predicted: memory model, cost model, simulator), with what was planned."""
-    from fxoffload.passes import plan_digest, simulate
+    from fxoffload.passes import Why, plan_digest, simulate
 
     graphs = []
     for record in records:
@@ -107,6 +107,10 @@ def plan_report(records: list, *, model: str, batch: int, seq: int, dtype: str, 
             "stall": sum(c.stall for c in sim.copies),
             "solver": plan.solver,
             "solver_gap": None if plan.gap != plan.gap else plan.gap,
+            "offloaded_tensors": [{"name": t.base_name, "bytes": int(t.nbytes)} for t in plan.transfers],
+            "max_overhead": plan.max_overhead,
+            "overhead_bound": plan.overhead_bound,
+            "kept_for_overhead": [d.name for d in plan.decisions if d.why is Why.OVERHEAD],
         })
     return {
         "model": model, "batch": batch, "seq": seq, "dtype": dtype, "layers": layers,

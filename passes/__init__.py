@@ -33,7 +33,7 @@ from .pipeline import (
 )
 from .plan import (
     ADVICE_WARN, ON_INFEASIBLE, STRATEGIES, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    OnInfeasible, Plan, PlanOptions, Strategy, Transfer, Why,
+    OnInfeasible, OverheadExceededError, Plan, PlanOptions, Strategy, Transfer, Why,
 )
 from .policies import offload_marked, read_policies, save_offload_marks
 from .scheduling import (
@@ -50,7 +50,8 @@ __all__ = [
     "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "CandidatePlan", "BudgetInfeasibleError",
     "BudgetInfeasibleWarning", "DEFER", "Decision",
     "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
-    "OnInfeasible", "PREFETCH", "PassResult", "Placement", "Plan", "PlanOptions", "RELEASES", "RegionDemand",
+    "OnInfeasible", "OverheadExceededError", "PREFETCH", "PassResult", "Placement", "Plan", "PlanOptions",
+    "RELEASES", "RegionDemand",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
     "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "activation_peaks_at", "curve",
     "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute", "offload_marked",

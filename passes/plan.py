@@ -28,7 +28,8 @@ from .solvers import NODE_LIMIT, TIME_GUARD, SolverName
 
 __all__ = [
     "ADVICE_WARN", "AUTO_STRATEGY", "Budget", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "Decision", "Goal",
-    "Ineligible", "KEEP", "Kept", "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "Plan", "PlanOptions", "RECOMPUTE",
+    "Ineligible", "KEEP", "Kept", "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "OverheadExceededError", "Plan",
+    "PlanOptions", "RECOMPUTE",
     "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves",
     "recompute_temporaries", "staging_bytes",
 ]
@@ -67,6 +68,22 @@ class BudgetInfeasibleError(ValueError):
     def within(self, context: str) -> "BudgetInfeasibleError":
         """The same error, its reason prefixed by where it arose."""
         return BudgetInfeasibleError(f"{context}{self.reason}", self.smallest, self.budget, self.advice)
+
+
+class OverheadExceededError(BudgetInfeasibleError):
+    """The memory budget holds, but only with a predicted overhead above ``max_overhead``.
+
+    ``smallest`` and ``budget`` are the bytes, as for :class:`BudgetInfeasibleError` (the budget holds:
+    ``smallest <= budget``); ``seconds`` the plan's predicted overhead per run, ``bound`` max_overhead's."""
+
+    def __init__(self, reason: str, smallest: int, budget: int, advice: Sequence[str] = (), *,
+                 seconds: float = 0.0, bound: float = 0.0) -> None:
+        super().__init__(reason, smallest, budget, advice)
+        self.seconds, self.bound = seconds, bound
+
+    def within(self, context: str) -> "OverheadExceededError":
+        return OverheadExceededError(f"{context}{self.reason}", self.smallest, self.budget, self.advice,
+                                     seconds=self.seconds, bound=self.bound)
 
 
 class BudgetInfeasibleWarning(UserWarning):
@@ -137,6 +154,11 @@ class PlanOptions:
     # Positions, among the compiled function's inputs, of activations handed in that the caller was seen
     # to keep after the graph returned (``fxoffload.callers``): counted, never moved (a copy frees nothing).
     kept_inputs: frozenset[int] = frozenset()
+    # A bound on the time a plan adds (stalls, recomputation), as a fraction of the graph's predicted
+    # compute time without it (``plan_offloads``'s ``compute_seconds``, per run). Without a budget, the
+    # plan reaches the smallest peak within it; with one, the budget is the limit and this the
+    # preference: a plan that needs more says so (``OverheadExceededError``). None: unbounded.
+    max_overhead: float | None = None
 
 
 class Goal(enum.Enum):
@@ -144,6 +166,7 @@ class Goal(enum.Enum):
 
     MEET_BUDGET = "meet the budget"
     SMALLEST_PEAK = "reach the smallest peak"
+    SMALLEST_PEAK_WITHIN = "reach the smallest peak within max_overhead"
 
 
 class Why(enum.Enum):
@@ -154,6 +177,7 @@ class Why(enum.Enum):
     NOT_NEEDED = "kept: the goal holds without moving it"
     PREFER_SAVE = "kept: the user's PREFER_SAVE mark"
     HOST_BUDGET = "kept: its copy does not fit host_budget"
+    OVERHEAD = "kept: moving it would take the plan over max_overhead"
     OFFLOADED = "offloaded"
     RECOMPUTED = "recomputed"
 
@@ -299,6 +323,11 @@ class Plan:
     # Predicted: what the runs leave for the backward (the activation curve at the forward's end, over the runs).
     held_before: int = 0
     held_after: int = 0
+    # PlanOptions.max_overhead, and what it allows and what the plan adds as the planner prices it
+    # (its solver's objective: stalls as queue lateness, recomputation, per run), in seconds.
+    max_overhead: float | None = None
+    overhead_bound: float | None = None
+    planned_overhead: float = 0.0
 
     @property
     def offloaded_bytes(self) -> int:

@@ -67,6 +67,10 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   within it is greedy's lowest, found by bisection on the budget
   (:func:`_reachable`). MUST_CPU_OFFLOAD copies count first; a kept
   candidate that did not fit says so.
+* Under ``max_overhead`` without a budget, the driver (``fxoffload.passes.pipeline``) finds the
+  lowest peak whose plan's simulated overhead is within it and hands it in (``peak_within``): the
+  budget is that peak, and a candidate the smallest peak moves but this plan keeps says so
+  (``Why.OVERHEAD``).
 * If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
   raises ``plan.BudgetInfeasibleError`` with the smallest achievable peak;
   ``"warn"`` plans the cheapest choice at that smallest peak and says so.
@@ -110,8 +114,7 @@ __all__ = ["plan_offloads"]
 
 _EVERY_ELIGIBLE = "offloaded (all_eligible, >= min_bytes)"
 _VIEW_WORDING = {_EVERY_ELIGIBLE: "offloaded through its base",
-                 "chosen to meet the budget": "base chosen to meet the budget",
-                 "chosen to reach the smallest peak": "base chosen to reach the smallest peak"}
+                 **{f"chosen to {goal.value}": f"base chosen to {goal.value}" for goal in Goal}}
 
 
 def _offload_reason(act: SavedActivation, why: str) -> str:
@@ -139,6 +142,8 @@ class _Choice:
     feasible: bool = True
     note: str = ""
     shortfall: tuple[int, int] | None = None
+    cost: float = 0.0  # the solver's objective: predicted seconds the choice adds per run
+    held_back: frozenset[fx.Node] = frozenset()  # candidates the smallest peak moves that max_overhead keeps
 
 
 _ALL = {OFFLOAD: "offloading every eligible activation", RECOMPUTE: "recomputing every recomputable activation",
@@ -172,7 +177,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
                       "differ between runs and ranks; raise solver_time_limit or lower solver_node_limit", stacklevel=3)
     if result.feasible:
         offloaded, recomputed = split_choice(owners, result.chosen)
-        return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
+        return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap,
+                       cost=result.cost)
     everything = _reachable(problem, forced, total, base, items, queues, conflicts)
     if options.budget is None and not problem.device:
         # No budget (the smallest peak is the limit): a solver that misses it (greedy, under conflicts)
@@ -221,7 +227,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = split_choice(owners, chosen)
-    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
+    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall,
+                   lowest.cost if lowest.feasible else math.nan)
 
 
 FLOOR_NAMED = 4  # the largest tensors an infeasible budget's message names
@@ -356,6 +363,7 @@ def plan_offloads(
     policies: Mapping[str, str] | None = None,
     recomputes: Mapping[fx.Node, RecomputeCost] | None = None,
     queued: bool = False,
+    peak_within: int | None = None,
 ) -> Plan:
     """Keep, offload or recompute every saved activation (see the module docstring).
 
@@ -364,7 +372,10 @@ def plan_offloads(
     ``recomputes`` to its recompute chain, where it has one; ``policies`` the
     user's selective-checkpoint marks by forward node name (``fxoffload.passes.policies``);
     ``queued``: price copies as queues on the copy engines (prefetches placed
-    freely, horizon ``"auto"``) rather than each alone on its link.
+    freely, horizon ``"auto"``) rather than each alone on its link; ``peak_within``: without a
+    budget, the lowest peak (bytes, of what a budget bounds) the driver found within
+    ``options.max_overhead`` (``fxoffload.passes.pipeline``): the plan is the cheapest choice under it
+    (at least the smallest peak), and its reasons name max_overhead.
     """
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
@@ -396,7 +407,7 @@ def plan_offloads(
     else:
         limit = options.budget.resolve(step_before) if options.budget is not None else None
     held = _held(problem) if limit is not None else []
-    choice, goal = _select(problem, free, forced, limit, held)
+    choice, goal = _select(problem, free, forced, limit, held, peak_within)
     transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, goal)
     decisions = _host_reasons(problem, decisions, groups, choice)
     budget_bytes = None if problem.device or options.budget is None else limit
@@ -432,6 +443,8 @@ def plan_offloads(
         held_cap=options.held_cap,
         held_before=problem.held((), ()),
         held_after=problem.held(choice.offloaded, choice.recomputed),
+        max_overhead=options.max_overhead,
+        planned_overhead=choice.cost,
     )
 
 
@@ -468,9 +481,11 @@ def _host_reasons(problem: Problem, decisions: tuple[Decision, ...], groups, cho
 
 
 def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], limit: int | None,
-            held: Sequence[SizeTarget]) -> tuple[_Choice, Goal | None]:
+            held: Sequence[SizeTarget], peak_within: int | None = None) -> tuple[_Choice, Goal | None]:
     """The choice for a budget of ``limit`` bytes (None: no budget) at the plan's size and ``held``'s,
-    and the goal its reasons name (None: every eligible candidate, ``all_eligible``)."""
+    and the goal its reasons name (None: every eligible candidate, ``all_eligible``). Without a budget,
+    ``peak_within`` (bytes, max_overhead's) raises the smallest peak to it."""
+    unbounded: _Choice | None = None
     if limit is None:
         wanted = [b for b in free if PREFER_SAVE not in problem.marks[b]]  # without a budget, PREFER_SAVE holds
         if problem.options.all_eligible:
@@ -479,14 +494,23 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         # it by less than min_bytes (a saving that small is not worth a copy, as a storage that small is not).
         limit = _smallest_peak(problem, wanted, forced) + problem.options.min_bytes
         free, goal = wanted, Goal.SMALLEST_PEAK
+        if peak_within is not None and peak_within > limit:
+            unbounded = _choose(problem, free, forced, limit)
+            limit, goal = peak_within, Goal.SMALLEST_PEAK_WITHIN
     else:
         goal = Goal.MEET_BUDGET
     cap = problem.options.held_cap
     under_cap = cap is None or problem.device or problem.held(forced, ()) <= cap
     if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held) \
             and under_cap:
-        return _Choice(tuple(forced)), goal
-    return _choose(problem, free, forced, limit, held), goal
+        choice = _Choice(tuple(forced))
+    else:
+        choice = _choose(problem, free, forced, limit, held)
+    if unbounded is not None:
+        moved = {*choice.offloaded, *choice.recomputed}
+        held_back = frozenset(b for b in (*unbounded.offloaded, *unbounded.recomputed) if b not in moved)
+        choice = dataclasses.replace(choice, held_back=held_back)
+    return choice, goal
 
 
 def _held(problem: Problem) -> list[SizeTarget]:
@@ -532,6 +556,8 @@ def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: Goal | Non
                                      problem.rebuilt_at(base), problem.recomputes[base]))
         action = RECOMPUTE if recompute is not None else OFFLOAD if transfer is not None else KEEP
         why = _why(action, reasons[base], problem.marks[base], goal)
+        if why is Why.NOT_NEEDED and base in choice.held_back:
+            why = Why.OVERHEAD
         kept = reasons[base] if why is Why.INELIGIBLE else None
         for act in group:
             if recompute is not None:
@@ -582,7 +608,10 @@ def _reason(act: SavedActivation, kept_because: Ineligible | None, why: Why, goa
         return f"{INPUT_ACTIVATION}: {reason}" if act.base.op == "placeholder" else reason
     if why is Why.PREFER_SAVE:
         return "kept: selective checkpoint policy PREFER_SAVE"
-    holds = "the budget holds" if goal is Goal.MEET_BUDGET else "the smallest peak is reached"
+    if why is Why.OVERHEAD:
+        return "kept: max_overhead (the smallest peak moves it, at a predicted cost above the bound)"
+    holds = {Goal.MEET_BUDGET: "the budget holds", Goal.SMALLEST_PEAK_WITHIN: "the smallest peak within max_overhead "
+             "is reached"}.get(goal, "the smallest peak is reached")
     if PREFER_CPU_OFFLOAD in marks:
         return f"kept: {holds} without offloading it (overrides PREFER_CPU_OFFLOAD)"
     return f"kept: {holds} without offloading it"

@@ -11,8 +11,9 @@ predicted cost, also plan the same pair offload-only and recompute-only (from
 the driver's one analysis), and the pair PyTorch's recompute-only partitioner
 makes at the budget; simulate each (``fxoffload.passes.simulator``) and keep
 the fastest predicted that meets the budget without a total peak above the
-min-cut pair's. The result lists those that qualify (:class:`CandidatePlan`, fastest
-predicted first, plans alike counted once), so that measured selection
+min-cut pair's (under ``max_overhead``, checked against it: the overhead is the predicted step less
+the min-cut pair's compute, so PyTorch's recomputation counts). The result lists those that qualify
+(:class:`CandidatePlan`, fastest predicted first, plans alike counted once), so that measured selection
 (``fxoffload.selection``) can time them: ``compare_all`` plans the alternatives
 even when the first plan predicts no cost, and ``choose`` returns the one a
 measurement chose. Limits: the ranking trusts the simulator's step time, not a
@@ -34,7 +35,7 @@ import torch.fx as fx
 from .analysis import is_random
 from .cost_model import DeviceProfile
 from .pipeline import (
-    PassResult, Stopwatch, analyse_pair, counted_inputs, counts_outputs, gc_paused, plan_analysed,
+    PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs, gc_paused, plan_analysed,
 )
 from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
@@ -134,6 +135,7 @@ def plan_best_partition(
     cheap = step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION)
     if first.plan.feasible and cheap and not compare_all and choose in (None, MIN_CUT):
         only = (CandidatePlan(MIN_CUT, first.plan.partition, step),)
+        first = check_overhead(first, step, plain, options)
         return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
     tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
     tried += _alternatives(fw_module, bw_module, analysis, first.plan, repartition, analysed, alternative, options,
@@ -145,6 +147,8 @@ def plan_best_partition(
             raise BudgetInfeasibleError(message, *best.plan.shortfall,
                                         ("raise the budget", "lower min_bytes", ADVICE_WARN))
         warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=3)
+    elif options.max_overhead is not None:  # the fastest predicted is over max_overhead: so is every other
+        best = check_overhead(best, _predicted_step(best, profile, watch), plain, options)
     return fw, bw, best
 
 
