@@ -42,6 +42,7 @@ if not _INSTALLED and (_CheckoutPasses.folder / "__init__.py").is_file():
 from fxoffload import runtime  # noqa: E402  (after the finder: runtime imports fxoffload.passes)
 from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend, register_backend_name  # noqa: E402
 from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
+from fxoffload.errors import CompiledAutogradError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
 from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
 from fxoffload.passes import (  # noqa: E402
@@ -56,7 +57,8 @@ from fxoffload.runtime import release_host_memory  # noqa: E402
 register_backend_name()  # backend="fxoffload" without an installed entry point (a checkout)
 
 __all__ = [
-    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "calibrate", "DeviceProfile",
+    "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "CompiledAutogradError",
+    "calibrate", "DeviceProfile",
     "GraphRecord", "OffloadBackend", "MemoryMeasurement", "OffloadConfig", "OptionError", "OverheadExceededError",
     "PlanMismatchError",
     "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",

@@ -51,8 +51,10 @@ from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.callers import CallerWatch, offloaded_inputs
+from fxoffload.compat import compiled_autograd_context
 from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
+from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import constrain_offload_sources, pin_offload_order
 from fxoffload.partition import Partitioner
@@ -79,6 +81,14 @@ PROVISIONAL_RUNS = 2
 
 __all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
            "register_backend_name"]
+
+
+REFUSED_COMPILED_AUTOGRAD = (
+    "fxoffload: compiled autograd is on around this step (torch._dynamo.compiled_autograd._enable(...)) and this "
+    "graph's plan copies activations, which compiled autograd would re-trace and cannot: turn it off for steps "
+    "compiled with fxoffload (no _enable(...) around them, torch._dynamo.config.compiled_autograd False), or plan "
+    "without copies (strategy='recompute')"
+)
 
 
 def _backward_node(out: Any) -> Any:
@@ -465,14 +475,22 @@ class OffloadBackend:
                 if state.step != self._steps:  # the region's first forward of this step
                     state.step = self._steps
                     self._select_step(region, state)
-            if (record := state.compiled.compilation.record) is not None and not record.host_reserved:
+            # Compiled autograd re-traces the backward: copies cannot be re-traced (refused before the
+            # forward runs), and the backward hook below trips its pre-hook reordering where an output's
+            # gradient goes unused (transformers' KV cache), so the step goes untracked under it.
+            traced_again = compiled_autograd_context()
+            record = state.compiled.compilation.record
+            if traced_again and record is not None and record.plan.transfers:
+                raise CompiledAutogradError(REFUSED_COMPILED_AUTOGRAD)
+            if record is not None and not record.host_reserved:
                 self._reserve_host(record, args)
             timer = state.compiled.compilation.timer if step_forward else None
             with _timed(timer, args), fxoffload.runtime.forward_invocation() as invocation, \
                     fxoffload.runtime.debugging(self.config.debug):
                 out = state.compiled.run(*args)
             record = state.compiled.compilation.record
-            if step_forward and record is not None and (node := _backward_node(out)) is not None:
+            tracked = step_forward and not traced_again and record is not None
+            if tracked and (node := _backward_node(out)) is not None:
                 self._ledger.note_forward(record)
                 node.register_prehook(functools.partial(self._on_backward, invocation))
                 self._ledger.count_forward(region)

@@ -21,6 +21,12 @@ partitioner's ``solve_min_cut``). Nothing branches on a version string.
   op must have an output. That is not patched here; ``fxoffload.ordering`` gives every edge a
   tensor on every release, and ``prefetch_ahead`` returns one (``fxoffload.passes.ops``).
 
+* Compiled autograd's context (``torch._dynamo.compiled_autograd._enable``) sets the module's
+  ``compiled_autograd_enabled`` while it is active; the config flag
+  ``torch._dynamo.config.compiled_autograd`` turns it on only inside compiled frames, so a compiled
+  region's forward sees it on even when the backward will run outside them:
+  :func:`compiled_autograd_context` reads the first, and not the second.
+
 * PyTorch's own offloading pass (``benchmarks/compare.py`` runs it beside ours) reads the link's
   bandwidth from ``torch._functorch.config.activation_offload_cpu_gpu_bw`` where that option exists,
   and from ``torch._inductor.config.cpu_gpu_bw`` on 2.11: :func:`native_offload_bandwidth`.
@@ -34,7 +40,7 @@ from typing import Iterator
 from torch._C import DispatchKey
 from torch.fx.node import _side_effectful_functions, has_side_effect
 
-__all__ = ["ensure_control_deps", "native_offload_bandwidth"]
+__all__ = ["compiled_autograd_context", "ensure_control_deps", "native_offload_bandwidth"]
 
 
 def _run_subgraph(additional_deps, subgraph, *args, **kwargs):
@@ -66,3 +72,12 @@ def native_offload_bandwidth(gib_per_second: float) -> Iterator[None]:
     else:  # 2.11: the pass reads Inductor's option
         with inductor_config.patch(cpu_gpu_bw=gib_per_second):
             yield
+
+
+def compiled_autograd_context() -> bool:
+    """Whether ``torch._dynamo.compiled_autograd._enable(...)`` is active, outside a compiled frame
+    the config flag turned it on for (where the step's backward may well run without it)."""
+    import torch._dynamo
+
+    module = getattr(torch._dynamo, "compiled_autograd", None)
+    return bool(getattr(module, "compiled_autograd_enabled", False)) and not torch._dynamo.config.compiled_autograd

@@ -1,4 +1,5 @@
-"""The error every bad option raises: ``OptionError``, naming the option, what is wrong and what is accepted.
+"""The error every bad option raises: ``OptionError``, naming the option, what is wrong and what is accepted;
+and ``CompiledAutogradError``, a set-up fxoffload cannot run (compiled autograd around a step that copies).
 
 Its own module so that the modules that check options (``fxoffload.config``, ``fxoffload.profiles``)
 import it without importing each other. Limits: options only; a bad model or budget has its own error.
@@ -6,7 +7,7 @@ import it without importing each other. Limits: options only; a bad model or bud
 
 from __future__ import annotations
 
-__all__ = ["OptionError"]
+__all__ = ["CompiledAutogradError", "OptionError"]
 
 
 class OptionError(ValueError):
@@ -18,3 +19,9 @@ class OptionError(ValueError):
     def __init__(self, option: str, detail: str, named: bool = False) -> None:
         self.option, self.detail = option, detail
         super().__init__(detail if named else f"{option}: {detail}")
+
+
+class CompiledAutogradError(RuntimeError):
+    """Compiled autograd is on around a step whose plan copies activations: it would re-trace the
+    backward, and fxoffload's copies cannot be re-traced (``fxoffload.passes.ops``). Raised when the
+    forward runs, before any backward."""
