@@ -50,9 +50,6 @@ the forward's end backwards, by their births (offloads).
   above the budget under every item's largest saving there (proven
   infeasible). ``"milp"`` always runs the exact program.
 
-:func:`choose_offloads` is the offload-only special case (each candidate
-saves ``keep`` minus its ``offload`` intervals), kept for its simpler form.
-
 Limits. Greedy may miss a feasible answer when options add memory or
 conflict, or under a host budget (it spends the host bytes on the first
 options it takes), or when an item has several options (it takes the cheapest per
@@ -78,8 +75,8 @@ from typing import Any, Literal, Sequence, get_args
 import numpy as np
 
 __all__ = [
-    "Candidate", "Option", "Queue", "SolverResult", "Solution", "choose_offloads", "solve", "solve_greedy",
-    "solve_milp", "evaluate", "min_peak", "lateness", "host_of", "SOLVERS", "SolverName",
+    "Option", "Queue", "Solution", "solve", "solve_greedy", "solve_milp", "min_peak", "lateness", "host_of",
+    "SOLVERS", "SolverName",
 ]
 
 Interval = tuple[int, int]
@@ -513,81 +510,3 @@ def _proven_infeasible(length, base, items, budget) -> bool:
             _apply(row, option)
         lowest += np.minimum(savings.min(axis=0), 0)
     return bool(lowest.size) and int(lowest.max()) > budget
-
-
-# --------------------------------------------------------------------------- offload-only form
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """Occupies ``keep`` when kept, only its ``offload`` intervals (inside ``keep``) when offloaded."""
-
-    nbytes: int
-    keep: Interval
-    offload: tuple[Interval, ...]
-    cost: float
-
-
-@dataclass(frozen=True)
-class SolverResult:
-    chosen: tuple[int, ...]
-    peak: int  # activation peak with ``chosen`` offloaded
-    cost: float
-    feasible: bool  # peak <= budget
-    solver: str  # "milp", "greedy", or "none" (nothing needed)
-    optimal: bool  # proven optimal
-    gap: float  # relative optimality gap (0 when optimal; nan when unknown)
-    seconds: float
-
-
-def _savings(c: Candidate) -> list[Interval]:
-    """Parts of ``keep`` not covered by ``offload`` intervals."""
-    start, end = c.keep
-    out, cursor = [], start
-    for a, b in sorted(c.offload):
-        if a > cursor:
-            out.append((cursor, min(a - 1, end)))
-        cursor = max(cursor, b + 1)
-    if cursor <= end:
-        out.append((cursor, end))
-    return [(a, b) for a, b in out if a <= b]
-
-
-def _general(fixed, candidates):
-    base = list(fixed) + [(c.keep[0], c.keep[1], c.nbytes) for c in candidates]
-    items = [(Option(tuple((a, b, -c.nbytes) for a, b in _savings(c)), c.cost),) for c in candidates]
-    return base, items
-
-
-def _offload_result(solution: Solution) -> SolverResult:
-    return SolverResult(tuple(i for i, _ in solution.chosen), solution.peak, solution.cost, solution.feasible,
-                        solution.solver, solution.optimal, solution.gap, solution.seconds)
-
-
-def evaluate(length, fixed, candidates, chosen) -> np.ndarray:
-    """The curve with ``chosen`` candidates offloaded."""
-    base, items = _general(fixed, candidates)
-    return curve_with(length, base, items, [(i, 0) for i in chosen])
-
-
-def choose_offloads(length, fixed, candidates, budget, *, solver: str = "auto",
-                    time_limit: float = TIME_GUARD) -> SolverResult:
-    """Candidates to offload so the curve stays within ``budget`` at least cost."""
-    base, items = _general(fixed, candidates)
-    return _offload_result(solve(length, base, items, budget, solver=solver, time_limit=time_limit))
-
-
-def offload_greedy(length, fixed, candidates, budget) -> SolverResult:
-    base, items = _general(fixed, candidates)
-    return _offload_result(solve_greedy(length, base, items, budget))
-
-
-def offload_milp(length, fixed, candidates, budget, time_limit: float = TIME_GUARD) -> SolverResult | None:
-    base, items = _general(fixed, candidates)
-    solution = solve_milp(length, base, items, budget, time_limit=time_limit)
-    return None if solution is None else _offload_result(solution)
-
-
-def offload_min_peak(length, fixed, candidates) -> int:
-    base, items = _general(fixed, candidates)
-    return min_peak(length, base, items)

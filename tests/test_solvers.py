@@ -9,18 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxoffload.passes.solvers import (
-    Candidate, choose_offloads, evaluate,
-)
-from fxoffload.passes.solvers import (
-    offload_greedy as solve_greedy,
-)
-from fxoffload.passes.solvers import (
-    offload_milp as solve_milp,
-)
-from fxoffload.passes.solvers import (
-    offload_min_peak as min_peak,
-)
+from tests.offload_only import Candidate, choose_offloads, evaluate
+from tests.offload_only import offload_greedy as solve_greedy
+from tests.offload_only import offload_milp as solve_milp
+from tests.offload_only import offload_min_peak as min_peak
 from fxoffload.passes.solvers import (
     Option, Queue, curve_with, lateness, solve,
 )
