@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -239,6 +240,7 @@ class OffloadBackend:
         # The step as its first backward showed it, and the shares of its memory budget.
         self._step = StepBudget(config.plan_options.budget, config.plan_options.device_bytes is not None)
         self._steps = 0  # steps begun (a new one at the first forward after a backward began)
+        self._compared_graph: dict[tuple, str] = {}  # each region's first key for the rank check
 
     @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
@@ -355,11 +357,28 @@ class OffloadBackend:
         self._ledger.note_record(record.index, region)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if (check := self._rank_check) is not None:
-            check.planned(graph, record.index, plan_digest(record.plan, record.schedule))
+            check.planned(self._compared_as(region, graph, input_activations, options), record.index,
+                          plan_digest(record.plan, record.schedule))
         if self.config.inner == "inductor":
             for module in (fw, bw):
                 pin_offload_order(module)
         return record
+
+    def _compared_as(self, region: tuple, graph: str, input_activations: frozenset[int], options: PlanOptions) -> str:
+        """The key ranks compare this plan of ``region`` under (``fxoffload.ranks``): its graph, which of its
+        inputs are activations, and once the first step has shown the step, the step (each region's key
+        and runs, in order) and the inputs callers keep. Data-parallel replicas share all of it; pipeline
+        stages that compile one graph (a block compiled on its own) plan it for steps of their own, and
+        differ in it, so they are not compared. The user's options are not in it: ranks given different
+        ones share keys, and their plans are compared."""
+        key = f"{graph}/in:{','.join(map(str, sorted(input_activations)))}"
+        self._compared_graph.setdefault(region, key)
+        shape = self._step.shape
+        if shape is None:
+            return key
+        step = repr([(self._compared_graph.get(r.region, "?"), r.runs) for r in shape.regions])
+        kept = ",".join(map(str, sorted(options.kept_inputs)))
+        return f"{key}/step:{hashlib.sha256(step.encode()).hexdigest()[:16]}/kept:{kept}"
 
     def _note_plan(self, region: tuple, plan: Plan, timeline: Any, schedule: Any) -> int:
         """Tell the ledger what a plan of ``region`` holds, takes and spills; what one run leaves for its backward."""

@@ -9,12 +9,16 @@ the same plan; this check proves it, and names the ranks where it does not
 hold (a different option on one rank, or ``device_profile="auto"`` reading
 different GPUs).
 
-Which ranks to compare: those that compile the same graph. Each compiled graph
-gets a key, a digest of dynamo's graph (its code, and its inputs' shapes,
-strides and dtypes) and of how often this rank planned that graph before (a
-re-plan is the next one). Data-parallel replicas compile the same graphs and
-share keys; pipeline stages compile different graphs, whose keys differ, and
-are not compared with each other.
+Which ranks to compare: those that plan the same graph for the same step. Each
+plan gets a key: a digest of dynamo's graph (its code, and its inputs' shapes,
+strides and dtypes, :func:`graph_key`), with what the backend adds (which inputs
+are activations; once the first step has shown it, the rank's step and the
+inputs callers keep: ``OffloadBackend._compared_as``), and how often this rank
+planned under that key before (a re-plan is the next one). Data-parallel
+replicas share keys; pipeline stages compile different graphs, or plan one
+graph (a block compiled on its own) for steps of their own, and are not
+compared with each other. The user's options are not in the key: replicas given
+different ones are compared, and refused.
 
 Algorithm, through the job's key-value store (``torch.distributed``'s default
 store, under a prefix per process group and backend), never a collective and
@@ -76,7 +80,8 @@ class PlanMismatchError(RuntimeError):
         groups = "; ".join(f"{_ranks(ranks)}: graph {index}, plan digest {digest}"
                            for (index, digest), ranks in sorted(by_plan.items(), key=lambda item: item[1][0]))
         super().__init__(
-            f"fxoffload: the ranks planned one graph differently ({groups}). Every rank that compiles a graph "
+            f"fxoffload: the ranks planned one graph differently ({groups}), compared as ranks that plan it for the "
+            "same step (its inputs handed alike, the same regions and runs). Every rank that compiles a graph "
             "must run one plan for it, or their copies and collectives fall out of step. Give every rank the "
             "same options and device_profile (a named one: 'auto' reads each rank's GPU).")
 

@@ -5,6 +5,11 @@ comparison can be bitwise), against the same stage compiled with ``aot_eager_dec
 
     pipeline_step.py gpipe|1f1b   four steps each: losses and gradients bit-equal, and each stage's
                                   measured activation peak in the third beside the reference's
+    pipeline_step.py gpipe|1f1b blocks
+                                  the same with each block compiled on its own (``block.compile``),
+                                  after a linear layer on each stage: both stages compile the same
+                                  block graph, handed activations alike, and plan it for steps of
+                                  their own
 """
 
 import os
@@ -21,15 +26,30 @@ WIDTH, BLOCKS, MICROBATCHES, BATCH = 256, 4, 4, 256
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-def stage_module(rank: int) -> torch.nn.Module:
+class Block(torch.nn.Module):
+    """One block, a class of the user's (dynamo compiles a torch.nn.Sequential's own call only inlined)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.down(torch.tanh(self.up(x))))
+
+
+def stage_module(rank: int, blocks_apart: bool = False) -> torch.nn.Module:
     """The rank's half of one model (the same random weights on every run): two blocks each, and the head
-    on the last stage."""
+    on the last stage (``blocks_apart``: each block a ``Block`` compiled on its own, after a linear layer
+    on each stage, so that both stages hand their blocks activations alike)."""
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Tanh(), torch.nn.Linear(4 * WIDTH, WIDTH),
+    blocks = [Block() if blocks_apart else
+              torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Tanh(), torch.nn.Linear(4 * WIDTH, WIDTH),
                                   torch.nn.Tanh()) for _ in range(BLOCKS)]
-    head = torch.nn.Linear(WIDTH, 1)
+    head, entry = torch.nn.Linear(WIDTH, 1), [torch.nn.Linear(WIDTH, WIDTH) for _ in range(2)]
     half = BLOCKS // 2
-    return torch.nn.Sequential(*blocks[:half]) if rank == 0 else torch.nn.Sequential(*blocks[half:], head)
+    if rank == 0:
+        return torch.nn.Sequential(*entry[:1] if blocks_apart else [], *blocks[:half])
+    return torch.nn.Sequential(*entry[1:] if blocks_apart else [], *blocks[half:], head)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -39,9 +59,15 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class Pipeline:
     """One rank's stage of the pipeline, compiled with ``backend``, under ``schedule``."""
 
-    def __init__(self, rank: int, schedule: str, backend) -> None:
-        self.rank, self.module = rank, stage_module(rank)
-        compiled = torch.compile(self.module, backend=backend) if backend is not None else self.module
+    def __init__(self, rank: int, schedule: str, backend, blocks_apart: bool = False) -> None:
+        self.rank, self.module = rank, stage_module(rank, blocks_apart)
+        if blocks_apart:  # each block on its own, as torchtitan compiles a pipeline stage's layers
+            for block in self.module:
+                if isinstance(block, Block):
+                    block.compile(backend=backend)
+            compiled = self.module
+        else:
+            compiled = torch.compile(self.module, backend=backend) if backend is not None else self.module
         stage = PipelineStage(compiled, rank, 2, torch.device("cpu"))
         self.schedule = SCHEDULES[schedule](stage, MICROBATCHES, loss_fn=loss_fn)
 
@@ -63,19 +89,26 @@ def bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def run(schedule: str) -> int:
+def run(schedule: str, blocks_apart: bool = False) -> int:
     rank = dist.get_rank()
-    reference = Pipeline(rank, schedule, "aot_eager_decomp_partition")
-    backend = fxoffload.offload_backend(inner="eager", memory_budget=0.5)
-    offloaded = Pipeline(rank, schedule, backend)
-    same = True
-    for index in range(2):  # the first step learns each stage's step; the second re-plans it
-        same &= all(bit_equal(a, b) for a, b in zip(reference.step(index), offloaded.step(index)))
-    # The third step as measured, re-planned stage against reference: its activations (born before the
-    # stage's first backward and alive after it began).
+    # The reference's four steps first, then fxoffload's: dynamo keeps one compiled entry per code object,
+    # and blocks compiled one by one (Module.compile) share theirs with the reference's blocks.
+    reference = Pipeline(rank, schedule, "aot_eager_decomp_partition", blocks_apart)
+    expected = [reference.step(index) for index in range(2)]
+    # The third step as measured: its activations (born before the stage's first backward and alive
+    # after it began).
     plain = measure_peak(reference.step, 2)
+    expected += [reference.step(2), reference.step(3)]
+    torch._dynamo.reset()
+    options = {"strategy": "offload", "min_bytes": 0} if blocks_apart else {}  # copies, so the plans differ
+    backend = fxoffload.offload_backend(inner="eager", memory_budget=0.5, **options)
+    offloaded = Pipeline(rank, schedule, backend, blocks_apart)
+    # The first step learns each stage's step; the second re-plans it; the third is measured.
+    actual = [offloaded.step(index) for index in range(2)]
     ours = measure_peak(offloaded.step, 2)
-    same &= all(bit_equal(a, b) for a, b in zip(reference.step(3), offloaded.step(3)))
+    actual += [offloaded.step(2), offloaded.step(3)]
+    same = len(actual) == len(expected) and all(
+        bit_equal(a, b) for want, got in zip(expected, actual) for a, b in zip(want, got))
     transfers = sum(len(r.plan.transfers) for r in backend.records)
     ratio = ours.activation_peak / plain.activation_peak
     sys.stdout.write(f"rank {rank}: {schedule}: bit-equal to aot_eager_decomp_partition: {same}, graphs "
@@ -86,13 +119,13 @@ def run(schedule: str) -> int:
     return 0 if same else 1
 
 
-def main(mode: str) -> int:
+def main(mode: str, blocks_apart: bool = False) -> int:
     dist.init_process_group("gloo")
-    code = run(mode)
+    code = run(mode, blocks_apart)
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    code = main(sys.argv[1], sys.argv[2:] == ["blocks"])
     os._exit(code)  # skip gloo's teardown at finalization (see ddp_step.py)
