@@ -106,14 +106,16 @@ def test_fsdp2_checkpointed_blocks_offload_their_inputs_at_half_the_step_with_de
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_pipeline_stages_that_compile_one_block_graph_plan_it_apart_and_pass_the_rank_check(schedule):
     """Each block compiled on its own (block.compile), two on each stage, strategy offload: both stages
     compile the same block graph and plan it for steps of their own (which of its inputs are activations,
     how many runs the stage holds), so the rank check, at its default, does not compare them: before, it
-    raised PlanMismatchError on this valid run. Bit-equal to the same blocks under
+    raised PlanMismatchError on this valid run. The interleaved schedule (Interleaved1F1B) runs four
+    stages on the two processes, two on each, one block per stage. Bit-equal to the same blocks under
     aot_eager_decomp_partition; under GPipe each stage's measured activation peak is at most 0.55 of the
-    reference's. (Under 1F1B, copies held through an intervening forward are not counted yet: issue 51.)"""
+    reference's. (Under 1F1B and interleaved, copies held through an intervening forward are not counted
+    yet: issue 51.)"""
     lines = run_distributed("pipeline_step.py", schedule, "blocks")
     found = [re.match(rf"rank (\d): {schedule}: bit-equal to aot_eager_decomp_partition: (\w+), graphs (\d+), "
                       r"planned for (\d+) runs, transfers (\d+), "
@@ -121,7 +123,7 @@ def test_pipeline_stages_that_compile_one_block_graph_plan_it_apart_and_pass_the
     assert all(found) and [f[1] for f in found] == ["0", "1"], lines
     assert all(f[2] == "True" and int(f[5]) > 0 for f in found), lines  # exact, and each stage copies
     runs = [int(f[4]) for f in found]
-    assert runs == ({"gpipe": [8, 8], "1f1b": [4, 2]}[schedule]), lines  # each stage's own step
+    assert runs == ({"gpipe": [8, 8], "1f1b": [4, 2], "interleaved": [5, 3]}[schedule]), lines  # its own step
     if schedule == "gpipe":
         assert all(float(f[6]) <= 0.55 for f in found), lines
 

@@ -5,11 +5,12 @@ comparison can be bitwise), against the same stage compiled with ``aot_eager_dec
 
     pipeline_step.py gpipe|1f1b   four steps each: losses and gradients bit-equal, and each stage's
                                   measured activation peak in the third beside the reference's
-    pipeline_step.py gpipe|1f1b blocks
+    pipeline_step.py gpipe|1f1b|interleaved blocks
                                   the same with each block compiled on its own (``block.compile``),
                                   after a linear layer on each stage: both stages compile the same
                                   block graph, handed activations alike, and plan it for steps of
-                                  their own
+                                  their own; interleaved: Interleaved1F1B, two stages per rank
+                                  (four stages on two processes), one block each
 """
 
 import os
@@ -17,7 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import fxoffload
 from fxoffload.measure import measure_peak
@@ -37,19 +38,19 @@ class Block(torch.nn.Module):
         return torch.tanh(self.down(torch.tanh(self.up(x))))
 
 
-def stage_module(rank: int, blocks_apart: bool = False) -> torch.nn.Module:
-    """The rank's half of one model (the same random weights on every run): two blocks each, and the head
-    on the last stage (``blocks_apart``: each block a ``Block`` compiled on its own, after a linear layer
-    on each stage, so that both stages hand their blocks activations alike)."""
+def stage_module(stage: int, stages: int, blocks_apart: bool = False) -> torch.nn.Module:
+    """Stage ``stage`` of ``stages`` of one model (the same random weights on every run): its share of the
+    blocks, and the head on the last stage (``blocks_apart``: each block a ``Block`` compiled on its own,
+    after a linear layer on each stage, so that every stage hands its blocks activations alike)."""
     torch.manual_seed(0)
     blocks = [Block() if blocks_apart else
               torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Tanh(), torch.nn.Linear(4 * WIDTH, WIDTH),
                                   torch.nn.Tanh()) for _ in range(BLOCKS)]
-    head, entry = torch.nn.Linear(WIDTH, 1), [torch.nn.Linear(WIDTH, WIDTH) for _ in range(2)]
-    half = BLOCKS // 2
-    if rank == 0:
-        return torch.nn.Sequential(*entry[:1] if blocks_apart else [], *blocks[:half])
-    return torch.nn.Sequential(*entry[1:] if blocks_apart else [], *blocks[half:], head)
+    head, entries = torch.nn.Linear(WIDTH, 1), [torch.nn.Linear(WIDTH, WIDTH) for _ in range(stages)]
+    share = BLOCKS // stages
+    layers = [entries[stage]] if blocks_apart else []
+    layers += blocks[stage * share:(stage + 1) * share] + ([head] if stage == stages - 1 else [])
+    return torch.nn.Sequential(*layers)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -57,19 +58,29 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Pipeline:
-    """One rank's stage of the pipeline, compiled with ``backend``, under ``schedule``."""
+    """One rank's stages of the pipeline (one, or under the interleaved schedule two: ``rank`` and
+    ``rank + 2`` of four), compiled with ``backend``, under ``schedule``."""
 
     def __init__(self, rank: int, schedule: str, backend, blocks_apart: bool = False) -> None:
-        self.rank, self.module = rank, stage_module(rank, blocks_apart)
+        interleaved = schedule == "interleaved"
+        stages = 4 if interleaved else 2
+        indices = [rank, rank + 2] if interleaved else [rank]
+        self.rank, self.last = rank, stages - 1 in indices
+        self.modules = [stage_module(index, stages, blocks_apart) for index in indices]
+        self.module = torch.nn.ModuleList(self.modules)  # (for its parameters)
+        built = [PipelineStage(self._compiled(m, backend, blocks_apart), index, stages, torch.device("cpu"))
+                 for index, m in zip(indices, self.modules)]
+        self.schedule = (ScheduleInterleaved1F1B(built, MICROBATCHES, loss_fn=loss_fn) if interleaved
+                         else SCHEDULES[schedule](built[0], MICROBATCHES, loss_fn=loss_fn))
+
+    @staticmethod
+    def _compiled(module: torch.nn.Module, backend, blocks_apart: bool) -> torch.nn.Module:
         if blocks_apart:  # each block on its own, as torchtitan compiles a pipeline stage's layers
-            for block in self.module:
+            for block in module:
                 if isinstance(block, Block):
                     block.compile(backend=backend)
-            compiled = self.module
-        else:
-            compiled = torch.compile(self.module, backend=backend) if backend is not None else self.module
-        stage = PipelineStage(compiled, rank, 2, torch.device("cpu"))
-        self.schedule = SCHEDULES[schedule](stage, MICROBATCHES, loss_fn=loss_fn)
+            return module
+        return torch.compile(module, backend=backend) if backend is not None else module
 
     def step(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Step ``index`` (its inputs are seeded by it): the last stage's microbatch losses, and the stage's
@@ -78,8 +89,10 @@ class Pipeline:
         x, target = torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, 1, generator=generator)
         self.module.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if self.rank == 0:
+        if self.rank == 0 and not self.last:
             self.schedule.step(x)
+        elif self.rank == 0:  # (interleaved: rank 0 holds the first stage, rank 1 the last)
+            self.schedule.step(x, target=target, losses=losses)
         else:
             self.schedule.step(target=target, losses=losses)
         return [loss.detach() for loss in losses], [p.grad.clone() for p in self.module.parameters()]
