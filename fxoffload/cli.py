@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 
 from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
-from fxoffload.report import plan_report, print_report, range_report, step_report, with_optimizer
-from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, seq_range, trace_step
+from fxoffload.plan_command import run_plan
+from fxoffload.report import print_report
+from fxoffload.tracing import Progress, UsageError, number_or_text
 
 __all__ = ["main"]
 
@@ -142,118 +142,11 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from fxoffload.config import OffloadConfig, OptionError
-
-    budget: Any = _memory_budget(args)
-    device_budget: Any = None if args.device_budget.lower() == "none" else number_or_text(args.device_budget)
-    horizon: Any = args.horizon if args.horizon == "auto" else number_or_text(args.horizon)
-    host_budget: Any = None if args.host_budget.lower() == "none" else number_or_text(args.host_budget)
-    options = dict(memory_budget=budget, horizon=horizon, device_profile=args.profile, min_bytes=min_bytes_of(args),
-                   solver=args.solver, strategy=args.strategy, inner="eager", cross_graphs=not args.no_cross_graphs,
-                   host_budget=host_budget, device_budget=device_budget, reserved=number_or_text(args.reserved),
-                   all_eligible=args.all_eligible, max_overhead=_max_overhead(args))
-    try:
-        OffloadConfig(**options)
-    except OptionError as e:
-        flag = _FLAGS.get(e.option)
-        raise UsageError(f"{flag}: {e.detail}" if flag else str(e)) from None
-    for flag in ("batch", "image_size", "layers"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
-    seq_range(args.seq)  # checked here with the other flags, before anything is built
-    return options
-
-
-def _budget_text(args: argparse.Namespace) -> str:
-    """``--budget`` as given, else 0.5, or none under ``--device-budget`` (the two are exclusive)."""
-    return args.budget if args.budget is not None else ("0.5" if args.device_budget.lower() == "none" else "none")
-
-
-def _memory_budget(args: argparse.Namespace) -> Any:
-    text = _budget_text(args)
-    return None if text.lower() == "none" else number_or_text(text)
-
-
-def _max_overhead(args: argparse.Namespace) -> Any:
-    text = args.max_overhead.strip()
-    return None if text.lower() == "none" else text if text.endswith("%") else number_or_text(text)
-
-
-def _device_budget_report(options: dict) -> dict:
-    """The step's device budget and what is reserved of it, in bytes (None: no device budget)."""
-    from fxoffload.config import OffloadConfig
-
-    config = OffloadConfig(**options)
-    return {"device_budget_bytes": config.device_budget_bytes, "reserved_bytes": config.reserved_bytes}
-
-
-# The plan command's flag for each option it sets (an error about another option keeps its own name).
-_FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
-          "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget",
-          "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible",
-          "max_overhead": "--max-overhead"}
-
-
 def _plan(args: argparse.Namespace) -> int:
-    from fxoffload.models import DTYPES, ModelError
-
-    progress = Progress(args.quiet)
-    options = _options(args)
-    if args.dtype not in DTYPES:
-        raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
-    if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
-    try:
-        source = model_source(args)
-        lengths = seq_range(args.seq)
-        seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
-        records, invocations, seconds, optimizer = trace_step(source, args, seq, DTYPES[args.dtype], options, progress,
-                                                          lengths)
-    except ModelError as e:
-        if args.traceback and e.__cause__ is not None:
-            raise
-        raise UsageError(str(e)) from None
-    progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
-             f"{len(invocations)} invocation(s)")
-    report = plan_report(records, model=source.name, batch=args.batch, seq=seq, dtype=args.dtype,
-                         layers=source.layers, checkpointing=args.checkpointing, budget=_budget_text(args),
-                         horizon=args.horizon)
-    report.update(_device_budget_report(options))
-    if lengths and len(lengths) == 2:
-        for graph, record in zip(report["graphs"], records):
-            graph["range"] = range_report(record, lengths, options["memory_budget"])
-    report["step"] = step_report(invocations, options["memory_budget"])
-    report["step"].update(with_optimizer(report["step"], optimizer))
-    if not args.no_plot:
-        for path, record in zip(_plot_paths(Path(args.output), len(records)), records):
-            from fxoffload.plot import plot
-
-            plot(record, path, title=f"{source.name}, batch {args.batch} x {seq}, {args.dtype}, graph {record.index}: "
-                                     f"predicted on {record.profile.name} (simulated, not measured)")
-            report["plots"].append(str(path))
-            progress(f"wrote {path}")
-        if len(invocations) > 1:  # the whole step: every run, copies crossing run boundaries
-            from fxoffload.plot import plot_step
-
-            path = Path(args.output)
-            path = path.with_name(f"{path.stem}-step{path.suffix}")
-            plot_step(invocations, path, budget=report["step"]["budget_bytes"],
-                      title=f"{source.name}, batch {args.batch} x {seq}, {args.dtype}: the step of "
-                            f"{len(invocations)} graph runs, predicted on {invocations[0].profile.name} "
-                            "(simulated, not measured)")
-            report["plots"].append(str(path))
-            progress(f"wrote {path}")
-    report["seconds"] = seconds
+    """``fxoffload plan``: see ``fxoffload.plan_command``; prints the report (or its JSON)."""
+    outcome = run_plan(args)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(outcome.report, indent=2))
     else:
-        print_report(report, records)
+        print_report(outcome.report, outcome.records)
     return 0
-
-
-def _plot_paths(path: Path, count: int) -> list[Path]:
-    if count == 1:
-        return [path]
-    return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(count)]

@@ -1,0 +1,142 @@
+"""The ``fxoffload plan`` command's work, apart from its flags and its printing (``fxoffload.cli``).
+
+Inputs: the command's parsed flags. Outputs: the options they stand for (:func:`plan_options`, checked
+as ``OffloadConfig`` checks them, each error named by its flag), and :func:`run_plan`'s outcome: the
+records of the traced step and the report ``fxoffload.report`` builds of them, with the plots written.
+
+Algorithm: build the model source, trace one step with fake tensors (``fxoffload.tracing``), report each
+graph and the step (``fxoffload.report``), and plot each graph and the step (``fxoffload.plot``).
+Limits: every figure is a prediction (memory model, cost model, simulator); the seconds are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fxoffload.config import OffloadConfig, OptionError
+from fxoffload.models import DTYPES, ModelError
+from fxoffload.plot import plot, plot_step
+from fxoffload.report import plan_report, range_report, step_report, with_optimizer
+from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, seq_range, trace_step
+
+__all__ = ["PlanOutcome", "budget_text", "plan_options", "run_plan"]
+
+# The plan command's flag for each option it sets (an error about another option keeps its own name).
+FLAGS = {"memory_budget": "--budget", "device_profile": "--profile", "horizon": "--horizon", "solver": "--solver",
+         "strategy": "--strategy", "min_bytes": "--min-bytes", "host_budget": "--host-budget",
+         "device_budget": "--device-budget", "reserved": "--reserved", "all_eligible": "--all-eligible",
+         "max_overhead": "--max-overhead"}
+
+
+class PlanOutcome(NamedTuple):
+    """What planning one step gave: its graphs' records, and the report of them (plots written)."""
+
+    records: list
+    report: dict
+
+
+def plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend options the flags stand for (inner "eager": the passes run, no code is generated);
+    a :class:`UsageError` naming the flag of a bad one, before anything is built."""
+    device_budget: Any = None if args.device_budget.lower() == "none" else number_or_text(args.device_budget)
+    horizon: Any = args.horizon if args.horizon == "auto" else number_or_text(args.horizon)
+    host_budget: Any = None if args.host_budget.lower() == "none" else number_or_text(args.host_budget)
+    options = dict(memory_budget=_memory_budget(args), horizon=horizon, device_profile=args.profile,
+                   min_bytes=min_bytes_of(args), solver=args.solver, strategy=args.strategy, inner="eager",
+                   cross_graphs=not args.no_cross_graphs, host_budget=host_budget, device_budget=device_budget,
+                   reserved=number_or_text(args.reserved), all_eligible=args.all_eligible,
+                   max_overhead=_max_overhead(args))
+    try:
+        OffloadConfig(**options)
+    except OptionError as e:
+        flag = FLAGS.get(e.option)
+        raise UsageError(f"{flag}: {e.detail}" if flag else str(e)) from None
+    for flag in ("batch", "image_size", "layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
+    seq_range(args.seq)  # checked here with the other flags, before anything is built
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
+    if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
+    return options
+
+
+def budget_text(args: argparse.Namespace) -> str:
+    """``--budget`` as given, else 0.5, or none under ``--device-budget`` (the two are exclusive)."""
+    return args.budget if args.budget is not None else ("0.5" if args.device_budget.lower() == "none" else "none")
+
+
+def _memory_budget(args: argparse.Namespace) -> Any:
+    text = budget_text(args)
+    return None if text.lower() == "none" else number_or_text(text)
+
+
+def _max_overhead(args: argparse.Namespace) -> Any:
+    text = args.max_overhead.strip()
+    return None if text.lower() == "none" else text if text.endswith("%") else number_or_text(text)
+
+
+def _device_budget_report(options: dict) -> dict:
+    """The step's device budget and what is reserved of it, in bytes (None: no device budget)."""
+    config = OffloadConfig(**options)
+    return {"device_budget_bytes": config.device_budget_bytes, "reserved_bytes": config.reserved_bytes}
+
+
+def run_plan(args: argparse.Namespace) -> PlanOutcome:
+    """Plan one step of the model the flags name (see the module docstring)."""
+    progress = Progress(args.quiet)
+    options = plan_options(args)
+    try:
+        source = model_source(args)
+        lengths = seq_range(args.seq)
+        seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
+        records, invocations, seconds, optimizer = trace_step(source, args, seq, DTYPES[args.dtype], options, progress,
+                                                              lengths)
+    except ModelError as e:
+        if args.traceback and e.__cause__ is not None:
+            raise
+        raise UsageError(str(e)) from None
+    progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
+             f"{len(invocations)} invocation(s)")
+    report = plan_report(records, model=source.name, batch=args.batch, seq=seq, dtype=args.dtype,
+                         layers=source.layers, checkpointing=args.checkpointing, budget=budget_text(args),
+                         horizon=args.horizon)
+    report.update(_device_budget_report(options))
+    if lengths and len(lengths) == 2:
+        for graph, record in zip(report["graphs"], records):
+            graph["range"] = range_report(record, lengths, options["memory_budget"])
+    report["step"] = step_report(invocations, options["memory_budget"])
+    report["step"].update(with_optimizer(report["step"], optimizer))
+    if not args.no_plot:
+        _plot(args, source.name, seq, records, invocations, report, progress)
+    report["seconds"] = seconds
+    return PlanOutcome(records, report)
+
+
+def _plot(args: argparse.Namespace, name: str, seq: int, records: list, invocations: list, report: dict,
+          progress: Progress) -> None:
+    """Each graph's plot, and the step's when it ran several graphs; their paths go into the report."""
+    for path, record in zip(_plot_paths(Path(args.output), len(records)), records):
+        plot(record, path, title=f"{name}, batch {args.batch} x {seq}, {args.dtype}, graph {record.index}: "
+                                 f"predicted on {record.profile.name} (simulated, not measured)")
+        report["plots"].append(str(path))
+        progress(f"wrote {path}")
+    if len(invocations) > 1:  # the whole step: every run, copies crossing run boundaries
+        path = Path(args.output)
+        path = path.with_name(f"{path.stem}-step{path.suffix}")
+        plot_step(invocations, path, budget=report["step"]["budget_bytes"],
+                  title=f"{name}, batch {args.batch} x {seq}, {args.dtype}: the step of "
+                        f"{len(invocations)} graph runs, predicted on {invocations[0].profile.name} "
+                        "(simulated, not measured)")
+        report["plots"].append(str(path))
+        progress(f"wrote {path}")
+
+
+def _plot_paths(path: Path, count: int) -> list[Path]:
+    if count == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(count)]
