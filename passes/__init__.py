@@ -26,7 +26,7 @@ from .analysis import (
 from .candidates import AUTO_HORIZON, Placement
 from .cost_model import OPTIMIZERS, DeviceProfile, optimizer_step
 from .digest import plan_digest
-from .memory import Timeline, curve, on_device, plan_sizes, size_ranges, smallest_sizes
+from .memory import Timeline, curve, on_device
 from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, RELEASES, WAIT
 from .pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
@@ -42,6 +42,7 @@ from .scheduling import (
 )
 from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
+from .sizes import plan_sizes, size_ranges, smallest_sizes
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_step
 from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition

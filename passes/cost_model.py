@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from .analysis import is_compute, tensor_nbytes, traced_value
-from .memory import concrete
+from .sizes import concrete
 
 __all__ = ["DeviceProfile", "OPTIMIZERS", "OPS_PER_TRANSFER", "OptimizerStep", "Work", "node_time", "node_times",
            "node_work", "optimizer_step", "roofline", "staging_seconds", "transfer_time", "value_nbytes"]

@@ -24,7 +24,7 @@ import torch.fx as fx
 from .analysis import (
     SavedActivation, SavedInterface, is_rng_state, storage_key, sym_exprs, symbol_sources, unbuildable,
 )
-from .memory import concrete
+from .sizes import concrete
 from .plan import Ineligible, Kept
 from .policies import MUST_CPU_OFFLOAD, MUST_SAVE
 

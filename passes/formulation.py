@@ -32,7 +32,8 @@ import torch.fx as fx
 
 from .analysis import tensor_nbytes
 from .candidates import RecomputeCost, TransferCost
-from .memory import Timeline, concrete, curve, intervals, peak, staging_intervals, step_peak
+from .memory import Timeline, curve, intervals, peak, staging_intervals, step_peak
+from .sizes import concrete
 from .plan import (
     AUTO_STRATEGY, OFFLOAD, RECOMPUTE, Ineligible, PlanOptions, pinned_block, staging_bytes,
 )

@@ -26,19 +26,8 @@ buffers are not device memory. Curves are prefix sums of a difference array,
 so evaluating a plan costs O(nodes + storages).
 
 Symbolic sizes are kept as sympy expressions in ``Lifetime.expr`` and
-evaluated into ``Lifetime.nbytes`` at the largest size the guards allow
-(``torch._dynamo.mark_dynamic(t, dim, max=N)``), so that a plan made once
-holds for every size its graph serves; unbounded symbols are evaluated at the
-traced size, and the planner warns with the numbers.
-
-A fractional budget is the same fraction at every size a graph serves, and
-activation bytes are polynomials in the symbols (attention is quadratic), so
-the share a plan keeps changes with the size. :func:`size_ranges` gives the
-range each symbol is held over: the guards' bounds (``mark_dynamic(...,
-min=, max=)``), or, where there is no upper bound, the guards' lower bound up
-to ``UNBOUNDED_REACH`` times the traced size. :func:`held_sizes` names the
-corners of that range (besides the plan's own size) where the planner holds
-the fraction, and :func:`sizes_between` a grid across it to check.
+evaluated into ``Lifetime.nbytes`` by ``fxoffload.passes.sizes.concrete``
+(the sizes the guards allow, and where a plan holds a fraction, are there).
 
 Limits. Device memory as the graphs' own tensors see it: allocator rounding
 and fragmentation, workspace buffers and Inductor's buffer reuse and fusion
@@ -56,20 +45,11 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from .analysis import (
-    SavedInterface, aliased_input, is_anchored_compute, symbol_sources, tensor_nbytes, tensor_storage_key,
-)
+from .analysis import SavedInterface, aliased_input, is_anchored_compute, tensor_nbytes, tensor_storage_key
+from .sizes import concrete
 
-__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "concrete", "unbounded_symbols", "plan_sizes",
-           "smallest_sizes", "timeline_at", "size_ranges", "input_symbols", "held_sizes", "sizes_between",
-           "UNBOUNDED_REACH", "staging_intervals", "step_peak", "Resident", "residents_at", "on_device"]
-
-# Without an upper bound, a fraction is held up to this many times the traced size (automatic
-# dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
-UNBOUNDED_REACH = 2
-# Sizes :func:`sizes_between` checks along a range wider than this are spaced geometrically.
-GRID_POINTS = 64
-
+__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "staging_intervals", "step_peak", "Resident",
+           "residents_at", "on_device"]
 
 @dataclass(frozen=True)
 class Lifetime:
@@ -130,144 +110,6 @@ class Timeline:
     def forward_lifetime(self, node: fx.Node) -> Lifetime:
         """The lifetime of the storage a forward node's value lives in."""
         return self._forward_by_key[tensor_storage_key(node.meta["val"])]
-
-
-def concrete(expr: Any, val: Any = None) -> int:
-    """An int for ``expr``: each symbol at the largest value its guards allow when that is finite
-    (the compiled graph serves every size up to it), else at the shape environment's hint (the
-    traced size; :func:`unbounded_symbols` tells which)."""
-    if isinstance(expr, int):
-        return expr
-    shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
-    if shape_env is None:
-        return int(expr)
-    hints = _hints(shape_env)
-    values = {}
-    for symbol in expr.free_symbols:
-        upper = _largest(shape_env, symbol)
-        values[symbol] = upper if upper is not None else hints[symbol]
-    return int(expr.xreplace(values))
-
-
-def _largest(shape_env: Any, symbol: Any) -> int | None:
-    """The largest value the guards allow ``symbol``, or None when unbounded."""
-    import sympy
-    from torch.utils._sympy.numbers import int_oo
-
-    upper = getattr(shape_env.var_to_range.get(symbol), "upper", None)
-    if upper is None or upper in (int_oo, sympy.oo) or not getattr(upper, "is_Integer", False):
-        return None
-    return int(upper)
-
-
-def unbounded_symbols(timeline: "Timeline") -> dict[Any, int]:
-    """Symbols of the inputs' sizes whose guards allow any size above the traced one (symbol -> hint)."""
-    varying = input_symbols(timeline)
-    return {symbol: value for symbol, (value, bounded) in plan_sizes(timeline).items()
-            if not bounded and symbol in varying}
-
-
-def _symbols(timeline: "Timeline") -> set:
-    return {symbol for lt in timeline.lifetimes for symbol in getattr(lt.expr, "free_symbols", ())}
-
-
-def _shape_env(timeline: "Timeline") -> Any:
-    val = next((n.meta["val"] for n in timeline.fw_nodes if isinstance(n.meta.get("val"), torch.Tensor)), None)
-    return getattr(getattr(val, "fake_mode", None), "shape_env", None)
-
-
-def plan_sizes(timeline: "Timeline") -> dict[Any, tuple[int, bool]]:
-    """Each symbol of the timeline's sizes at the size the plan is made for: (value, bounded), the
-    largest the guards allow when bounded, else the traced one (see :func:`concrete`)."""
-    shape_env = _shape_env(timeline)
-    if shape_env is None:
-        return {}
-    hints = _hints(shape_env)
-    out = {}
-    for symbol in sorted(_symbols(timeline), key=str):
-        upper = _largest(shape_env, symbol)
-        out[symbol] = (upper, True) if upper is not None else (int(hints[symbol]), False)
-    return out
-
-
-def smallest_sizes(timeline: "Timeline") -> dict[Any, int]:
-    """Each symbol at the smallest value the guards allow (dynamo's lower bound, 2 unless marked)."""
-    shape_env = _shape_env(timeline)
-    if shape_env is None:
-        return {}
-    out = {}
-    for symbol in sorted(_symbols(timeline), key=str):
-        lower = getattr(shape_env.var_to_range.get(symbol), "lower", None)
-        out[symbol] = max(int(lower), 1) if getattr(lower, "is_Integer", False) or isinstance(lower, int) else 1
-    return out
-
-
-def size_ranges(timeline: "Timeline") -> dict[Any, tuple[int, int]]:
-    """Each symbol's range of sizes the plan holds a fraction over: (smallest, largest) the guards
-    allow, the largest being ``UNBOUNDED_REACH`` times the traced size where unbounded. A symbol
-    no graph input carries (the size of a saved generator state) does not vary between calls: its
-    range is its traced value."""
-    smallest, varying = smallest_sizes(timeline), input_symbols(timeline)
-    return {symbol: (smallest[symbol], value if bounded else max(UNBOUNDED_REACH * value, smallest[symbol]))
-            if symbol in varying else (value, value)
-            for symbol, (value, bounded) in plan_sizes(timeline).items()}
-
-
-def input_symbols(timeline: "Timeline") -> set:
-    """The symbols the forward's inputs carry: a dimension that is the symbol, or a symbolic int."""
-    return set(symbol_sources(n for n in timeline.fw_nodes if n.op == "placeholder"))
-
-
-def held_sizes(timeline: "Timeline") -> list[dict[Any, int]]:
-    """Sizes besides the plan's own where a fractional budget is held too: the corners of
-    :func:`size_ranges` (every symbol at either end; for more than three symbols, all at their
-    smallest and all at their largest), in a stable order."""
-    import itertools
-
-    ranges = size_ranges(timeline)
-    planned = {symbol: value for symbol, (value, _) in plan_sizes(timeline).items()}
-    if len(ranges) > 3:
-        corners = [{s: lo for s, (lo, _) in ranges.items()}, {s: hi for s, (_, hi) in ranges.items()}]
-    else:
-        corners = [dict(zip(ranges, ends)) for ends in itertools.product(*ranges.values())]
-    out = []
-    for corner in corners:
-        if corner != planned and corner not in out:
-            out.append(corner)
-    return out
-
-
-def sizes_between(ranges: dict[Any, tuple[int, int]], points: int = GRID_POINTS) -> list[dict[Any, int]]:
-    """Sizes across the ranges to check a plan at: every symbol at the same relative place in its
-    own range, every integer of the widest range when it has at most ``points``, else ``points``
-    spaced geometrically (bytes are polynomials: relative steps matter)."""
-    if not ranges:
-        return []
-    widest = max(hi - lo for lo, hi in ranges.values())
-    linear = widest < points
-    count = widest + 1 if linear else points
-    out = []
-    for i in range(count):
-        t = i / max(count - 1, 1)
-        size = {s: round(lo + (hi - lo) * t) if linear else round(lo * (hi / lo) ** t)
-                for s, (lo, hi) in ranges.items()}
-        if size not in out:
-            out.append(size)
-    return out
-
-
-def timeline_at(timeline: "Timeline", values: dict[Any, int]) -> "Timeline":
-    """The timeline with every symbolic size evaluated at ``values`` (symbol -> int)."""
-    import dataclasses
-
-    lifetimes = tuple(lt if isinstance(lt.expr, int) else dataclasses.replace(lt, nbytes=int(lt.expr.xreplace(values)))
-                      for lt in timeline.lifetimes)
-    return dataclasses.replace(timeline, lifetimes=lifetimes)
-
-
-def _hints(shape_env: Any) -> dict:
-    """The traced value of each symbol (``var_to_val`` was renamed ``backed_var_to_val``)."""
-    return shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:

@@ -33,13 +33,14 @@ from .candidates import (
     AUTO_HORIZON, Placement, TransferCost, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
 from .cost_model import DeviceProfile, node_work, roofline, staging_seconds
-from .memory import Timeline, build_timeline, concrete, curve, intervals, peak, unbounded_symbols
+from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import group_by_base
 from .plan import BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes, ADVICE_WARN
 from .planning import plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 from .simulator import simulate
+from .sizes import concrete, unbounded_symbols
 
 __all__ = [
     "Analysis", "PassResult", "Stopwatch", "analyse_pair", "counted_inputs", "counts_outputs", "gc_paused",

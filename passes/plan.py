@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .candidates import RecomputeCost, TransferCost
-from .memory import concrete
+from .sizes import concrete
 from .solvers import NODE_LIMIT, TIME_GUARD, SolverName
 
 __all__ = [
@@ -315,7 +315,7 @@ class Plan:
     note: str = ""
     shortfall: tuple[int, int] | None = None  # when infeasible: (smallest achievable peak, budget), bytes
     # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
-    # (``fxoffload.passes.memory.held_sizes``), each with its budget and the predicted peaks there.
+    # (``fxoffload.passes.sizes.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
     # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
     host_budget_bytes: int | None = None

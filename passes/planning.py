@@ -54,7 +54,7 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   unmarked option, so the budget takes them first and last.
   Every reason names the mark it honours or overrides.
 * Under symbolic sizes, a fractional budget is held at the plan's size and at
-  the other sizes of ``fxoffload.passes.memory.held_sizes`` (the other end of the range
+  the other sizes of ``fxoffload.passes.sizes.held_sizes`` (the other end of the range
   the graph serves), each against the fraction of its own unoffloaded peak:
   the solver gets one timeline per size laid end to end, each size's fixed
   memory raised by the plan's budget less its own, so that one budget bounds
@@ -80,7 +80,7 @@ Limits: queue lateness lets a prefetch start wherever compute allows,
 ignoring the memory it then holds (the schedule's stall is the prediction);
 chains with random ops are not recomputed (their generator state is not
 saved); symbolic sizes are evaluated at the largest size the guards allow, or
-the traced one (``fxoffload.passes.memory.concrete``), and offloaded when the backward can
+the traced one (``fxoffload.passes.sizes.concrete``), and offloaded when the backward can
 compute them (``eligibility.backward_symbols``), never recomputed.
 """
 
@@ -101,12 +101,13 @@ from .eligibility import INPUT_ACTIVATION, backward_symbols, group_by_base, grou
 from .formulation import (
     Problem, first_options, fixed_intervals, graph_input_bytes, solver_items, split_choice, stacked,
 )
-from .memory import Resident, Timeline, held_sizes, residents_at, timeline_at
+from .memory import Resident, Timeline, residents_at
 from .plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
     Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
+from .sizes import held_sizes, timeline_at
 from .solvers import curve_with, host_of, solve
 
 __all__ = ["plan_offloads"]
@@ -516,7 +517,7 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
 def _held(problem: Problem) -> list[SizeTarget]:
     """The other sizes the budget binds, each with the problem there and its budget in bytes.
 
-    A fraction is the same fraction at every size of :func:`fxoffload.passes.memory.held_sizes`; a budget held
+    A fraction is the same fraction at every size of :func:`fxoffload.passes.sizes.held_sizes`; a budget held
     to another plan's sizes (``Budget.at_sizes``) gives its bytes. A budget in bytes binds the plan's
     own size only: that is the largest the guards allow where they bound it, and every activation's
     bytes grow with every symbol (under an unbounded size the backend warns instead)."""

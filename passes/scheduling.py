@@ -92,9 +92,8 @@ import torch.fx as fx
 
 from .candidates import AUTO_HORIZON, Placement, prefix_sums
 from .cost_model import DeviceProfile, transfer_time
-from .memory import (
-    Timeline, curve, intervals, peak, size_ranges, sizes_between, staging_intervals, step_peak, timeline_at,
-)
+from .memory import Timeline, curve, intervals, peak, staging_intervals, step_peak
+from .sizes import size_ranges, sizes_between, timeline_at
 from .plan import Plan
 from .replay import Copy, replay
 
@@ -513,7 +512,7 @@ def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,
 
 def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Schedule) -> list[tuple[dict, int, int]]:
     """The step's activation peaks without and with the plan, at sizes across the range the plan
-    holds a fraction over (``fxoffload.passes.memory.sizes_between``): (sizes, before, after) each."""
+    holds a fraction over (``fxoffload.passes.sizes.sizes_between``): (sizes, before, after) each."""
     return [(values, *activation_peaks_at(plan, timeline, schedule, values))
             for values in sizes_between(size_ranges(timeline))]
 

@@ -96,7 +96,7 @@ def test_imports_have_no_cycle_even_through_imports_inside_functions():
 STAGE_ORDER = {
     "fxoffload.passes.ops": 0, "fxoffload.passes.policies": 0,
     "fxoffload.passes.solvers": 0, "fxoffload.passes.replay": 0, "fxoffload.passes.shares": 0,
-    "fxoffload.passes.analysis": 1, "fxoffload.passes.memory": 1,
+    "fxoffload.passes.analysis": 1, "fxoffload.passes.sizes": 1, "fxoffload.passes.memory": 1,
     "fxoffload.passes.cost_model": 2,
     "fxoffload.passes.candidates": 3,
     "fxoffload.passes.eligibility": 4, "fxoffload.passes.plan": 4, "fxoffload.passes.formulation": 4,

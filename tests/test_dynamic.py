@@ -57,7 +57,7 @@ def test_no_budget_no_warning_and_no_specialisation():
 
 
 def test_explain_names_the_planned_size_and_the_peaks_at_the_smallest():
-    from fxoffload.passes.memory import plan_sizes, smallest_sizes
+    from fxoffload.passes.sizes import plan_sizes, smallest_sizes
     from fxoffload.passes.scheduling import activation_peaks_at
 
     at_2, at_64 = static_peak(2), static_peak(64)

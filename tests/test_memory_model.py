@@ -87,7 +87,7 @@ def test_an_input_made_by_an_earlier_graph_is_an_activation_from_the_start():
 
 
 def test_sizes_between_cover_every_integer_of_a_short_range_and_both_ends_of_a_long_one():
-    from fxoffload.passes.memory import sizes_between
+    from fxoffload.passes.sizes import sizes_between
 
     short = sizes_between({"s": (32, 80)})
     assert [v["s"] for v in short] == list(range(32, 81))  # 49 sizes: every one

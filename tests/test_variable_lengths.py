@@ -10,7 +10,7 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from fxoffload.passes.memory import plan_sizes
+from fxoffload.passes.sizes import plan_sizes
 from fxoffload.passes.ops import PREFETCH
 from tests.conftest import assert_same_step, lm_step
 
