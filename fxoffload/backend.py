@@ -52,7 +52,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.callers import CallerWatch, offloaded_inputs
-from fxoffload.compat import compiled_autograd_context
+from fxoffload.compat import compiled_autograd_on
 from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
@@ -85,10 +85,10 @@ __all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend",
 
 
 REFUSED_COMPILED_AUTOGRAD = (
-    "fxoffload: compiled autograd is on around this step (torch._dynamo.compiled_autograd._enable(...)) and this "
-    "graph's plan copies activations, which compiled autograd would re-trace and cannot: turn it off for steps "
-    "compiled with fxoffload (no _enable(...) around them, torch._dynamo.config.compiled_autograd False), or plan "
-    "without copies (strategy='recompute')"
+    "fxoffload: compiled autograd is on (torch._dynamo.compiled_autograd._enable(...) around this step, or "
+    "torch._dynamo.config.compiled_autograd set) and this graph's plan copies activations, which compiled "
+    "autograd would re-trace and cannot: turn it off for steps compiled with fxoffload (no _enable(...) around "
+    "them, torch._dynamo.config.compiled_autograd False), or plan without copies (strategy='recompute')"
 )
 
 
@@ -497,7 +497,7 @@ class OffloadBackend:
             # Compiled autograd re-traces the backward: copies cannot be re-traced (refused before the
             # forward runs), and the backward hook below trips its pre-hook reordering where an output's
             # gradient goes unused (transformers' KV cache), so the step goes untracked under it.
-            traced_again = compiled_autograd_context()
+            traced_again = compiled_autograd_on()
             record = state.compiled.compilation.record
             if traced_again and record is not None and record.plan.transfers:
                 raise CompiledAutogradError(REFUSED_COMPILED_AUTOGRAD)

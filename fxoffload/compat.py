@@ -23,9 +23,8 @@ partitioner's ``solve_min_cut``). Nothing branches on a version string.
 
 * Compiled autograd's context (``torch._dynamo.compiled_autograd._enable``) sets the module's
   ``compiled_autograd_enabled`` while it is active; the config flag
-  ``torch._dynamo.config.compiled_autograd`` turns it on only inside compiled frames, so a compiled
-  region's forward sees it on even when the backward will run outside them:
-  :func:`compiled_autograd_context` reads the first, and not the second.
+  ``torch._dynamo.config.compiled_autograd`` enters that context inside compiled frames:
+  :func:`compiled_autograd_on` reads both.
 
 * PyTorch's own offloading pass (``benchmarks/compare.py`` runs it beside ours) reads the link's
   bandwidth from ``torch._functorch.config.activation_offload_cpu_gpu_bw`` where that option exists,
@@ -40,7 +39,7 @@ from typing import Iterator
 from torch._C import DispatchKey
 from torch.fx.node import _side_effectful_functions, has_side_effect
 
-__all__ = ["compiled_autograd_context", "ensure_control_deps", "native_offload_bandwidth"]
+__all__ = ["compiled_autograd_on", "ensure_control_deps", "native_offload_bandwidth"]
 
 
 def _run_subgraph(additional_deps, subgraph, *args, **kwargs):
@@ -74,10 +73,11 @@ def native_offload_bandwidth(gib_per_second: float) -> Iterator[None]:
             yield
 
 
-def compiled_autograd_context() -> bool:
-    """Whether ``torch._dynamo.compiled_autograd._enable(...)`` is active, outside a compiled frame
-    the config flag turned it on for (where the step's backward may well run without it)."""
+def compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on: ``torch._dynamo.compiled_autograd._enable(...)`` active, or the
+    config flag ``torch._dynamo.config.compiled_autograd`` set (it turns compiled autograd on inside
+    compiled frames: a backward called outside them runs without it, but a compiled step's does not)."""
     import torch._dynamo
 
     module = getattr(torch._dynamo, "compiled_autograd", None)
-    return bool(getattr(module, "compiled_autograd_enabled", False)) and not torch._dynamo.config.compiled_autograd
+    return bool(getattr(module, "compiled_autograd_enabled", False) or torch._dynamo.config.compiled_autograd)

@@ -9,6 +9,7 @@ fxoffload's backward hook trips compiled autograd's pre-hook reordering when an 
 unused, as transformers' KV cache does (``use_cache=True``, its default)."""
 
 import contextlib
+from typing import Callable
 
 import pytest
 import torch
@@ -81,36 +82,87 @@ def llama_with_cache(use_cache: bool) -> torch.nn.Module:
     return model.train()
 
 
+@contextlib.contextmanager
+def compiled_autograd_flag():
+    """The config flag: compiled autograd inside every compiled frame (a compiled step's backward)."""
+    before = torch._dynamo.config.compiled_autograd
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        yield
+    finally:
+        torch._dynamo.config.compiled_autograd = before
+
+
+def compiled_step(model: torch.nn.Module, backend) -> Callable:
+    """A training step compiled whole with ``backend``: under the flag, its backward runs under compiled
+    autograd (dynamo breaks the graph at ``backward()``)."""
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    return torch.compile(step, backend=backend)
+
+
+@pytest.mark.parametrize("switch", ["_enable", "flag"])
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_a_step_under_compiled_autograd_whose_plan_copies_is_refused_before_its_backward(use_cache):
+def test_a_step_under_compiled_autograd_whose_plan_copies_is_refused_before_its_backward(use_cache, switch):
+    """Either switch: ``_enable`` around a step of a model compiled with fxoffload (as torchtitan does), or
+    the config flag with the step compiled whole with fxoffload."""
     torch.manual_seed(0)
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload")
-    model = torch.compile(llama_with_cache(use_cache), backend=backend)
+    model, ids = llama_with_cache(use_cache), torch.randint(0, 256, (2, 32))
     torch._dynamo.utils.counters.clear()
-    with pytest.raises(CompiledAutogradError) as error, compiled_autograd("aot_eager"):
-        lm_step(model, torch.randint(0, 256, (2, 32)))
-    assert str(error.value) == REFUSED_COMPILED_AUTOGRAD and "\n" not in str(error.value)
-    assert "torch._dynamo.compiled_autograd._enable" in str(error.value)
-    assert "torch._dynamo.config.compiled_autograd" in str(error.value)
+    with pytest.raises(Exception) as caught:
+        if switch == "_enable":
+            with compiled_autograd("aot_eager"):
+                lm_step(torch.compile(model, backend=backend), ids)
+        else:
+            with compiled_autograd_flag():
+                compiled_step(model, backend)(ids)
+    error = caught.value
+    while error is not None and not isinstance(error, CompiledAutogradError):  # (dynamo may wrap it)
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    assert isinstance(error, CompiledAutogradError), caught.value
+    assert str(error) == REFUSED_COMPILED_AUTOGRAD and "\n" not in str(error)
+    assert "torch._dynamo.compiled_autograd._enable" in str(error)
+    assert "torch._dynamo.config.compiled_autograd" in str(error)
     assert backend.records[0].plan.transfers
     assert not torch._dynamo.utils.counters["compiled_autograd"]["captures"]  # no backward was traced
 
 
+@pytest.mark.parametrize("switch", ["_enable", "flag"])
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("options", [{}, {"strategy": "recompute", "min_bytes": 0}], ids=["default", "recompute"])
-def test_a_step_under_compiled_autograd_whose_plan_moves_nothing_trains_as_eager(use_cache, options):
+def test_a_step_under_compiled_autograd_whose_plan_moves_nothing_trains_as_eager(use_cache, options, switch):
     """Default options on the tiny Llama move nothing (every activation is under min_bytes); recompute
-    only moves nothing either. Both train as eager with the whole step under compiled autograd."""
+    only moves nothing either. Both train as eager with the whole step under compiled autograd, by
+    either switch."""
     torch.manual_seed(0)
     eager = llama_with_cache(use_cache)
     ids = torch.randint(0, 256, (2, 32))
     expected = [lm_step(eager, ids) for _ in range(2)]
     backend = fxoffload.offload_backend(inner="eager", **options)
-    model = torch.compile(eager, backend=backend)
     torch._dynamo.utils.counters.clear()
-    with compiled_autograd("aot_eager"):
-        actual = [lm_step(model, ids) for _ in range(2)]
-    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1  # the backward was re-traced
+    if switch == "_enable":
+        model = torch.compile(eager, backend=backend)
+        with compiled_autograd("aot_eager"):
+            actual = [lm_step(model, ids) for _ in range(2)]
+    else:
+        step = compiled_step(eager, backend)
+        with compiled_autograd_flag():
+            actual = [grads_of(eager, step, ids) for _ in range(2)]
+    if switch == "_enable":  # (under the flag, dynamo's handling of a compiled step's backward() counts apart)
+        assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1  # the backward was re-traced
     assert backend.records and not any(r.plan.transfers for r in backend.records)
     for want, got in zip(expected, actual):
         assert_same_step(want, got)
+
+
+def grads_of(model: torch.nn.Module, step: Callable, ids: torch.Tensor):
+    """``lm_step``'s loss and gradients, of a compiled step that runs the backward itself."""
+    model.zero_grad(set_to_none=True)
+    loss = step(ids)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss, grads
