@@ -35,7 +35,7 @@ from .candidates import (
 from .cost_model import DeviceProfile, node_work, roofline, staging_seconds
 from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import group_by_base
-from .plan import BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes, ADVICE_WARN
+from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
 from .planning import plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
@@ -43,8 +43,8 @@ from .simulator import simulate
 from .sizes import concrete, unbounded_symbols
 
 __all__ = [
-    "Analysis", "PassResult", "Stopwatch", "analyse_pair", "counted_inputs", "counts_outputs", "gc_paused",
-    "plan_analysed", "plan_pair", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
+    "Analysis", "PassResult", "Stopwatch", "analyse_pair", "check_overhead", "counted_inputs", "counts_outputs",
+    "gc_paused", "plan_analysed", "plan_pair", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
 ]
 
 
@@ -206,6 +206,7 @@ def _within_overhead(planned, plain: float, target: float, profile: DeviceProfil
         else:
             low = middle + 1
     return best if best is not None else planned(high)
+
 
 def check_overhead(result: PassResult, step: float, plain: float, options: PlanOptions) -> PassResult:
     """A plan that meets its budget, checked against ``options.max_overhead``: ``step`` is its simulated
