@@ -172,7 +172,7 @@ def _overhead(plan: Any) -> list[str]:
         return []
     kept = [d for d in plan.decisions if d.why is Why.OVERHEAD]
     because = (f"; kept because of it (the smallest peak moves them): {len(kept)} saved tensors, "
-               f"{format_bytes(sum(int(d.nbytes) for d in kept))}, "
+               f"{format_bytes(sum(d.nbytes for d in kept))}, "  # (a formula under symbolic sizes)
                + ", ".join(d.name for d in kept[:4]) + (", ..." if len(kept) > 4 else "")) if kept else ""
     return [f"max_overhead: {plan.max_overhead:g} of the graph's predicted compute time without offloading "
             f"({plan.overhead_bound * 1e3:.3f} ms per run, predicted){because}"]
