@@ -59,13 +59,14 @@ def parse_budget(value: Any) -> Budget | None:
 
 
 OVERHEAD_FORMS = ("None, a fraction in [0, 1) of each compiled graph's predicted time without offloading (0.01), or a "
-                  "percentage string ('1%', '0.5%')")
+                  "percentage string ('1%', '0.5%', '150%')")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
 def parse_overhead(value: Any) -> float | None:
     """The fraction a ``max_overhead`` value stands for; :class:`OptionError` naming the accepted forms.
-    An int is refused: ``1`` would read as 100%, and a user who writes it most likely means 1%."""
+    An int, or a float of 1 or more, is refused: ``1`` would read as 100%, and a user who writes it most
+    likely means 1%; a bound of 100% or more is written as a percentage, which says what it means."""
     bad = OptionError("max_overhead", f"got {value!r}; accepted: {OVERHEAD_FORMS}")
     if value is None:
         return None
@@ -73,10 +74,8 @@ def parse_overhead(value: Any) -> float | None:
         match = _PERCENT.match(value)
         if not match:
             raise bad
-        value = float(match.group(1)) / 100
-    elif not isinstance(value, float):
-        raise bad
-    if not 0.0 <= value < 1.0:  # (NaN fails this too)
+        return float(match.group(1)) / 100
+    if not isinstance(value, float) or not 0.0 <= value < 1.0:  # (NaN fails this too)
         raise bad
     return value
 

@@ -49,15 +49,16 @@ def checkpointed_file(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("given, fraction", [(None, None), (0.01, 0.01), ("1%", 0.01), (" 0.5 % ", 0.005),
-                                             (0.0, 0.0), ("0%", 0.0)])
+                                             (0.0, 0.0), ("0%", 0.0), ("150%", 1.5)])
 def test_max_overhead_is_a_fraction_or_a_percentage(given, fraction):
     assert parse_overhead(given) == fraction
     assert OffloadConfig(max_overhead=given).plan_options.max_overhead == fraction
 
 
-@pytest.mark.parametrize("given", [1, 5, 1.0, "1", "100%", -0.01, "-1%", math.nan, True, "one percent", [0.01]])
+@pytest.mark.parametrize("given", [1, 5, 1.0, 1.5, "1", -0.01, "-1%", math.nan, True, "one percent", [0.01]])
 def test_max_overhead_refuses_what_it_cannot_read_as_a_fraction(given):
-    # An int is refused: max_overhead=1 reads as 100%, and most likely means 1%.
+    # An int is refused: max_overhead=1 reads as 100%, and most likely means 1%; 100% or more is written
+    # as a percentage.
     with pytest.raises(OptionError, match=r"max_overhead: got .*accepted: None, a fraction in \[0, 1\).*'1%'"):
         OffloadConfig(max_overhead=given)
 
