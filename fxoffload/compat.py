@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch._dynamo
+import torch._dynamo.compiled_autograd
 from torch._C import DispatchKey
 from torch.fx.node import _side_effectful_functions, has_side_effect
 
@@ -76,8 +78,7 @@ def native_offload_bandwidth(gib_per_second: float) -> Iterator[None]:
 def compiled_autograd_on() -> bool:
     """Whether compiled autograd is on: ``torch._dynamo.compiled_autograd._enable(...)`` active, or the
     config flag ``torch._dynamo.config.compiled_autograd`` set (it turns compiled autograd on inside
-    compiled frames: a backward called outside them runs without it, but a compiled step's does not)."""
-    import torch._dynamo
-
-    module = getattr(torch._dynamo, "compiled_autograd", None)
-    return bool(getattr(module, "compiled_autograd_enabled", False) or torch._dynamo.config.compiled_autograd)
+    compiled frames: a backward called outside them runs without it, but a compiled step's does not).
+    Read at every forward of a compiled region: two attribute reads."""
+    return bool(getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled", False)
+                or torch._dynamo.config.compiled_autograd)

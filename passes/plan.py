@@ -155,9 +155,9 @@ class PlanOptions:
     # to keep after the graph returned (``fxoffload.callers``): counted, never moved (a copy frees nothing).
     kept_inputs: frozenset[int] = frozenset()
     # A bound on the time a plan adds (stalls, recomputation), as a fraction of the graph's predicted
-    # compute time without it (``plan_offloads``'s ``compute_seconds``, per run). Without a budget, the
-    # plan reaches the smallest peak within it; with one, the budget is the limit and this the
-    # preference: a plan that needs more says so (``OverheadExceededError``). None: unbounded.
+    # compute time without it, per run, as the simulator predicts both (``fxoffload.passes.pipeline``).
+    # Without a budget, the plan reaches the smallest peak within it; with one, the budget is the limit
+    # and this the preference: a plan that needs more says so (``OverheadExceededError``). None: unbounded.
     max_overhead: float | None = None
 
 
@@ -323,11 +323,10 @@ class Plan:
     # Predicted: what the runs leave for the backward (the activation curve at the forward's end, over the runs).
     held_before: int = 0
     held_after: int = 0
-    # PlanOptions.max_overhead, and what it allows and what the plan adds as the planner prices it
-    # (its solver's objective: stalls as queue lateness, recomputation, per run), in seconds.
+    # PlanOptions.max_overhead, and the seconds per run it allows (set by the driver, which knows the
+    # graph's compute time: ``fxoffload.passes.pipeline``).
     max_overhead: float | None = None
     overhead_bound: float | None = None
-    planned_overhead: float = 0.0
 
     @property
     def offloaded_bytes(self) -> int:

@@ -143,7 +143,6 @@ class _Choice:
     feasible: bool = True
     note: str = ""
     shortfall: tuple[int, int] | None = None
-    cost: float = 0.0  # the solver's objective: predicted seconds the choice adds per run
     held_back: frozenset[fx.Node] = frozenset()  # candidates the smallest peak moves that max_overhead keeps
 
 
@@ -178,8 +177,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
                       "differ between runs and ranks; raise solver_time_limit or lower solver_node_limit", stacklevel=3)
     if result.feasible:
         offloaded, recomputed = split_choice(owners, result.chosen)
-        return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap,
-                       cost=result.cost)
+        return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
     everything = _reachable(problem, forced, total, base, items, queues, conflicts)
     if options.budget is None and not problem.device:
         # No budget (the smallest peak is the limit): a solver that misses it (greedy, under conflicts)
@@ -228,8 +226,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = split_choice(owners, chosen)
-    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall,
-                   lowest.cost if lowest.feasible else math.nan)
+    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
 
 
 FLOOR_NAMED = 4  # the largest tensors an infeasible budget's message names
@@ -445,7 +442,6 @@ def plan_offloads(
         held_before=problem.held((), ()),
         held_after=problem.held(choice.offloaded, choice.recomputed),
         max_overhead=options.max_overhead,
-        planned_overhead=choice.cost,
     )
 
 
