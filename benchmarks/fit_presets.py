@@ -57,8 +57,8 @@ def table(results: list[tuple[str, str, dict, float]]) -> str:
              "fit ran (s, measured) |", "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for preset, profile, report, seconds, _ in results:
         for i, row in enumerate(report["rows"]):
-            name = row["name"] + (" (checkpointing)" if row["name"] == "fxoffload" and row["checkpointing"] != "none"
-                                  else "")
+            own = row["name"].startswith("fxoffload")  # its rows pick checkpointing or not: say which
+            name = row["name"] + (" (checkpointing)" if own and row["checkpointing"] != "none" else "")
             peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f}"
             step = "-" if row["step_time"] is None else f"{row['step_time']:.3f}"
             rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"

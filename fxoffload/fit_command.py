@@ -2,7 +2,8 @@
 
     fxoffload fit --preset llama-3-8b --device-memory 80GB --reserved 16GB --profile h100-pcie5 --batch 1
 
-For each row of ``fxoffload.fit.SETUPS`` (plain, checkpointing, checkpointing+offload, fxoffload) it
+For each row of ``fxoffload.fit.SETUPS`` (plain, checkpointing, checkpointing+offload, fxoffload at
+most +1%, fxoffload) it
 searches the longest sequence on a grid (``--granularity``, 256 tokens by default; with ``--seq``,
 the largest batch instead) whose predicted device peak, with what is reserved, fits the device's
 memory: each probe builds the model with fake tensors, compiles one training step as one graph
@@ -29,7 +30,9 @@ from typing import Any, Callable
 
 from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
-from fxoffload.fit import SETUPS, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak
+from fxoffload.fit import (
+    SETUPS, WITHIN_ONE_PERCENT, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak,
+)
 
 __all__ = ["add_fit_parser", "run_fit"]
 
@@ -218,7 +221,8 @@ def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> s
     if row.checkpointing != "none":
         words.append(f"--checkpointing {row.checkpointing}")
     words.append({"plain": "--budget 1.0", "checkpointing": "--budget 1.0",
-                  "checkpointing+offload": "--budget none --strategy offload --all-eligible"}.get(
+                  "checkpointing+offload": "--budget none --strategy offload --all-eligible",
+                  WITHIN_ONE_PERCENT: "--budget none --max-overhead 1%"}.get(
         row.name, f"--device-budget {args.device_memory} --reserved {args.reserved}"))
     if args.optimizer != "none":
         words.append(f"--optimizer {args.optimizer}")
@@ -264,13 +268,14 @@ def format_fit(report: dict) -> str:
              f"{report['granularity']} up to {report['most']}: predicted (memory model, cost model, simulator), "
              "not measured",
              f"searched: {'the largest batch' if report['searched'] == 'batch' else 'the longest sequence'}",
-             f"{'row':<24}{'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}{'tokens/s':>11}  limit"]
+             f"{'row':<30}{'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}{'tokens/s':>11}  limit"]
     for row in report["rows"]:
         peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f} GB"
         step = "-" if row["step_time"] is None else f"{row['step_time']:.3f} s"
         rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
-        name = row["name"] + (" (ckpt)" if row["name"] == "fxoffload" and row["checkpointing"] != "none" else "")
-        lines.append(f"{name:<24}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12}{rate:>11}  {row['limit']}")
+        own = row["name"].startswith("fxoffload")  # its rows pick checkpointing or not: say which
+        name = row["name"] + (" (ckpt)" if own and row["checkpointing"] != "none" else "")
+        lines.append(f"{name:<30}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12}{rate:>11}  {row['limit']}")
     lines.append("")
     for row in report["rows"]:
         up = row["next"]

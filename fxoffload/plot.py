@@ -92,6 +92,8 @@ def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: s
     scale = 1e9  # GB, as the command prints them
     for row in rows:
         label = f"{row.name}: {row.size}"
+        if row.name.startswith("fxoffload") and row.name != "fxoffload" and row.checkpointing != "none":
+            label += ", checkpointing"
         if row.name == "fxoffload":  # its probes plan the smallest peak; its answer, under the device budget
             label += (", checkpointing" if row.checkpointing != "none" else "") + \
                 " (dots: the smallest peak it reaches; star: its plan at the answer)"

@@ -95,6 +95,7 @@ TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "voc
               "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
               "max_position_embeddings": 1024, "rms_norm_eps": 1e-5}
 GRID = 16
+SETUP_ROWS = ("plain", "checkpointing", "checkpointing+offload", "fxoffload, at most +1%", "fxoffload")
 MEMORY = 24_000_000
 RESERVED = 2_000_000  # also covers what the step makes outside its graph: the loss and the backward seed
 
@@ -136,7 +137,7 @@ def measured_device_peak(config_path, row, seq, batch=1):
     from fxoffload.models import checkpoint_layers, from_config_file
 
     setup = next(s for s in SETUPS if s.row == row["name"] and s.checkpointing == row["checkpointing"])
-    options = {"inner": "eager", **setup.options}
+    options = {"inner": "eager", "device_profile": "h100-pcie5", **setup.options}  # fit's default --profile
     if setup.device_budget:  # past the answer no plan fits: plan the smallest peak, which is what fit read
         options.update(device_budget=MEMORY, reserved=RESERVED, on_infeasible="warn")
     source = from_config_file(config_path)
@@ -167,7 +168,7 @@ def measured_device_peak(config_path, row, seq, batch=1):
 def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit):
     report, config, _ = tiny_fit
     rows = {row["name"]: row for row in report["rows"]}
-    assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "fxoffload"]
+    assert tuple(rows) == SETUP_ROWS
     for row in rows.values():
         seq = row["max_seq"]
         assert GRID <= seq < 1024 and seq % GRID == 0, row  # an answer inside the range, not its end
@@ -178,6 +179,31 @@ def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit)
         assert row["tokens_per_second"] == pytest.approx(seq / row["step_time"])
     assert rows["fxoffload"]["max_seq"] >= max(row["max_seq"] for row in rows.values())
     assert rows["checkpointing"]["max_seq"] > rows["plain"]["max_seq"]
+    # Keeping the plan within +1% of the step's compute can only keep more than the smallest peak, and
+    # no less than plain compile's (moving nothing costs nothing).
+    within = rows["fxoffload, at most +1%"]
+    assert rows["plain"]["max_seq"] <= within["max_seq"] <= rows["fxoffload"]["max_seq"]
+    # Its command plans the row's answer within the bound, as the row reported it (the same plan).
+    assert "--max-overhead 1%" in within["command"]
+    planned = plan_json(within["command"])["step"]
+    assert planned["overhead"] <= 0.01 and planned["step_time"] == pytest.approx(within["step_time"], rel=1e-9)
+
+
+def plan_json(command: str) -> dict:
+    """A row's ``fxoffload plan`` command, run here with ``--json``: its report."""
+    import contextlib
+    import io
+    import json
+    import shlex
+
+    from fxoffload.cli import main
+
+    words = shlex.split(command)
+    assert words[:2] == ["fxoffload", "plan"], command
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(words[1:] + ["--json", "--no-plot", "--quiet"]) == 0
+    return json.loads(stdout.getvalue())
 
 
 @pytest.mark.slow
@@ -293,8 +319,8 @@ def test_a_device_smaller_than_the_parameters_fits_no_row_and_says_why(tmp_path,
 
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
-    assert [row["max_seq"] for row in rows] == [0, 0, 0, 0]
-    assert format_fit(report).count("fixed-bytes") == 4
+    assert [row["max_seq"] for row in rows] == [0] * len(SETUP_ROWS)
+    assert format_fit(report).count("fixed-bytes") == len(SETUP_ROWS)
     for row in rows:
         assert row["limit"] == "fixed-bytes" and row["next"]["size"] == 16, row
         assert row["device_peak"] is None and row["command"] is None and row["tokens_per_second"] is None
