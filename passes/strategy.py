@@ -174,7 +174,9 @@ def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, a
                             _predicted_step(result, profile, watch), {"offload": OFFLOAD_ONLY,
                                                                      "recompute": RECOMPUTE_ONLY}[single]))
     if repartition is not None:
-        fraction = min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1))
+        # PyTorch takes a fraction in [0, 1]; a share of the step's budget can be below nothing (what the
+        # regions before hold already exceeds the budget): then recompute all it can.
+        fraction = max(0.0, min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1)))
         watch.restart()
         fw2, bw2 = repartition(fraction)
         watch.stamp("repartition (PyTorch)")

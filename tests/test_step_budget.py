@@ -218,3 +218,31 @@ def test_an_input_its_caller_keeps_is_counted_and_never_moved():
     assert "primals_1" not in {t.base_name for t in kept.transfers}
     assert kept.held_after == 256 * 256 * 4  # it stays, counted
     assert any(d.kept is not None and d.kept.code is Kept.CALLER_KEEPS for d in kept.decisions)
+
+
+def test_a_share_below_nothing_asks_pytorch_for_a_fraction_it_takes():
+    """A region's share of the step's budget is negative when the regions before it already hold more than
+    the budget (GPT-2 with Hugging Face checkpointing, at 0.5): strategy auto's alternative asks PyTorch's
+    partitioner for a recompute-only partition at a fraction of the budget, which it takes only in [0, 1]
+    (it raised a RuntimeError from inside the compile). Then the region recomputes all it can, and the
+    budget it cannot meet is the planner's to refuse or warn about."""
+    from fxoffload.passes import Budget, PlanOptions
+    from fxoffload.passes.strategy import plan_best_partition
+    from fxoffload.profiles import PROFILES
+    from tests.conftest import partitioned_pair
+
+    torch.manual_seed(0)
+    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
+    asked = []
+
+    def repartition(fraction: float):
+        asked.append(fraction)
+        if not 0 <= fraction <= 1:  # as min_cut_rematerialization_partition's budget check does
+            raise RuntimeError(f"The valid ranges for memory budget are 0 <= m <= 1. The provided value is {fraction}")
+        return fw, bw
+
+    options = PlanOptions(min_bytes=0, budget=Budget(nbytes=-10_000), strategy="auto", on_infeasible="warn")
+    with pytest.warns(fxoffload.BudgetInfeasibleWarning):
+        *_, result = plan_best_partition(fw, bw, outputs, repartition, options=options, horizon="auto",
+                                         profile=PROFILES["h100-pcie5"])
+    assert asked == [0.0] and not result.plan.feasible
