@@ -88,8 +88,8 @@ OPTIMALITY_GAP = 1e-4  # relative; HiGHS's default for mixed-integer programs
 ACCEPTED_GAP = 1e-2  # "auto" keeps greedy without branch and bound when this close to the LP bound
 # An answer this close to the bound, as a fraction of the engine time its queues span (about the
 # graph's forward or backward), is as good as the bound. A relative gap alone chased programs whose
-# whole cost is a few microseconds: one on a Llama-2-7B-shaped graph at 2048 tokens (7.6 us of a
-# 0.1 s backward) ran to the node limit (6.3 s) to close 0.1 us. Programs without queues: none.
+# whole cost is a few microseconds: one on a Llama-2-7B-shaped graph at 2048 tokens (7.6 us, its queues
+# spanning 0.14 s) ran to 1000 nodes (6.3 s) to close 0.1 us. Programs without queues: none.
 ABSOLUTE_GAP_OF_SPAN = 1e-5
 HIGHS_ABSOLUTE_GAP = 1e-6  # HiGHS's own default (in the program's scaled cost), kept as the least
 SolverName = Literal["auto", "milp", "greedy"]
@@ -397,8 +397,8 @@ def _binding_slots(load: dict[int, dict[int, float]],
     larger (its load includes the earlier slot's): only a slot whose capacity is below every later
     loaded slot's needs a row, and the work of the slots dropped before it joins its step. The same
     program, in fewer rows: on the 7B graph's joint program, one queue's 355 rows become 289 (copies
-    that wait for the same consumer share its deadline), and HiGHS's root node took 0.4 s instead of
-    1.1 s (measured, 2026-11-27; branch and bound is sensitive to the form, so others differ)."""
+    that wait for the same consumer share its deadline), and HiGHS's root node took 0.4-0.6 s instead
+    of 1.1-1.3 s (measured, 2026-11-27; branch and bound is sensitive to the form, so others differ)."""
     loaded = sorted(load)
     kept, later = [], math.inf
     for slot in reversed(loaded):
