@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_section  # noqa: E402
+from fxoffload.fit import chooses_checkpointing  # noqa: E402
 
 PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3.1-8b")
 PROFILES = ("h100-pcie5", "a100-pcie4")
@@ -57,8 +58,8 @@ def table(results: list[tuple[str, str, dict, float]]) -> str:
              "fit ran (s, measured) |", "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for preset, profile, report, seconds, _ in results:
         for i, row in enumerate(report["rows"]):
-            own = row["name"].startswith("fxoffload")  # its rows pick checkpointing or not: say which
-            name = row["name"] + (" (checkpointing)" if own and row["checkpointing"] != "none" else "")
+            chose = chooses_checkpointing(row["name"]) and row["checkpointing"] != "none"
+            name = row["name"] + (" (checkpointing)" if chose else "")
             peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f}"
             step = "-" if row["step_time"] is None else f"{row['step_time']:.3f}"
             rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"

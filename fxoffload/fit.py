@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["FitError", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS", "WITHIN_ONE_PERCENT",
-           "fit_rows", "largest_fitting", "limit_at_peak"]
+           "chooses_checkpointing", "fit_rows", "largest_fitting", "limit_at_peak"]
 
 
 class FitError(ValueError):
@@ -173,6 +173,11 @@ SETUPS: tuple[Setup, ...] = (
     Setup("fxoffload", "none", {}, device_budget=True),
     Setup("fxoffload", "full", {}, device_budget=True),
 )
+
+
+def chooses_checkpointing(row: str) -> bool:
+    """Whether a row is the better of its setups with and without checkpointing (tables say which it took)."""
+    return len({s.checkpointing for s in SETUPS if s.row == row}) > 1
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from typing import Any, Callable
 from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
 from fxoffload.fit import (
-    SETUPS, WITHIN_ONE_PERCENT, FitError, Limit, LimitCode, Point, Row, Setup, fit_rows, limit_at_peak,
+    SETUPS, WITHIN_ONE_PERCENT, FitError, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
+    limit_at_peak,
 )
 
 __all__ = ["add_fit_parser", "run_fit"]
@@ -273,8 +274,8 @@ def format_fit(report: dict) -> str:
         peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f} GB"
         step = "-" if row["step_time"] is None else f"{row['step_time']:.3f} s"
         rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
-        own = row["name"].startswith("fxoffload")  # its rows pick checkpointing or not: say which
-        name = row["name"] + (" (ckpt)" if own and row["checkpointing"] != "none" else "")
+        chose = chooses_checkpointing(row["name"]) and row["checkpointing"] != "none"
+        name = row["name"] + (" (ckpt)" if chose else "")
         lines.append(f"{name:<30}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12}{rate:>11}  {row['limit']}")
     lines.append("")
     for row in report["rows"]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes
+from fxoffload.fit import chooses_checkpointing
 from fxoffload.passes import DeviceProfile, Simulation, simulate
 
 __all__ = ["format_seconds", "plot", "plot_fit", "plot_step"]
@@ -92,11 +93,10 @@ def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: s
     scale = 1e9  # GB, as the command prints them
     for row in rows:
         label = f"{row.name}: {row.size}"
-        if row.name.startswith("fxoffload") and row.name != "fxoffload" and row.checkpointing != "none":
+        if chooses_checkpointing(row.name) and row.checkpointing != "none":
             label += ", checkpointing"
         if row.name == "fxoffload":  # its probes plan the smallest peak; its answer, under the device budget
-            label += (", checkpointing" if row.checkpointing != "none" else "") + \
-                " (dots: the smallest peak it reaches; star: its plan at the answer)"
+            label += " (dots: the smallest peak it reaches; star: its plan at the answer)"
         line, = ax.plot([p.size for p in row.probes], [p.device_peak / scale for p in row.probes], marker="o",
                         markersize=3, linewidth=1, label=label)
         if row.fit is not None:

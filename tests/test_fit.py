@@ -100,22 +100,30 @@ MEMORY = 24_000_000
 RESERVED = 2_000_000  # also covers what the step makes outside its graph: the loss and the backward seed
 
 
-def fit_json(folder, *flags):
-    """``fxoffload fit --json`` on the tiny Llama (config file in ``folder``): the report and the config's path."""
+def cli_json(args: list[str]) -> dict:
+    """``fxoffload <args>`` (which ask for ``--json``) run here: its report."""
     import contextlib
     import io
     import json
 
     from fxoffload.cli import main
 
-    config = folder / "config.json"
-    config.write_text(json.dumps(TINY_LLAMA))
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        assert main(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", str(MEMORY),
-                     "--reserved", str(RESERVED), "--granularity", str(GRID), "--max-seq", "1024",
-                     "--quiet", "--json", *flags]) == 0
-    return json.loads(stdout.getvalue()), str(config)
+        assert main(args) == 0
+    return json.loads(stdout.getvalue())
+
+
+def fit_json(folder, *flags):
+    """``fxoffload fit --json`` on the tiny Llama (config file in ``folder``): the report and the config's path."""
+    import json
+
+    config = folder / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    report = cli_json(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", str(MEMORY),
+                       "--reserved", str(RESERVED), "--granularity", str(GRID), "--max-seq", "1024",
+                       "--quiet", "--json", *flags])
+    return report, str(config)
 
 
 @pytest.fixture(scope="module")
@@ -191,19 +199,11 @@ def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit)
 
 def plan_json(command: str) -> dict:
     """A row's ``fxoffload plan`` command, run here with ``--json``: its report."""
-    import contextlib
-    import io
-    import json
     import shlex
-
-    from fxoffload.cli import main
 
     words = shlex.split(command)
     assert words[:2] == ["fxoffload", "plan"], command
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        assert main(words[1:] + ["--json", "--no-plot", "--quiet"]) == 0
-    return json.loads(stdout.getvalue())
+    return cli_json(words[1:] + ["--json", "--no-plot", "--quiet"])
 
 
 @pytest.mark.slow
