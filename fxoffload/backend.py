@@ -415,7 +415,7 @@ class OffloadBackend:
                  options: PlanOptions, region: tuple | None = None) -> BudgetInfeasibleError:
         """``error``, saying what earlier regions of the step took of an absolute budget, or of the step's."""
         if region is not None and region in self._step.shares:
-            return error.within(self._step_context(region, place, held_before))
+            return error.within(self._step_context(region, place, held_before, error.smallest))
         if not held_before or options.budget is None or options.budget.nbytes is None:
             return error
         return error.within(
@@ -424,8 +424,9 @@ class OffloadBackend:
             f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
             f"for this one; ")
 
-    def _step_context(self, region: tuple, place: int, held_before: int) -> str:
-        """Where the step's budget went, for the error of a region that cannot keep to its share."""
+    def _step_context(self, region: tuple, place: int, held_before: int, smallest: int) -> str:
+        """Where the step's budget went, for the error of a region that cannot keep to its share, and the
+        step's floor as planned: what the regions before it hold, plus its own smallest peak."""
         shape, budget = self._step.shape, self.config.memory_budget
         earlier = shape.regions[:shape.index(region)]
         ledger = self._ledger
@@ -434,7 +435,9 @@ class OffloadBackend:
         return (f"the step ({len(shape.regions)} compiled regions, predicted): memory_budget={budget!r} is "
                 f"{self._step.budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
                 f"the regions before region {place} hold {held_before} B after their forward ({holds}), leaving "
-                f"{self._step.shares[region].budget} B for region {place}; ")
+                f"{self._step.shares[region].budget} B for region {place}; with them as planned, the step's "
+                f"activation peak is at least {held_before + smallest} B "
+                f"({(held_before + smallest) / max(shape.peak_before(), 1):.2f} of it without offloading); ")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **unknown: Any) -> Callable:

@@ -15,9 +15,14 @@ it is saved) is known only once it has been planned with a share. A region short
 the first round runs at its smallest peak for one step (:meth:`StepBudget.fell_short`), and a second
 round shares the budget with that floor known; the last round's shortfall is the step's error.
 
+A moved budget. Under a fraction, the step's budget in bytes is a fraction of the step's figures, and
+they change once the regions are planned with shares: a first plan counts what its region hands the next
+(the logits, a checkpointed layer's output) as its own, and so does the region that saves it; a plan with
+a share counts it once, where it is saved. A region whose share was cut from a budget since moved is
+planned again, in the same round (:meth:`StepBudget.moved`), and the round is not settled on it.
+
 Limits: the shape is the latest step's; a region that ran in an earlier step only is not in it.
-Figures come from the region's latest plan with a share, else its first plan (a fraction's
-denominator may move between rounds). Interleaved schedules (several microbatches in flight) are
+Figures come from the region's latest plan with a share, else its first plan. Interleaved schedules (several microbatches in flight) are
 modelled as one forward pass then one backward pass.
 """
 
@@ -158,7 +163,9 @@ class StepBudget:
         self.shape = learn_step(self.shape, records, region_of, counted, lambda record: record.step_share is not None)
         if self._short:
             self.round, self._short = self.round + 1, False
-        elif any(r.step_round == self.round for r in records):
+            return
+        current = [r for r in records if r.step_round == self.round]
+        if current and not any(self.moved(r) for r in current):  # (shares cut from a budget since moved: not yet)
             self._settled = self.round
 
     def earlier(self, region: tuple) -> list[tuple]:
@@ -175,14 +182,24 @@ class StepBudget:
         return share_for(shape.budget_bytes(self.budget), held_before(self.earlier(region)), shape.demands()[k:])
 
     def stale(self, record: Any) -> bool:
-        """Whether a region's plan, given a share now, predates this round (or had none)."""
-        return record is None or record.step_round < self.round
+        """Whether a region's plan, given a share now, predates this round (or had none), or shares a step
+        budget in bytes that has moved since (see :meth:`moved`)."""
+        return record is None or record.step_round < self.round or self.moved(record)
+
+    def moved(self, record: Any) -> bool:
+        """Whether the step's budget in bytes is no longer the one ``record``'s share was cut from. Under a
+        fraction it moves once: the first shares are cut from the regions' first plans, which each count
+        what they hand the next region (a checkpointed layer's output, the logits) as their own, and so
+        do the regions that save it; the plans made with shares count it once, where it is saved."""
+        return record.step_share is not None and record.step_budget != self.budget_bytes()
 
     def final(self, record: Any) -> bool:
-        """Whether a region's plan is final: planned without a share, or in a round every region met its
-        share in, or in the last round."""
+        """Whether a region's plan is final: planned without a share, or with one of the step's budget as
+        it stands and in a round every region met its share in, or in the last round."""
         if record is None or record.step_share is None:
             return True
+        if self.moved(record):
+            return False
         return record.step_round <= self._settled or record.step_round >= SHARE_ROUNDS - 1
 
     @contextlib.contextmanager
