@@ -108,7 +108,7 @@ from .plan import (
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import held_sizes, timeline_at
-from .solvers import curve_with, host_of, solve
+from .solvers import SolverInput, curve_with, host_of, solve
 
 __all__ = ["plan_offloads"]
 
@@ -169,8 +169,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         base.append((len(problem.timeline.fw_nodes) - 1, len(problem.timeline.fw_nodes) - 1, budget - cap))
     total = length * len(parts)
     host_left = problem.host_left(forced)
-    result = solve(total, base, items, budget, queues, conflicts, solver=options.solver,
-                   node_limit=options.node_limit, time_limit=options.time_limit, host_budget=host_left)
+    asked = SolverInput(total, base, items, budget, queues, conflicts, host_left)
+    result = solve(asked, solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
     if result.stopped == "time limit":
         warnings.warn(f"fxoffload: the exact solver stopped at solver_time_limit={options.time_limit:g} s before its "
                       f"node limit ({options.node_limit}): this plan depends on the machine's speed and load, and may "
@@ -178,7 +178,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     if result.feasible:
         offloaded, recomputed = split_choice(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
-    everything = _reachable(problem, forced, total, base, items, queues, conflicts)
+    everything = _reachable(asked)
     if options.budget is None and not problem.device:
         # No budget (the smallest peak is the limit): a solver that misses it (greedy, under conflicts)
         # falls back on acting on every candidate, which reaches it by construction.
@@ -221,8 +221,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         advice = ("raise the budget", "lower min_bytes", *other, ADVICE_WARN)
         raise BudgetInfeasibleError(message, *shortfall, advice)
     # The cheapest plan that reaches the smallest peak (not just "everything").
-    lowest = solve(total, base, items, smallest, queues, conflicts, solver=options.solver,
-                   node_limit=options.node_limit, time_limit=options.time_limit, host_budget=host_left)
+    lowest = solve(asked.within(smallest), solver=options.solver, node_limit=options.node_limit,
+                   time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = split_choice(owners, chosen)
@@ -284,12 +284,13 @@ def _stays_why(problem: Problem, kept: Mapping[int, Ineligible], moved: Mapping[
     return "moved, but on the device until its copy frees it"
 
 
-def _reachable(problem: Problem, forced: Sequence[fx.Node], length: int, base, items, queues, conflicts):
+def _reachable(asked: SolverInput):
     """A choice that reaches the smallest peak: each item's least-memory option (that does not conflict), or,
     where those copies would not fit the host budget, the lowest peak greedy meets within it, found by
     bisection on the budget to within 0.1% (not proven the lowest: the host bound makes it a knapsack)."""
-    everything = first_options(items, conflicts)
-    left = problem.host_left(forced)
+    length, base, items = asked.length, asked.base, asked.items
+    everything = first_options(items, asked.conflicts)
+    left = asked.host_budget
     if left is None or host_of(items, everything) <= left:
         return everything
     best: list = []
@@ -297,7 +298,7 @@ def _reachable(problem: Problem, forced: Sequence[fx.Node], length: int, base, i
     high = int(curve_with(length, base, items, ()).max(initial=0))
     while high - low > max(1, high // 1000):
         middle = (low + high) // 2
-        found = solve(length, base, items, middle, queues, conflicts, solver="greedy", host_budget=left)
+        found = solve(asked.within(middle), solver="greedy")
         if found.feasible:
             high, best = found.peak, list(found.chosen)
         else:
@@ -325,7 +326,8 @@ def _smallest_peak(problem: Problem, wanted: Sequence[fx.Node], forced: Sequence
     items, _, queues, conflicts = solver_items(problem, wanted, forced)
     base, spans, _ = fixed_intervals(problem, wanted, forced, items)
     length = problem.timeline.length
-    chosen = _reachable(problem, forced, length, base, spans, queues, conflicts)
+    # (No budget of its own: _reachable bisects on it where the host budget binds.)
+    chosen = _reachable(SolverInput(length, base, spans, 0, queues, conflicts, problem.host_left(forced)))
     return int(curve_with(length, base, spans, chosen).max(initial=0))
 
 

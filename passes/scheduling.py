@@ -264,11 +264,11 @@ def schedule_transfers(
     if horizon == AUTO_HORIZON:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, pos, cross_graphs, spill)
+        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, cross_graphs, spill)
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
-    schedule = _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon,
-                            op_seconds=profile.op_seconds)
+    placed = [_Placed(releases[k], deferred[k], prefetches[k], d2h[k], h2d[k]) for k in range(len(chosen))]
+    schedule = _with_stalls(timeline, chosen, placed, times, horizon, op_seconds=profile.op_seconds)
     if ahead is None:
         return schedule
     at, _, which = ahead
@@ -376,11 +376,12 @@ def _place_releases(timeline, chosen, room: _Room, d2h, starts, pos) -> tuple[li
     return releases, late
 
 
-def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, pos, cross_graphs,
+def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, cross_graphs,
                       ahead_room: int | None = None) -> tuple[list[int], tuple[int, int, list[int]] | None]:
     """Each prefetch's position, and the copies to start ahead in the backward before this one:
     (position, bytes, transfers), or None. ``room`` starts from every prefetch at its consumer
     (the least memory); ``ahead_room``: at most these bytes started ahead (None: as the bound allows)."""
+    pos = timeline.positions
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
     consumers = [pos[chosen[k].wait_before] for k in order]
@@ -423,17 +424,29 @@ def _place_ahead(room: _Room, starts, first, latest, early) -> tuple[int, int, l
     return None
 
 
-def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, times, pos, horizon, *,
-                 op_seconds: float) -> Schedule:
+@dataclass(frozen=True)
+class _Placed:
+    """Where the schedule puts one transfer: the position its source is freed after, whether that source
+    stays on into the next run's forward (deferred), the prefetch's position; and the predicted copy
+    seconds each way."""
+
+    release: int
+    deferred: bool
+    prefetch: int
+    d2h: float
+    h2d: float
+
+
+def _with_stalls(timeline, chosen, placed: Sequence[_Placed], times, horizon, *, op_seconds: float) -> Schedule:
     """Predict each wait's stall with the simulator's replay (one engine per direction, the host's op
     calls on its own clock)."""
-    nodes = timeline.nodes
+    nodes, pos = timeline.nodes, timeline.positions
     # Prefetches issued at the same node go in the order of their consumers.
-    order = sorted(range(len(chosen)), key=lambda k: (prefetches[k], pos[chosen[k].wait_before], k))
+    order = sorted(range(len(chosen)), key=lambda k: (placed[k].prefetch, pos[chosen[k].wait_before], k))
     backward = len(timeline.fw_nodes)  # a deferred copy is waited for when the backward begins, at the latest
-    copies = [Copy(pos[p.offload_after] + 1, backward if deferred[k] else releases[k] + 1, d2h[k], "d2h")
-              for k, p in enumerate(chosen)]
-    copies += [Copy(prefetches[k], pos[chosen[k].wait_before], h2d[k], "h2d") for k in order]
+    copies = [Copy(pos[p.offload_after] + 1, backward if placed[k].deferred else placed[k].release + 1,
+                   placed[k].d2h, "d2h") for k, p in enumerate(chosen)]
+    copies += [Copy(placed[k].prefetch, pos[chosen[k].wait_before], placed[k].h2d, "h2d") for k in order]
     run = replay(times, copies, op_seconds)
     backward_stall = {k: run.stalls[len(chosen) + j] for j, k in enumerate(order)}
     compute = timeline.anchored
@@ -442,14 +455,14 @@ def _with_stalls(timeline, chosen, releases, deferred, prefetches, d2h, h2d, tim
         consumer = pos[p.wait_before]
         result.append(dataclasses.replace(
             p,
-            free_after=nodes[releases[k]],
-            prefetch_before=nodes[prefetches[k]],
-            ops_ahead=sum(compute[prefetches[k]:consumer]),
-            d2h_seconds=d2h[k],
-            h2d_seconds=h2d[k],
+            free_after=nodes[placed[k].release],
+            prefetch_before=nodes[placed[k].prefetch],
+            ops_ahead=sum(compute[placed[k].prefetch:consumer]),
+            d2h_seconds=placed[k].d2h,
+            h2d_seconds=placed[k].h2d,
             forward_stall=run.stalls[k],
             backward_stall=backward_stall[k],
-            deferred=deferred[k],
+            deferred=placed[k].deferred,
         ))
     return Schedule(horizon, tuple(result), tuple(order))
 

@@ -1,7 +1,7 @@
 """Solvers: for each item, keep it or take one of its options, so that a memory curve fits a budget.
 
-Plain numbers in, indices out; nothing here knows FX. Positions are points of
-a timeline; intervals are (start, end inclusive) pairs.
+Plain numbers in (one :class:`SolverInput`), indices out; nothing here knows FX. Positions are
+points of a timeline; intervals are (start, end inclusive) pairs.
 
 The problem. ``base`` intervals hold memory unless an option changes them.
 Each item (a saved storage) is kept, or takes at most one of its
@@ -78,8 +78,8 @@ from typing import Any, Literal, Sequence, get_args
 import numpy as np
 
 __all__ = [
-    "Option", "Queue", "Solution", "solve", "solve_greedy", "solve_milp", "min_peak", "lateness", "host_of",
-    "SOLVERS", "SolverName",
+    "Option", "Queue", "Solution", "SolverInput", "solve", "solve_greedy", "solve_milp", "min_peak", "lateness",
+    "host_of", "SOLVERS", "SolverName",
 ]
 
 Interval = tuple[int, int]
@@ -124,6 +124,26 @@ class Option:
 @dataclass(frozen=True)
 class Queue:
     capacity: tuple[float, ...]  # engine seconds available to the work of slots 0..k
+
+
+@dataclass(frozen=True)
+class SolverInput:
+    """What the solvers are asked (see the module docstring): a timeline of ``length`` positions, the
+    ``base`` intervals, each item's options, the ``budget`` the curve stays within, the copy engines'
+    queues, the option pairs that conflict ((item, option), (item, option)), and the host bytes the
+    chosen options may take together (None: unbounded)."""
+
+    length: int
+    base: Sequence[Change]
+    items: Sequence[Sequence[Option]]
+    budget: int
+    queues: Sequence[Queue] = ()
+    conflicts: Sequence[tuple[tuple[int, int], tuple[int, int]]] = ()
+    host_budget: int | None = None
+
+    def within(self, budget: int) -> "SolverInput":
+        """The same choice under another budget."""
+        return dataclasses.replace(self, budget=budget)
 
 
 @dataclass(frozen=True)
@@ -187,13 +207,12 @@ def host_of(items, chosen) -> int:
     return sum(items[i][o].host for i, o in chosen)
 
 
-def _solution(length, base, items, queues, chosen, budget, solver, optimal, gap, started,
-              host_budget: int | None = None) -> Solution:
+def _solution(problem: SolverInput, chosen, solver: str, optimal: bool, gap: float, started: float) -> Solution:
     chosen = tuple(sorted(chosen))
-    top = int(curve_with(length, base, items, chosen).max(initial=0))
-    host = host_of(items, chosen)
-    feasible = top <= budget and (host_budget is None or host <= host_budget)
-    return Solution(chosen, top, objective(items, queues, chosen), feasible, solver, optimal, gap,
+    top = int(curve_with(problem.length, problem.base, problem.items, chosen).max(initial=0))
+    host = host_of(problem.items, chosen)
+    feasible = top <= problem.budget and (problem.host_budget is None or host <= problem.host_budget)
+    return Solution(chosen, top, objective(problem.items, problem.queues, chosen), feasible, solver, optimal, gap,
                     time.perf_counter() - started, host=host)
 
 
@@ -212,12 +231,13 @@ def _saved_at(option: Option, t: int) -> int:
     return -sum(d for a, b, d in option.changes if a <= t <= b)
 
 
-def solve_greedy(length, base, items, budget, queues=(), conflicts=(), host_budget: int | None = None) -> Solution:
+def solve_greedy(problem: SolverInput) -> Solution:
     started = time.perf_counter()
-    cur = _curve(length, base)
-    clash = _conflicting(conflicts)
+    items, budget = problem.items, problem.budget
+    cur = _curve(problem.length, problem.base)
+    clash = _conflicting(problem.conflicts)
     total_cost = [[option.cost + sum(w[2] for w in option.work) for option in options] for options in items]
-    host_left = math.inf if host_budget is None else host_budget
+    host_left = math.inf if problem.host_budget is None else problem.host_budget
     chosen: dict[int, int] = {}
     while cur.size and cur.max() > budget:
         t = int(cur.argmax())
@@ -247,8 +267,7 @@ def solve_greedy(length, base, items, budget, queues=(), conflicts=(), host_budg
                 del chosen[i]
             else:
                 _apply(cur, items[i][o])
-    return _solution(length, base, items, queues, chosen.items(), budget, "greedy", False, math.nan, started,
-                     host_budget)
+    return _solution(problem, chosen.items(), "greedy", False, math.nan, started)
 
 
 # --------------------------------------------------------------------------- exact program
@@ -338,10 +357,12 @@ class _Rows:
         return first
 
 
-def _program(length, base, items, budget, queues, conflicts, host_budget: int | None = None) -> _Program | None:
+def _program(problem: SolverInput) -> _Program | None:
     """Rows of the program, or None when the budget holds with nothing taken."""
     from scipy.sparse import coo_matrix
 
+    length, base, items, budget = problem.length, problem.base, problem.items, problem.budget
+    queues, conflicts, host_budget = problem.queues, problem.conflicts, problem.host_budget
     pairs = tuple((i, o) for i, options in enumerate(items) for o in range(len(options)))
     options = [items[i][o] for i, o in pairs]
     if not pairs:
@@ -464,28 +485,27 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def lower_bound(length, base, items, budget, queues=(), conflicts=(), host_budget: int | None = None) -> float:
+def lower_bound(problem: SolverInput) -> float:
     """A lower bound on the least cost: the LP relaxation of the program (HiGHS)."""
-    program = _program(length, base, items, budget, queues, conflicts, host_budget)
+    program = _program(problem)
     if program is None:
         return 0.0
     res = _highs(program, integral=False, options={})
     return float(res.fun) * program.cost_unit if res.status == 0 else 0.0  # no bound found: the trivial one
 
 
-def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, gap: float = OPTIMALITY_GAP,
-               node_limit: int = NODE_LIMIT, time_limit: float = TIME_GUARD,
-               host_budget: int | None = None) -> Solution | None:
+def solve_milp(problem: SolverInput, *, gap: float = OPTIMALITY_GAP, node_limit: int = NODE_LIMIT,
+               time_limit: float = TIME_GUARD) -> Solution | None:
     """The exact program, solved to within ``gap`` of its bound (relative) or ABSOLUTE_GAP_OF_SPAN of
     its queues' span (absolute), or until branch and bound
     has explored ``node_limit`` nodes (a count of work, the same on every machine and under any load),
     or until the ``time_limit`` guard (seconds: a plan stopped there may differ between runs; the
     answer's ``stopped`` says so). None if HiGHS found no feasible answer."""
     started = time.perf_counter()
-    program = _program(length, base, items, budget, queues, conflicts, host_budget)
+    program = _program(problem)
     if program is None:  # nothing to choose, or nothing needed: the empty answer
-        return _solution(length, base, items, queues, (), budget, "milp", True, 0.0, started, host_budget)
-    absolute = max(_absolute_gap(queues) / program.cost_unit, HIGHS_ABSOLUTE_GAP)
+        return _solution(problem, (), "milp", True, 0.0, started)
+    absolute = max(_absolute_gap(problem.queues) / program.cost_unit, HIGHS_ABSOLUTE_GAP)
     res = _highs(program, integral=True, options={"mip_rel_gap": gap, "mip_abs_gap": absolute, "node_limit": node_limit,
                                                   "time_limit": time_limit, **_mip_options()})
     if res.x is None:
@@ -495,8 +515,7 @@ def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, gap: flo
     found = 0.0 if res.status == 0 and math.isnan(found) else found
     stopped = "" if res.status == 0 else "time limit" if "Time limit" in res.message else "node limit"
     label = f"milp, stopped at its {stopped}" if stopped else "milp"
-    solution = _solution(length, base, items, queues, chosen, budget, label,
-                         res.status == 0 and found <= OPTIMALITY_GAP, found, started, host_budget)
+    solution = _solution(problem, chosen, label, res.status == 0 and found <= OPTIMALITY_GAP, found, started)
     return dataclasses.replace(solution, stopped=stopped)
 
 
@@ -510,22 +529,21 @@ def min_peak(length, base, items) -> int:
     return int(curve_with(length, base, items, [(i, 0) for i, opts in enumerate(items) if opts]).max(initial=0))
 
 
-def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str = "auto",
-          node_limit: int = NODE_LIMIT, time_limit: float = TIME_GUARD, host_budget: int | None = None) -> Solution:
-    """Options so the curve stays within ``budget``, and the options' host bytes within ``host_budget``
-    (None: unbounded), at least cost (see the module docstring)."""
+def solve(problem: SolverInput, *, solver: str = "auto", node_limit: int = NODE_LIMIT,
+          time_limit: float = TIME_GUARD) -> Solution:
+    """Options so the curve stays within the problem's budget, and the options' host bytes within its
+    host budget (None: unbounded), at least cost (see the module docstring)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver: got {solver!r}; accepted: {', '.join(map(repr, SOLVERS))}")
-    greedy = (solve_greedy(length, base, items, budget, queues, conflicts, host_budget)
-              if solver in ("auto", "greedy") else None)
+    greedy = solve_greedy(problem) if solver in ("auto", "greedy") else None
     if solver == "greedy":
         return greedy
-    if greedy is not None and not greedy.feasible and _proven_infeasible(length, base, items, budget):
+    if greedy is not None and not greedy.feasible and _proven_infeasible(problem):
         return greedy  # no exact search can meet the budget either
     if greedy is not None and greedy.feasible and greedy.cost > 0:
         # The LP relaxation bounds every answer from below: when greedy meets it,
         # greedy is optimal and the (slower) branch and bound is not needed.
-        bound = lower_bound(length, base, items, budget, queues, conflicts, host_budget)
+        bound = lower_bound(problem)
         gap = max((greedy.cost - bound) / greedy.cost, 0.0)
         if gap <= ACCEPTED_GAP:
             return dataclasses.replace(greedy, solver="greedy, LP-bounded", optimal=gap <= OPTIMALITY_GAP, gap=gap)
@@ -534,26 +552,27 @@ def solve(length, base, items, budget, queues=(), conflicts=(), *, solver: str =
     # "auto" stops the exact search within the gap it accepts of greedy: on the 7B graph, branch
     # and bound had not closed the last 0.5% after 30 s (measured); the answer it had by then cost
     # 0.07% less than the one within 1%.
-    exact = solve_milp(length, base, items, budget, queues, conflicts, gap=ACCEPTED_GAP if greedy else OPTIMALITY_GAP,
-                       node_limit=node_limit, time_limit=time_limit, host_budget=host_budget)
+    exact = solve_milp(problem, gap=ACCEPTED_GAP if greedy else OPTIMALITY_GAP, node_limit=node_limit,
+                       time_limit=time_limit)
     if greedy is None:
-        return exact if exact is not None else solve_greedy(length, base, items, budget, queues, conflicts, host_budget)
+        return exact if exact is not None else solve_greedy(problem)
     if exact is not None and exact.feasible and (not greedy.feasible or exact.cost <= greedy.cost + 1e-12):
         return exact
     return greedy
 
 
-def _proven_infeasible(length, base, items, budget) -> bool:
+def _proven_infeasible(problem: SolverInput) -> bool:
     """Whether some point stays above ``budget`` whatever is chosen: the base curve there less each
     item's largest saving at that point. A lower bound on every choice's curve, conflicts or not.
     (Greedy failing proves nothing when an item has several options: it may have taken one that
     frees less where the curve is still too high.)"""
-    lowest = _curve(length, base)
-    for options in items:
+    length = problem.length
+    lowest = _curve(length, problem.base)
+    for options in problem.items:
         if not options:
             continue
         savings = np.zeros((len(options), length), dtype=np.int64)
         for row, option in zip(savings, options):
             _apply(row, option)
         lowest += np.minimum(savings.min(axis=0), 0)
-    return bool(lowest.size) and int(lowest.max()) > budget
+    return bool(lowest.size) and int(lowest.max()) > problem.budget

@@ -9,11 +9,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxoffload.passes.solvers import (
-    TIME_GUARD, Option, Solution, curve_with, min_peak, solve, solve_greedy, solve_milp,
-)
+from fxoffload.passes import solvers
+from fxoffload.passes.solvers import TIME_GUARD, Option, Solution, SolverInput, curve_with, min_peak
 
 Interval = tuple[int, int]
+
+
+# The general solvers with the problem's fields as arguments, as the tests write their cases.
+
+def solve(length, base, items, budget, queues=(), conflicts=(), *, host_budget=None, **limits) -> Solution:
+    return solvers.solve(SolverInput(length, base, items, budget, queues, conflicts, host_budget), **limits)
+
+
+def solve_greedy(length, base, items, budget, queues=(), conflicts=(), host_budget=None) -> Solution:
+    return solvers.solve_greedy(SolverInput(length, base, items, budget, queues, conflicts, host_budget))
+
+
+def solve_milp(length, base, items, budget, queues=(), conflicts=(), *, host_budget=None, **limits) -> Solution | None:
+    return solvers.solve_milp(SolverInput(length, base, items, budget, queues, conflicts, host_budget), **limits)
+
 
 @dataclass(frozen=True)
 class Candidate:

@@ -14,7 +14,8 @@ import pytest
 
 import fxoffload
 from fxoffload.passes import plan_digest
-from fxoffload.passes.solvers import Option, Queue, solve_milp
+from fxoffload.passes.solvers import Option, Queue
+from tests.offload_only import solve_milp
 from tests.conftest import compile_mlp  # the golden MLP, compiled with min_bytes=0
 
 ROOT = Path(__file__).resolve().parent.parent

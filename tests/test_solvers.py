@@ -13,13 +13,12 @@ from tests.offload_only import Candidate, choose_offloads, evaluate
 from tests.offload_only import offload_greedy as solve_greedy
 from tests.offload_only import offload_milp as solve_milp
 from tests.offload_only import offload_min_peak as min_peak
+from tests.offload_only import solve
+from tests.offload_only import solve_greedy as greedy_options
+from tests.offload_only import solve_milp as milp_options
 from fxoffload.passes.solvers import (
-    ABSOLUTE_GAP_OF_SPAN, Option, Queue, _binding_slots, curve_with, lateness, solve,
+    ABSOLUTE_GAP_OF_SPAN, Option, Queue, _binding_slots, curve_with, lateness,
 )
-from fxoffload.passes.solvers import (
-    solve_greedy as greedy_options,
-)
-from fxoffload.passes.solvers import solve_milp as milp_options
 
 
 def three_layer():
@@ -311,7 +310,7 @@ def test_highs_options_are_used_only_where_highs_knows_them(monkeypatch):
         assert solvers._mip_options() == {}
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            found = solvers.solve_milp(4, [(0, 3, 10)], [[solvers.Option(((0, 3, -6),), 1.0)]], 5)
+            found = solvers.solve_milp(solvers.SolverInput(4, [(0, 3, 10)], [[solvers.Option(((0, 3, -6),), 1.0)]], 5))
         assert found.feasible and found.chosen == ((0, 0),)
     finally:
         solvers._mip_options.cache_clear()
