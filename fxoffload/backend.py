@@ -435,7 +435,7 @@ class OffloadBackend:
         return (f"the step ({len(shape.regions)} compiled regions, predicted): memory_budget={budget!r} is "
                 f"{self._step.budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
                 f"the regions before region {place} hold {held_before} B after their forward ({holds}), leaving "
-                f"{self._step.shares[region].budget} B for region {place}; with them as planned, the step's "
+                f"{_left_words(self._step.shares[region].budget)} for region {place}; with them as planned, the step's "
                 f"activation peak is at least {held_before + smallest} B "
                 f"({(held_before + smallest) / max(shape.peak_before(), 1):.2f} of it without offloading); ")
 
@@ -722,6 +722,11 @@ def _device_of(args: Sequence[Any]) -> torch.device | None:
     tensor's (a CPU scalar beside CUDA tensors must not make the host clock time queued kernels)."""
     devices = [a.device for a in args if isinstance(a, torch.Tensor)]
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
+
+
+def _left_words(nbytes: int) -> str:
+    """What a share leaves a region, in words: nothing, and by how much, where it is below nothing."""
+    return f"{nbytes} B" if nbytes >= 0 else f"nothing ({-nbytes} B short)"
 
 
 def _refuse_several_ranks() -> None:

@@ -210,8 +210,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         reach, limit = smallest - lift, budget - lift
         message = (
             f"memory_budget: {where}the {smallest_words} activation peak{runs} is {reach} B "
-            f"({reach / 2**20:.1f} MiB, {acting}), above the budget of {limit} B "
-            f"({limit / 2**20:.1f} MiB{given})"
+            f"({reach / 2**20:.1f} MiB, {acting}), above {_budget_words(limit, given)}"
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
     at = problem if not worst else held[worst - 1].problem  # the bytes at the size where the peak lies
@@ -282,6 +281,14 @@ def _stays_why(problem: Problem, kept: Mapping[int, Ineligible], moved: Mapping[
     if lifetime.name in {n.name for n in problem.timeline.input_activations}:
         return "an input an earlier graph made: on the device from the graph's start until its copy frees it"
     return "moved, but on the device until its copy frees it"
+
+
+def _budget_words(limit: int, given: str) -> str:
+    """The budget a graph is held to, in words: one below nothing (a region's share of a step whose
+    earlier regions already hold more than the step's budget) is said so, not as negative bytes."""
+    if limit < 0:
+        return f"a budget below nothing: {-limit} B more than all of it is taken before this graph runs{given}"
+    return f"the budget of {limit} B ({limit / 2**20:.1f} MiB{given})"
 
 
 def _reachable(asked: SolverInput):

@@ -282,3 +282,20 @@ def test_a_share_below_nothing_asks_pytorch_for_a_fraction_it_takes():
         *_, result = plan_best_partition(fw, bw, outputs, repartition, options=options, horizon="auto",
                                          profile=PROFILES["h100-pcie5"])
     assert asked == [0.0] and not result.plan.feasible
+
+
+def test_a_share_below_nothing_is_said_in_words_not_as_negative_bytes():
+    """The refusal of a region whose share is below nothing says how much more than all of the budget is
+    taken before it runs, not "above the budget of -10000 B (-0.0 MiB)"."""
+    from fxoffload.passes import Budget, PlanOptions, plan_pair
+    from fxoffload.profiles import PROFILES
+    from tests.conftest import partitioned_pair
+
+    torch.manual_seed(0)
+    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
+    options = PlanOptions(min_bytes=0, budget=Budget(nbytes=-10_000), strategy="offload")
+    with pytest.raises(fxoffload.BudgetInfeasibleError) as info:
+        plan_pair(fw, bw, outputs, options=options, horizon="auto", profile=PROFILES["h100-pcie5"])
+    message = str(info.value)
+    assert "above a budget below nothing: 10000 B more than all of it is taken before this graph runs" in message
+    assert "-10000" not in message and "-0.0 MiB" not in message, message
