@@ -184,9 +184,7 @@ class _Compilation:
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
-        self.record = self.backend.plan_region(fw, bw, num_user_outputs, policies, repartition, self.region,
-                                              plain_total, self.input_activations, self.replannable, self.graph,
-                                              self.choose)
+        self.record = self.backend.plan_region(self, fw, bw, num_user_outputs, policies, repartition, plain_total)
         return self.record.forward, self.record.backward
 
     def capture(self, gm: fx.GraphModule, is_backward: bool) -> None:
@@ -293,14 +291,16 @@ class OffloadBackend:
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
 
     def plan_region(
-        self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
-        repartition: Any = None, region: tuple = ("graph", 0), plain_total: int | None = None,
-        input_activations: frozenset[int] = frozenset(), replannable: bool = False, graph: str = "",
-        choose: str | None = None,
+        self, compilation: "_Compilation", fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
+        policies: dict[str, str], repartition: Any = None, plain_total: int | None = None,
     ) -> GraphRecord:
-        """Plan and rewrite the pair the partition hook made of ``region``'s graph (``_Compilation.on_pair``
-        calls it), with the step's budget as the regions so far leave it; record it. ``choose``: the
-        candidate plan of strategy auto to take (measured selection), else the fastest predicted."""
+        """Plan and rewrite the pair the partition hook made of ``compilation``'s graph (its ``on_pair`` calls
+        it), with the step's budget as the regions so far leave it; record it. The compilation says which
+        region it is, which inputs are activations, whether it may be re-planned, the key ranks compare it
+        under, and the candidate plan of strategy auto to take (``choose``: measured selection), else the
+        fastest predicted."""
+        region, input_activations, choose = compilation.region, compilation.input_activations, compilation.choose
+        replannable, graph = compilation.replannable, compilation.graph
         place = self._ledger.place(region)
         options, held_before = self._options_for(region)
         options = dataclasses.replace(options, total_cap=plain_total,

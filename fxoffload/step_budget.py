@@ -22,8 +22,8 @@ a share counts it once, where it is saved. A region whose share was cut from a b
 planned again, in the same round (:meth:`StepBudget.moved`), and the round is not settled on it.
 
 Limits: the shape is the latest step's; a region that ran in an earlier step only is not in it.
-Figures come from the region's latest plan with a share, else its first plan. Interleaved schedules (several microbatches in flight) are
-modelled as one forward pass then one backward pass.
+Figures come from the region's latest plan with a share, else its first plan. Interleaved schedules
+(several microbatches in flight) are modelled as one forward pass then one backward pass.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from .cost_model import DeviceProfile, node_work, roofline, staging_seconds
 from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import group_by_base
 from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
-from .planning import plan_offloads
+from .planning import Choosable, plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 from .simulator import simulate
@@ -168,8 +168,9 @@ def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | st
 def _plan_and_schedule(a: Analysis, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
                        policies: Mapping[str, str] | None, watch: Stopwatch, peak_within: int | None) -> PassResult:
     recomputes = {} if options.strategy == "offload" else a.recomputes
-    plan = plan_offloads(a.interface, a.activations, a.timeline, a.moves, priced_staging(a.costs, options, profile),
-                         options, policies, recomputes, queued=horizon == AUTO_HORIZON, peak_within=peak_within)
+    choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, priced_staging(a.costs, options, profile),
+                          recomputes)
+    plan = plan_offloads(choosable, options, policies, queued=horizon == AUTO_HORIZON, peak_within=peak_within)
     watch.stamp("plan")
     schedule = schedule_transfers(plan, a.placements, horizon, timeline=a.timeline, times=list(a.times),
                                   profile=profile, cross_graphs=options.cross_graphs)

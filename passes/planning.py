@@ -89,7 +89,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
@@ -110,7 +110,7 @@ from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import held_sizes, timeline_at
 from .solvers import SolverInput, curve_with, host_of, solve
 
-__all__ = ["plan_offloads"]
+__all__ = ["Choosable", "plan_offloads"]
 
 
 _EVERY_ELIGIBLE = "offloaded (all_eligible, >= min_bytes)"
@@ -360,23 +360,32 @@ def _recomputable(
     return out
 
 
+@dataclass(frozen=True)
+class Choosable:
+    """A pair's saved storages as the planner chooses among them: the forward/backward interface and its
+    saved activations, the timeline, and per candidate base its (release, prefetch) timeline positions
+    as the scheduler gives them (``moves``), its predicted copy costs, and its recompute chain where it
+    has one (``recomputes``)."""
+
+    interface: SavedInterface
+    activations: Sequence[SavedActivation]
+    timeline: Timeline
+    moves: Mapping[fx.Node, tuple[int, int]]
+    costs: Mapping[fx.Node, TransferCost]
+    recomputes: Mapping[fx.Node, RecomputeCost] = field(default_factory=dict)
+
+
 def plan_offloads(
-    interface: SavedInterface,
-    activations: Sequence[SavedActivation],
-    timeline: Timeline,
-    moves: Mapping[fx.Node, tuple[int, int]],
-    costs: Mapping[fx.Node, TransferCost],
+    choosable: Choosable,
     options: PlanOptions,
     policies: Mapping[str, str] | None = None,
-    recomputes: Mapping[fx.Node, RecomputeCost] | None = None,
+    *,
     queued: bool = False,
     peak_within: int | None = None,
 ) -> Plan:
     """Keep, offload or recompute every saved activation (see the module docstring).
 
-    ``moves`` maps each candidate base to the (release, prefetch) timeline
-    positions the scheduler gives it; ``costs`` to its predicted copy costs;
-    ``recomputes`` to its recompute chain, where it has one; ``policies`` the
+    ``choosable``: what there is to choose among; ``policies`` the
     user's selective-checkpoint marks by forward node name (``fxoffload.passes.policies``);
     ``queued``: price copies as queues on the copy engines (prefetches placed
     freely, horizon ``"auto"``) rather than each alone on its link; ``peak_within``: without a
@@ -384,6 +393,8 @@ def plan_offloads(
     ``options.max_overhead`` (``fxoffload.passes.pipeline``): the plan is the cheapest choice under it
     (at least the smallest peak), and its reasons name max_overhead.
     """
+    interface, activations, timeline = choosable.interface, choosable.activations, choosable.timeline
+    moves, costs, recomputes = choosable.moves, choosable.costs, choosable.recomputes
     user_storages = output_storages(interface.user_outputs)
     groups = group_by_base(activations)
     marks = {base: group_marks(group, policies or {}) for base, group in groups.items()}

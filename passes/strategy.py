@@ -35,7 +35,8 @@ import torch.fx as fx
 from .analysis import is_random
 from .cost_model import DeviceProfile
 from .pipeline import (
-    PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs, gc_paused, plan_analysed,
+    Analysis, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs, gc_paused,
+    plan_analysed,
 )
 from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
@@ -102,34 +103,16 @@ def plan_best_partition(
     plan predicts no cost (measured selection times them all). ``choose``: return the candidate of that
     key (``CANDIDATE_KEYS``) instead of the fastest predicted; ValueError when it does not qualify.
     """
-    watch = Stopwatch()
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
-    input_activations, outputs_counted = counted_inputs(options, input_activations), counts_outputs(options)
-
-    def analysed(fw, bw, opts):
-        watch.restart()
-        with gc_paused():
-            return analyse_pair(fw, bw, num_user_outputs, horizon=horizon, profile=profile,
-                                input_activations=input_activations, outputs_counted=outputs_counted,
-                                with_recomputes=opts.strategy != "offload", watch=watch)
-
-    def planned(analysis, opts):
-        watch.restart()
-        with gc_paused():
-            return plan_analysed(analysis, options=opts, horizon=horizon, profile=profile, policies=policies,
-                                 watch=watch)
-
-    def alternative(analysis, opts):
-        with warnings.catch_warnings():  # an alternative that misses the budget just ranks last
-            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-            return planned(analysis, dataclasses.replace(opts, on_infeasible="warn"))
-
+    planner = _Planner(num_user_outputs, horizon, profile, policies, counted_inputs(options, input_activations),
+                       counts_outputs(options))
+    watch = planner.watch
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
-    analysis = analysed(fw_module, bw_module, options)
+    analysis = planner.analysed(fw_module, bw_module, options)
     if options.strategy != "auto" or options.budget is None or hinted:  # the user's hints outrank predictions
-        return fw_module, bw_module, planned(analysis, options)
+        return fw_module, bw_module, planner.planned(analysis, options)
     # An alternative may meet a budget the joint plan misses: judge infeasibility at the end.
-    first = alternative(analysis, options)
+    first = planner.alternative(analysis, options)
     plain = sum(analysis.times)
     step = _predicted_step(first, profile, watch)
     cheap = step <= plain * (1 + PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION)
@@ -138,8 +121,7 @@ def plan_best_partition(
         first = check_overhead(first, step, plain, options)
         return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
     tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
-    tried += _alternatives(fw_module, bw_module, analysis, first.plan, repartition, analysed, alternative, options,
-                           profile, watch)
+    tried += _alternatives(planner, fw_module, bw_module, analysis, first.plan, repartition, options)
     fw, bw, best = _best_of(tried, watch, choose)
     if not best.plan.feasible:
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
@@ -152,6 +134,37 @@ def plan_best_partition(
     return fw, bw, best
 
 
+class _Planner:
+    """What every plan strategy auto makes of one graph shares (the user's outputs, horizon, profile and
+    marks, the inputs and outputs it counts, one stopwatch), and the three steps it takes with them: a
+    pair analysed, an analysis planned, and an alternative planned (one that misses the budget warns
+    nothing: it ranks last)."""
+
+    def __init__(self, num_user_outputs: int, horizon: int | str, profile: DeviceProfile,
+                 policies: Mapping[str, str] | None, input_activations: frozenset[int], outputs_counted: bool) -> None:
+        self.num_user_outputs, self.horizon, self.profile, self.policies = num_user_outputs, horizon, profile, policies
+        self.input_activations, self.outputs_counted = input_activations, outputs_counted
+        self.watch = Stopwatch()
+
+    def analysed(self, fw: fx.GraphModule, bw: fx.GraphModule, opts: PlanOptions) -> Analysis:
+        self.watch.restart()
+        with gc_paused():
+            return analyse_pair(fw, bw, self.num_user_outputs, horizon=self.horizon, profile=self.profile,
+                                input_activations=self.input_activations, outputs_counted=self.outputs_counted,
+                                with_recomputes=opts.strategy != "offload", watch=self.watch)
+
+    def planned(self, analysis: Analysis, opts: PlanOptions) -> PassResult:
+        self.watch.restart()
+        with gc_paused():
+            return plan_analysed(analysis, options=opts, horizon=self.horizon, profile=self.profile,
+                                 policies=self.policies, watch=self.watch)
+
+    def alternative(self, analysis: Analysis, opts: PlanOptions) -> PassResult:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+            return self.planned(analysis, dataclasses.replace(opts, on_infeasible="warn"))
+
+
 @dataclass(frozen=True)
 class _Tried:
     fw: fx.GraphModule
@@ -162,8 +175,9 @@ class _Tried:
     key: str  # one of CANDIDATE_KEYS
 
 
-def _alternatives(fw_module, bw_module, analysis, plan, repartition, analysed, alternative, options, profile, watch):
+def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repartition, options) -> list[_Tried]:
     """Strategy auto's alternatives to the joint plan ``plan`` (see :func:`plan_best_partition`)."""
+    analysed, alternative, profile, watch = planner.analysed, planner.alternative, planner.profile, planner.watch
     # Held to the first plan's bytes, at its own size and at every other size it holds the fraction at.
     at_sizes = tuple((size.values, size.budget_bytes) for size in plan.sizes)
     held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes, at_sizes=at_sizes))

@@ -164,7 +164,8 @@ def steady_share(model, batch, fraction: float, **options) -> tuple[float, fxoff
 @pytest.mark.parametrize("case", ["embedding, then a break", "a loss of its own",
                                   pytest.param("GPT-2, default config", marks=pytest.mark.slow),
                                   pytest.param("GPT-2, hidden 256", marks=pytest.mark.slow),
-                                  pytest.param("GPT-2, hidden 256, Hugging Face checkpointing", marks=pytest.mark.slow)])
+                                  pytest.param("GPT-2, hidden 256, Hugging Face checkpointing",
+                                               marks=pytest.mark.slow)])
 def test_a_fraction_holds_for_a_step_split_by_graph_breaks_with_default_options(case):
     """GPT-2's loss is a region of its own, handed the logits; under Hugging Face checkpointing each layer's
     checkpoint keeps its input. The first shares are cut from the regions' first plans, which count what a
