@@ -29,8 +29,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["FitError", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS", "WITHIN_ONE_PERCENT",
-           "chooses_checkpointing", "fit_rows", "largest_fitting", "limit_at_peak"]
+__all__ = ["FitError", "Grid", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS",
+           "WITHIN_ONE_PERCENT", "chooses_checkpointing", "fit_rows", "largest_fitting", "limit_at_peak"]
 
 
 class FitError(ValueError):
@@ -193,16 +193,32 @@ class Row:
     probes: tuple[Point, ...]
 
 
-def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, *, step: int, start: int, most: int,
+@dataclass(frozen=True)
+class Grid:
+    """What the search walks: sequence lengths at a batch, or batches at a sequence length (``by_batch``),
+    on the multiples of ``step`` up to ``most``, first trying ``start``."""
+
+    by_batch: bool
+    step: int
+    start: int
+    most: int
+
+    @property
+    def what(self) -> str:
+        return "the largest batch" if self.by_batch else "the longest sequence"
+
+
+def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: Grid, *,
              setups: Sequence[Setup] = SETUPS, progress: Callable[[str], None] = lambda _: None,
              end: Limit = Limit(LimitCode.LARGEST_TRIED)) -> list[Row]:
-    """One row per distinct ``Setup.row`` (in order): each setup searched with ``largest_fitting`` on
-    the device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as
+    """One row per distinct ``Setup.row`` (in order): each setup searched on ``grid`` with ``largest_fitting``
+    on the device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as
     the row reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so; of
     several setups for one row, the one that reaches furthest, then the fastest there. Each setup's
     search starts from the previous row's answer (a close guess: rows reach further in the order
     given). ``end``: the limit of a row whose answer is ``most`` (what the largest size stands for)."""
     found: dict[str, list[Row]] = {}
+    step, start, most = grid.step, grid.start, grid.most
     for setup in setups:
         points: dict[int, Point] = {}
 

@@ -24,14 +24,13 @@ import argparse
 import json
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
 from fxoffload.fit import (
-    SETUPS, WITHIN_ONE_PERCENT, FitError, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
+    SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
     limit_at_peak,
 )
 
@@ -92,7 +91,7 @@ def run_fit(args: argparse.Namespace) -> int:
     progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB")
     try:
-        rows = fit_rows(evaluate, memory, step=grid.step, start=grid.start, most=grid.most, progress=progress,
+        rows = fit_rows(evaluate, memory, grid, progress=progress,
                         end=Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch
                                   else LimitCode.LARGEST_TRIED))
     except (ModelError, FitError) as e:
@@ -106,7 +105,7 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: "_Grid") -> str:
+def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
     from fxoffload.plot import plot_fit
 
     fixed = f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
@@ -116,21 +115,7 @@ def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, g
     return args.output
 
 
-@dataclass(frozen=True)
-class _Grid:
-    """What the search walks: sequence lengths at ``--batch``, or batches at ``--seq`` (``by_batch``)."""
-
-    by_batch: bool
-    step: int
-    start: int
-    most: int
-
-    @property
-    def what(self) -> str:
-        return "the largest batch" if self.by_batch else "the longest sequence"
-
-
-def _grid(args: argparse.Namespace, source: Any) -> _Grid:
+def _grid(args: argparse.Namespace, source: Any) -> Grid:
     for flag in ("batch", "seq", "layers", "granularity", "max_seq", "max_batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -139,7 +124,7 @@ def _grid(args: argparse.Namespace, source: Any) -> _Grid:
         step = args.granularity or 1
         if step > args.max_batch:
             raise UsageError(f"--granularity: got {step}, above --max-batch {args.max_batch}; accepted: at most it")
-        return _Grid(True, step, step, args.max_batch)
+        return Grid(True, step, step, args.max_batch)
     positions = source.positions
     most = args.max_seq or positions or DEFAULT_MAX_SEQ
     if positions is not None and most > positions:
@@ -148,7 +133,7 @@ def _grid(args: argparse.Namespace, source: Any) -> _Grid:
     step = args.granularity or 256
     if step > most:
         raise UsageError(f"--granularity: got {step}, above the longest sequence tried ({most}); accepted: at most it")
-    return _Grid(False, step, min(source.default_seq, most), most)
+    return Grid(False, step, min(source.default_seq, most), most)
 
 
 def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
@@ -235,7 +220,7 @@ def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> s
 
 
 def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, reserved: int,
-               grid: _Grid) -> dict:
+               grid: Grid) -> dict:
     """The command's JSON: the setting, then one entry per row."""
     out = []
     for row in rows:

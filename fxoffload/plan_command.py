@@ -102,9 +102,9 @@ def run_plan(args: argparse.Namespace) -> PlanOutcome:
         raise UsageError(str(e)) from None
     progress(f"simulating {len(records)} graph(s) on {options['device_profile']}, and the step of "
              f"{len(invocations)} invocation(s)")
-    report = plan_report(records, model=source.name, batch=args.batch, seq=seq, dtype=args.dtype,
-                         layers=source.layers, checkpointing=args.checkpointing, budget=budget_text(args),
-                         horizon=args.horizon)
+    report = plan_report(records, {"model": source.name, "batch": args.batch, "seq": seq, "dtype": args.dtype,
+                                   "layers": source.layers, "checkpointing": args.checkpointing,
+                                   "budget": budget_text(args), "horizon": args.horizon})
     report.update(_device_budget_report(options))
     if lengths and len(lengths) == 2:
         for graph, record in zip(report["graphs"], records):

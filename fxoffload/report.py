@@ -10,7 +10,7 @@ batch); the step's optimizer figures are what the caller estimated (``with_optim
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = ["plan_report", "print_report", "range_report", "step_report", "with_optimizer"]
 
@@ -66,9 +66,10 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
 
 
 
-def plan_report(records: list, *, model: str, batch: int, seq: int, dtype: str, layers: int | None,
-                checkpointing: str, budget: str, horizon: Any) -> dict:
-    """Each compiled graph's figures (predicted: memory model, cost model, simulator), with what was planned."""
+def plan_report(records: list, planned: Mapping[str, Any]) -> dict:
+    """Each compiled graph's figures (predicted: memory model, cost model, simulator), after ``planned``:
+    what was planned, as the command was asked (model, batch, seq, dtype, layers, checkpointing, budget,
+    horizon)."""
     from fxoffload.passes import Why, plan_digest, simulate
 
     graphs = []
@@ -113,8 +114,7 @@ def plan_report(records: list, *, model: str, batch: int, seq: int, dtype: str, 
             "kept_for_overhead": [d.name for d in plan.decisions if d.why is Why.OVERHEAD],
         })
     return {
-        "model": model, "batch": batch, "seq": seq, "dtype": dtype, "layers": layers,
-        "checkpointing": checkpointing, "budget": budget, "horizon": horizon,
+        **planned,
         "profile": records[0].profile.name,
         "note": "memory and times are predictions (memory model, cost model, simulator); seconds are measured here",
         "graphs": graphs, "plots": [],

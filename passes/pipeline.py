@@ -43,8 +43,9 @@ from .simulator import simulate
 from .sizes import concrete, unbounded_symbols
 
 __all__ = [
-    "Analysis", "PassResult", "Stopwatch", "analyse_pair", "check_overhead", "counted_inputs", "counts_outputs",
-    "gc_paused", "plan_analysed", "plan_pair", "rewrite_planned", "unbounded_size_warning", "unoffloaded_total_peak",
+    "Analysis", "AnalysisSettings", "PassResult", "Stopwatch", "analyse_pair", "check_overhead", "counted_inputs",
+    "counts_outputs", "gc_paused", "plan_analysed", "plan_pair", "rewrite_planned", "unbounded_size_warning",
+    "unoffloaded_total_peak",
 ]
 
 
@@ -98,10 +99,23 @@ class Analysis:
     recomputes: Mapping  # candidates' recompute chains and costs; empty under strategy "offload"
 
 
-def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int, *, horizon: int | str,
-                 profile: DeviceProfile, input_activations: frozenset[int], outputs_counted: bool,
-                 with_recomputes: bool, watch: Stopwatch) -> Analysis:
+@dataclass(frozen=True)
+class AnalysisSettings:
+    """How a pair is read, the same for every plan of it: the prefetch horizon, the device's profile, the
+    positions of the inputs it counts as activations (an earlier graph made them) and whether it counts
+    its forward's outputs (:func:`counted_inputs`, :func:`counts_outputs`)."""
+
+    horizon: int | str
+    profile: DeviceProfile
+    input_activations: frozenset[int]
+    outputs_counted: bool
+
+
+def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int,
+                 settings: AnalysisSettings, *, with_recomputes: bool, watch: Stopwatch) -> Analysis:
     """Analyse and estimate the pair, and cost each candidate's copies and recompute chain."""
+    horizon, profile = settings.horizon, settings.profile
+    input_activations, outputs_counted = settings.input_activations, settings.outputs_counted
     fw, bw = fw_module.graph, bw_module.graph
     interface = saved_interface(fw, bw, num_user_outputs)
     activations = saved_activations(interface)
@@ -255,9 +269,9 @@ def plan_pair(
     watch = Stopwatch()
     if outputs_counted is None:
         outputs_counted = counts_outputs(options)
-    analysis = analyse_pair(fw_module, bw_module, num_user_outputs, horizon=horizon, profile=profile,
-                            input_activations=counted_inputs(options, input_activations),
-                            outputs_counted=outputs_counted, with_recomputes=options.strategy != "offload", watch=watch)
+    settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), outputs_counted)
+    analysis = analyse_pair(fw_module, bw_module, num_user_outputs, settings,
+                            with_recomputes=options.strategy != "offload", watch=watch)
     return plan_analysed(analysis, options=options, horizon=horizon, profile=profile, policies=policies, watch=watch)
 
 

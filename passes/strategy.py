@@ -35,8 +35,8 @@ import torch.fx as fx
 from .analysis import is_random
 from .cost_model import DeviceProfile
 from .pipeline import (
-    Analysis, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs, gc_paused,
-    plan_analysed,
+    Analysis, AnalysisSettings, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs,
+    gc_paused, plan_analysed,
 )
 from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
@@ -104,8 +104,8 @@ def plan_best_partition(
     key (``CANDIDATE_KEYS``) instead of the fastest predicted; ValueError when it does not qualify.
     """
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
-    planner = _Planner(num_user_outputs, horizon, profile, policies, counted_inputs(options, input_activations),
-                       counts_outputs(options))
+    settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), counts_outputs(options))
+    planner = _Planner(num_user_outputs, settings, policies)
     watch = planner.watch
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
     analysis = planner.analysed(fw_module, bw_module, options)
@@ -140,17 +140,15 @@ class _Planner:
     pair analysed, an analysis planned, and an alternative planned (one that misses the budget warns
     nothing: it ranks last)."""
 
-    def __init__(self, num_user_outputs: int, horizon: int | str, profile: DeviceProfile,
-                 policies: Mapping[str, str] | None, input_activations: frozenset[int], outputs_counted: bool) -> None:
-        self.num_user_outputs, self.horizon, self.profile, self.policies = num_user_outputs, horizon, profile, policies
-        self.input_activations, self.outputs_counted = input_activations, outputs_counted
+    def __init__(self, num_user_outputs: int, settings: AnalysisSettings, policies: Mapping[str, str] | None) -> None:
+        self.num_user_outputs, self.settings, self.policies = num_user_outputs, settings, policies
+        self.horizon, self.profile = settings.horizon, settings.profile
         self.watch = Stopwatch()
 
     def analysed(self, fw: fx.GraphModule, bw: fx.GraphModule, opts: PlanOptions) -> Analysis:
         self.watch.restart()
         with gc_paused():
-            return analyse_pair(fw, bw, self.num_user_outputs, horizon=self.horizon, profile=self.profile,
-                                input_activations=self.input_activations, outputs_counted=self.outputs_counted,
+            return analyse_pair(fw, bw, self.num_user_outputs, self.settings,
                                 with_recomputes=opts.strategy != "offload", watch=self.watch)
 
     def planned(self, analysis: Analysis, opts: PlanOptions) -> PassResult:

@@ -120,3 +120,22 @@ def test_stages_import_only_earlier_stages():
     for name in stages - unstaged:
         doc = importlib.import_module(name).__doc__ or ""
         assert "Inputs:" in doc and ("Outputs:" in doc or "Output:" in doc), name
+
+
+# Entry points whose callers name their keyword arguments (docs/architecture.md, Rules).
+LONG_SIGNATURES = {"passes/pipeline.py:plan_pair", "passes/strategy.py:plan_best_partition"}
+MOST_PARAMETERS = 7
+
+
+def test_no_function_takes_more_than_seven_parameters_but_the_documented_entry_points():
+    over = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+                    count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                    if count > MOST_PARAMETERS:
+                        over[f"{folder}/{path.name}:{node.name}"] = count
+    assert set(over) == LONG_SIGNATURES, over
