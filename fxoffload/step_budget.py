@@ -19,7 +19,8 @@ A moved budget. Under a fraction, the step's budget in bytes is a fraction of th
 they change once the regions are planned with shares: a first plan counts what its region hands the next
 (the logits, a checkpointed layer's output) as its own, and so does the region that saves it; a plan with
 a share counts it once, where it is saved. A region whose share was cut from a budget since moved is
-planned again, in the same round (:meth:`StepBudget.moved`), and the round is not settled on it.
+planned again, in the same round (:meth:`StepBudget.moved`), and the round is not settled on it; a
+budget that keeps moving past that (``BUDGET_MOVES``) is not chased, so as not to recompile each step.
 
 Limits: the shape is the latest step's; a region that ran in an earlier step only is not in it.
 Figures come from the region's latest plan with a share, else its first plan. Interleaved schedules
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 
 # Rounds of shares (see the module docstring).
 SHARE_ROUNDS = 2
+# Times the step's budget in bytes may move before a plan whose share it moved is no longer planned
+# again for it: once as the shares take over from the first plans' figures; a step whose figures keep
+# moving (a region that runs a different number of times each step) would otherwise recompile each step.
+BUDGET_MOVES = 1
 
 
 @dataclass(frozen=True)
@@ -156,11 +161,16 @@ class StepBudget:
         self.round = 0
         self._short = False  # a region fell short of its share in this round: the next step starts another
         self._settled = -1  # the latest round in which every region met its share
+        self._budget_bytes: int | None = None  # the step's budget in bytes at the last learn()
+        self._moves = 0  # how often it changed from one learn() to the next
 
     def learn(self, records: Sequence[Any], region_of: Mapping[int, tuple], counted: Mapping[tuple, int]) -> None:
         """The step whose first backward begins ran ``records`` (its forwards, in order): its shape, and
         the next round if a region fell short of its share in this one."""
         self.shape = learn_step(self.shape, records, region_of, counted, lambda record: record.step_share is not None)
+        if self._budget_bytes is not None and self.budget_bytes() != self._budget_bytes:
+            self._moves += 1
+        self._budget_bytes = self.budget_bytes()
         if self._short:
             self.round, self._short = self.round + 1, False
             return
@@ -190,8 +200,10 @@ class StepBudget:
         """Whether the step's budget in bytes is no longer the one ``record``'s share was cut from. Under a
         fraction it moves once: the first shares are cut from the regions' first plans, which each count
         what they hand the next region (a checkpointed layer's output, the logits) as their own, and so
-        do the regions that save it; the plans made with shares count it once, where it is saved."""
-        return record.step_share is not None and record.step_budget != self.budget_bytes()
+        do the regions that save it; the plans made with shares count it once, where it is saved. A budget
+        that moves more often than BUDGET_MOVES is no longer chased (the rounds decide alone)."""
+        return (record.step_share is not None and record.step_budget != self.budget_bytes()
+                and self._moves <= BUDGET_MOVES)
 
     def final(self, record: Any) -> bool:
         """Whether a region's plan is final: planned without a share, or with one of the step's budget as

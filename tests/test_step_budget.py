@@ -59,6 +59,44 @@ def test_the_split_holds_the_step_to_its_budget_whenever_the_floors_allow():
                 assert shares[k].held_cap >= region.floor_held  # a region is never asked below its floor
 
 
+def _learned_records(helds: list[int], share_budget: int | None):
+    """Two regions' records as the backend keeps them, their plans holding ``helds`` without offloading;
+    each planned with a share of a step budget of ``share_budget`` bytes (None: no share)."""
+    from types import SimpleNamespace
+
+    records = []
+    for index, held in enumerate(helds):
+        plan = SimpleNamespace(runs=1, held_before=held, step_peak_before=held, feasible=True)
+        records.append(SimpleNamespace(index=index, plan=plan, largest_saved_input=0, step_round=0,
+                                       step_share=None if share_budget is None else object(),
+                                       step_budget=share_budget))
+    return records
+
+
+def test_a_share_cut_from_a_budget_that_moved_once_is_planned_again_but_one_that_keeps_moving_is_not():
+    """Under a fraction the step's budget in bytes moves once, as the shares take over from the first
+    plans' figures (a handed-on tensor counted twice, then once): a plan whose share was cut before is
+    stale. A step whose figures keep moving (regions that run a different number of times each step)
+    would recompile every step if each move were chased: after BUDGET_MOVES moves the rounds decide."""
+    from fxoffload.passes import Budget
+    from fxoffload.step_budget import BUDGET_MOVES, StepBudget
+
+    step = StepBudget(Budget(fraction=0.5), bounds_device=False)
+    regions = {0: ("a",), 1: ("b",)}
+    step.learn(_learned_records([1000, 600], None), regions, {})  # the first plans (no shares)
+    first = step.budget_bytes()
+    shared = _learned_records([800, 600], first)  # re-planned with shares cut from ``first``
+    step.learn(shared, regions, {})
+    assert step.budget_bytes() != first
+    assert all(step.moved(r) and step.stale(r) and not step.final(r) for r in shared)
+    for held in range(BUDGET_MOVES + 1):  # the figures move again, and again
+        cut = step.budget_bytes()
+        shared = _learned_records([700 - 50 * held, 600], cut)
+        step.learn(shared, regions, {})
+    assert step.budget_bytes() != cut
+    assert not any(step.moved(r) for r in shared), "a budget that keeps moving is not chased"
+
+
 def test_without_floors_every_region_keeps_the_budget_s_fraction_of_itself():
     regions = [RegionDemand(300, 500), RegionDemand(600, 650), RegionDemand(50, 400)]
     whole = step_peak(regions)
