@@ -142,7 +142,6 @@ class _Planner:
 
     def __init__(self, num_user_outputs: int, settings: AnalysisSettings, policies: Mapping[str, str] | None) -> None:
         self.num_user_outputs, self.settings, self.policies = num_user_outputs, settings, policies
-        self.horizon, self.profile = settings.horizon, settings.profile
         self.watch = Stopwatch()
 
     def analysed(self, fw: fx.GraphModule, bw: fx.GraphModule, opts: PlanOptions) -> Analysis:
@@ -154,7 +153,7 @@ class _Planner:
     def planned(self, analysis: Analysis, opts: PlanOptions) -> PassResult:
         self.watch.restart()
         with gc_paused():
-            return plan_analysed(analysis, options=opts, horizon=self.horizon, profile=self.profile,
+            return plan_analysed(analysis, options=opts, horizon=self.settings.horizon, profile=self.settings.profile,
                                  policies=self.policies, watch=self.watch)
 
     def alternative(self, analysis: Analysis, opts: PlanOptions) -> PassResult:
@@ -175,7 +174,8 @@ class _Tried:
 
 def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repartition, options) -> list[_Tried]:
     """Strategy auto's alternatives to the joint plan ``plan`` (see :func:`plan_best_partition`)."""
-    analysed, alternative, profile, watch = planner.analysed, planner.alternative, planner.profile, planner.watch
+    analysed, alternative, watch = planner.analysed, planner.alternative, planner.watch
+    profile = planner.settings.profile
     # Held to the first plan's bytes, at its own size and at every other size it holds the fraction at.
     at_sizes = tuple((size.values, size.budget_bytes) for size in plan.sizes)
     held = dataclasses.replace(options, budget=Budget(nbytes=plan.budget_bytes, at_sizes=at_sizes))
