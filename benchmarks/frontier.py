@@ -4,7 +4,7 @@ and full checkpointing, every way in one process on one GPU.
     python benchmarks/frontier.py --out DIR               # on an H100 or H200 (torch 2.11), every way
     python benchmarks/frontier.py --out DIR --profile     # and a torch.profiler summary of one step per way
     python benchmarks/frontier.py --dry-run --out DIR     # every way on this CPU, small sizes (CI runs it)
-    python benchmarks/frontier.py --from-json F --write   # a GPU run's figures into benchmarks/RESULTS.md
+    python benchmarks/frontier.py --from-json F [F2 ...] --write   # GPU runs' figures into benchmarks/RESULTS.md
 
 The model (``examples/llama_layers.py``) defaults to 8 decoder layers shaped like Llama-3-8B's at 1 x 8192
 tokens in bf16, each block compiled on its own (torchtitan style; the embedding, head and loss eager);
@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gzip
+import re
 import json
 import sys
 import tempfile
@@ -131,6 +133,18 @@ def default_ways(budgets: Iterable[float] = BUDGETS, strategies: Iterable[str] =
             Way("checkpoint+fxoffload")]
 
 
+def chosen_ways(ways: list[Way], wanted: str | None) -> list[Way]:
+    """The ways whose name contains one of ``wanted``'s comma-separated words (every way when None)."""
+    if wanted is None:
+        return ways
+    words = [w.strip() for w in wanted.split(",") if w.strip()]
+    chosen = [way for way in ways if any(word in way.name for word in words)]
+    if not chosen:
+        raise SystemExit(f"frontier: --ways {wanted!r} names none of the ways: "
+                         + "; ".join(way.name for way in ways))
+    return chosen
+
+
 @dataclass
 class Frontier:
     device: str
@@ -142,9 +156,18 @@ class Frontier:
     profiles: dict = field(default_factory=dict)  # way name -> summarize_trace(...)
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    device_profile: dict = field(default_factory=dict)  # the profile the plans were made with (profile_figures)
 
     def save(self, out: Path | None) -> None:
         save_run(out, "frontier", self, render)
+
+
+def profile_figures(profile: Any) -> dict:
+    """A ``DeviceProfile`` as plain JSON figures (dtypes by name), so that a GPU run's plans can be made
+    again on a CPU from the same calibration."""
+    figures = asdict(profile)
+    figures["flops"] = [[str(dtype).removeprefix("torch."), rate] for dtype, rate in profile.flops]
+    return figures
 
 
 # ----------------------------------------------------------------------------- the step
@@ -190,7 +213,7 @@ def compile_context(way: Way) -> Callable[[], Any]:
 
 
 def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.device, profile: Any, cuda: bool,
-            with_profile: bool) -> Run:
+            with_profile: bool, traces: Path | None = None) -> Run:
     """Build, compile, run and measure one way; an error is recorded, not raised."""
     setup = frontier.setup
     run = Run(setup.compile, way.name)
@@ -204,7 +227,8 @@ def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.de
             predict(fx_backend, run)
             run.notes += selection_notes(fx_backend)
         if with_profile:
-            frontier.profiles[way.name] = profile_step(step, tokens, cuda)
+            keep = traces / (re.sub(r"[^A-Za-z0-9.]+", "_", way.name) + ".json.gz") if traces else None
+            frontier.profiles[way.name] = profile_step(step, tokens, cuda, keep)
     except Exception as error:  # noqa: BLE001 -- one failing way must not cost the others' figures
         run.error = one_line(error)
         run.notes.append(traceback.format_exc(limit=4)[-1500:])
@@ -224,8 +248,17 @@ def selection_notes(backend: Any) -> list[str]:
 
 # ----------------------------------------------------------------------------- the profile
 
-def profile_step(step: nn.Module, tokens: torch.Tensor, cuda: bool) -> dict:
-    """torch.profiler over one step, its Chrome trace summarised (``summarize_trace``)."""
+def profile_step(step: nn.Module, tokens: torch.Tensor, cuda: bool, keep: Path | None = None) -> dict:
+    """torch.profiler over one steady step, its Chrome trace summarised (``summarize_trace``).
+
+    One unprofiled step runs first: ``measure`` ends by giving back the cached pinned blocks, and a step
+    right after it makes them all again (``cudaHostAlloc``, 20-30 ms of host time per copy measured on an
+    H200), which is no steady step's cost. The device is synchronized after it, as between timed steps."""
+    step(tokens).backward()
+    if cuda:  # as between measure's timed steps: else this step's first copies find the blocks the last
+        torch.cuda.synchronize()  # step's prefetches still use, and make new ones (seen on an H200)
+    for p in step.parameters():
+        p.grad = None
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         step(tokens).backward()
@@ -234,7 +267,11 @@ def profile_step(step: nn.Module, tokens: torch.Tensor, cuda: bool) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
+        text = path.read_text()
+        if keep is not None:  # the raw trace, for a look at the timeline away from the device
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            keep.write_bytes(gzip.compress(text.encode()))
+        events = json.loads(text).get("traceEvents", [])
     for p in step.parameters():
         p.grad = None
     return summarize_trace(events)
@@ -305,7 +342,8 @@ def summarize_trace(events: list[dict]) -> dict:
     kernels by kind, each stream's busy time, the compute stream's (the one with the most kernel time)
     idle time within the step's span, copies by direction and the host time of fxoffload's ops. The idle
     time is told apart: while a copy was in flight (a prefetch landing late, most likely), and while the
-    host was inside an fxoffload op call (the op's host time holding the device back)."""
+    host was inside an fxoffload op call (the op's host time holding the device back). Pinned blocks made
+    within the step (``cudaHostAlloc``: a steady step makes none) are counted with their host time."""
     kernels: dict[str, dict] = {}
     streams: dict[str, list[tuple[float, float]]] = {}
     kernel_time: dict[str, float] = {}
@@ -314,6 +352,7 @@ def summarize_trace(events: list[dict]) -> dict:
     host_ops: dict[str, dict] = {}
     host_calls: Intervals = []
     in_flight: Intervals = []
+    host_alloc = {"calls": 0, "us": 0.0}
     span = [float("inf"), float("-inf")]
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -325,6 +364,9 @@ def summarize_trace(events: list[dict]) -> dict:
             op["calls"] += 1
             op["us"] += dur
             host_calls.append((start, start + dur))
+        if cat == "cuda_runtime" and name == "cudaHostAlloc":  # a pinned block made within the step
+            host_alloc["calls"] += 1
+            host_alloc["us"] += dur
         if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         stream = str(args.get("stream", "?"))
@@ -354,7 +396,7 @@ def summarize_trace(events: list[dict]) -> dict:
             "compute_idle_us": step_us - busy[compute] if compute is not None else 0.0,
             "idle_copy_in_flight_us": _overlap(idle, in_flight),
             "idle_in_fxoffload_host_us": _overlap(idle, host_calls),
-            "copies": copies, "fxoffload_host": host_ops}
+            "copies": copies, "fxoffload_host": host_ops, "host_alloc": host_alloc}
 
 
 # ----------------------------------------------------------------------------- the verdicts
@@ -366,15 +408,17 @@ class Point:
     step: float
 
 
-def frontier_line(points: list[Point], peak: float) -> tuple[float, str] | None:
+def frontier_line(points: list[Point], peak: float, floor: str | None = None) -> tuple[float, str] | None:
     """PyTorch's step at ``peak`` on the straight line between its two points whose peaks bracket it, with
-    the two names; below its lowest point, that point's step (no faster way to hold less). None above the
-    highest point (a way that holds more than plain is on no line of PyTorch's)."""
+    the two names; below its lowest point, that point's step where it is ``floor`` (full checkpointing: no
+    faster way to hold less), or where ``floor`` is None. None above the highest point (a way that holds more
+    than plain is on no line of PyTorch's), and below a lowest point that is not the floor (a run that left
+    PyTorch's lower points out brackets nothing there)."""
     ordered = sorted(points, key=lambda p: p.peak)
     if not ordered or peak > ordered[-1].peak:
         return None
     if peak <= ordered[0].peak:
-        return ordered[0].step, ordered[0].name
+        return (ordered[0].step, ordered[0].name) if floor in (None, ordered[0].name) else None
     for low, high in zip(ordered, ordered[1:]):
         if low.peak <= peak <= high.peak:
             if high.peak == low.peak:
@@ -392,7 +436,7 @@ def verdicts(runs: list[dict]) -> list[dict]:
     for r in runs:
         if r["error"] or not r["peak_bytes"] or _kind(r["way"]) not in ("fxoffload", "checkpoint+fxoffload"):
             continue
-        line = frontier_line(points, r["peak_bytes"])
+        line = frontier_line(points, r["peak_bytes"], floor=Way("checkpoint").name)
         out.append({"way": r["way"], "peak_bytes": r["peak_bytes"], "step_seconds": r["step_seconds"],
                     "line_seconds": None if line is None else line[0], "between": None if line is None else line[1],
                     "faster_by": None if line is None else 1 - r["step_seconds"] / line[0]})
@@ -421,9 +465,17 @@ def _gib(v: float | None) -> str:
     return f"{v / GIB:.2f} GiB" if abs(v) >= GIB / 10 else f"{v / 2**20:.2f} MiB"
 
 
+PREDICTION_TOLERANCE = 0.05  # of the baseline's step: how far a predicted overhead may be from its measurement
+
+
 def overheads(runs: list[dict]) -> dict[str, tuple[float, float | None]]:
     """Each fxoffload way's overhead over its set-up's baseline (plain; full checkpointing for the
-    checkpointed way), measured and predicted (the simulated step over the same graphs without copies)."""
+    checkpointed way), measured and predicted, both as a share of the baseline's measured step.
+
+    The prediction covers the compiled graphs only (the simulated step over the step's graph runs, less
+    the same graphs' compute without copies); the measured step also holds the eager embedding, head and
+    loss. Its extra seconds are therefore put over the measured step, not over its own graphs' compute,
+    which would overstate it by the eager share."""
     baseline = {kind: next((r for r in runs if r["way"] == Way(kind).name and not r["error"]), None)
                 for kind in ("plain", "checkpoint")}
     out = {}
@@ -434,9 +486,16 @@ def overheads(runs: list[dict]) -> dict[str, tuple[float, float | None]]:
             continue
         predicted = None
         if r["predicted_step_seconds"] and r["predicted_compute_seconds"]:
-            predicted = r["predicted_step_seconds"] / r["predicted_compute_seconds"] - 1
+            predicted = (r["predicted_step_seconds"] - r["predicted_compute_seconds"]) / base["step_seconds"]
         out[r["way"]] = (r["step_seconds"] / base["step_seconds"] - 1, predicted)
     return out
+
+
+def _prediction_verdict(measured: float, predicted: float | None) -> str:
+    if predicted is None:
+        return "-"
+    off = abs(measured - predicted)
+    return f"{off:.1%} {'within' if off <= PREDICTION_TOLERANCE else 'outside'} {PREDICTION_TOLERANCE:.0%}"
 
 
 def _share(v: float | None) -> str:
@@ -448,16 +507,17 @@ def _runs_table(frontier: dict) -> list[str]:
     plain = next((r for r in runs if r["way"] == Way("plain").name and not r["error"]), None)
     over = overheads(runs)
     lines = ["| way | step | vs plain | device peak | held at backward | predicted step | predicted held | "
-             "copies | overhead | predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "copies | overhead | predicted | off by (of the step) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r["error"]:
-            lines.append(f"| {r['way']} | failed: {r['error'][:200]} | | | | | | | | |")
+            lines.append(f"| {r['way']} | failed: {r['error'][:200]} | | | | | | | | | |")
             continue
         ratio = f"{r['step_seconds'] / plain['step_seconds']:.3f}" if plain else "-"
         lines.append(f"| {r['way']} | {_ms(r['step_seconds'])} | {ratio} | {_gib(r['peak_bytes'])} | "
                      f"{_gib(r['held_at_backward'])} | {_ms(r['predicted_step_seconds'])} | "
                      f"{_gib(r['predicted_held_at_backward'])} | {'-' if r['transfers'] is None else r['transfers']} | "
-                     f"{_share(over.get(r['way'], (None,))[0])} | {_share(over.get(r['way'], (None, None))[1])} |")
+                     f"{_share(over.get(r['way'], (None,))[0])} | {_share(over.get(r['way'], (None, None))[1])} | "
+                     f"{_prediction_verdict(*over[r['way']]) if r['way'] in over else '-'} |")
     return lines
 
 
@@ -469,9 +529,12 @@ def _verdict_lines(frontier: dict) -> list[str]:
              "points that bracket it):", "", "| way | step | PyTorch's line | between | faster by |",
              "|---|---|---|---|---|"]
     for v in found:
-        faster = "-" if v["faster_by"] is None else f"{v['faster_by']:+.1%}"
-        lines.append(f"| {v['way']} | {_ms(v['step_seconds'])} | {_ms(v['line_seconds'])} | "
-                     f"{v['between'] or 'above plain'} | {faster} |")
+        if v["line_seconds"] is None:
+            lines.append(f"| {v['way']} | {_ms(v['step_seconds'])} | - | on no line of this run's points (above "
+                         "plain, or below its lowest point, not full checkpointing) | - |")
+            continue
+        lines.append(f"| {v['way']} | {_ms(v['step_seconds'])} | {_ms(v['line_seconds'])} | {v['between']} | "
+                     f"{v['faster_by']:+.1%} |")
     return lines
 
 
@@ -483,7 +546,8 @@ def _profile_lines(frontier: dict) -> list[str]:
     lines = ["", "Profile of one step per way (torch.profiler): kernels on all streams, those added against plain, "
              "the compute stream's busy and idle time within the step, copies each way, fxoffload's host time.", "",
              "| way | kernels | added | compute busy | compute idle | idle, a copy in flight | idle, in our op calls | "
-             "step span | to host | to device | fxoffload host time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step span | to host | to device | fxoffload host time | pinned blocks made |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for way, p in profiles.items():
         added = "-" if plain is None else f"{p['compute_kernels'] - plain['compute_kernels']:+d}"
         busy = p["stream_busy_us"].get(p["compute_stream"], 0.0) if p["compute_stream"] else 0.0
@@ -500,8 +564,13 @@ def _profile_lines(frontier: dict) -> list[str]:
         lines.append(f"| {way} | {p['kernel_count']} | {added} | {busy / 1e3:.1f} ms | "
                      f"{p['compute_idle_us'] / 1e3:.1f} ms | {p['idle_copy_in_flight_us'] / 1e3:.1f} ms | "
                      f"{p['idle_in_fxoffload_host_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | "
-                     f"{copy('device_to_host')} | {copy('host_to_device')} | {host} |")
+                     f"{copy('device_to_host')} | {copy('host_to_device')} | {host} | {_made(p)} |")
     return lines
+
+
+def _made(profile: dict) -> str:
+    made = profile.get("host_alloc")  # absent from runs summarised before it was counted
+    return "not counted" if made is None else f"{made['calls']} ({made['us'] / 1e3:.1f} ms)"
 
 
 def render(frontier: dict) -> str:
@@ -517,10 +586,20 @@ def render(frontier: dict) -> str:
              f"{s['timed']} steps after {s['warmup']} warm-up steps. Peak: `max_memory_allocated` over one step "
              "above what was allocated before it. Held at backward: bytes allocated when the backward began. "
              "Overhead: the step over its set-up's baseline (plain; full checkpointing for the checkpointed way), "
-             "measured and predicted.", ""]
+             "measured, and predicted: the simulated extra seconds of the compiled graphs over the baseline's "
+             "measured step (predictions leave out the eager embedding, head and loss, in held bytes too). Off "
+             "by: the two overheads' difference, as a share of the step.", ""]
+    if frontier.get("device_profile"):
+        p = frontier["device_profile"]
+        lines += [f"Device profile the plans were made with ({p['name']}): copies {p['h2d_bandwidth'] / 1e9:.1f} GB/s "
+                  f"to the device, {p['d2h_bandwidth'] / 1e9:.1f} GB/s to the host, duplex {p['duplex']}, memory "
+                  f"{p['memory_bandwidth'] / 1e9:.0f} GB/s, " + ", ".join(f"{d} {f / 1e12:.0f} TFLOP/s"
+                                                                   for d, f in p["flops"]) + ".", ""]
     lines += _runs_table(frontier) + _verdict_lines(frontier) + _profile_lines(frontier)
     if frontier["skipped"]:
         lines += ["", "Skipped: " + "; ".join(frontier["skipped"])]
+    if frontier.get("remarks"):  # written beside a run's figures afterwards, on reading them (see the JSON)
+        lines += ["", "Remarks:", ""] + [f"- {r}" for r in frontier["remarks"]]
     return "\n".join(lines) + "\n"
 
 
@@ -535,6 +614,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--measured-budgets", type=float, nargs="*", default=list(MEASURED_BUDGETS),
                         help="budgets at which strategy auto also runs with select='measured' (none: leave it out)")
+    parser.add_argument("--keep-traces", type=Path, help="with --profile: also keep each way's raw Chrome trace "
+                        "(gzipped) in this folder")
+    parser.add_argument("--ways", help="run only the ways whose name contains one of these comma-separated "
+                        "words (e.g. 'plain,strategy=auto'); default every way")
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds after which the remaining ways "
                         "are skipped (default 540)")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
@@ -542,7 +625,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             "1 x 8192 tokens; the dry run's are smaller)")
     parser.add_argument("--compile", choices=("per-block", "whole"), help="compile each block, or the step as one "
                         "graph (default per-block)")
-    parser.add_argument("--from-json", type=Path, help="render a GPU run's frontier.json instead of running")
+    parser.add_argument("--from-json", type=Path, nargs="+", help="render GPU runs' frontier.json instead of "
+                        "running (several: each under its own heading, a run and its repeat)")
     parser.add_argument("--write", action="store_true", help="with --from-json: write its RESULTS.md section")
     args = parser.parse_args(argv)
     for flag, budgets in (("--budgets", args.budgets), ("--measured-budgets", args.measured_budgets)):
@@ -575,16 +659,17 @@ def main(argv: list[str] | None = None) -> int:
                         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         setup_from(args, not cuda))
     profile = fxoffload.calibrate() if cuda else fxoffload.offload_backend().config.profile
+    frontier.device_profile = profile_figures(profile)
     say(f"profile: {profile.name}{' (calibrated)' if cuda else ' (dry run: the default, not calibrated)'}")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     s = frontier.setup
     tokens = torch.randint(0, s.shape.vocab, (s.batch, s.seq + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
-    for way in default_ways(args.budgets, args.strategies, args.measured_budgets):
+    for way in chosen_ways(default_ways(args.budgets, args.strategies, args.measured_budgets), args.ways):
         if time.monotonic() - start > args.deadline:
             frontier.skipped.append(f"{way.name}: past the deadline")
             continue
-        run = one_way(frontier, way, tokens, device, profile, cuda, args.profile)
+        run = one_way(frontier, way, tokens, device, profile, cuda, args.profile, args.keep_traces)
         frontier.runs.append(run)
         frontier.save(args.out)
         say(f"{way.name}: " + (f"FAILED {run.error}" if run.error else

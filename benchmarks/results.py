@@ -21,18 +21,25 @@ def save_run(out: Path | None, stem: str, run: Any, render: Callable[[dict], str
     (out / f"{stem}.md").write_text(render(figures))
 
 
-def show_measured(script: str, heading: str, path: Path, write: bool, render: Callable[[dict], str]) -> None:
-    """Print a GPU script's rendering of its JSON at ``path``; with ``write``, also write it as the
-    script's section, headed by the command that renders it. A dry run's figures are refused there."""
-    measured = json.loads(path.read_text())
-    text = render(measured)
+def show_measured(script: str, heading: str, path: "Path | list[Path]", write: bool,
+                  render: Callable[[dict], str]) -> None:
+    """Print a GPU script's rendering of its JSON at ``path`` (or of several runs, each under its own
+    heading, in the order given); with ``write``, also write it as the script's section, headed by the
+    command that renders it. A dry run's figures are refused there."""
+    paths = list(path) if isinstance(path, (list, tuple)) else [path]
+    runs = [json.loads(p.read_text()) for p in paths]
+    if len(runs) == 1:
+        text = render(runs[0])
+    else:
+        text = "\n".join(f"#### Run {i} of {len(runs)} (`{p.as_posix()}`)\n\n{render(r)}"
+                         for i, (p, r) in enumerate(zip(paths, runs), 1))
     print(text)
     if not write:
         return
-    if measured["dry_run"]:
+    if any(r["dry_run"] for r in runs):
         raise SystemExit(f"{script}: a dry run's figures are not a GPU's; not written to RESULTS.md")
-    source = (f"Figures: `{path.as_posix()}`, rendered by "
-              f"`python benchmarks/{script}.py --from-json {path.as_posix()} --write`.")
+    named = " ".join(p.as_posix() for p in paths)
+    source = (f"Figures: `{named}`, rendered by `python benchmarks/{script}.py --from-json {named} --write`.")
     print(f"wrote {write_section(heading, source + chr(10) + chr(10) + text)}")
 
 

@@ -33,6 +33,8 @@ def test_the_trace_summary_counts_busy_time_once_where_kernels_overlap():
         {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 60, "dur": 40},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2, "dur": 5},
         {"ph": "i", "cat": "kernel", "name": "an instant, not a span", "ts": 3, "args": {"stream": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaHostAlloc", "ts": 61, "dur": 30},  # a block made
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 95, "dur": 2},
     ]
     summary = frontier.summarize_trace(events)
     assert summary["compute_stream"] == "7"
@@ -49,6 +51,29 @@ def test_the_trace_summary_counts_busy_time_once_where_kernels_overlap():
     # 50..55 (the copy to device in flight).
     assert summary["idle_copy_in_flight_us"] == 20.0
     assert summary["idle_in_fxoffload_host_us"] == 15.0
+    assert summary["host_alloc"] == {"calls": 1, "us": 30.0}
+
+
+def test_ways_are_chosen_by_words_of_their_names():
+    ways = frontier.default_ways()
+    chosen = frontier.chosen_ways(ways, "plain,fxoffload memory_budget=0.7")
+    # "memory_budget=0.7" alone would also match PyTorch's activation_memory_budget=0.7
+    assert [w.name for w in chosen] == ["plain"] + [w.name for w in ways if w.kind == "fxoffload" and w.budget == 0.7]
+    assert frontier.chosen_ways(ways, None) == ways
+    with pytest.raises(SystemExit, match="names none of the ways"):
+        frontier.chosen_ways(ways, "nothing like it")
+
+
+def test_a_predicted_overhead_is_put_over_the_measured_step():
+    # The prediction covers the compiled graphs (100 ms of compute, 10 ms more with copies); the measured
+    # step (200 ms plain, 212 ms here) also holds the eager head and loss.
+    runs = [{"way": "plain", "step_seconds": 0.200, "error": None},
+            {"way": "fxoffload memory_budget=0.7, strategy=auto", "step_seconds": 0.212, "error": None,
+             "predicted_step_seconds": 0.110, "predicted_compute_seconds": 0.100}]
+    measured, predicted = frontier.overheads(runs)["fxoffload memory_budget=0.7, strategy=auto"]
+    assert measured == pytest.approx(0.06) and predicted == pytest.approx(0.05)  # not 0.10: 10 ms of 200
+    assert frontier._prediction_verdict(measured, predicted) == "1.0% within 5%"
+    assert frontier._prediction_verdict(0.20, 0.05) == "15.0% outside 5%"
 
 
 def test_the_frontier_line_interpolates_between_the_bracketing_points():
@@ -59,6 +84,9 @@ def test_the_frontier_line_interpolates_between_the_bracketing_points():
     assert frontier.frontier_line(points, 14.0)[0] == pytest.approx(0.245)
     assert frontier.frontier_line(points, 10.0) == (0.260, "checkpointing")  # below the lowest: that point
     assert frontier.frontier_line(points, 21.0) is None  # holds more than plain: on no line
+    # A run that measured plain alone brackets nothing below it: its step is no line to beat there.
+    assert frontier.frontier_line(points[:1], 18.0, floor="checkpointing") is None
+    assert frontier.frontier_line(points, 10.0, floor="checkpointing") == (0.260, "checkpointing")
 
 
 def test_a_way_is_faster_than_the_line_only_when_its_step_is_below_it():
