@@ -279,6 +279,7 @@ class OffloadConfig:
             host_bytes=_device_bytes("host_budget", self.host_budget),
             device_bytes=None if self.device_budget is None else self.device_budget_bytes - self.reserved_bytes,
             max_overhead=parse_overhead(self.max_overhead),
+            fused_kernels=self.inner == "inductor",
         )
 
     @property

@@ -32,7 +32,7 @@ from .analysis import SavedActivation, SavedInterface, inputs_at, saved_activati
 from .candidates import (
     AUTO_HORIZON, Placement, TransferCost, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
-from .cost_model import DeviceProfile, node_work, roofline, staging_seconds
+from .cost_model import DeviceProfile, fused_work, node_work, roofline, staging_seconds
 from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import group_by_base
 from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
@@ -109,6 +109,7 @@ class AnalysisSettings:
     profile: DeviceProfile
     input_activations: frozenset[int]
     outputs_counted: bool
+    fused_kernels: bool = False  # priced as Inductor fuses them (``PlanOptions.fused_kernels``)
 
 
 def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_outputs: int,
@@ -122,7 +123,7 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     timeline = build_timeline(fw, bw, interface, inputs_at(fw, input_activations), outputs_counted)
     watch.stamp("analyse")
     # Work is measured before the rewrite changes the graphs' edges; the record keeps it.
-    work = tuple(node_work(n) for n in timeline.nodes)
+    work = fused_work(timeline.nodes) if settings.fused_kernels else tuple(node_work(n) for n in timeline.nodes)
     times = tuple(roofline(w, profile) for w in work)
     watch.stamp("estimate")
     # Graph inputs are candidates only where they are an earlier graph's activations (a layer's input).
@@ -269,7 +270,8 @@ def plan_pair(
     watch = Stopwatch()
     if outputs_counted is None:
         outputs_counted = counts_outputs(options)
-    settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), outputs_counted)
+    settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), outputs_counted,
+                                options.fused_kernels)
     analysis = analyse_pair(fw_module, bw_module, num_user_outputs, settings,
                             with_recomputes=options.strategy != "offload", watch=watch)
     return plan_analysed(analysis, options=options, horizon=horizon, profile=profile, policies=policies, watch=watch)

@@ -159,6 +159,9 @@ class PlanOptions:
     # Without a budget, the plan reaches the smallest peak within it; with one, the budget is the limit
     # and this the preference: a plan that needs more says so (``OverheadExceededError``). None: unbounded.
     max_overhead: float | None = None
+    # The inner compiler fuses pointwise chains into kernels (Inductor): the cost model prices them so
+    # (``cost_model.fused_work``). False: op by op, as eager runs them.
+    fused_kernels: bool = False
 
 
 class Goal(enum.Enum):

@@ -104,7 +104,8 @@ def plan_best_partition(
     key (``CANDIDATE_KEYS``) instead of the fastest predicted; ValueError when it does not qualify.
     """
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
-    settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), counts_outputs(options))
+    settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), counts_outputs(options),
+                                options.fused_kernels)
     planner = _Planner(num_user_outputs, settings, policies)
     watch = planner.watch
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())

@@ -74,3 +74,58 @@ def test_cpu_traced_attention_is_priced_as_the_gpu_s_flash_attention():
     assert backward.flops == 5 * (2 * B * H * S * S * D)
     assert forward.dtype == backward.dtype == torch.bfloat16
     assert roofline(backward, PROFILE) == backward.flops / 1e15
+
+
+def _swiglu_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
+    """A forward as AOTAutograd hands it over: two matmuls, SwiGLU's pointwise chain between them (silu
+    decomposed), the chain's output saved for the backward beside the matmul's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward(x, w1, w2, w3):
+        gate, up = torch.mm(x, w1), torch.mm(x, w3)
+        h = gate / (1 + torch.exp(-gate)) * up  # silu(gate) * up
+        return torch.mm(h, w2), h
+
+    with FakeTensorMode():
+        args = (torch.empty(64, 32), torch.empty(32, 128), torch.empty(128, 32), torch.empty(32, 128))
+        gm = make_fx(forward)(*args)
+    return gm, {n.name: n for n in gm.graph.nodes}
+
+
+def test_a_pointwise_chain_reads_what_enters_it_and_writes_what_leaves_it():
+    from fxoffload.passes.cost_model import fused_work
+
+    gm, nodes = _swiglu_graph()
+    order = list(gm.graph.nodes)
+    fused = dict(zip(order, fused_work(order)))
+    chain = [n for n in order if n.op == "call_function" and "mm" not in str(n.target)]
+    assert [str(n.target) for n in chain] == ["aten.neg.default", "aten.exp.default", "aten.add.Tensor",
+                                             "aten.div.Tensor", "aten.mul.Tensor"]
+    matrix = 64 * 128 * 4  # every value of the chain: 64 x 128 fp32
+    # The chain reads gate (by neg and div) and up (by mul), from the matmuls, and writes its output once:
+    # the next matmul reads it, and the graph returns it (saved).
+    assert sum(fused[n].moved for n in chain) == 4 * matrix
+    assert [fused[n].moved for n in chain] == [matrix, 0, 0, matrix, 2 * matrix]
+    # Op by op, each reads its inputs and writes its output: 2 + 2 + 2 + 3 + 3 matrices (scalars aside).
+    assert sum(node_work(n).moved for n in chain) >= 11 * matrix
+    for n in order:  # matmuls, and what is not compute, are unchanged
+        if n not in chain:
+            assert fused[n] == node_work(n)
+
+
+def test_graphs_inductor_compiles_are_priced_fused_and_eager_ones_op_by_op():
+    import fxoffload
+
+    def moved(inner: str) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.SiLU(), torch.nn.Linear(128, 32),
+                                    torch.nn.GELU())
+        backend = fxoffload.offload_backend(memory_budget=0.5, inner=inner, min_bytes=0, strategy="offload")
+        torch.compile(model, backend=backend)(torch.randn(64, 32, requires_grad=True)).sum().backward()
+        return sum(w.moved for w in backend.records[-1].work if w is not None)
+
+    assert fxoffload.OffloadConfig(inner="inductor").plan_options.fused_kernels
+    assert not fxoffload.OffloadConfig(inner="eager").plan_options.fused_kernels
+    assert moved("inductor") < 0.7 * moved("eager")
