@@ -225,7 +225,7 @@ def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.de
         measure(step, tokens, sizes, cuda, run, compile_context(way))
         if fx_backend is not None:
             predict(fx_backend, run)
-            run.notes += selection_notes(fx_backend)
+            run.notes += selection_notes(fx_backend) + plan_notes(fx_backend)
         if with_profile:
             keep = traces / (re.sub(r"[^A-Za-z0-9.]+", "_", way.name) + ".json.gz") if traces else None
             frontier.profiles[way.name] = profile_step(step, tokens, cuda, keep)
@@ -233,6 +233,20 @@ def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.de
         run.error = one_line(error)
         run.notes.append(traceback.format_exc(limit=4)[-1500:])
     return run
+
+
+def plan_notes(backend: Any) -> list[str]:
+    """Each distinct plan the step ran: its digest, copies and recomputations, so that a CPU can make the
+    same plan again (with the run's ``device_profile``) and tell whether it did."""
+    seen, notes = set(), []
+    for record in backend.step_invocations() or backend.records[-1:]:
+        digest = fxoffload.passes.plan_digest(record.plan, record.schedule)
+        if digest not in seen:
+            seen.add(digest)
+            recomputed = sum(1 for d in record.plan.decisions if d.action == "recompute")
+            notes.append(f"plan {digest}: {len(record.plan.transfers)} copies, {recomputed} recomputed, "
+                         f"partition {record.plan.partition}")
+    return notes
 
 
 def selection_notes(backend: Any) -> list[str]:
