@@ -32,7 +32,8 @@ Fusion (``fused_work``, for graphs Inductor compiles): a chain of pointwise and 
 kernel, which reads what comes from outside the chain and writes what leaves it; each op is charged
 its own share of those bytes, and an op inside the chain none. Checked against an H200 trace (one
 Llama-3-8B layer at 8192 tokens, bf16, ``benchmarks/measured/frontier-h200-traces``): Inductor's
-Triton kernels took 1.06 ms per layer, fused pricing predicts 1.11 ms and op-by-op pricing 8.07 ms.
+Triton kernels took 1.05 ms per layer, fused pricing predicts 1.11 ms and op-by-op pricing 8.06 ms
+(``benchmarks/price_check.py``).
 Graphs run op by op (``inner="eager"``) are priced op by op (``node_work``).
 
 Limits. No kernel launch overhead for compute ops (the host otherwise runs
@@ -45,8 +46,8 @@ sizes are evaluated at their hints. All times are predictions, in seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import operator
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -156,26 +157,28 @@ def fused_work(nodes: Sequence[fx.Node]) -> tuple[Work | None, ...]:
     saved values). An op's bytes are its own reads from outside and its own writes that leave; an op
     inside a chain moves nothing. Ops that count FLOPs are unchanged."""
     works = {n: node_work(n) for n in nodes}
-    return tuple(_fused(n, works) for n in nodes)
+
+    def fusible(node: Any) -> bool:
+        if not isinstance(node, fx.Node):
+            return False
+        return _fusible(node, works[node] if node in works else node_work(node))
+
+    def fused(node: fx.Node) -> Work | None:
+        work = works[node]
+        if not fusible(node):
+            return work
+        reads = sum(value_nbytes(traced_value(a)) for a in node.all_input_nodes if not fusible(_producer(a)))
+        leaves = any(not fusible(u) for u in _consumers(node))
+        return Work(work.flops, reads + (value_nbytes(node.meta.get("val")) if leaves else 0), work.dtype)
+
+    return tuple(fused(n) for n in nodes)
 
 
-def _fused(node: fx.Node, works: dict) -> Work | None:
-    work = works.get(node, node_work(node))
-    if not _fusible(node, work):
-        return work
-    reads = sum(value_nbytes(traced_value(a)) for a in node.all_input_nodes if not _fusible(_producer(a)))
-    leaves = any(not _fusible(u) for u in _consumers(node))
-    return Work(work.flops, reads + (value_nbytes(node.meta.get("val")) if leaves else 0), work.dtype)
-
-
-def _fusible(node: Any, work: Work | None = None) -> bool:
+def _fusible(node: fx.Node, work: Work | None) -> bool:
     """A pointwise or reduction op Inductor fuses: a kernel with no FLOPs counted, not a library call."""
-    if not isinstance(node, fx.Node) or not is_compute(node):
+    if work is None or work.flops:  # not compute (a view, a getitem, our ops), or a matmul or attention
         return False
-    if getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _UNFUSED:
-        return False
-    work = node_work(node) if work is None else work
-    return work is not None and work.flops == 0
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", None) not in _UNFUSED
 
 
 def _producer(node: fx.Node) -> fx.Node:
