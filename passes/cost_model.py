@@ -120,11 +120,33 @@ def _flops(node: fx.Node) -> int:
     try:
         flops = counter(*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # an unusual overload the counter does not handle: bandwidth-only estimate
-        return 0
+        grouped = _query_heads(args) if "attention" in str(node.target) else None
+        if grouped is None:
+            return 0
+        try:
+            flops = counter(*grouped, **kwargs, out_val=node.meta.get("val"))
+        except Exception:
+            return 0
     if isinstance(flops, torch.SymInt):  # int() would add a guard and specialise the graph's sizes
         tensors = _tensors(node.meta.get("val"))  # the first output's fake mode holds the shape env
         return concrete(flops.node.expr, tensors[0] if tensors else None)
     return int(flops)
+
+
+def _query_heads(args: tuple) -> tuple | None:
+    """Attention's arguments with grouped keys and values (fewer heads than the query: GQA) standing in at
+    the query's head count, as meta tensors: torch 2.11's FLOP counter refuses grouped shapes (2.13 counts
+    them, per query head, as this does). None where there is nothing to stand in, or sizes are symbolic."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not tensors or any(not isinstance(d, int) for t in tensors for d in t.shape):
+        return None
+    heads = max(t.shape[1] for t in tensors)
+    grouped = lambda a: (isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] < heads  # noqa: E731
+                         and heads % a.shape[1] == 0)
+    if not any(grouped(a) for a in args):
+        return None
+    return tuple(torch.empty(a.shape[0], heads, *a.shape[2:], dtype=a.dtype, device="meta") if grouped(a) else a
+                 for a in args)
 
 
 class Work(NamedTuple):

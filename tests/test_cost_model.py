@@ -129,3 +129,22 @@ def test_graphs_inductor_compiles_are_priced_fused_and_eager_ones_op_by_op():
     assert fxoffload.OffloadConfig(inner="inductor").plan_options.fused_kernels
     assert not fxoffload.OffloadConfig(inner="eager").plan_options.fused_kernels
     assert moved("inductor") < 0.7 * moved("eager")
+
+
+def test_grouped_query_attention_counts_its_flops_per_query_head():
+    """torch 2.11's FLOP counter refuses keys and values with fewer heads than the query (GQA, as Llama-3
+    has): the cost model priced such attention by its bytes only, 0.1 ms for a layer's 1.5 ms forward on the
+    H200 (whose torch is 2.11). Counted per query head, as torch 2.13 counts it."""
+    graph = torch.fx.Graph()
+    inputs = []
+    for name, heads in (("q", 8), ("k", 2), ("v", 2)):
+        node = graph.placeholder(name)
+        node.meta["val"] = torch.empty(B, heads, S, D, dtype=torch.bfloat16, device="meta")
+        inputs.append(node)
+    node = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention.default, (*inputs, 0.0, True))
+    empty = torch.empty((), dtype=torch.int64, device="meta")
+    node.meta["val"] = (torch.empty(B, 8, S, D, dtype=torch.bfloat16, device="meta"),
+                        torch.empty(B, 8, S, dtype=torch.float32, device="meta"), None, None, S, S, empty, empty,
+                        torch.empty(0, dtype=torch.bfloat16, device="meta"))
+    # Q K^T and P V over the query's 8 heads: two batched matmuls of B*8 x S x S x D multiply-adds each.
+    assert node_work(node).flops == 2 * 2 * B * 8 * S * S * D
