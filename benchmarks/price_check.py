@@ -10,9 +10,9 @@ before it was recorded take the H200 calibration of ``benchmarks/measured/gpu_se
 the same shape is traced on fake tensors (nothing allocated) and its forward and backward ops priced with
 ``fxoffload.passes.cost_model``: ``node_work`` (op by op) and ``fused_work`` (Inductor's fusions).
 
-Measured kernels are sorted by name: Inductor's Triton kernels (``triton_``, the blocks' pointwise and reduction
-chains), attention (``sdpa``, ``flash``, ``fmha``) and matmuls (``nvjet``, ``gemm``, ``cutlass``, ``cublas``);
-the trace's other kernels belong to the eager embedding, head and loss. Per layer: the kind's time over the
+Measured kernels are sorted by name as ``frontier.py``'s profile sorts them (``frontier.kernel_kind``): Inductor's
+Triton kernels (the blocks' pointwise and reduction chains), attention and matmuls; the trace's other kernels
+belong to the eager embedding, head and loss. Per layer: the kind's time over the
 number of layers. Matmuls are left out of the comparison: the eager head's sit among them.
 """
 
@@ -34,6 +34,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 from fxoffload.passes import DeviceProfile  # noqa: E402
 from fxoffload.passes.cost_model import fused_work, node_work, roofline  # noqa: E402
 from llama_layers import LlamaBlock, LlamaShape, rotary  # noqa: E402
+from frontier import kernel_kind  # noqa: E402  (the profile summary's kinds of kernel)
 from results import write_section  # noqa: E402
 
 HEADING = "Pricing against a GPU trace (predicted on the CPU, measured on the GPU)"
@@ -41,8 +42,6 @@ MEASURED = ROOT / "benchmarks" / "measured"
 TRACE = MEASURED / "frontier-h200-traces" / "plain.json.gz"
 RUN = MEASURED / "frontier-h200-run3.json"
 CALIBRATION = MEASURED / "gpu_session-h200.json"
-KINDS = (("triton", ("triton_",)), ("attention", ("sdpa", "flash", "fmha")),
-         ("matmul", ("nvjet", "gemm", "cutlass", "cublas")))
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,6 @@ class Row:
     op_by_op: float  # predicted seconds per layer, forward and backward
     fused: float
     measured: float  # seconds per layer in the trace
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, marks in KINDS if any(name.startswith(m) if m == "triton_" else m in name
-                                                       for m in marks)), "other")
 
 
 def measured_per_layer(events: list[dict], layers: int) -> dict[str, float]:
@@ -116,7 +110,7 @@ def predicted_per_layer(graphs: list[torch.fx.GraphModule], profile: DeviceProfi
             if alone is None:
                 continue
             target = str(node.target)
-            kind = "attention" if "attention" in target else "matmul" if alone.flops else "triton"
+            kind = "attention" if "attention" in target else "gemm" if alone.flops else "triton"
             pair = out.setdefault(kind, [0.0, 0.0])
             pair[0] += roofline(alone, profile)
             pair[1] += roofline(fused, profile)
