@@ -58,7 +58,7 @@ from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
 from fxoffload.ordering import constrain_offload_sources, pin_offload_order
-from fxoffload.partition import Partitioner
+from fxoffload.partition import Partitioner, with_stack_headroom
 from fxoffload.pinned import reservation
 from fxoffload.passes import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
@@ -446,7 +446,7 @@ class OffloadBackend:
         # partitioner, so without our passes' record: keep it off for our graphs.
         # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs.)
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            return self._compile(gm, example_inputs, patches)
+            return with_stack_headroom(self._compile, gm, example_inputs, patches)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], patches: dict) -> Callable:
         region = self._region_key()

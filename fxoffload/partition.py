@@ -9,7 +9,9 @@ Algorithm. :class:`Partitioner` reads the user's selective-checkpoint marks befo
 its own, partitions with ``min_cut_rematerialization_partition`` (once more without the marks' offloads
 where the user marked any, to cap the total peak at plain compile's), and hands the pair, and a way to
 re-partition it recompute-only at a budget (strategy auto's alternative), to the callback. Every
-partition runs under :func:`quick_min_cut`: the same cuts in less than half the time.
+partition runs under :func:`quick_min_cut`: the same cuts in less than half the time; and with
+:func:`with_stack_headroom` (the backend's compile and the CLI's trace run under it too): no call
+below pays for mapping Python's frame stack anew.
 
 Limits: ``quick_min_cut`` patches ``networkx``'s default max-flow function and PyTorch's
 ``solve_min_cut`` for the duration of one partition hook, process-wide: a partition running on another
@@ -31,7 +33,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from fxoffload.passes import offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak
 
-__all__ = ["CseOnce", "Partitioner", "SolveMemo", "quick_min_cut"]
+__all__ = ["CseOnce", "HEADROOM_SLOTS", "Partitioner", "SolveMemo", "quick_min_cut", "with_stack_headroom"]
 
 
 class Partitioner(CustomPartitionerFn):
@@ -44,7 +46,7 @@ class Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         with quick_min_cut():
-            return self._partition_and_plan(gm, joint_inputs, **kwargs)
+            return with_stack_headroom(self._partition_and_plan, gm, joint_inputs, **kwargs)
 
     def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         # The user's selective-checkpoint marks, before the partitioner writes its own.
@@ -78,6 +80,38 @@ class Partitioner(CustomPartitionerFn):
         # Inductor deep-copies its config (which holds us) for repro strings;
         # our records hold fake tensors, which cannot be copied.
         return self
+
+
+# Frame slots (8 bytes each) that the frame of ``_call_with_headroom`` reserves: with them it needs a
+# 512 KiB chunk of Python's frame stack, and leaves about 250 KiB of it (a thousand frames or more) to
+# the calls below it.
+HEADROOM_SLOTS = 33_000
+
+
+def _call_with_headroom(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
+
+
+# A larger stack size than the code needs is safe (CPython only sizes the frame by it); 3.10 and
+# earlier allocate each frame on the heap, where this is one allocation of ~260 KB per call.
+_call_with_headroom.__code__ = _call_with_headroom.__code__.replace(
+    co_stacksize=_call_with_headroom.__code__.co_stacksize + HEADROOM_SLOTS)
+
+
+def with_stack_headroom(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its calls given room on Python's frame stack.
+
+    Why: CPython (3.11 to 3.13 measured) keeps frames in a stack of chunks. A call that does not fit
+    the current chunk maps a new one (16 KiB), and the return that empties it unmaps it. A loop
+    whose calls cross that boundary pays an ``mmap`` and a ``munmap`` per call, about 9 us for a
+    call that costs 35 ns elsewhere (``benchmarks/stack_headroom.py``). Whether a compile hits that
+    depends on how deep the compile stack is when it reaches a hot loop: the recompute-only
+    partition of the Llama-2-7B graph took 3.6-9.8 s from one run to the next (a million ``mmap``
+    and ``munmap`` calls, most in PyTorch's graph extraction), and 2.5-3.2 s with this headroom.
+    Here ``fn`` runs under a frame sized to need a 512 KiB chunk of its own, which leaves about
+    250 KiB to the calls below. Nested, each call maps a chunk of its own (the room an outer one
+    leaves is less than the frame needs)."""
+    return _call_with_headroom(fn, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -104,6 +104,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
     import fxoffload
     from fxoffload.explain import format_stages
     from fxoffload.models import checkpoint_layers, layer_list
+    from fxoffload.partition import with_stack_headroom
 
     torch._dynamo.reset()
     seconds = {}
@@ -133,9 +134,9 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
                 for block in blocks:
                     block.compile(backend=backend)
-                step(*inputs, **kwargs)  # the rest of the step runs eagerly, on fake tensors
+                with_stack_headroom(step, *inputs, **kwargs)  # the rest of the step runs eagerly, on fake tensors
             else:
-                torch.compile(step, backend=backend)(*inputs, **kwargs)
+                with_stack_headroom(torch.compile(step, backend=backend), *inputs, **kwargs)
         except Exception as e:
             error = _usage_error(e, source, args.traceback)
             if error is e:
