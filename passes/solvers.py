@@ -227,40 +227,75 @@ def _conflicting(conflicts) -> dict[tuple[int, int], set[tuple[int, int]]]:
 # --------------------------------------------------------------------------- greedy
 
 
-def _saved_at(option: Option, t: int) -> int:
-    return -sum(d for a, b, d in option.changes if a <= t <= b)
+@dataclass(frozen=True)
+class _Flat:
+    """Every option of every item as one row, in (item, option) order, and every interval change as
+    one row naming its option's: greedy reads the savings of all options at a point in one pass."""
+
+    item: np.ndarray  # per option row
+    option: np.ndarray
+    cost: np.ndarray  # seconds: its cost plus all its engine work (as if it all stalled)
+    host: np.ndarray
+    owner: np.ndarray  # per change: the option row it belongs to
+    start: np.ndarray
+    end: np.ndarray
+    nbytes: np.ndarray
+
+    @staticmethod
+    def of(items: Sequence[Sequence[Option]]) -> "_Flat":
+        rows = [(i, o, option) for i, options in enumerate(items) for o, option in enumerate(options)]
+        changes = [(k, a, b, d) for k, (_, _, option) in enumerate(rows) for a, b, d in option.changes]
+        owner, start, end, nbytes = (np.array(column, dtype=np.int64) for column in zip(*changes)) if changes \
+            else (np.zeros(0, dtype=np.int64),) * 4
+        return _Flat(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.int64),
+                     np.array([o.cost + sum(w[2] for w in o.work) for _, _, o in rows], dtype=np.float64),
+                     np.array([o.host for _, _, o in rows], dtype=np.int64), owner, start, end, nbytes)
+
+    def saved_at(self, t: int) -> np.ndarray:
+        """Bytes each option row saves at point ``t`` (exact: integer sums)."""
+        saved = np.zeros(len(self.item), dtype=np.int64)
+        at = (self.start <= t) & (t <= self.end)
+        np.add.at(saved, self.owner[at], -self.nbytes[at])
+        return saved
+
+
+def _cheapest_per_byte(flat: _Flat, saved: np.ndarray, open_rows: np.ndarray) -> int | None:
+    """The open row with the least cost per byte saved, then the most bytes, then the first in
+    (item, option) order; None when no open row saves anything."""
+    open_rows = open_rows & (saved > 0)
+    if not open_rows.any():
+        return None
+    ratio = np.full(len(saved), np.inf)
+    ratio[open_rows] = flat.cost[open_rows] / saved[open_rows]
+    tied = open_rows & (ratio == ratio[open_rows].min())
+    most = np.where(tied, saved, -1)
+    return int(np.flatnonzero(most == most.max())[0])
 
 
 def solve_greedy(problem: SolverInput) -> Solution:
     started = time.perf_counter()
     items, budget = problem.items, problem.budget
     cur = _curve(problem.length, problem.base)
+    flat = _Flat.of(items)
+    row_of = {(int(i), int(o)): k for k, (i, o) in enumerate(zip(flat.item, flat.option))}
     clash = _conflicting(problem.conflicts)
-    total_cost = [[option.cost + sum(w[2] for w in option.work) for option in options] for options in items]
     host_left = math.inf if problem.host_budget is None else problem.host_budget
+    open_rows = np.ones(len(flat.item), dtype=bool)  # its item not chosen, and no option it conflicts with taken
     chosen: dict[int, int] = {}
     while cur.size and cur.max() > budget:
-        t = int(cur.argmax())
-        taken = set(chosen.items())
-        best, best_key = None, None
-        for i, options in enumerate(items):
-            if i in chosen:
-                continue
-            for o, option in enumerate(options):
-                saved = _saved_at(option, t)
-                blocked = clash.get((i, o))
-                if saved <= 0 or option.host > host_left or (blocked and not blocked.isdisjoint(taken)):
-                    continue
-                key = (total_cost[i][o] / saved, -saved, i, o)
-                if best_key is None or key < best_key:
-                    best, best_key = (i, o), key
+        fits = flat.host <= host_left
+        best = _cheapest_per_byte(flat, flat.saved_at(int(cur.argmax())), open_rows & fits)
         if best is None:
             break  # nothing can lower this point: the budget is infeasible
-        chosen[best[0]] = best[1]
-        host_left -= items[best[0]][best[1]].host
-        _apply(cur, items[best[0]][best[1]])
+        i, o = int(flat.item[best]), int(flat.option[best])
+        chosen[i] = o
+        open_rows[flat.item == i] = False
+        for other in clash.get((i, o), ()):
+            open_rows[row_of[other]] = False
+        host_left -= items[i][o].host
+        _apply(cur, items[i][o])
     if cur.size and cur.max() <= budget:
-        by_cost = sorted(chosen.items(), key=lambda p: -total_cost[p[0]][p[1]])
+        by_cost = sorted(chosen.items(), key=lambda p: -flat.cost[row_of[p]])
         for i, o in by_cost:  # undo what is not needed
             _apply(cur, items[i][o], -1)
             if cur.max() <= budget:

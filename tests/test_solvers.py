@@ -17,8 +17,10 @@ from tests.offload_only import solve
 from tests.offload_only import solve_greedy as greedy_options
 from tests.offload_only import solve_milp as milp_options
 from fxoffload.passes.solvers import (
-    ABSOLUTE_GAP_OF_SPAN, Option, Queue, _binding_slots, curve_with, lateness,
+    ABSOLUTE_GAP_OF_SPAN, Option, Queue, SolverInput, _apply, _binding_slots, _conflicting, _curve, curve_with,
+    lateness,
 )
+from fxoffload.passes.solvers import solve_greedy as solve_greedy_input
 
 
 def three_layer():
@@ -314,3 +316,66 @@ def test_highs_options_are_used_only_where_highs_knows_them(monkeypatch):
         assert found.feasible and found.chosen == ((0, 0),)
     finally:
         solvers._mip_options.cache_clear()
+
+
+def _reference_greedy(problem: SolverInput) -> tuple:
+    """Greedy as first written, option by option in Python (the vectorised ``solve_greedy`` must choose
+    what it chose, ties included): take, at the curve's peak, the option with the least cost per byte
+    saved there, then the most bytes, then the first (item, option); then undo, costliest first, what
+    the budget does not need."""
+    items, budget = problem.items, problem.budget
+    cur = _curve(problem.length, problem.base)
+    clash = _conflicting(problem.conflicts)
+    total = [[o.cost + sum(w[2] for w in o.work) for o in options] for options in items]
+    host_left = math.inf if problem.host_budget is None else problem.host_budget
+    chosen: dict[int, int] = {}
+    while cur.size and cur.max() > budget:
+        t = int(cur.argmax())
+        taken = set(chosen.items())
+        best, best_key = None, None
+        for i, options in enumerate(items):
+            if i in chosen:
+                continue
+            for o, option in enumerate(options):
+                saved = -sum(d for a, b, d in option.changes if a <= t <= b)
+                blocked = clash.get((i, o))
+                if saved <= 0 or option.host > host_left or (blocked and not blocked.isdisjoint(taken)):
+                    continue
+                key = (total[i][o] / saved, -saved, i, o)
+                if best_key is None or key < best_key:
+                    best, best_key = (i, o), key
+        if best is None:
+            break
+        chosen[best[0]] = best[1]
+        host_left -= items[best[0]][best[1]].host
+        _apply(cur, items[best[0]][best[1]])
+    if cur.size and cur.max() <= budget:
+        for i, o in sorted(chosen.items(), key=lambda p: -total[p[0]][p[1]]):
+            _apply(cur, items[i][o], -1)
+            if cur.max() <= budget:
+                del chosen[i]
+            else:
+                _apply(cur, items[i][o])
+    return tuple(sorted(chosen.items()))
+
+
+@st.composite
+def greedy_problems(draw):
+    """``host_problems`` with ties made likely (costs from a few values, equal sizes) and more conflicts,
+    with or without a host budget."""
+    length, base, items, budget, queues, conflicts, host_budget = draw(host_problems())
+    tie = draw(st.booleans())
+    items = [tuple(dataclasses.replace(o, cost=draw(st.sampled_from([0.0, 1.0, 2.0])) if tie else o.cost)
+                   for o in options) for options in items]
+    pairs = [(i, o) for i, opts in enumerate(items) for o in range(len(opts))]
+    for a, b in itertools.combinations(pairs, 2):
+        if a[0] != b[0] and draw(st.integers(0, 4)) == 0:
+            conflicts.append((a, b))
+    return SolverInput(length, base, items, budget, queues, conflicts,
+                       host_budget if draw(st.booleans()) else None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(greedy_problems())
+def test_greedy_chooses_what_the_option_by_option_greedy_chooses(problem):
+    assert solve_greedy_input(problem).chosen == _reference_greedy(problem)
