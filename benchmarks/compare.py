@@ -74,8 +74,8 @@ import torch._functorch.config as functorch_config  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from fxoffload import models  # noqa: E402
-from fxoffload.compat import native_offload_bandwidth  # noqa: E402
+from fxoffload.tools import models  # noqa: E402
+from fxoffload.backend.compat import native_offload_bandwidth  # noqa: E402
 from fxoffload.explain import format_bytes, format_stages  # noqa: E402
 from fxoffload.passes import plan_best_partition, plan_pair  # noqa: E402
 from fxoffload.passes.analysis import last_storage_use, storage_key  # noqa: E402
@@ -457,7 +457,7 @@ def per_layer_rows(name: str, spec: tuple, budgets=BUDGETS, log=print) -> list[d
     import contextlib
     import io
 
-    from fxoffload import cli
+    from fxoffload.tools import cli
 
     preset, layers, size, batch = spec
     rows = []

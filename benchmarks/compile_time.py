@@ -29,9 +29,9 @@ from results import write_section  # noqa: E402
 # Two ways in: the console script's (``fxoffload plan``), and ``python -m fxoffload plan``, which ran
 # the passes a fifth to twice as slow on this machine (2026-11-24 to 11-27): its stack is a few frames
 # deeper, and PyTorch's recompute-only partition then met the end of a chunk of Python's frame stack
-# at a hot loop (found 2026-11-28; ``fxoffload.partition.with_stack_headroom`` gives it room since).
+# at a hot loop (found 2026-11-28; ``fxoffload.backend.partition.with_stack_headroom`` gives it room since).
 LAUNCHERS = {
-    "fxoffload": [sys.executable, "-c", "import sys; from fxoffload.cli import main; sys.exit(main())"],
+    "fxoffload": [sys.executable, "-c", "import sys; from fxoffload.tools.cli import main; sys.exit(main())"],
     "python -m fxoffload": [sys.executable, "-m", "fxoffload"],
 }
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_section  # noqa: E402
-from fxoffload.fit import chooses_checkpointing  # noqa: E402
+from fxoffload.tools.fit import chooses_checkpointing  # noqa: E402
 
 PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3.1-8b")
 PROFILES = ("h100-pcie5", "a100-pcie4")

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 
 import fxoffload  # noqa: E402
-from fxoffload.selection import WARMUP_STEPS  # noqa: E402
+from fxoffload.backend.selection import WARMUP_STEPS  # noqa: E402
 from _recipes import plain_backend  # noqa: E402
 from gpu_session import LossOf, Run, measure, predict  # noqa: E402
 from gpu_session import _one_line as one_line  # noqa: E402

@@ -10,7 +10,7 @@ Steps, in this order (each one's figures are saved as soon as it ends, so a run 
 
 1. ``fxoffload.calibrate()``: the host link (each way, duplex), latency, device memory bandwidth, FLOP
    rates and the host cost of an fxoffload op call, measured. Every plan below is made for it.
-2. ``fxoffload check`` (``fxoffload.check.run_check``): a small GPT trained with and without fxoffload,
+2. ``fxoffload check`` (``fxoffload.tools.check.run_check``): a small GPT trained with and without fxoffload,
    numerics compared, peaks and step times beside their predictions (timed without debug mode).
 3. A small Llama (torchtitan-style blocks, bf16, random weights) as three setups: the whole step compiled
    as one graph; each block compiled on its own; each block checkpointed (non-reentrant
@@ -164,7 +164,7 @@ def calibrate_step(session: Session, cuda: bool, say: Callable[[str], None]) -> 
 
 def check_step(session: Session, cuda: bool, say: Callable[[str], None]) -> None:
     """Step 2: ``fxoffload check`` (its timed steps run without debug mode)."""
-    from fxoffload.check import CheckConfig, format_report, run_check
+    from fxoffload.tools.check import CheckConfig, format_report, run_check
 
     report = run_check(CheckConfig(), progress=lambda line: say(f"check: {line}"))
     session.check = report.as_dict()

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
 from fxoffload.profiles import op_call_seconds  # noqa: E402
-from fxoffload.models import TrainingStep  # noqa: E402
+from fxoffload.tools.models import TrainingStep  # noqa: E402
 
 BATCH, SEQ = 4, 128
 

@@ -29,7 +29,7 @@ import torch._functorch.partitioners as partitioners  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import fxoffload  # noqa: E402
-import fxoffload.partition  # noqa: E402
+import fxoffload.backend.partition  # noqa: E402
 from fxoffload.explain import format_bytes, format_stages  # noqa: E402
 from fxoffload.passes import plan_digest  # noqa: E402
 
@@ -72,7 +72,7 @@ def timed_partitioner():
         finally:
             seconds.append(time.perf_counter() - start)
 
-    fxoffload.partition.min_cut_rematerialization_partition = wrapper  # where the partition hook calls it
+    fxoffload.backend.partition.min_cut_rematerialization_partition = wrapper  # where the partition hook calls it
     return seconds
 
 

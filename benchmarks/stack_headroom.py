@@ -4,7 +4,7 @@ CPython 3.11+ keeps frames in chunks (16 KiB when a frame fits one): a call that
 end maps a new chunk, and its return unmaps it, so a loop of calls at that depth pays an ``mmap``
 and a ``munmap`` per call. This script times a loop of calls of a three-argument function at each
 depth of a recursion (0 to ``--depths``) and reports the worst and the best nanoseconds per call,
-bare and under ``fxoffload.partition.with_stack_headroom`` (which the backend's compile, the
+bare and under ``fxoffload.backend.partition.with_stack_headroom`` (which the backend's compile, the
 partition hook and the CLI's trace run under). The worst depth is where the boundary falls; where
 that is depends on the caller's stack, so a compile hits it or not by the depth it runs at.
 
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from results import write_section  # noqa: E402
 
-from fxoffload.partition import with_stack_headroom  # noqa: E402
+from fxoffload.backend.partition import with_stack_headroom  # noqa: E402
 
 HEADING = "Python's frame stack: a call at a chunk boundary (measured, CPU)"
 

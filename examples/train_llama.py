@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import fxoffload  # noqa: E402
 from fxoffload.explain import format_bytes  # noqa: E402
-from fxoffload.plot import format_seconds  # noqa: E402
+from fxoffload.tools.plot import format_seconds  # noqa: E402
 
 STDLIB_MODULES = [
     "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",

@@ -44,14 +44,14 @@ from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offloa
 from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
 from fxoffload.errors import CompiledAutogradError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
-from fxoffload.measure import MemoryMeasurement, measure_peak  # noqa: E402
+from fxoffload.tools.measure import MemoryMeasurement, measure_peak  # noqa: E402
 from fxoffload.passes import (  # noqa: E402
     BudgetInfeasibleError, BudgetInfeasibleWarning, OverheadExceededError, Simulation, StepSimulation, simulate,
     simulate_step,
 )
-from fxoffload.plot import plot, plot_step  # noqa: E402
+from fxoffload.tools.plot import plot, plot_step  # noqa: E402
 from fxoffload.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, calibrate  # noqa: E402
-from fxoffload.ranks import PlanMismatchError, RankCheckTimeoutError  # noqa: E402
+from fxoffload.backend.ranks import PlanMismatchError, RankCheckTimeoutError  # noqa: E402
 from fxoffload.runtime import release_host_memory  # noqa: E402
 
 register_backend_name()  # backend="fxoffload" without an installed entry point (a checkout)

@@ -1,3 +1,3 @@
-from fxoffload.cli import main
+from fxoffload.tools.cli import main
 
 raise SystemExit(main())

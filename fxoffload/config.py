@@ -158,7 +158,7 @@ class OffloadConfig:
 
     check_ranks: Any = True
     """Under ``torch.distributed``, check that the ranks that compile the same graph plan it alike, and
-    raise ``PlanMismatchError`` naming the ranks that differ (``fxoffload.ranks``: through the job's
+    raise ``PlanMismatchError`` naming the ranks that differ (``fxoffload.backend.ranks``: through the job's
     store, at compile and at the second step's start; ranks that compile different graphs, such as
     pipeline stages, are not compared). ``True``: every rank; a ``ProcessGroup``: its ranks (those that
     run fxoffload); ``False``: no check."""

@@ -195,7 +195,8 @@ def _selection(record: Any) -> list[str]:
 
 
 def _layer_inputs(record: Any) -> list[str]:
-    """What the plan assumes of the inputs it offloads, and what the latest step showed (``fxoffload.callers``)."""
+    """What the plan assumes of the inputs it offloads, and what the latest step showed
+    (``fxoffload.backend.callers``)."""
     inputs = getattr(record, "offloaded_inputs", ())
     if not inputs:
         return []

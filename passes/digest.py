@@ -5,7 +5,7 @@ Output: 16 hex digits (:func:`plan_digest`). Algorithm: SHA-256 of the ``repr`` 
 activation's decision, each copy's four places and each recomputation's chain, by node name, and the
 partition planned. Limits: node names are the partitioner's, so the same graph traced alike gives the
 same digest on every rank and in every process; predictions (seconds, peaks) are left out, so that only
-a different rewrite changes it. ``fxoffload.ranks`` compares ranks by it; RESULTS records it per plan.
+a different rewrite changes it. ``fxoffload.backend.ranks`` compares ranks by it; RESULTS records it per plan.
 """
 
 from __future__ import annotations

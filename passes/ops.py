@@ -53,7 +53,7 @@ _UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t 
 _TAGS = (torch.Tag.flexible_layout, *_UNSAFE)
 LIB = torch.library.Library("fxoffload", "DEF")
 # offload: no layout tag; under fxoffload's Inductor path its source gets a layout constraint of its own
-# (``fxoffload.ordering.constrain_offload_sources``: a source whose layout is not fixed yet takes its traced
+# (``fxoffload.backend.ordering.constrain_offload_sources``: a source whose layout is not fixed yet takes its traced
 # strides; one already fixed is handed over as it is).
 LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_UNSAFE)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)

@@ -152,7 +152,7 @@ class PlanOptions:
     # (``fxoffload.passes.pipeline.counts_outputs``); set for a share of a step's fraction, planned in bytes.
     count_outputs: bool | None = None
     # Positions, among the compiled function's inputs, of activations handed in that the caller was seen
-    # to keep after the graph returned (``fxoffload.callers``): counted, never moved (a copy frees nothing).
+    # to keep after the graph returned (``fxoffload.backend.callers``): counted, never moved (a copy frees nothing).
     kept_inputs: frozenset[int] = frozenset()
     # A bound on the time a plan adds (stalls, recomputation), as a fraction of the graph's predicted
     # compute time without it, per run, as the simulator predicts both (``fxoffload.passes.pipeline``).

@@ -185,10 +185,10 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     a record appears once per run: ``[record] * 32`` for one graph serving 32 layers).
 
     ``caller_kept``: per invocation, the :class:`KeptSource` transfers whose source, an input of the
-    graph, the caller kept after the graph returned (``fxoffload.callers``; the backend's
+    graph, the caller kept after the graph returned (``fxoffload.backend.callers``; the backend's
     ``step_caller_kept()``): the copy freed nothing, so a source still held when the backward began
     counts from its release to the step's end, and in the baseline from its last use on. One the
-    caller dropped before the backward is not an activation (``fxoffload.measure``: saved tensors
+    caller dropped before the backward is not an activation (``fxoffload.tools.measure``: saved tensors
     are those alive when the backward starts), like any temporary of the forward."""
     if not invocations:
         raise ValueError("simulate_step: no invocations")

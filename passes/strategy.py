@@ -14,7 +14,7 @@ the fastest predicted that meets the budget without a total peak above the
 min-cut pair's (under ``max_overhead``, checked against it: the overhead is the predicted step less
 the min-cut pair's compute, so PyTorch's recomputation counts). The result lists those that qualify
 (:class:`CandidatePlan`, fastest predicted first, plans alike counted once), so that measured selection
-(``fxoffload.selection``) can time them: ``compare_all`` plans the alternatives
+(``fxoffload.backend.selection``) can time them: ``compare_all`` plans the alternatives
 even when the first plan predicts no cost, and ``choose`` returns the one a
 measurement chose. Limits: the ranking trusts the simulator's step time, not a
 measurement; the user's ``PREFER_*`` marks, which the simulator does not weigh,

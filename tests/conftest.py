@@ -18,7 +18,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.utils.checkpoint import checkpoint
 
 import fxoffload
-from fxoffload.cli import main
+from fxoffload.tools.cli import main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

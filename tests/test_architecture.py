@@ -8,12 +8,21 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-# Folder -> the package it is installed as (pyproject.toml maps passes/ to fxoffload.passes).
-FOLDERS = {"passes": "fxoffload.passes", "fxoffload": "fxoffload"}
+
+
+def _python_files() -> list[Path]:
+    """Every module of ours: ``passes/*.py`` (installed as ``fxoffload.passes``) and ``fxoffload/**/*.py``."""
+    return sorted((ROOT / "passes").glob("*.py")) + sorted((ROOT / "fxoffload").rglob("*.py"))
+
+
+def _package_of(path: Path) -> str:
+    """The package a file sits in (pyproject.toml maps passes/ to fxoffload.passes)."""
+    folder = path.parent.relative_to(ROOT)
+    return "fxoffload.passes" if folder == Path("passes") else ".".join(folder.parts)
 
 
 def _module_name(path: Path) -> str:
-    package = FOLDERS[path.parent.name]
+    package = _package_of(path)
     return package if path.stem == "__init__" else f"{package}.{path.stem}"
 
 
@@ -35,11 +44,11 @@ def _imports(statements, known: set[str], package: str) -> set[str]:
 
 def actual_imports() -> dict[str, tuple[set[str], set[str]]]:
     """Module -> (module-level imports, imports made only inside functions or classes)."""
-    files = {_module_name(p): p for folder in FOLDERS for p in sorted((ROOT / folder).glob("*.py"))}
+    files = {_module_name(p): p for p in _python_files()}
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text())
-        package = FOLDERS[path.parent.name]
+        package = _package_of(path)
         top = _imports(tree.body, set(files), package) - {name}
         every = _imports(ast.walk(tree), set(files), package) - {name}
         graph[name] = (top, every - top)
@@ -76,12 +85,11 @@ def test_fxoffload_reaches_the_passes_through_their_face_only():
 
 def test_no_private_name_is_imported_from_another_module_of_ours():
     """A name with a leading underscore stays in its module (tests may reach in; the package may not)."""
-    files = [p for folder in FOLDERS for p in sorted((ROOT / folder).glob("*.py"))]
     private = []
-    for path in files:
+    for path in _python_files():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fxoffload")):
-                private += [f"{path.parent.name}/{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+                private += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert not private, private
 
 
@@ -129,13 +137,48 @@ MOST_PARAMETERS = 7
 
 def test_no_function_takes_more_than_seven_parameters_but_the_documented_entry_points():
     over = {}
-    for folder in FOLDERS:
-        for path in sorted((ROOT / folder).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    a = node.args
-                    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
-                    count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
-                    if count > MOST_PARAMETERS:
-                        over[f"{folder}/{path.name}:{node.name}"] = count
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+                count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                if count > MOST_PARAMETERS:
+                    over[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = count
     assert set(over) == LONG_SIGNATURES, over
+
+
+# fxoffload/'s rooms, in order: a module imports modules of its own room or an earlier one, at module
+# level or inside a function (each subpackage's docstring says so in words). The top-level modules
+# (config, errors, profiles, explain) are the room "fxoffload"; the package's face (fxoffload/__init__)
+# and ``python -m fxoffload`` import from every room.
+ROOM_ORDER = {"fxoffload.passes": 0, "fxoffload.runtime": 1, "fxoffload": 2, "fxoffload.backend": 3,
+              "fxoffload.tools": 4}
+FACES = {"fxoffload", "fxoffload.__main__"}
+MOST_MODULES_PER_FOLDER = 12
+
+
+def _room(module: str) -> str:
+    return max((room for room in ROOM_ORDER if module == room or module.startswith(room + ".")), key=len)
+
+
+def test_rooms_import_only_their_own_or_earlier_rooms():
+    actual = actual_imports()
+    later = sorted((name, dep) for name, (top, lazy) in actual.items() if name not in FACES
+                   for dep in top | lazy if ROOM_ORDER[_room(dep)] > ROOM_ORDER[_room(name)])
+    assert not later, f"modules importing a later room: {later}"
+
+
+def test_no_folder_of_fxoffload_holds_more_than_twelve_modules():
+    folders = {p.parent for p in (ROOT / "fxoffload").rglob("*.py")}  # passes/ stays as the design card lays it out
+    crowded = {str(f.relative_to(ROOT)): n for f in folders
+               if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > MOST_MODULES_PER_FOLDER}
+    assert not crowded, crowded
+
+
+def test_each_room_says_what_it_owns_and_what_it_may_import():
+    rooms = sorted(p.parent for p in (ROOT / "fxoffload").rglob("__init__.py") if p.parent != ROOT / "fxoffload")
+    assert {".".join(r.relative_to(ROOT).parts) for r in rooms} == set(ROOM_ORDER) - {"fxoffload", "fxoffload.passes"}
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
+        assert "Owns:" in doc and "May import:" in doc, f"{room.relative_to(ROOT)}/__init__.py"

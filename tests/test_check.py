@@ -8,8 +8,8 @@ import json
 import pytest
 
 from fxoffload import runtime
-from fxoffload.check import CheckConfig, run_check
-from fxoffload.cli import main
+from fxoffload.tools.check import CheckConfig, run_check
+from fxoffload.tools.cli import main
 
 
 def test_check_runs_on_the_cpu_engine_and_prints_every_figure_predicted_and_measured(capsys):
@@ -72,7 +72,7 @@ def test_the_reported_step_time_with_fxoffload_is_of_steps_run_without_debug_mod
     checked the numerics."""
     import statistics
 
-    import fxoffload.check as check
+    import fxoffload.tools.check as check
 
     runs, train = [], check._train
 

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from fxoffload.cli import main
-from fxoffload.models import PRESETS
+from fxoffload.tools.cli import main
+from fxoffload.tools.models import PRESETS
 from tests.conftest import check_budget_held, run_error, run_json
 
 SMALL_LLAMA = {
@@ -280,7 +280,7 @@ def test_torch_nn_layers_that_compile_to_nothing_get_advice():
     """Releases up to 2.13 skip torch.nn's own modules compiled one at a time: the error says what to do."""
     from types import SimpleNamespace
 
-    from fxoffload.tracing import UsageError, _check_compiled
+    from fxoffload.tools.tracing import UsageError, _check_compiled
 
     with pytest.raises(UsageError) as error:
         _check_compiled(SimpleNamespace(records=[]), [torch.nn.Linear(2, 2)], SimpleNamespace(name="net"))
@@ -364,17 +364,17 @@ def test_a_host_budget_bounds_the_pinned_host_memory_of_the_plan(capsys, tmp_pat
 
 
 def test_a_flag_that_means_the_same_is_declared_once():
-    """plan, fit and check share their common flags through fxoffload.flags; only the flags whose
+    """plan, fit and check share their common flags through fxoffload.tools.flags; only the flags whose
     meaning differs between commands (FLAGS_MEANING_APART, their help says how) are declared apart."""
     import re
     from collections import Counter
     from pathlib import Path
 
     import fxoffload
-    from fxoffload.flags import FLAGS_MEANING_APART
+    from fxoffload.tools.flags import FLAGS_MEANING_APART
 
     package = Path(fxoffload.__file__).parent
-    declared = Counter(flag for path in package.glob("*.py")
+    declared = Counter(flag for path in package.rglob("*.py")
                        for flag in re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", path.read_text()))
     twice = {flag for flag, count in declared.items() if count > 1}
     assert twice == FLAGS_MEANING_APART, f"declared more than once: {sorted(twice - FLAGS_MEANING_APART)}; " \

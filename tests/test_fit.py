@@ -1,4 +1,4 @@
-"""``fxoffload.fit``: the bracket search on plain functions (exact at the answer, few probes), and
+"""``fxoffload.tools.fit``: the bracket search on plain functions (exact at the answer, few probes), and
 ``fxoffload fit`` on a small Llama, each row's answer measured on this CPU (``measure_peak``)."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxoffload.fit import Probe, largest_fitting
+from fxoffload.tools.fit import Probe, largest_fitting
 
 
 def brute_force(peak_of, cap, step, most):
@@ -106,7 +106,7 @@ def cli_json(args: list[str]) -> dict:
     import io
     import json
 
-    from fxoffload.cli import main
+    from fxoffload.tools.cli import main
 
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -141,8 +141,8 @@ def measured_device_peak(config_path, row, seq, batch=1):
     import torch
 
     import fxoffload
-    from fxoffload.fit import SETUPS
-    from fxoffload.models import checkpoint_layers, from_config_file
+    from fxoffload.tools.fit import SETUPS
+    from fxoffload.tools.models import checkpoint_layers, from_config_file
 
     setup = next(s for s in SETUPS if s.row == row["name"] and s.checkpointing == row["checkpointing"])
     options = {"inner": "eager", "device_profile": "h100-pcie5", **setup.options}  # fit's default --profile
@@ -224,7 +224,7 @@ def test_with_a_length_given_the_largest_batch_fits_when_measured_and_one_more_d
 
 @pytest.mark.slow
 def test_the_table_and_the_plot_say_the_same_rows_and_that_they_are_predictions(tiny_fit):
-    from fxoffload.fit_command import format_fit
+    from fxoffload.tools.fit_command import format_fit
 
     report, _, plot = tiny_fit
     assert report["plot"] == str(plot) and plot.stat().st_size > 10_000
@@ -260,7 +260,7 @@ def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_p
 def test_bad_input_is_refused_before_anything_is_planned_with_what_is_accepted(tmp_path, capsys, flags, words):
     import json
 
-    from fxoffload.cli import main
+    from fxoffload.tools.cli import main
 
     folder = tmp_path / "tiny"
     folder.mkdir()
@@ -271,7 +271,7 @@ def test_bad_input_is_refused_before_anything_is_planned_with_what_is_accepted(t
 
 
 def test_device_memory_is_required_and_checked(capsys):
-    from fxoffload.cli import main
+    from fxoffload.tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["fit", "--preset", "llama-2-7b"])
@@ -286,9 +286,9 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
 
     import torch
 
-    from fxoffload.fit import SETUPS
-    from fxoffload.fit_command import _common_options, _evaluator
-    from fxoffload.models import from_config_file
+    from fxoffload.tools.fit import SETUPS
+    from fxoffload.tools.fit_command import _common_options, _evaluator
+    from fxoffload.tools.models import from_config_file
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     source = from_config_file(tmp_path)
@@ -310,12 +310,12 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
 def test_a_device_smaller_than_the_parameters_fits_no_row_and_says_why(tmp_path, capsys):
     import json
 
-    from fxoffload.cli import main
+    from fxoffload.tools.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     assert main(["fit", "--config", str(tmp_path), "--dtype", "fp32", "--device-memory", "5MB", "--max-seq", "128",
                  "--granularity", "16", "--no-plot", "--quiet", "--json"]) == 0
-    from fxoffload.fit_command import format_fit
+    from fxoffload.tools.fit_command import format_fit
 
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]

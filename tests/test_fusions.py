@@ -62,7 +62,7 @@ def plain_kernels():
 
 @pytest.mark.parametrize("budget", [0.7, 0.5])
 def test_the_rewrite_adds_no_kernel(plain_kernels, budget):
-    # Before the ordering edges were chosen between kernels Inductor fuses anyway (fxoffload.ordering),
+    # Before the ordering edges were chosen between kernels Inductor fuses anyway (fxoffload.backend.ordering),
     # a prefetch or wait pinned between two fusible ops split them (the backward at 0.5 had 3 kernels more
     # than plain's). Before the offload's source took its traced layout (ordering.constrain_offload_sources),
     # the attention's transposed clone kept a transposed layout when an offload read it first, and the

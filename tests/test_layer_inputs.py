@@ -355,7 +355,7 @@ def test_two_graphs_of_one_region_are_each_tracked_and_re_planned_by_their_own_r
     assert plain is not extra and invocations == [plain, extra] * (LAYERS // 2)
     # Each graph, provisional at first (half of one run is out of reach), is re-planned. Runs are still
     # counted per region, both graphs' runs together (8 where each runs 4: the step then holds less than
-    # planned); a step budget (memory_budget in bytes, fxoffload.step_budget) makes the step the unit.
+    # planned); a step budget (memory_budget in bytes, fxoffload.backend.step_budget) makes the step the unit.
     assert all(r.plan.runs >= LAYERS // 2 and not r.provisional and r.runs_learned and r.offloaded_inputs
                for r in (plain, extra))
     assert all(r.provisional for r in backend.records[:2])

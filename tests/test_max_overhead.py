@@ -121,8 +121,8 @@ def test_with_a_budget_a_plan_over_max_overhead_is_refused_naming_both(capsys):
 
 
 def test_with_a_budget_and_warn_it_meets_the_budget_and_warns_about_the_overhead():
-    from fxoffload.cli import _parser
-    from fxoffload.tracing import Progress, model_source, trace_step
+    from fxoffload.tools.cli import _parser
+    from fxoffload.tools.tracing import Progress, model_source, trace_step
 
     args = _parser().parse_args(["plan", "--model", ONE_REGION, *ARGV, "--quiet"])
     options = dict(memory_budget=0.5, strategy="offload", inner="eager", device_profile="h100-pcie5",

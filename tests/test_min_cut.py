@@ -21,7 +21,7 @@ from torch._functorch import partitioners
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
-from fxoffload.partition import quick_min_cut
+from fxoffload.backend.partition import quick_min_cut
 from tests.conftest import tiny_llama
 
 

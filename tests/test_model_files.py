@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fxoffload.cli import main
+from fxoffload.tools.cli import main
 from tests.conftest import check_budget_held, run_error, run_json
 
 MODEL_FILE = Path(__file__).parent / "model_files" / "hf_model.py"

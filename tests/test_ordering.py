@@ -1,6 +1,6 @@
-"""Ordering edges for Inductor (``fxoffload.ordering``), checked on graphs without compiling them (fast)."""
+"""Ordering edges for Inductor (``fxoffload.backend.ordering``), checked on graphs without compiling them (fast)."""
 
-from fxoffload.ordering import _ordering_edges
+from fxoffload.backend.ordering import _ordering_edges
 from fxoffload.passes.analysis import is_anchored_compute, storage_key
 from fxoffload.passes.ops import RELEASES
 

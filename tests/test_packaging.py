@@ -34,6 +34,9 @@ def test_the_wheel_installs_the_passes_under_fxoffload_only(tmp_path):
     assert top_level == {"fxoffload", dist_info}, top_level
     passes = {Path(name).name for name in names if name.startswith("fxoffload/passes/")}
     assert passes == {p.name for p in (ROOT / "passes").glob("*.py")}, "a stage module missing from the wheel"
+    ours = {name for name in names if name.endswith(".py") and not name.startswith("fxoffload/passes/")}
+    rooms = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fxoffload").rglob("*.py")}
+    assert ours == rooms, f"missing from the wheel: {sorted(rooms - ours)}; not ours: {sorted(ours - rooms)}"
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["nothing-installed", "beside-an-editable-install"])

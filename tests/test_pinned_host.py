@@ -1,4 +1,4 @@
-"""Pinned host blocks (``fxoffload.pinned``): the first step makes none between its copies, and
+"""Pinned host blocks (``fxoffload.runtime.pinned``): the first step makes none between its copies, and
 ``fxoffload.release_host_memory`` gives back what no step holds.
 
 Run over ``tests/fake_cuda.py``, whose ``host_empty`` hands out blocks as PyTorch's caching host

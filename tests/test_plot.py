@@ -31,7 +31,7 @@ def test_an_unknown_image_format_is_refused(record, tmp_path):
 
 
 def test_the_step_of_several_runs_is_drawn(tmp_path):
-    from fxoffload.plot import plot_step
+    from fxoffload.tools.plot import plot_step
     from tests.conftest import per_layer_llama
 
     _, model, backend = per_layer_llama(layers=3, inner="eager", memory_budget=0.5, runs_per_step=3)

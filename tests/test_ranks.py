@@ -1,4 +1,4 @@
-"""The plan check across ranks (fxoffload.ranks), its protocol driven by hand: two ranks' checks on one
+"""The plan check across ranks (fxoffload.backend.ranks), its protocol driven by hand: two ranks' checks on one
 in-process store, as two processes' checks share the job's store."""
 
 import time
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxoffload.ranks import PlanMismatchError, RankCheck, RankCheckTimeoutError, graph_key
+from fxoffload.backend.ranks import PlanMismatchError, RankCheck, RankCheckTimeoutError, graph_key
 
 
 def two_ranks(timeout: float = 60.0) -> tuple[RankCheck, RankCheck]:

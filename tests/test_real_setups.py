@@ -86,7 +86,7 @@ def inductor_settings_seen(monkeypatch, **compile_kwargs):
 
 
 def test_the_global_cuda_graphs_setting_is_turned_off_for_our_graphs_with_a_warning(monkeypatch):
-    fxoffload.compile_call._warned_cudagraphs.clear()
+    fxoffload.backend.compile_call._warned_cudagraphs.clear()
     with torch._inductor.config.patch({"triton.cudagraphs": True}):
         seen, warned = inductor_settings_seen(monkeypatch)
     assert seen and all(cudagraphs is False for cudagraphs, _ in seen)  # forward and backward

@@ -1,5 +1,5 @@
 """Measured selection (``select="measured"``): strategy auto's plans of a graph timed in the first steps,
-the fastest measured kept (``fxoffload.selection``).
+the fastest measured kept (``fxoffload.backend.selection``).
 
 The core is tested on plain numbers. End to end, copies are made slow (the CPU engine's copy delay, or
 the fake CUDA's clock, which charges each copy when compute waits for it) under a device profile whose
@@ -19,7 +19,7 @@ import torch
 import fxoffload
 from fxoffload import runtime
 from fxoffload.passes import plan_digest
-from fxoffload.selection import Mark, RegionSelection, fastest
+from fxoffload.backend.selection import Mark, RegionSelection, fastest
 from tests.conftest import assert_same_step, cuda_engine_on_cpu, lm_step, tiny_llama
 
 
@@ -159,9 +159,9 @@ def test_measured_selection_refuses_a_job_of_several_ranks(monkeypatch):
 def test_a_kept_candidate_timed_earlier_runs_again_exactly(monkeypatch):
     """The swap back: when the first candidate wins (made so here: the measurement's own choice is
     tested above), its graph, compiled before the others ran, runs every later step, exact."""
-    import fxoffload.selection
+    import fxoffload.backend.selection
 
-    monkeypatch.setattr(fxoffload.selection, "fastest", lambda seconds: 0)
+    monkeypatch.setattr(fxoffload.backend.selection, "fastest", lambda seconds: 0)
     backend = _train("measured", steps=9)
     kept = _kept(backend)
     assert kept is backend.records[0] and kept.selection.kept.key == "min-cut" and kept.plan.transfers

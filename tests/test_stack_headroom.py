@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fxoffload.partition import with_stack_headroom
+from fxoffload.backend.partition import with_stack_headroom
 
 CALLS = 2000
 DEPTHS = range(0, 300)

@@ -79,7 +79,7 @@ def test_a_share_cut_from_a_budget_that_moved_once_is_planned_again_but_one_that
     stale. A step whose figures keep moving (regions that run a different number of times each step)
     would recompile every step if each move were chased: after BUDGET_MOVES moves the rounds decide."""
     from fxoffload.passes import Budget
-    from fxoffload.step_budget import BUDGET_MOVES, StepBudget
+    from fxoffload.backend.step_budget import BUDGET_MOVES, StepBudget
 
     step = StepBudget(Budget(fraction=0.5), bounds_device=False)
     regions = {0: ("a",), 1: ("b",)}
@@ -272,7 +272,7 @@ def test_a_step_whose_callers_keep_what_it_needs_is_refused_naming_them_and_its_
 
 
 def test_an_input_its_caller_keeps_is_counted_and_never_moved():
-    """A layer input the caller was seen to keep (``fxoffload.callers``): offloading it frees nothing, so a
+    """A layer input the caller was seen to keep (``fxoffload.backend.callers``): offloading it frees nothing, so a
     plan told so keeps it, with that reason, and counts it in what the forward leaves."""
     from fxoffload.passes import Budget, PlanOptions, plan_pair
     from fxoffload.profiles import PROFILES

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import fxoffload
-from fxoffload.measure import measure_peak
+from fxoffload.tools.measure import measure_peak
 
 WIDTH, BLOCKS, MICROBATCHES, BATCH = 256, 4, 4, 256
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

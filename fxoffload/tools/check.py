@@ -189,7 +189,7 @@ def _step_memory(model: torch.nn.Module, ids: torch.Tensor, cuda: bool) -> dict[
         torch.cuda.synchronize()
         peak = {"total": torch.cuda.max_memory_allocated() - before}
     else:
-        from fxoffload.measure import measure_peak
+        from fxoffload.tools.measure import measure_peak
 
         measured = measure_peak(step)
         peak = {"total": measured.total_peak, "activation": measured.activation_peak, "host": measured.host_peak}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxoffload.models import DTYPES, PRESETS
+from fxoffload.tools.models import DTYPES, PRESETS
 from fxoffload.passes import OPTIMIZERS
 from fxoffload.profiles import PROFILES
 

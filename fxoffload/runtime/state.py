@@ -2,7 +2,7 @@
 
 One :class:`RuntimeState` (``STATE``) holds every mutable value the runtime keeps between op
 calls; ``STATE.reset()`` clears every one that belongs to a step (``fxoffload.runtime.reset``). The
-engines (``fxoffload.engines``) and the op kernels (``fxoffload.runtime``) read and write it
+engines (``fxoffload.runtime.engines``) and the op kernels (``fxoffload.runtime``) read and write it
 through the functions here.
 
 Every transfer is registered by the data pointer of the tensor ``offload`` or ``prefetch`` returned

@@ -169,7 +169,7 @@ def step_report(invocations: list, memory_budget: Any) -> dict:
 
 def print_report(report: dict, records: list) -> None:
     from fxoffload.explain import explain, format_bytes, format_stages
-    from fxoffload.plot import format_seconds
+    from fxoffload.tools.plot import format_seconds
 
     for record, graph in zip(records, report["graphs"]):
         print(explain(record))

@@ -1,11 +1,11 @@
-"""The ``fxoffload plan`` command's work, apart from its flags and its printing (``fxoffload.cli``).
+"""The ``fxoffload plan`` command's work, apart from its flags and its printing (``fxoffload.tools.cli``).
 
 Inputs: the command's parsed flags. Outputs: the options they stand for (:func:`plan_options`, checked
 as ``OffloadConfig`` checks them, each error named by its flag), and :func:`run_plan`'s outcome: the
-records of the traced step and the report ``fxoffload.report`` builds of them, with the plots written.
+records of the traced step and the report ``fxoffload.tools.report`` builds of them, with the plots written.
 
-Algorithm: build the model source, trace one step with fake tensors (``fxoffload.tracing``), report each
-graph and the step (``fxoffload.report``), and plot each graph and the step (``fxoffload.plot``).
+Algorithm: build the model source, trace one step with fake tensors (``fxoffload.tools.tracing``), report each
+graph and the step (``fxoffload.tools.report``), and plot each graph and the step (``fxoffload.plot``).
 Limits: every figure is a prediction (memory model, cost model, simulator); the seconds are measured.
 """
 
@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fxoffload.config import OffloadConfig, OptionError
-from fxoffload.models import DTYPES, ModelError
-from fxoffload.plot import plot, plot_step
-from fxoffload.report import plan_report, range_report, step_report, with_optimizer
-from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, seq_range, trace_step
+from fxoffload.tools.models import DTYPES, ModelError
+from fxoffload.tools.plot import plot, plot_step
+from fxoffload.tools.report import plan_report, range_report, step_report, with_optimizer
+from fxoffload.tools.tracing import (
+    Progress, UsageError, min_bytes_of, model_source, number_or_text, seq_range, trace_step,
+)
 
 __all__ = ["PlanOutcome", "budget_text", "plan_options", "run_plan"]
 

@@ -50,7 +50,7 @@ top by Inductor and would drag the pinned op with it.
 Every edge ends at a tensor: an edge to a multi-output op (a tuple, such as
 attention's) goes to one of its tensor outputs, moved up to right after the op,
 since torch 2.11's lowering of ``control_deps`` drops any other edge without a
-word (``fxoffload.compat``). An op none of whose outputs is read keeps its edge,
+word (``fxoffload.backend.compat``). An op none of whose outputs is read keeps its edge,
 which holds on later releases.
 
 Applied only when the inner compiler is Inductor; the eager path runs the
@@ -70,7 +70,7 @@ from torch._inductor import lowering as inductor_lowering
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from fxoffload.compat import ensure_control_deps
+from fxoffload.backend.compat import ensure_control_deps
 from fxoffload.passes import (
     DEFER, FXOFFLOAD_OPS, PREFETCH, RELEASES, WAIT, is_anchored_compute, is_compute, storage_key,
 )

@@ -9,9 +9,9 @@ Protocol (the rewrite emits exactly these pairs)::
     dev  = fxoffload.wait(dev, host)         # compute waits for the copy
 
 ``offload`` and ``prefetch`` return at once; the copy runs on the engine of the tensor's device
-type (``fxoffload.engines``: a CPU engine with background threads, a CUDA engine with copy streams and
+type (``fxoffload.runtime.engines``: a CPU engine with background threads, a CUDA engine with copy streams and
 events; :func:`use_engine` swaps one, as the tests do to run the CUDA engine over a fake of the CUDA
-API). What the runtime keeps between op calls is one ``fxoffload.runtime_state.RuntimeState``.
+API). What the runtime keeps between op calls is one ``fxoffload.runtime.state.RuntimeState``.
 
 Releasing the source. ``wait`` drops the transfer record's reference to the
 source; the graph's own reference dies because ``wait`` is the source's last
@@ -67,6 +67,14 @@ them in) until its backward begins.
 
 :func:`trace` records these events (forward and backward boundaries, copies
 issued and landed, per invocation) for tests and debugging.
+
+Owns: what runs with the compiled graphs. This package's ``__init__`` is the op kernels and the step's
+invocations; beside it, the copy engines (``engines``), the state every op call reads and writes
+(``state``) and the CUDA engine's pinned host blocks (``pinned``).
+
+May import: the passes (``fxoffload.passes``, for the op definitions) and nothing else of fxoffload:
+the backend and the tools import it, and a copy in flight never waits on a planner
+(``tests/test_architecture.py`` checks the rooms' order).
 """
 
 from __future__ import annotations
@@ -79,15 +87,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from fxoffload.engines import CpuEngine, CudaEngine, dense_ends  # noqa: F401  (dense_ends: the tests')
+from fxoffload.runtime.engines import CpuEngine, CudaEngine, dense_ends  # noqa: F401  (dense_ends: the tests')
 from fxoffload.passes import LIB as _lib
-from fxoffload.runtime_state import (
+from fxoffload.runtime.state import (
     STATE, CopyRecord, DebugCounts, Invocation, Offloaded, copies_in_flight, debug_counts, debugging, pending_transfers,
     trace,
 )
-from fxoffload.runtime_state import event as _event
-from fxoffload.runtime_state import pop as _pop
-from fxoffload.runtime_state import retire as _retire
+from fxoffload.runtime.state import event as _event
+from fxoffload.runtime.state import pop as _pop
+from fxoffload.runtime.state import retire as _retire
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
@@ -303,14 +311,14 @@ def elapsed_seconds(device: torch.device, start: Any, end: Any) -> float:
 
 def reserve_host(device: torch.device, nbytes: Sequence[int]) -> None:
     """Have the engine of ``device`` make the host blocks copies of ``nbytes`` will take, before they
-    run (the CUDA engine's pinned blocks: ``fxoffload.pinned``)."""
+    run (the CUDA engine's pinned blocks: ``fxoffload.runtime.pinned``)."""
     _engine_for(device).reserve_host(nbytes)
 
 
 def release_host_memory() -> int | None:
     """Give back the pinned host memory the copies' allocator keeps cached and no tensor uses (after
     training, or between phases; what a step still holds stays). The bytes given back, where the
-    allocators report them, else None. See ``fxoffload.pinned``."""
+    allocators report them, else None. See ``fxoffload.runtime.pinned``."""
     released = [engine.release_host() for engine in dict.fromkeys(_engines.values())]
     reported = [nbytes for nbytes in released if nbytes is not None]
     return sum(reported) if reported else None
@@ -352,7 +360,7 @@ def _offload(x: torch.Tensor, order: int = -1) -> torch.Tensor:
     _event("d2h_issue", invocation)
     # The engine holds an alias (another tensor object on the same storage) until the copy is done:
     # the storage lives on, and ``x`` itself stays the caller's, whose references
-    # ``fxoffload.callers`` checks.
+    # ``fxoffload.backend.callers`` checks.
     host = _engine_for(x.device).offload(x.detach(), invocation)
     _note_offload(host, x, order)
     return host

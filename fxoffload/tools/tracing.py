@@ -77,7 +77,7 @@ def seq_range(text: str | None) -> tuple[int, ...] | None:
 
 
 def model_source(args: argparse.Namespace):
-    from fxoffload import models
+    from fxoffload.tools import models
 
     if args.preset or args.config:
         try:
@@ -103,8 +103,8 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
 
     import fxoffload
     from fxoffload.explain import format_stages
-    from fxoffload.models import checkpoint_layers, layer_list
-    from fxoffload.partition import with_stack_headroom
+    from fxoffload.tools.models import checkpoint_layers, layer_list
+    from fxoffload.backend.partition import with_stack_headroom
 
     torch._dynamo.reset()
     seconds = {}
@@ -204,7 +204,7 @@ def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
 def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
     budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
-    from fxoffload.models import ModelError, one_line
+    from fxoffload.tools.models import ModelError, one_line
     from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxoffload.callers import OffloadedInput
+from fxoffload.backend.callers import OffloadedInput
 from fxoffload.passes import DeviceProfile, Plan, Schedule, Share, Timeline
-from fxoffload.selection import Selection
+from fxoffload.backend.selection import Selection
 
 __all__ = ["GraphRecord"]
 
@@ -45,14 +45,14 @@ class GraphRecord:
     provisional_short: bool = False
     offloaded_inputs: tuple[OffloadedInput, ...] = ()  # graph inputs the plan offloads (layer inputs)
     # Of the latest step's runs of this graph: those whose caller kept an offloaded input after the
-    # graph returned (``fxoffload.callers``), and the bytes that copy did not free.
+    # graph returned (``fxoffload.backend.callers``), and the bytes that copy did not free.
     caller_kept_runs: int = 0
     caller_kept_bytes: int = 0
     # Re-planned, once the first step had shown every region, with this share of the step's memory budget
     # (``fxoffload.passes.shares``); None: planned with the budget as given (or what earlier regions left of it).
     step_share: Share | None = None
     step_budget: int | None = None  # the step's budget in bytes that ``step_share`` is a share of
-    step_round: int = -1  # the round of shares it was planned in (``fxoffload.step_budget``); -1: none
+    step_round: int = -1  # the round of shares it was planned in (``fxoffload.backend.step_budget``); -1: none
     # The largest activation an earlier graph hands it that it saves: back on the device for its
     # backward whatever the plan, so a floor of its peak in the step's accounting.
     largest_saved_input: int = 0
@@ -61,4 +61,4 @@ class GraphRecord:
     candidates: tuple = ()
     selection: Selection | None = None
     candidate_key: str | None = None  # compiled as this candidate, to be timed (measured selection)
-    host_reserved: bool = False  # its copies' pinned blocks were made before its first run (fxoffload.pinned)
+    host_reserved: bool = False  # its copies' pinned blocks were made before its first run (fxoffload.runtime.pinned)

@@ -10,11 +10,11 @@ what the regions before it leave on the device. The backend keeps, in one :class
   backward starts ahead for it), all predicted by its plan; the runs its plan is for, and the
   most counted in one step; the positions of its offloaded inputs a caller kept;
 * per step: the record of each forward in the order they ran, and the offloaded inputs their
-  callers kept (``fxoffload.callers``), per run.
+  callers kept (``fxoffload.backend.callers``), per run.
 
 Algorithm: a new step begins at the first forward after a backward began. The regions before a
 region are, once the step is re-planned with shares of its budget, the step's own order
-(``fxoffload.step_budget``); before that, the regions whose forwards ran so far in this step.
+(``fxoffload.backend.step_budget``); before that, the regions whose forwards ran so far in this step.
 What they hold is each run's activations for its backward, plus what the last of them spills.
 
 Limits: every figure is a plan's prediction; one ledger per backend, which serves one step.
@@ -28,9 +28,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from fxoffload.callers import KeptInput, kept_warning
+from fxoffload.backend.callers import KeptInput, kept_warning
 from fxoffload.passes import KeptSource
-from fxoffload.step_budget import StepBudget
+from fxoffload.backend.step_budget import StepBudget
 
 __all__ = ["StepLedger"]
 

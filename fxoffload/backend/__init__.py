@@ -12,7 +12,7 @@ graph:
 * ``inner="inductor"``: ``compile_fx`` with our hook as Inductor's
   ``custom_partitioner_fn`` (so Inductor's joint-graph passes and
   decompositions run as usual), and ``control_deps`` ordering pins
-  (``fxoffload.ordering``) so Inductor keeps every copy where it was planned.
+  (``fxoffload.backend.ordering``) so Inductor keeps every copy where it was planned.
 * ``inner="eager"``: ``aot_autograd`` with Inductor's decomposition table (the
   same graphs as the Inductor path) and the rewritten FX graphs run as they are.
 
@@ -27,12 +27,22 @@ options; the global ``torch._inductor.config.triton.cudagraphs`` is turned off f
 our graphs, with a warning.
 
 Both partitioner runs (the default one, and PyTorch's recompute-only one that strategy auto weighs)
-happen under ``fxoffload.partition.quick_min_cut``: the same cuts, in less than half the time.
+happen under ``fxoffload.backend.partition.quick_min_cut``: the same cuts, in less than half the time.
 
 Limits: graphs compiled for inference (no grad) go through unchanged and
 leave no record. AOTAutograd's cache is off for our graphs, so that every
 compile runs the passes and leaves its record; Inductor's FX-graph cache (keyed
 by the rewritten graphs) stays on.
+
+Owns: the backend and the step it compiles for. This package's ``__init__`` is the backend; beside
+it, what a compile call says (``compile_call``), the partition hook (``partition``), the inserted ops'
+order for Inductor (``ordering``), a graph's record (``record``), the step's bookkeeping
+(``step_ledger``, ``step_budget``), the checks across ranks (``ranks``) and on callers (``callers``),
+measured selection's schedule (``selection``) and what differs between torch releases (``compat``).
+
+May import: the passes (``fxoffload.passes``, through their face), the runtime (``fxoffload.runtime``)
+and the top-level modules (``config``, ``errors``, ``profiles``, ``explain``); never the tools
+(``tests/test_architecture.py`` checks the rooms' order).
 """
 
 from __future__ import annotations
@@ -51,26 +61,26 @@ import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
-from fxoffload.callers import CallerWatch, offloaded_inputs
-from fxoffload.compat import compiled_autograd_on
-from fxoffload.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
+from fxoffload.backend.callers import CallerWatch, offloaded_inputs
+from fxoffload.backend.compat import compiled_autograd_on
+from fxoffload.backend.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
-from fxoffload.ordering import constrain_offload_sources, pin_offload_order
-from fxoffload.partition import Partitioner, with_stack_headroom
-from fxoffload.pinned import reservation
+from fxoffload.backend.ordering import constrain_offload_sources, pin_offload_order
+from fxoffload.backend.partition import Partitioner, with_stack_headroom
+from fxoffload.runtime.pinned import reservation
 from fxoffload.passes import (
     Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
     PassResult, Plan, PlanOptions, Share, held_after_forward, inputs_at, plan_best_partition, plan_digest,
     rewrite_planned, unbounded_size_warning,
 )
 from fxoffload.profiles import available_host_memory, local_processes
-from fxoffload.ranks import RankCheck, graph_key
-from fxoffload.record import GraphRecord
-from fxoffload.selection import Mark, RegionSelection
-from fxoffload.step_budget import StepBudget, plan_within_cap
-from fxoffload.step_ledger import StepLedger
+from fxoffload.backend.ranks import RankCheck, graph_key
+from fxoffload.backend.record import GraphRecord
+from fxoffload.backend.selection import Mark, RegionSelection
+from fxoffload.backend.step_budget import StepBudget, plan_within_cap
+from fxoffload.backend.step_ledger import StepLedger
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +184,7 @@ class _Compilation:
                  replannable: bool = False, graph: str = "", choose: str | None = None) -> None:
         self.backend = backend
         self.region = region
-        self.graph = graph  # the key ranks compare its plan under (fxoffload.ranks.graph_key)
+        self.graph = graph  # the key ranks compare its plan under (fxoffload.backend.ranks.graph_key)
         self.input_activations = input_activations
         self.replannable = replannable  # runs_per_step="auto" may plan it again once the step is counted
         self.choose = choose  # the candidate plan to compile (measured selection), else the fastest predicted
@@ -231,9 +241,9 @@ class OffloadBackend:
         self.records: list[GraphRecord] = []
         self._host_warned = False
         self._compile_count: dict[Any, int] = {}
-        # What each region of the step holds and how often it runs (fxoffload.step_ledger).
+        # What each region of the step holds and how often it runs (fxoffload.backend.step_ledger).
         self._ledger = StepLedger(config.runs_per_step)
-        # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.callers).
+        # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.backend.callers).
         self._callers = CallerWatch()
         # The step as its first backward showed it, and the shares of its memory budget.
         self._step = StepBudget(config.plan_options.budget, config.plan_options.device_bytes is not None)
@@ -255,7 +265,7 @@ class OffloadBackend:
     def step_caller_kept(self) -> list[tuple[KeptSource, ...]]:
         """Per invocation of :meth:`step_invocations`: the transfers (indices into its plan's
         transfers) whose source, an input of the graph, its caller kept after the graph returned
-        (``fxoffload.callers``): ``simulate_step(..., caller_kept=...)`` counts them."""
+        (``fxoffload.backend.callers``): ``simulate_step(..., caller_kept=...)`` counts them."""
         return self._ledger.caller_kept()
 
     def _region_key(self) -> tuple:
@@ -328,7 +338,7 @@ class OffloadBackend:
             # Out of reach before the first step has shown the step: a graph handed an activation most
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
-            # peak where out of reach, until the step re-plans it (see _track and fxoffload.step_budget).
+            # peak where out of reach, until the step re-plans it (see _track and fxoffload.backend.step_budget).
             provisional = True
             runs = PROVISIONAL_RUNS if input_activations and region not in self._step.shares else options.runs
             with warnings.catch_warnings():
@@ -365,7 +375,7 @@ class OffloadBackend:
         return record
 
     def _compared_as(self, region: tuple, graph: str, input_activations: frozenset[int], options: PlanOptions) -> str:
-        """The key ranks compare this plan of ``region`` under (``fxoffload.ranks``): its graph, which of its
+        """The key ranks compare this plan of ``region`` under (``fxoffload.backend.ranks``): its graph, which of its
         inputs are activations, and once the first step has shown the step, the step (each region's key
         and runs, in order) and the inputs callers keep. Data-parallel replicas share all of it; pipeline
         stages that compile one graph (a block compiled on its own) plan it for steps of their own, and
@@ -524,7 +534,7 @@ class OffloadBackend:
         return run
 
     def _select_step(self, region: tuple, state: "_RegionRun") -> None:
-        """Measured selection (``fxoffload.selection``), at a region's first forward of a step: once its plan
+        """Measured selection (``fxoffload.backend.selection``), at a region's first forward of a step: once its plan
         is final, run each candidate plan of strategy auto for its steps (compiled when its turn comes,
         timed after a warm-up step), then keep the fastest measured for good."""
         if state.selected or state.replan is not None:
@@ -585,7 +595,7 @@ class OffloadBackend:
 
     def _reserve_host(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Make the host blocks the graph's copies will take before its first run queues a kernel, for
-        the runs its plan counts (one, until the step has counted them): see ``fxoffload.pinned``."""
+        the runs its plan counts (one, until the step has counted them): see ``fxoffload.runtime.pinned``."""
         record.host_reserved = True
         runs = record.plan.runs if record.runs_learned or self.config.runs_per_step != "auto" else 1
         if (wanted := reservation(record.plan, record.forward, args, runs)) is not None:
@@ -651,7 +661,7 @@ class OffloadBackend:
                         activations: frozenset[int], patches: dict, replannable: bool = False,
                         choose: str | None = None) -> "_Compiled":
         """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
-        ``patches``: Inductor options of the compile's mode (:func:`fxoffload.compile_call.mode_patches`);
+        ``patches``: Inductor options of the compile's mode (:func:`fxoffload.backend.compile_call.mode_patches`);
         ``replannable``: the count of its runs may plan it again (see ``_track``); ``choose``: the
         candidate plan to take (measured selection)."""
         compilation = _Compilation(self, region, activations, replannable, graph_key(gm, example_inputs), choose)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes
-from fxoffload.fit import chooses_checkpointing
+from fxoffload.tools.fit import chooses_checkpointing
 from fxoffload.passes import DeviceProfile, Simulation, simulate
 
 __all__ = ["format_seconds", "plot", "plot_fit", "plot_step"]
@@ -83,7 +83,7 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
 
 
 def plot_fit(rows: Sequence[Any], memory: int, path: "str | Path", size_label: str, title: str) -> None:
-    """``fxoffload fit``'s rows (``fxoffload.fit.Row``) as device peak against size: every size each row
+    """``fxoffload fit``'s rows (``fxoffload.tools.fit.Row``) as device peak against size: every size each row
     planned, its answer starred, and the device's memory as a line. Every peak is a prediction."""
     path = _image_path(path)
     from matplotlib.figure import Figure

@@ -5,7 +5,7 @@ what differs. Two older checks stay beside the code they serve, each a ``getattr
 ``passes/ops.py`` (Inductor's ``cudagraph_unsafe`` tag) and ``partition.quick_min_cut`` (the
 partitioner's ``solve_min_cut``). Nothing branches on a version string.
 
-* ``control_deps`` (Inductor's ordering higher-order op, ``fxoffload.ordering`` wraps our ops in
+* ``control_deps`` (Inductor's ordering higher-order op, ``fxoffload.backend.ordering`` wraps our ops in
   it) gained in later releases what 2.11 lacks:
 
   - kernels for running it outside Inductor (``CompositeExplicitAutograd`` and ``Autograd``).
@@ -18,7 +18,7 @@ partitioner's ``solve_min_cut``). Nothing branches on a version string.
 
 * 2.11's lowering of ``control_deps`` keeps a dependency only when it is one tensor: a
   multi-output op (a tuple) or an op without output is silently dropped as an edge, and a wrapped
-  op must have an output. That is not patched here; ``fxoffload.ordering`` gives every edge a
+  op must have an output. That is not patched here; ``fxoffload.backend.ordering`` gives every edge a
   tensor on every release, and ``prefetch_ahead`` returns one (``fxoffload.passes.ops``).
 
 * Compiled autograd's context (``torch._dynamo.compiled_autograd._enable``) sets the module's

@@ -2,13 +2,13 @@
 
     fxoffload fit --preset llama-3-8b --device-memory 80GB --reserved 16GB --profile h100-pcie5 --batch 1
 
-For each row of ``fxoffload.fit.SETUPS`` (plain, checkpointing, checkpointing+offload, fxoffload at
+For each row of ``fxoffload.tools.fit.SETUPS`` (plain, checkpointing, checkpointing+offload, fxoffload at
 most +1%, fxoffload) it
 searches the longest sequence on a grid (``--granularity``, 256 tokens by default; with ``--seq``,
 the largest batch instead) whose predicted device peak, with what is reserved, fits the device's
 memory: each probe builds the model with fake tensors, compiles one training step as one graph
 with the fxoffload backend (``inner="eager"``, nothing runs) and reads the plan's device peak
-(``fxoffload.fit.largest_fitting`` picks the sizes). It prints each row's answer with the predicted
+(``fxoffload.tools.fit.largest_fitting`` picks the sizes). It prints each row's answer with the predicted
 step time and tokens per second there, what sets the limit (read at the next size up, planned too),
 the ``fxoffload plan`` command that reproduces the answer, and plots device peak against size.
 Every memory and time figure is a prediction; only the command's own run time is measured.
@@ -27,9 +27,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from fxoffload.flags import add_batch, add_device, add_model_source, add_output, add_shape
-from fxoffload.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
-from fxoffload.fit import (
+from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
+from fxoffload.tools.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
+from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
     limit_at_peak,
 )
@@ -42,7 +42,7 @@ DEFAULT_MAX_BATCH = 256
 
 
 def add_fit_parser(commands: Any) -> None:
-    from fxoffload.models import PRESETS
+    from fxoffload.tools.models import PRESETS
     from fxoffload.profiles import PROFILES
 
     fit = commands.add_parser(
@@ -69,7 +69,7 @@ def add_fit_parser(commands: Any) -> None:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from fxoffload.models import DTYPES, ModelError
+    from fxoffload.tools.models import DTYPES, ModelError
 
     started = time.perf_counter()
     progress = Progress(args.quiet)
@@ -106,7 +106,7 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
-    from fxoffload.plot import plot_fit
+    from fxoffload.tools.plot import plot_fit
 
     fixed = f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
     plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
@@ -165,7 +165,7 @@ def _common_options(args: argparse.Namespace) -> dict[str, Any]:
 def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, reserved: int, common: dict,
                by_batch: bool) -> Callable[[Setup, int, bool], Point]:
     """Plans one step of a setup at a size (fake tensors, one graph) and reads its device peak: see
-    ``fxoffload.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
+    ``fxoffload.tools.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
     from fxoffload.passes import BudgetInfeasibleWarning, optimizer_step, simulate
     from fxoffload.profiles import resolve_profile
 

@@ -6,12 +6,12 @@
   that reads before its ``wait`` sees poison, not stale memory that happens to hold the right
   values. Tests inject a delay (``fxoffload.runtime.copy_delay``) to widen every race.
 * :class:`CudaEngine`: one copy stream per direction and device, completion by CUDA events, host
-  buffers from PyTorch's caching pinned-host allocator (``fxoffload.pinned``). No ``record_stream``:
+  buffers from PyTorch's caching pinned-host allocator (``fxoffload.runtime.pinned``). No ``record_stream``:
   the source of every copy is kept alive by its record (and, in the graph, by the ``keepalive``
   argument of ``wait``) until the compute stream has waited for the copy's event, after which
   freeing it is ordered after the copy. Both ends of a copy are dense blocks (:func:`dense_ends`).
 
-Each engine makes a :class:`~fxoffload.runtime_state.CopyRecord` per copy and registers it
+Each engine makes a :class:`~fxoffload.runtime.state.CopyRecord` per copy and registers it
 (``runtime_state.register``); the runtime's op kernels find it there. Limits: one device per
 engine call; the CUDA engine's copies of several devices share nothing but the registry.
 """
@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fxoffload import pinned
-from fxoffload.runtime_state import STATE, CopyRecord, event, register, retire
+from fxoffload.runtime import pinned
+from fxoffload.runtime.state import STATE, CopyRecord, event, register, retire
 
 __all__ = ["CpuEngine", "CudaEngine"]
 
@@ -84,7 +84,7 @@ class CpuEngine:
         return transfer
 
     def timing_mark(self, device: torch.device) -> float:
-        """Now, for timing a graph (``fxoffload.selection``): compute runs on the calling thread, and a
+        """Now, for timing a graph (``fxoffload.backend.selection``): compute runs on the calling thread, and a
         wait joins its copy there, so the host clock sees both."""
         return time.perf_counter()
 
@@ -144,7 +144,7 @@ class CudaEngine:
     ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises),
     ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
     ``torch.empty``; a pageable buffer would make each copy synchronous), and ``host_release()``
-    gives back the cached ones no tensor uses (default: PyTorch's; see ``fxoffload.pinned``).
+    gives back the cached ones no tensor uses (default: PyTorch's; see ``fxoffload.runtime.pinned``).
     This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
     fake of that API on CPU tensors, and the fake's ``host_empty`` and ``release_host`` (this
     CPU-only build cannot pin; the fake marks its buffers pinned, flags a copy without one, and
@@ -231,7 +231,7 @@ class CudaEngine:
 
     def timing_mark(self, device: torch.device) -> Any:
         """A timing event recorded on ``device``'s compute stream now, for timing a graph on the device
-        (``fxoffload.selection``): what runs between two marks, waits for copies included."""
+        (``fxoffload.backend.selection``): what runs between two marks, waits for copies included."""
         mark = self.api.Event(enable_timing=True)
         mark.record(self.api.current_stream(device))
         return mark
@@ -242,7 +242,7 @@ class CudaEngine:
         return start.elapsed_time(end) / 1e3
 
     def reserve_host(self, nbytes: Sequence[int]) -> None:
-        """Make the pinned blocks copies of ``nbytes`` will take, before they run (``fxoffload.pinned``)."""
+        """Make the pinned blocks copies of ``nbytes`` will take, before they run (``fxoffload.runtime.pinned``)."""
         pinned.reserve_blocks(self._host_empty, nbytes)
 
     def release_host(self) -> int | None:
