@@ -314,7 +314,7 @@ def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None
 
 
 def _is_process_group(value: Any) -> bool:
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: only a process group given as check_ranks needs it
 
     return dist.is_available() and isinstance(value, dist.ProcessGroup)
 

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from fxoffload import runtime  # noqa: F401  (calibrate copies through the ops' engines)
 from fxoffload.errors import OptionError
 from fxoffload.passes import DeviceProfile
+
 
 __all__ = ["PROFILES", "DEFAULT_PROFILE", "DeviceProfile", "available_host_memory", "calibrate", "local_processes",
            "op_call_seconds", "resolve_profile"]
@@ -182,7 +184,6 @@ def op_call_seconds(device: "str | torch.device" = "cpu", calls: int = 300) -> d
     """Median host seconds of each fxoffload op call of one transfer (:data:`OP_CALLS`), on the engine
     that copies ``device``'s tensors now, with a 4 KiB tensor (the copy itself negligible). On CUDA the
     device is synchronised between transfers, outside the timing: this is what the issuing thread pays."""
-    from fxoffload import runtime  # noqa: F401  (the ops' engines)
 
     ops, device = torch.ops.fxoffload, torch.device(device)
     x = torch.randn(1024, device=device)

@@ -182,3 +182,11 @@ def test_each_room_says_what_it_owns_and_what_it_may_import():
     for room in rooms:
         doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
         assert "Owns:" in doc and "May import:" in doc, f"{room.relative_to(ROOT)}/__init__.py"
+
+
+def test_our_modules_are_imported_at_module_level():
+    """No module of ours imports another inside a function (a lazy import once hid the cli <-> fit_command
+    cycle from this file's cycle test). Imports inside functions are left to optional or heavy third-party
+    modules (transformers, matplotlib, Inductor, torch.distributed), each with its reason beside it."""
+    lazy = {name: sorted(inside) for name, (_, inside) in actual_imports().items() if inside}
+    assert not lazy, lazy

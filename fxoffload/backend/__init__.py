@@ -139,7 +139,7 @@ class _Replan:
             return None
         # Fake copies: the inputs dynamo hands over may be the real tensors of the first call (its
         # activations and batch), which must not live as long as the compiled function.
-        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # here: a re-plan's copy alone
 
         if not all(isinstance(t, FakeTensor) for t in example_inputs if isinstance(t, torch.Tensor)):
             mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
@@ -210,7 +210,7 @@ class _Compilation:
         return compile_graph
 
     def inductor_inner(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.compile_fx import compile_fx_inner  # Inductor: loaded only under inner="inductor"
 
         is_backward = kwargs.get("is_backward", False)
         if not kwargs.get("is_inference", False):
@@ -672,7 +672,7 @@ class OffloadBackend:
         """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations)
         if self.config.inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx
+            from torch._inductor.compile_fx import compile_fx  # Inductor: loaded only under inner="inductor"
 
             constrain_offload_sources()
             return compile_fx(
@@ -681,6 +681,7 @@ class OffloadBackend:
                 inner_compile=compilation.inductor_inner,
                 config_patches={**patches, **no_cudagraphs(), "custom_partitioner_fn": partitioner},
             )
+        # Loaded at the first compile under inner="eager" (Inductor's decompositions load its lowering).
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
@@ -741,7 +742,7 @@ def _left_words(nbytes: int) -> str:
 
 def _refuse_several_ranks() -> None:
     """select="measured" in one process only: ranks would time apart and plan apart."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: select="measured" alone needs it
 
     if dist.is_available() and dist.is_initialized() and (ranks := dist.get_world_size()) > 1:
         raise OptionError("select", f"select='measured' in a job of {ranks} ranks: each rank would time its own "
@@ -786,6 +787,7 @@ def register_backend_name() -> None:
     """Register ``"fxoffload"`` with dynamo where no entry point names it: a checkout run without
     ``pip install`` (``PYTHONPATH=.``, as on a machine where nothing installs). An installed
     package's entry point (pyproject.toml) names the same function; then this does nothing."""
+    # Here: dynamo's registry is read once, at import of the package.
     from torch._dynamo import list_backends
     from torch._dynamo.backends.registry import register_backend
 

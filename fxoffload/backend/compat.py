@@ -52,7 +52,7 @@ def _run_subgraph(additional_deps, subgraph, *args, **kwargs):
 def ensure_control_deps() -> None:
     """Give Inductor's ``control_deps`` the eager kernels and the side-effect mark it lacks on
     older releases (2.11); a no-op where they exist. Idempotent."""
-    from torch._inductor.fx_passes.control_dependencies import control_deps
+    from torch._inductor.fx_passes.control_dependencies import control_deps  # Inductor: loaded under inner="inductor"
 
     for key in (DispatchKey.CompositeExplicitAutograd, DispatchKey.Autograd):
         if key not in control_deps.py_kernels:
@@ -64,6 +64,7 @@ def ensure_control_deps() -> None:
 @contextlib.contextmanager
 def native_offload_bandwidth(gib_per_second: float) -> Iterator[None]:
     """PyTorch's offloading pass prices its copies at ``gib_per_second`` (GiB/s, its unit) inside."""
+    # Here: only the benchmarks that run PyTorch's own offloading pass need these.
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

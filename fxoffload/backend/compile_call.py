@@ -28,7 +28,7 @@ MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes w
 def mode_patches(mode: str | None, unknown: dict) -> dict:
     """The Inductor options of a ``torch.compile`` mode; ValueError for modes with CUDA graphs and unknown keywords."""
     if mode in MODES and not unknown:
-        from torch._inductor import list_mode_options
+        from torch._inductor import list_mode_options  # Inductor: loaded when a mode asks for it
 
         return dict(list_mode_options(mode)) if mode not in (None, "default") else {}
     given = f"mode={mode!r}" if mode not in MODES else ", ".join(map(repr, unknown))
@@ -44,7 +44,7 @@ _warned_cudagraphs: list[bool] = []
 
 def no_cudagraphs() -> dict:
     """Inductor options that keep CUDA graphs off our graphs, warning once when the global setting asked for them."""
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # Inductor: loaded when a graph is compiled
 
     if inductor_config.triton.cudagraphs and not _warned_cudagraphs:
         _warned_cudagraphs.append(True)

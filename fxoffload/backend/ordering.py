@@ -87,7 +87,7 @@ def _offload_source_layout(node: fx.Node, x, *args, **kwargs):
     (the op's ``flexible_layout`` tag). Without it, an offload that is the first reader freezes the
     source in the order its own reads are cheapest: the attention's transposed clone kept the
     transposed layout, and the output projection's matmul then needed a copy kernel of it."""
-    from torch._inductor import ir
+    from torch._inductor import ir  # Inductor: loaded under inner="inductor"
 
     value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
     if isinstance(x, ir.TensorBox) and isinstance(value, torch.Tensor):

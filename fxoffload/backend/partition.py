@@ -131,6 +131,7 @@ def quick_min_cut():
       fake tensors), and networkx's allocations set one off every few hundred milliseconds. The
       discarded graphs are collected once, after the passes.
     """
+    # Here, at the first partition: PyTorch's partitioner module loads Inductor's config and networkx.
     from networkx.algorithms import flow
     from torch._functorch import partitioners
 

@@ -41,6 +41,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+import fxoffload
+from fxoffload import runtime
+from fxoffload.passes import plan_digest, simulate
+from fxoffload.tools.measure import measure_peak
+
+
 __all__ = ["CheckConfig", "CheckReport", "Figure", "TinyGPT", "run_check"]
 
 MEMORY_TOLERANCE = 0.10
@@ -189,7 +195,6 @@ def _step_memory(model: torch.nn.Module, ids: torch.Tensor, cuda: bool) -> dict[
         torch.cuda.synchronize()
         peak = {"total": torch.cuda.max_memory_allocated() - before}
     else:
-        from fxoffload.tools.measure import measure_peak
 
         measured = measure_peak(step)
         peak = {"total": measured.total_peak, "activation": measured.activation_peak, "host": measured.host_peak}
@@ -215,7 +220,6 @@ def _time_figure(name: str, predicted: float, measured: float, cuda: bool) -> Fi
 def _numerics(plain: tuple, offloaded: tuple, models: tuple, staged_planned: int) -> list[Figure]:
     """Losses and final weights of the two runs, the transfers left pending, and what debug mode counted
     (``staged_planned``: the copies the plans put through a staging buffer over the run's steps)."""
-    from fxoffload import runtime
 
     losses = torch.tensor(plain[0], dtype=torch.float64), torch.tensor(offloaded[0], dtype=torch.float64)
     weights = [(a.detach(), b.detach()) for a, b in zip(models[0].parameters(), models[1].parameters())]
@@ -241,7 +245,6 @@ def _compiled(model: torch.nn.Module, inner: str, backend: Any = None) -> Callab
 
 def run_check(config: CheckConfig = CheckConfig(), progress: Callable[[str], None] = lambda _: None) -> CheckReport:
     """Run the check (see the module docstring) and return its report."""
-    from fxoffload import runtime
 
     cuda = torch.cuda.is_available()
     config = config.on(cuda)
@@ -259,7 +262,6 @@ def run_check(config: CheckConfig = CheckConfig(), progress: Callable[[str], Non
 
 def _on_this_device(config: CheckConfig, cuda: bool, progress) -> tuple[CheckReport, torch.device, Any]:
     """The report begun, the device, and its profile (on CUDA, calibrated: ``fxoffload.calibrate``)."""
-    import fxoffload
 
     if cuda:
         progress("calibrating the link and the device (fxoffload.calibrate)")
@@ -279,9 +281,6 @@ def _on_this_device(config: CheckConfig, cuda: bool, progress) -> tuple[CheckRep
 
 
 def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile: Any, progress) -> None:
-    import fxoffload
-    from fxoffload.passes import simulate
-
     cuda = report.cuda
     torch.manual_seed(config.seed)
     base = TinyGPT(config).to(device)
@@ -323,7 +322,6 @@ def _run(report: CheckReport, config: CheckConfig, device: torch.device, profile
 
 def _one_record(debug: Any, timed: Any) -> Any:
     """The one graph both runs compiled, planned alike (plans do not depend on debug mode)."""
-    from fxoffload.passes import plan_digest
 
     if len(debug.records) != 1 or len(timed.records) != 1:
         raise RuntimeError(f"fxoffload check: expected one compiled graph per run, got {len(debug.records)} and "

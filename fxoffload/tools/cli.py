@@ -23,19 +23,21 @@ import json
 import sys
 from typing import Sequence
 
-
+from fxoffload.config import OptionError, parse_budget
+from fxoffload.profiles import PROFILES
+from fxoffload.tools.check import CheckConfig, format_report, run_check
+from fxoffload.tools.fit_command import add_fit_parser, run_fit
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
+from fxoffload.tools.models import CHECKPOINTING, PRESETS
 from fxoffload.tools.plan_command import run_plan
 from fxoffload.tools.report import print_report
 from fxoffload.tools.tracing import Progress, UsageError, number_or_text
+
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fxoffload.tools.models import CHECKPOINTING, PRESETS
-    from fxoffload.profiles import PROFILES
-
     parser = argparse.ArgumentParser(prog="fxoffload", description="fxoffload: activation offloading for torch.compile")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser(
@@ -80,7 +82,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--all-eligible", action="store_true",
                       help="with --budget none: offload (or under --strategy recompute, recompute) every eligible "
                            "saved tensor, whether or not that lowers the peak, as naive offloading does")
-    from fxoffload.tools.fit_command import add_fit_parser
 
     add_fit_parser(commands)
     check = commands.add_parser(
@@ -110,7 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "fit":
-            from fxoffload.tools.fit_command import run_fit
 
             return run_fit(args)
         return _check(args) if args.command == "check" else _plan(args)
@@ -121,8 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """``fxoffload check``: see ``fxoffload.tools.check``."""
-    from fxoffload.tools.check import CheckConfig, format_report, run_check
-    from fxoffload.config import OptionError, parse_budget
 
     budget = None if args.budget.lower() == "none" else number_or_text(args.budget)
     try:

@@ -29,6 +29,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from fxoffload.passes import Why, curve, on_device, scheduled_moves, staging_temporaries
+
+
 __all__ = ["FitError", "Grid", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS",
            "WITHIN_ONE_PERCENT", "chooses_checkpointing", "fit_rows", "largest_fitting", "limit_at_peak"]
 
@@ -249,7 +252,6 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     ``vocab``), the saved activations kept, and everything else alive there; the code names the
     fixed bytes when they alone reach ``memory``, else the largest share, except that saved
     activations when the host budget held a copy back are the host budget's limit."""
-    from fxoffload.passes import Why, curve, on_device, scheduled_moves, staging_temporaries
 
     plan, timeline, schedule = record.plan, record.timeline, record.schedule
     moved = scheduled_moves(plan, timeline, schedule)

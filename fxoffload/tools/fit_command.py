@@ -27,12 +27,18 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
-from fxoffload.tools.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
+from fxoffload.config import OffloadConfig, OptionError
+from fxoffload.passes import BudgetInfeasibleWarning, optimizer_step, simulate
+from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
     limit_at_peak,
 )
+from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
+from fxoffload.tools.models import DTYPES, PRESETS, ModelError
+from fxoffload.tools.plot import plot_fit
+from fxoffload.tools.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
+
 
 __all__ = ["add_fit_parser", "run_fit"]
 
@@ -42,9 +48,6 @@ DEFAULT_MAX_BATCH = 256
 
 
 def add_fit_parser(commands: Any) -> None:
-    from fxoffload.tools.models import PRESETS
-    from fxoffload.profiles import PROFILES
-
     fit = commands.add_parser(
         "fit", help="the longest sequence (or largest batch) a GPU trains a model at, per strategy, predicted "
                     "from fake tensors (nothing runs on a GPU)",
@@ -69,8 +72,6 @@ def add_fit_parser(commands: Any) -> None:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from fxoffload.tools.models import DTYPES, ModelError
-
     started = time.perf_counter()
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
@@ -106,8 +107,6 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
-    from fxoffload.tools.plot import plot_fit
-
     fixed = f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
     plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
              f"{source.name}, {fixed}, {args.dtype}: device peak against {memory / 1e9:.0f} GB, predicted on "
@@ -138,7 +137,6 @@ def _grid(args: argparse.Namespace, source: Any) -> Grid:
 
 def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
     """--device-memory and --reserved in bytes, checked as device_budget and reserved are."""
-    from fxoffload.config import OffloadConfig, OptionError
 
     try:
         config = OffloadConfig(device_budget=number_or_text(args.device_memory),
@@ -150,8 +148,6 @@ def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _common_options(args: argparse.Namespace) -> dict[str, Any]:
-    from fxoffload.config import OffloadConfig, OptionError
-
     host = None if args.host_budget.lower() == "none" else number_or_text(args.host_budget)
     options = dict(device_profile=args.profile, min_bytes=min_bytes_of(args), inner="eager", host_budget=host)
     try:
@@ -166,8 +162,6 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
                by_batch: bool) -> Callable[[Setup, int, bool], Point]:
     """Plans one step of a setup at a size (fake tensors, one graph) and reads its device peak: see
     ``fxoffload.tools.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
-    from fxoffload.passes import BudgetInfeasibleWarning, optimizer_step, simulate
-    from fxoffload.profiles import resolve_profile
 
     def evaluate(setup: Setup, size: int, answer: bool) -> Point:
         batch, seq = (size, args.seq) if by_batch else (args.batch, size)

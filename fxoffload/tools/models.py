@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -398,8 +399,6 @@ def _selective_ops() -> frozenset:
 def _selective_policy(saved: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     # PREFER_SAVE, where torchtitan says MUST_SAVE: fxoffload keeps a MUST_SAVE on the device,
     # and a saved matmul output is exactly what a budget may need to offload.
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.PREFER_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -414,6 +413,7 @@ def checkpoint_layers(model: torch.nn.Module, mode: str, origin: str) -> int:
         raise ModelError(f"--checkpointing: got {mode!r}; accepted: {', '.join(CHECKPOINTING)}")
     if mode == "none":
         return 0
+    # Here: torch.distributed is absent from some builds, and only checkpointing needs the wrapper.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, checkpoint_wrapper
 
     if any(getattr(m, "gradient_checkpointing", False) is True or isinstance(m, ActivationWrapper)
@@ -426,8 +426,6 @@ def checkpoint_layers(model: torch.nn.Module, mode: str, origin: str) -> int:
                          "one layer class) to checkpoint")
     kwargs = {}
     if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         policy = functools.partial(_selective_policy, _selective_ops())
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for i, layer in enumerate(layers):

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes
+from fxoffload.passes import DeviceProfile, Simulation, simulate, simulate_step
 from fxoffload.tools.fit import chooses_checkpointing
-from fxoffload.passes import DeviceProfile, Simulation, simulate
+
 
 __all__ = ["format_seconds", "plot", "plot_fit", "plot_step"]
 
@@ -55,7 +56,6 @@ def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DevicePro
               title: str | None = None, budget: int | None = None) -> Any:
     """Replay a step of several compiled-graph runs (``fxoffload.passes.step.simulate_step``: records in the
     order they ran) and draw it to ``path``: every run, copies crossing run boundaries included."""
-    from fxoffload.passes import simulate_step
 
     path = _image_path(path)
     from matplotlib.figure import Figure

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from fxoffload.config import parse_budget
+from fxoffload.explain import explain, format_bytes, format_stages
+from fxoffload.passes import Why, activation_peaks_at, plan_digest, plan_sizes, simulate, simulate_step
+from fxoffload.tools.plot import format_seconds
+
+
 __all__ = ["plan_report", "print_report", "range_report", "step_report", "with_optimizer"]
 
 
 def _optimizer_words(report: dict) -> str:
-    from fxoffload.explain import format_bytes
-
     state = report["step"]["optimizer_state_bytes"]
     return f", the optimizer's state {format_bytes(state)}" if state else ""
 
@@ -40,8 +44,6 @@ def _device_peaks(plan: Any) -> dict:
 def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> list[dict]:
     """The graph's predicted activation peaks at both ends of the range (planned at the longest);
     a fractional budget is the same fraction at every length."""
-    from fxoffload.config import parse_budget
-    from fxoffload.passes import activation_peaks_at, plan_sizes
 
     plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
@@ -70,7 +72,6 @@ def plan_report(records: list, planned: Mapping[str, Any]) -> dict:
     """Each compiled graph's figures (predicted: memory model, cost model, simulator), after ``planned``:
     what was planned, as the command was asked (model, batch, seq, dtype, layers, checkpointing, budget,
     horizon)."""
-    from fxoffload.passes import Why, plan_digest, simulate
 
     graphs = []
     for record in records:
@@ -132,8 +133,6 @@ def with_optimizer(step: dict, optimizer: dict) -> dict:
 
 def step_report(invocations: list, memory_budget: Any) -> dict:
     """The step's figures: every compiled-graph invocation replayed as one step (simulated)."""
-    from fxoffload.config import parse_budget
-    from fxoffload.passes import simulate_step
 
     sim = simulate_step(invocations)
     budget = parse_budget(memory_budget)
@@ -168,9 +167,6 @@ def step_report(invocations: list, memory_budget: Any) -> dict:
 
 
 def print_report(report: dict, records: list) -> None:
-    from fxoffload.explain import explain, format_bytes, format_stages
-    from fxoffload.tools.plot import format_seconds
-
     for record, graph in zip(records, report["graphs"]):
         print(explain(record))
         print()

@@ -16,6 +16,17 @@ import time
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fxoffload
+from fxoffload.backend.partition import with_stack_headroom
+from fxoffload.config import OffloadConfig, OptionError, parse_budget
+from fxoffload.explain import format_bytes, format_stages
+from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError, optimizer_step, tensor_nbytes
+from fxoffload.profiles import resolve_profile
+from fxoffload.tools import models
+from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line
+
 
 __all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "seq_range", "trace_step"]
 
@@ -49,7 +60,6 @@ def number_or_text(text: str) -> Any:
 
 def min_bytes_of(args: argparse.Namespace) -> Any:
     """``--min-bytes`` as a number of bytes (a size like 1MiB is parsed); a UsageError naming the forms."""
-    from fxoffload.config import parse_budget
 
     min_bytes = number_or_text(args.min_bytes)
     if isinstance(min_bytes, (str, float)):
@@ -77,8 +87,6 @@ def seq_range(text: str | None) -> tuple[int, ...] | None:
 
 
 def model_source(args: argparse.Namespace):
-    from fxoffload.tools import models
-
     if args.preset or args.config:
         try:
             import transformers  # noqa: F401
@@ -99,12 +107,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
            lengths: tuple[int, ...] | None = None):
     """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
     ``--optimizer``) joins what is reserved under a device budget."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import fxoffload
-    from fxoffload.explain import format_stages
-    from fxoffload.tools.models import checkpoint_layers, layer_list
-    from fxoffload.backend.partition import with_stack_headroom
 
     torch._dynamo.reset()
     seconds = {}
@@ -170,8 +173,6 @@ class _Traced(NamedTuple):
 
 def _optimizer(step: Any, kind: str, options: dict) -> dict:
     """The optimizer's figures for the model's parameters (predicted): state bytes and step seconds."""
-    from fxoffload.passes import optimizer_step, tensor_nbytes
-    from fxoffload.profiles import resolve_profile
 
     if kind != "none" and not isinstance(step, torch.nn.Module):
         raise UsageError(f"--optimizer {kind}: the model's step is not a torch.nn.Module, so its parameters are "
@@ -186,8 +187,6 @@ def _optimizer(step: Any, kind: str, options: dict) -> dict:
 
 def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
     """``options`` with the optimizer's state added to what is reserved of the device budget."""
-    from fxoffload.config import OffloadConfig, OptionError
-    from fxoffload.explain import format_bytes
 
     reserved = OffloadConfig(**options).reserved_bytes + optimizer["state_bytes"]
     try:
@@ -204,8 +203,6 @@ def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
 def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
     budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
-    from fxoffload.tools.models import ModelError, one_line
-    from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):
