@@ -190,3 +190,12 @@ def test_our_modules_are_imported_at_module_level():
     modules (transformers, matplotlib, Inductor, torch.distributed), each with its reason beside it."""
     lazy = {name: sorted(inside) for name, (_, inside) in actual_imports().items() if inside}
     assert not lazy, lazy
+
+
+def test_the_backend_asks_the_step_coordinator_and_never_its_parts():
+    """One object owns the step's ledger and budget (``StepCoordinator``): the backend imports neither
+    part's class, so it cannot write into their dicts."""
+    source = (ROOT / "fxoffload" / "backend" / "__init__.py").read_text()
+    names = {a.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+             for a in node.names}
+    assert "StepCoordinator" in names and not names & {"StepLedger", "StepBudget"}, sorted(names)

@@ -37,7 +37,7 @@ by the rewritten graphs) stays on.
 Owns: the backend and the step it compiles for. This package's ``__init__`` is the backend; beside
 it, what a compile call says (``compile_call``), the partition hook (``partition``), the inserted ops'
 order for Inductor (``ordering``), a graph's record (``record``), the step's bookkeeping
-(``step_ledger``, ``step_budget``), the checks across ranks (``ranks``) and on callers (``callers``),
+(``step_coordinator``, which owns ``step_ledger`` and ``step_budget``), the checks across ranks (``ranks``) and on callers (``callers``),
 measured selection's schedule (``selection``) and what differs between torch releases (``compat``).
 
 May import: the passes (``fxoffload.passes``, through their face), the runtime (``fxoffload.runtime``)
@@ -71,7 +71,7 @@ from fxoffload.backend.ordering import constrain_offload_sources, pin_offload_or
 from fxoffload.backend.partition import Partitioner, with_stack_headroom
 from fxoffload.runtime.pinned import reservation
 from fxoffload.passes import (
-    Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
+    BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
     PassResult, Plan, PlanOptions, Share, held_after_forward, inputs_at, plan_best_partition, plan_digest,
     rewrite_planned, unbounded_size_warning,
 )
@@ -79,8 +79,8 @@ from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.backend.ranks import RankCheck, graph_key
 from fxoffload.backend.record import GraphRecord
 from fxoffload.backend.selection import Mark, RegionSelection
-from fxoffload.backend.step_budget import StepBudget, plan_within_cap
-from fxoffload.backend.step_ledger import StepLedger
+from fxoffload.backend.step_budget import plan_within_cap
+from fxoffload.backend.step_coordinator import StepCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +241,11 @@ class OffloadBackend:
         self.records: list[GraphRecord] = []
         self._host_warned = False
         self._compile_count: dict[Any, int] = {}
-        # What each region of the step holds and how often it runs (fxoffload.backend.step_ledger).
-        self._ledger = StepLedger(config.runs_per_step)
+        # The step: what each region holds and how often it runs, and the shares of its memory budget
+        # (fxoffload.backend.step_coordinator).
+        self._step = StepCoordinator(config)
         # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.backend.callers).
         self._callers = CallerWatch()
-        # The step as its first backward showed it, and the shares of its memory budget.
-        self._step = StepBudget(config.plan_options.budget, config.plan_options.device_bytes is not None)
         self._steps = 0  # steps begun (a new one at the first forward after a backward began)
         self._compared_graph: dict[tuple, str] = {}  # each region's first key for the rank check
 
@@ -260,13 +259,13 @@ class OffloadBackend:
         """The latest step's forward invocations, in the order they ran: the record of the graph that
         ran, once per run (one graph serving 32 layers appears 32 times).
         ``fxoffload.passes.step.simulate_step`` replays it."""
-        return self._ledger.invocations()
+        return self._step.invocations()
 
     def step_caller_kept(self) -> list[tuple[KeptSource, ...]]:
         """Per invocation of :meth:`step_invocations`: the transfers (indices into its plan's
         transfers) whose source, an input of the graph, its caller kept after the graph returned
         (``fxoffload.backend.callers``): ``simulate_step(..., caller_kept=...)`` counts them."""
-        return self._ledger.caller_kept()
+        return self._step.caller_kept()
 
     def _region_key(self) -> tuple:
         """The compiled region being compiled: its frame, and its place among the graphs of one
@@ -277,28 +276,6 @@ class OffloadBackend:
         self._compile_count[compile_id] = count + 1
         again = getattr(compile_id, "frame_compile_id", None)  # a frame's graphs coexist: each is a region
         return (frame, again, count) if frame is not None else ("graph", len(self.records))
-
-    def _options_for(self, region: tuple) -> tuple[PlanOptions, int]:
-        """The plan options of ``region``, and the bytes earlier regions hold: an
-        absolute budget is for the whole step, so a region gets what earlier regions leave of it;
-        once the step is known, a region re-planned with its share of the budget gets that share."""
-        options = dataclasses.replace(self.config.plan_options, runs=self._ledger.runs_of(region))
-        earlier = self._ledger.earlier(region, self._step)
-        if options.host_bytes is not None:  # the step's host budget, less what earlier regions' copies take
-            host = self._ledger.host_before(earlier)
-            options = dataclasses.replace(options, host_bytes=max(options.host_bytes - host, 0))
-        held = self._ledger.held_before(earlier)
-        if (share := self._step.shares.get(region)) is not None:
-            # The step's accounting: an activation one region hands the next counts in the curve of the
-            # region that saves it (which may offload it: a layer's input), never in both.
-            return dataclasses.replace(options, budget=Budget(nbytes=share.budget), held_cap=share.held_cap,
-                                       count_outputs=False,
-                                       kept_inputs=self._ledger.kept_inputs.get(region, frozenset())), held
-        if options.device_bytes is not None and held:
-            return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
-        if options.budget is None or options.budget.nbytes is None or not held:
-            return options, held
-        return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
 
     def plan_region(
         self, compilation: "_Compilation", fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
@@ -311,8 +288,8 @@ class OffloadBackend:
         fastest predicted."""
         region, input_activations, choose = compilation.region, compilation.input_activations, compilation.choose
         replannable, graph = compilation.replannable, compilation.graph
-        place = self._ledger.place(region)
-        options, held_before = self._options_for(region)
+        place = self._step.place(region)
+        options, held_before = self._step.options_for(region)
         options = dataclasses.replace(options, total_cap=plain_total,
                                       staging_devices=fxoffload.runtime.staging_device_types())
 
@@ -333,14 +310,15 @@ class OffloadBackend:
         except BudgetInfeasibleError as error:
             # Waiting for the step's shares may bring a budget within reach, not a cheaper plan of one.
             overhead = isinstance(error, OverheadExceededError)
-            if overhead or not (retry or self._may_wait(region, input_activations, replannable, held_before)):
-                raise self._in_step(error, place, held_before, options, region) from None
+            if overhead or not (retry or self._step.may_wait(region, bool(input_activations), replannable,
+                                                            held_before)):
+                raise self._step.in_step(error, region, held_before, options) from None
             # Out of reach before the first step has shown the step: a graph handed an activation most
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
             # peak where out of reach, until the step re-plans it (see _track and fxoffload.backend.step_budget).
             provisional = True
-            runs = PROVISIONAL_RUNS if input_activations and region not in self._step.shares else options.runs
+            runs = PROVISIONAL_RUNS if input_activations and not self._step.has_share(region) else options.runs
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", BudgetInfeasibleWarning)
                 fw, bw, planned = plan(dataclasses.replace(options, runs=runs, on_infeasible="warn"))
@@ -352,19 +330,19 @@ class OffloadBackend:
             warnings.warn(warning, stacklevel=2)
         held = self._note_plan(region, result.plan, result.timeline, result.schedule)
         self._check_host_memory(fw)
+        fields = self._step.fields(region)
         record = GraphRecord(
             index=len(self.records), forward=fw, backward=bw, plan=result.plan, schedule=result.schedule,
             pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
             profile=self.config.profile, work=result.work, region=place, held_before=held_before,
             held_after=held_before + held, offloaded_inputs=offloaded_inputs(result.plan),
-            provisional=provisional, provisional_short=short, step_share=self._step.shares.get(region),
-            step_budget=self._step.budget_bytes() if region in self._step.shares else None,
-            step_round=self._step.round if region in self._step.shares else -1,
+            provisional=provisional, provisional_short=short, step_share=fields.share,
+            step_budget=fields.budget_bytes, step_round=fields.round,
             largest_saved_input=_largest_saved_input(fw, result.plan, input_activations),
             candidates=result.candidates, candidate_key=choose,
         )
         self.records.append(record)
-        self._ledger.note_record(record.index, region)
+        self._step.note_record(record.index, region)
         log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if (check := self._rank_check) is not None:
             check.planned(self._compared_as(region, graph, input_activations, options), record.index,
@@ -383,10 +361,10 @@ class OffloadBackend:
         ones share keys, and their plans are compared."""
         key = f"{graph}/in:{','.join(map(str, sorted(input_activations)))}"
         self._compared_graph.setdefault(region, key)
-        shape = self._step.shape
-        if shape is None:
+        regions = self._step.regions()
+        if regions is None:
             return key
-        step = repr([(self._compared_graph.get(r.region, "?"), r.runs) for r in shape.regions])
+        step = repr([(self._compared_graph.get(r.region, "?"), r.runs) for r in regions])
         kept = ",".join(map(str, sorted(options.kept_inputs)))
         return f"{key}/step:{hashlib.sha256(step.encode()).hexdigest()[:16]}/kept:{kept}"
 
@@ -394,60 +372,8 @@ class OffloadBackend:
         """Tell the ledger what a plan of ``region`` holds, takes and spills; what one run leaves for its backward."""
         deferred = sum(int(plan.transfers[p.transfer].nbytes) for p in schedule.placements if p.deferred)
         held = held_after_forward(plan, timeline, schedule)
-        self._ledger.note_plan(region, held, plan.pinned_host_bytes, max(deferred, schedule.ahead_bytes))
+        self._step.note_plan(region, held, plan.pinned_host_bytes, max(deferred, schedule.ahead_bytes))
         return held
-
-    def _may_wait(self, region: tuple, input_activations: frozenset[int], replannable: bool, held_before: int) -> bool:
-        """Whether a region whose budget is out of reach may run the first step provisionally, to be
-        re-planned once the step is known: under runs_per_step="auto", before the step has counted it,
-        when it is handed an activation (it may serve several layers), or under a memory budget that
-        the rest of the step may make room for (a fraction, or bytes that earlier regions took some of).
-        An absolute budget out of reach with nothing before it is out of reach for the step."""
-        if not replannable or region in self._ledger.counted or region in self._step.shares:
-            return False
-        options = self.config.plan_options
-        if input_activations:
-            return True
-        return (options.device_bytes is None and options.budget is not None
-                and (options.budget.nbytes is None or held_before > 0))
-
-    def _needs_replan(self, region: tuple, record: "GraphRecord | None", share: Share | None) -> bool:
-        """Whether the step, as counted, asks for another plan of ``region``: more runs than planned, a
-        provisional plan, or a share of a step of several regions in a round it was not planned in (its
-        first plan saw only itself, and counted what it hands on under a fraction, not in the step's
-        accounting)."""
-        if share is not None:
-            return self._step.stale(record)
-        planned = record.plan.runs if record is not None else self._ledger.runs_of(region)
-        return self._ledger.counted[region] > planned or (record is not None and record.provisional)
-
-    def _in_step(self, error: BudgetInfeasibleError, place: int, held_before: int,
-                 options: PlanOptions, region: tuple | None = None) -> BudgetInfeasibleError:
-        """``error``, saying what earlier regions of the step took of an absolute budget, or of the step's."""
-        if region is not None and region in self._step.shares:
-            return error.within(self._step_context(region, place, held_before, error.smallest))
-        if not held_before or options.budget is None or options.budget.nbytes is None:
-            return error
-        return error.within(
-            f"compiled region {place}: "
-            f"earlier regions of the step hold {held_before} B of activations after their forward "
-            f"(predicted), leaving {options.budget.nbytes} B of memory_budget={self.config.memory_budget!r} "
-            f"for this one; ")
-
-    def _step_context(self, region: tuple, place: int, held_before: int, smallest: int) -> str:
-        """Where the step's budget went, for the error of a region that cannot keep to its share, and the
-        step's floor as planned: what the regions before it hold, plus its own smallest peak."""
-        shape, budget = self._step.shape, self.config.memory_budget
-        earlier = shape.regions[:shape.index(region)]
-        ledger = self._ledger
-        holds = ", ".join(f"region {ledger.place(r.region)} {format_bytes(ledger.held.get(r.region, 0) * r.runs)}"
-                          + (f" ({r.runs} runs)" if r.runs > 1 else "") for r in earlier) or "none"
-        return (f"the step ({len(shape.regions)} compiled regions, predicted): memory_budget={budget!r} is "
-                f"{self._step.budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
-                f"the regions before region {place} hold {held_before} B after their forward ({holds}), leaving "
-                f"{_left_words(self._step.shares[region].budget)} for region {place}; with them as planned, the step's "
-                f"activation peak is at least {held_before + smallest} B "
-                f"({(held_before + smallest) / max(shape.peak_before(), 1):.2f} of it without offloading); ")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **unknown: Any) -> Callable:
@@ -487,9 +413,9 @@ class OffloadBackend:
         ``_select_step`` says, timed."""
 
         def run(*args: Any) -> Any:
-            if state.replan is not None and region in self._ledger.counted:  # a step has shown how often it runs
-                share = self._step.share(region, self._ledger.held_before)
-                if self._needs_replan(region, state.compiled.compilation.record, share):
+            if state.replan is not None and self._step.counted(region):  # a step has shown how often it runs
+                share = self._step.share(region)
+                if self._step.needs_replan(region, state.compiled.compilation.record, share):
                     state.compiled = self._replan(region, state.replan, share)  # a failure raises here, every time
                 if self._step.final(state.compiled.compilation.record):
                     state.replan = None  # the graph copy and its inputs go
@@ -498,7 +424,7 @@ class OffloadBackend:
             # fxoffload plan traces its steps so.)
             step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                             and not pipeline_inference())
-            if step_forward and self._ledger.backward_seen:  # a new step
+            if step_forward and self._step.backward_seen:  # a new step
                 self._steps += 1
                 if (check := self._rank_check) is not None:
                     check.step_begins()  # compare the plans the ranks published in the last one
@@ -523,12 +449,11 @@ class OffloadBackend:
             record = state.compiled.compilation.record
             tracked = step_forward and not traced_again and record is not None
             if tracked and (node := _backward_node(out)) is not None:
-                self._ledger.note_forward(record)
+                run_index = self._step.note_forward(record, region)
                 node.register_prehook(functools.partial(self._on_backward, invocation))
-                self._ledger.count_forward(region)
                 if warn:
-                    self._ledger.warn_held(region, self.config.plan_options.budget.nbytes, self.config.memory_budget)
-                self._callers.after_forward(len(self._ledger.records) - 1, record.offloaded_inputs, args)
+                    self._step.warn_held(region)
+                self._callers.after_forward(run_index, record.offloaded_inputs, args)
             return out
 
         return run
@@ -572,7 +497,7 @@ class OffloadBackend:
                         choose=candidate.key)
             except Exception as error:  # noqa: BLE001 (any failure leaves the candidate out, said)
                 warnings.warn(f"fxoffload: measured selection leaves out the plan {candidate.label!r} of compiled "
-                              f"region {self._ledger.place(region)}: compiling it again failed ({error})",
+                              f"region {self._step.place(region)}: compiling it again failed ({error})",
                               stacklevel=3)
                 trials.schedule.drop(index)
                 del trials.candidates[index]
@@ -590,7 +515,7 @@ class OffloadBackend:
         self._note_plan(region, record.plan, record.timeline, record.schedule)
         state.compiled, state.trials, state.selected = kept, None, True
         log.info("fxoffload: compiled region %d: measured selection keeps %r (median %.3f ms per step, of %d plans)",
-                 self._ledger.place(region), selection.kept.label, 1e3 * (selection.kept.median or 0.0),
+                 self._step.place(region), selection.kept.label, 1e3 * (selection.kept.median or 0.0),
                  len(selection.candidates))
 
     def _reserve_host(self, record: GraphRecord, args: Sequence[Any]) -> None:
@@ -605,12 +530,10 @@ class OffloadBackend:
         """Plan and compile ``region`` again for the runs counted in a step and, with ``share``, its share of
         the step's memory budget (see ``_track``); a plan that fails (an infeasible budget) leaves the
         region as it was, to fail again at its next forward."""
-        runs = self._ledger.counted[region]
         log.info("fxoffload: compiled region %d ran %d times in one step%s: re-planning it for the whole step and "
-                 "recompiling it", self._ledger.place(region), runs,
-                 "" if share is None else f" of {len(self._step.shape.regions)} regions, with its share of the budget")
-        with self._ledger.planning_runs(region, runs), self._step.sharing(region, share), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+                 "recompiling it", self._step.place(region), self._step.counted_runs(region),
+                 "" if share is None else f" of {len(self._step.regions())} regions, with its share of the budget")
+        with self._step.replanning(region, share), torch._functorch.config.patch(enable_autograd_cache=False):
             source = replan.copy()  # measured selection may compile it again
             compiled = self._compile_region(source.module, source.example_inputs, region,
                                             source.input_activations, source.patches)
@@ -626,7 +549,7 @@ class OffloadBackend:
         machine's state."""
         if self._host_warned or not _on_cuda(fw):
             return
-        need = self._ledger.host_total()
+        need = self._step.host_total()
         free, ranks = available_host_memory(), local_processes()
         share = None if free is None else free // ranks
         if share is None or need <= share:
@@ -641,21 +564,13 @@ class OffloadBackend:
             f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
 
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
-        first = self._ledger.note_backward()  # the step's first backward (its last forward's)
+        first = self._step.note_backward()  # the step's first backward (its last forward's)
         fxoffload.runtime.backward_begins(invocation)
         if not first:
             return
         if (check := self._rank_check) is not None:
             check.backward_begins()
-        ledger = self._ledger
-        kept_before = dict(ledger.kept_inputs)
-        ledger.note_kept(self._callers.backward_begins())
-        if ledger.records:
-            if any(ledger.kept_inputs[r] != kept_before.get(r) for r in ledger.kept_inputs if r in self._step.shares):
-                # A region re-planned with its share offloaded an input its caller keeps: that copy freed
-                # nothing, so its share was not met; the next round counts the input where it stays.
-                self._step.fell_short()
-            self._step.learn(ledger.records, ledger.region_of, ledger.counted)
+        self._step.learn(self._callers.backward_begins())
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
                         activations: frozenset[int], patches: dict, replannable: bool = False,
@@ -733,11 +648,6 @@ def _device_of(args: Sequence[Any]) -> torch.device | None:
     tensor's (a CPU scalar beside CUDA tensors must not make the host clock time queued kernels)."""
     devices = [a.device for a in args if isinstance(a, torch.Tensor)]
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
-
-
-def _left_words(nbytes: int) -> str:
-    """What a share leaves a region, in words: nothing, and by how much, where it is below nothing."""
-    return f"{nbytes} B" if nbytes >= 0 else f"nothing ({-nbytes} B short)"
 
 
 def _refuse_several_ranks() -> None:
