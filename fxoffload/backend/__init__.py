@@ -37,8 +37,9 @@ by the rewritten graphs) stays on.
 Owns: the backend and the step it compiles for. This package's ``__init__`` is the backend; beside
 it, what a compile call says (``compile_call``), the partition hook (``partition``), the inserted ops'
 order for Inductor (``ordering``), a graph's record (``record``), the step's bookkeeping
-(``step_coordinator``, which owns ``step_ledger`` and ``step_budget``), the checks across ranks (``ranks``) and on callers (``callers``),
-measured selection's schedule (``selection``) and what differs between torch releases (``compat``).
+(``step_coordinator``, which owns ``step_ledger`` and ``step_budget``), the checks across ranks
+(``ranks``) and on callers (``callers``), measured selection's schedule (``selection``) and what
+differs between torch releases (``compat``).
 
 May import: the passes (``fxoffload.passes``, through their face), the runtime (``fxoffload.runtime``)
 and the top-level modules (``config``, ``errors``, ``profiles``, ``explain``); never the tools
