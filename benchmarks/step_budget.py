@@ -67,6 +67,24 @@ class IndexedModel(torch.nn.Module):
         return x.mean()  # (a loss that saves nothing: eager code outside the blocks is not planned)
 
 
+class SameBlock(torch.nn.Module):
+    """An :class:`IndexedBlock` that reads no index: compiled one at a time, such blocks share one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def one_graph_model(layers: int = 6) -> IndexedModel:
+    """An :class:`IndexedModel` whose blocks share one compiled graph (run ``layers`` times a step)."""
+    model = IndexedModel(layers)
+    model.blocks = torch.nn.ModuleList(SameBlock() for _ in range(layers))
+    return model
+
+
 class EmbeddingThenBreak(torch.nn.Module):
     """An embedding lookup, a graph break, then the body: the first region's only activation is the
     embedding it hands on, which it cannot offload, so it cannot halve itself; the step can."""

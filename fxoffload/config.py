@@ -143,8 +143,10 @@ class OffloadConfig:
 
     reserved: Any = 0
     """Device bytes the graphs cannot see, counted against ``device_budget``: optimizer state, the
-    allocator's slack, and when one graph serves several layers, the other layers' parameters and
-    gradients (a graph's plan counts its own inputs and one run's gradients). Bytes or a size string."""
+    allocator's slack, eager code's tensors (an input projection left outside the compiled layers, the
+    batch it reads), and in the first step of several regions or runs, the other regions' and runs'
+    parameters (once the step has shown its regions, each region's plan counts them, and the gradients
+    the other backwards leave: ``fxoffload.backend.step_budget``). Bytes or a size string."""
 
     runs_per_step: Any = "auto"
     """How many times each compiled graph runs in one training step: with one graph per layer

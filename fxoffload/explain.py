@@ -83,6 +83,12 @@ def _summary(record: Any) -> str:
             f"(graph inputs {format_bytes(plan.input_bytes)} and every tensor the step creates; device_budget less "
             f"reserved: {format_bytes(plan.device_bytes)}, "
             f"{'within' if plan.device_peak_after <= plan.device_bytes else 'OVER'})")
+        if plan.runs > 1 and plan.run_gradients:
+            lines.append(f"its first run's backward runs on top of the gradients its other {plan.runs - 1} runs' "
+                         f"backwards left ({format_bytes(plan.run_gradients)} each; in its device peak)")
+        if plan.backward_gradients:
+            lines.append(f"its backward runs on top of {format_bytes(plan.backward_gradients)} of gradients the step's "
+                         "later regions' backwards left in .grad (counted against its device budget, not in its peak)")
     share = getattr(record, "step_share", None)
     if getattr(record, "provisional", False) and share is not None:
         lines.append(

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from .analysis import tensor_nbytes
 from .candidates import RecomputeCost, TransferCost
-from .memory import Timeline, curve, intervals, peak, staging_intervals, step_peak
+from .memory import Timeline, curve, device_peak_of_runs, intervals, peak, staging_intervals, step_peak
 from .sizes import concrete
 from .plan import (
     AUTO_STRATEGY, OFFLOAD, RECOMPUTE, Ineligible, PlanOptions, pinned_block, staging_bytes,
@@ -40,7 +40,8 @@ from .plan import (
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .solvers import Option, Queue
 
-__all__ = ["Formulation", "Owner", "Part", "Problem", "conflicts_of", "first_options", "fixed_intervals",
+__all__ = ["Formulation", "Owner", "Part", "Problem", "conflicts_of", "first_options", "first_run_backward",
+           "fixed_intervals",
            "graph_input_bytes", "over_runs", "solver_items", "split_choice", "stacked", "staging_spans"]
 
 COPY_WEIGHT = 1e-3  # weight of hidden copy time next to stall time in the objective
@@ -120,10 +121,13 @@ class Problem:
         """Whether the budget bounds the device peak (every tensor) rather than saved activations."""
         return self.options.device_bytes is not None
 
-    def device_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
-        """The step's total peak over its runs (each run on top of what earlier runs hold), inputs excluded."""
-        held = self.curve(offloaded, recomputed, True)[len(self.timeline.fw_nodes) - 1]
-        return peak(self.curve(offloaded, recomputed, False)) + (self.options.runs - 1) * held
+    def device_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node], backward_extra: int = 0) -> int:
+        """The step's total peak over its runs (each run on top of what earlier runs hold, the first run's
+        backward on top of the others' gradients: ``memory.device_peak_of_runs``), inputs excluded."""
+        forward = len(self.timeline.fw_nodes)
+        held = self.curve(offloaded, recomputed, True)[forward - 1]
+        return device_peak_of_runs(self.curve(offloaded, recomputed, False), forward, held, self.options.runs,
+                                   self.options.run_gradients, backward_extra)
 
     def held(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
         """What the step's ``runs`` runs leave on the device for their backward."""
@@ -132,7 +136,9 @@ class Problem:
 
     def bounded_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
         """The peak the budget bounds: the device peak's step tensors, or the step's activation peak."""
-        return self.device_peak(offloaded, recomputed) if self.device else self.step_peak(offloaded, recomputed)
+        if self.device:  # with the gradients other graphs left, which its backward runs on top of
+            return self.device_peak(offloaded, recomputed, self.options.backward_gradients)
+        return self.step_peak(offloaded, recomputed)
 
     def step_peak(self, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node]) -> int:
         """Activation peak of the step's ``runs`` runs: the last run's curve on top of what the
@@ -313,7 +319,22 @@ def fixed_intervals(problem: Problem, free: Sequence[fx.Node], forced: Sequence[
     if problem.device:
         base += [(lt.birth, lt.death, lt.nbytes) for lt in timeline.lifetimes if not lt.activation]
         base += [interval for b in forced for interval in staging_spans(problem, b)]
+        if options.backward_gradients:  # what the later regions' backwards left, under this one's backward
+            base.append((len(timeline.fw_nodes), timeline.length - 1, options.backward_gradients))
     return Part(base, items)
+
+
+def first_run_backward(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], items) -> Part | None:
+    """Under a device budget over several runs whose backwards leave gradients (``run_gradients``): one
+    run's curve with the other runs' gradients under its backward, the first run's backward as it runs
+    (``memory.device_peak_of_runs``); ``items`` with one run's changes. None where there is no such term."""
+    options = problem.options
+    if not problem.device or options.runs < 2 or not options.run_gradients:
+        return None
+    one_run = dataclasses.replace(problem, options=dataclasses.replace(options, runs=1))
+    part = fixed_intervals(one_run, free, forced, items)
+    forward, length = len(problem.timeline.fw_nodes), problem.timeline.length
+    return part._replace(base=part.base + [(forward, length - 1, (options.runs - 1) * options.run_gradients)])
 
 
 def stacked(length: int, parts: Sequence[Part]) -> Part:

@@ -48,7 +48,8 @@ import torch.fx as fx
 from .analysis import SavedInterface, aliased_input, is_anchored_compute, tensor_nbytes, tensor_storage_key
 from .sizes import concrete
 
-__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "peak", "staging_intervals", "step_peak", "Resident",
+__all__ = ["Lifetime", "Timeline", "build_timeline", "curve", "device_peak_of_runs", "peak", "staging_intervals",
+           "step_peak", "Resident",
            "residents_at", "on_device"]
 
 @dataclass(frozen=True)
@@ -260,6 +261,20 @@ def step_peak(activations: Sequence[int], forward: int, runs: int) -> int:
     if not activations:
         return 0
     return max(activations) + (runs - 1) * activations[forward - 1]
+
+
+def device_peak_of_runs(total: Sequence[int], forward: int, held: int, runs: int, run_gradients: int = 0,
+                        backward_extra: int = 0) -> int:
+    """The device peak of ``runs`` runs of a graph whose one-run curve of every tensor it creates is ``total``
+    and which leaves ``held`` for its backward each run: the last run's forward and backward run on top of
+    what the others hold, the first run's backward on top of the gradients the others' backwards left
+    (``run_gradients`` each), and every backward on top of ``backward_extra`` (gradients other graphs left)."""
+    if not total:
+        return 0
+    others = (runs - 1) * held
+    forward_peak = max(total[:forward], default=0) + others
+    backward_peak = max(total[forward:], default=0) + max(others, (runs - 1) * run_gradients) + backward_extra
+    return max(forward_peak, backward_peak)
 
 
 def staging_intervals(offload: int, release: int, prefetch: int, wait: int,

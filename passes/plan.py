@@ -132,6 +132,12 @@ class PlanOptions:
     # A bound on the device peak instead of ``budget``: bytes for the graph's inputs and every
     # tensor the step creates (``device_budget`` less ``reserved``).
     device_bytes: int | None = None
+    # Under ``device_bytes``: gradients on the device throughout this graph's backward that it does not
+    # make (the later regions of a step ran their backwards first and left theirs in ``.grad``), and
+    # what one run's backward leaves there: over ``runs`` runs, the first run's backward runs on top
+    # of the other runs' gradients, as the last run's runs on top of what the others hold.
+    backward_gradients: int = 0
+    run_gradients: int = 0
     # Without a budget: act on every candidate, whether or not that lowers the peak (the naive
     # baseline), instead of the cheapest choice that reaches the smallest peak.
     all_eligible: bool = False
@@ -309,6 +315,8 @@ class Plan:
     # predicted device peak: inputs plus the step's total peak (over ``runs`` runs).
     input_bytes: int = 0
     device_bytes: int | None = None
+    backward_gradients: int = 0  # PlanOptions.backward_gradients: counted in the budget, not in the peaks
+    run_gradients: int = 0  # PlanOptions.run_gradients
     device_peak_before: int = 0
     device_peak_after: int = 0
     solver: str = "none"

@@ -99,7 +99,8 @@ from .analysis import SavedActivation, SavedInterface, input_position, is_comput
 from .candidates import RecomputeCost, TransferCost
 from .eligibility import INPUT_ACTIVATION, backward_symbols, group_by_base, group_marks, why_kept
 from .formulation import (
-    Problem, first_options, fixed_intervals, graph_input_bytes, solver_items, split_choice, stacked,
+    Problem, first_options, first_run_backward, fixed_intervals, graph_input_bytes, solver_items, split_choice,
+    stacked, staging_spans,
 )
 from .memory import Resident, Timeline, residents_at
 from .plan import (
@@ -161,12 +162,12 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         at, limit = target.problem, target.budget
         part = fixed_intervals(at, free, forced, solver_items(at, free, forced).items)
         parts.append(part._replace(lift=budget - limit))
+    if (first_run := first_run_backward(problem, free, forced, items)) is not None:
+        parts.append(first_run)  # (a device budget: no other sizes are held)
     length = problem.timeline.length
     base, items, _ = stacked(length, parts)
-    cap = options.held_cap
-    if cap is not None and not problem.device and cap < budget:
-        # The cap as the budget at one position: a fixed interval fills the difference at the forward's end.
-        base.append((len(problem.timeline.fw_nodes) - 1, len(problem.timeline.fw_nodes) - 1, budget - cap))
+    if (cap_interval := _held_cap_interval(problem, forced, budget)) is not None:
+        base.append(cap_interval)
     total = length * len(parts)
     host_left = problem.host_left(forced)
     asked = SolverInput(total, base, items, budget, queues, conflicts, host_left)
@@ -213,7 +214,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
             f"({reach / 2**20:.1f} MiB, {acting}), above {_budget_words(limit, given)}"
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
-    at = problem if not worst else held[worst - 1].problem  # the bytes at the size where the peak lies
+    # The bytes at the size where the peak lies (under a device budget every part is at the plan's size).
+    at = problem if not worst or problem.device else held[worst - 1].problem
     message += _floor(at, owners, forced, everything, int(reached.argmax()) % length if total else 0)
     if options.on_infeasible == "error":
         other = () if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)
@@ -226,6 +228,22 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = split_choice(owners, chosen)
     return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
+
+
+def _held_cap_interval(problem: Problem, forced: Sequence[fx.Node], budget: int) -> tuple[int, int, int] | None:
+    """``PlanOptions.held_cap`` as the budget at one position: a fixed interval at the forward's end that
+    fills the difference, so that what the runs leave for the backward stays within the cap (None: no
+    cap, or one the budget already implies). Under a device budget the solver's curve there also holds
+    the tensors that are not activations (a forward output, a gradient already made): fixed whatever is
+    chosen, they are left out of the difference."""
+    cap = problem.options.held_cap
+    if cap is None:
+        return None
+    end = len(problem.timeline.fw_nodes) - 1
+    if problem.device:
+        cap += sum(lt.nbytes for lt in problem.timeline.lifetimes if not lt.activation and lt.birth <= end <= lt.death)
+        cap += sum(n for b in forced for start, stop, n in staging_spans(problem, b) if start <= end <= stop)
+    return (end, end, budget - cap) if cap < budget else None
 
 
 FLOOR_NAMED = 4  # the largest tensors an infeasible budget's message names
@@ -459,6 +477,8 @@ def plan_offloads(
                                at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
         host_budget_bytes=options.host_bytes,
         held_cap=options.held_cap,
+        backward_gradients=options.backward_gradients,
+        run_gradients=options.run_gradients,
         held_before=problem.held((), ()),
         held_after=problem.held(choice.offloaded, choice.recomputed),
         max_overhead=options.max_overhead,
@@ -517,7 +537,7 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     else:
         goal = Goal.MEET_BUDGET
     cap = problem.options.held_cap
-    under_cap = cap is None or problem.device or problem.held(forced, ()) <= cap
+    under_cap = cap is None or problem.held(forced, ()) <= cap
     if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held) \
             and under_cap:
         choice = _Choice(tuple(forced))

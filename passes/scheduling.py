@@ -92,7 +92,7 @@ import torch.fx as fx
 
 from .candidates import AUTO_HORIZON, Placement, prefix_sums
 from .cost_model import DeviceProfile, transfer_time
-from .memory import Timeline, curve, intervals, peak, staging_intervals, step_peak
+from .memory import Timeline, curve, device_peak_of_runs, intervals, peak, staging_intervals, step_peak
 from .sizes import size_ranges, sizes_between, timeline_at
 from .plan import Plan
 from .replay import Copy, replay
@@ -317,7 +317,10 @@ def _bounds(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]]
     earlier = _earlier(plan, timeline, moves)
     total_bound = min(plan.total_peak_before, plan.total_cap or plan.total_peak_before)
     if plan.device_bytes is not None:  # then max(saved, total - total_bound + bound) is the total curve
-        total_bound = min(total_bound, plan.device_bytes - plan.input_bytes - earlier)
+        # Everywhere, what the backwards hold on top of it (``memory.device_peak_of_runs``): at most the
+        # other runs' activations or their gradients, and the gradients other graphs left.
+        under = max(earlier, (plan.runs - 1) * plan.run_gradients) + plan.backward_gradients
+        total_bound = min(total_bound, plan.device_bytes - plan.input_bytes - under)
         return total_bound, total_bound
     if plan.budget_bytes is None:
         return plan.activation_peak_after, total_bound
@@ -498,7 +501,8 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> 
     moved = scheduled_moves(plan, timeline, schedule)
     activations = curve(timeline.length, intervals(timeline, moved, True))
     temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule)
-    total = peak(curve(timeline.length, intervals(timeline, moved, False, temporaries)))
+    totals = curve(timeline.length, intervals(timeline, moved, False, temporaries))
+    total = peak(totals)
     held = activations[len(timeline.fw_nodes) - 1] if activations else 0
     sizes = tuple(dataclasses.replace(size, step_peak_after=activation_peaks_at(plan, timeline, schedule,
                                                                               dict(size.values))[1])
@@ -508,7 +512,8 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> 
         sizes=sizes,
         activation_peak_after=peak(activations),
         step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
-        device_peak_after=plan.input_bytes + total + (plan.runs - 1) * held,
+        device_peak_after=plan.input_bytes + device_peak_of_runs(totals, len(timeline.fw_nodes), held, plan.runs,
+                                                             plan.run_gradients),
         total_peak_after=total,
     )
 

@@ -18,7 +18,7 @@ from tests.conftest import assert_same_step, loss_and_grads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from step_budget import (  # noqa: E402  (the benchmark's models)
-    EmbeddingThenBreak, GPT2WithLoss, IndexedModel, LossApart, compile_blocks, steps,
+    EmbeddingThenBreak, GPT2WithLoss, IndexedModel, LossApart, compile_blocks, one_graph_model, step, steps,
 )
 
 # --------------------------------------------------------------------------- the split, on plain numbers
@@ -81,7 +81,7 @@ def test_a_share_cut_from_a_budget_that_moved_once_is_planned_again_but_one_that
     from fxoffload.passes import Budget
     from fxoffload.backend.step_budget import BUDGET_MOVES, StepBudget
 
-    step = StepBudget(Budget(fraction=0.5), bounds_device=False)
+    step = StepBudget(Budget(fraction=0.5))
     regions = {0: ("a",), 1: ("b",)}
     step.learn(_learned_records([1000, 600], None), regions, {})  # the first plans (no shares)
     first = step.budget_bytes()
@@ -122,17 +122,21 @@ def three_tanh(x, w1, w2, w3):
     return torch.tanh(torch.tanh(torch.tanh(x @ w1) @ w2) @ w3).sum()
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["memory_budget", "device_budget"])
 @pytest.mark.parametrize("cap", [None, 400_000, 262_144, 0])
-def test_a_held_cap_bounds_what_the_forward_leaves_for_the_backward(cap):
-    """The budget alone (2 MB) keeps all three 256 KiB tanh outputs; a cap on what the forward leaves
-    offloads until what stays fits it, however much the budget allows."""
+def test_a_held_cap_bounds_what_the_forward_leaves_for_the_backward(cap, device):
+    """The budget alone (2 MB of activations, or 6 MB of device memory) keeps all three 256 KiB tanh
+    outputs; a cap on what the forward leaves offloads until what stays fits it, however much the
+    budget allows. Under a device budget the tensors at the forward's end that are not activations
+    (the graph's output) are not held against the cap."""
     from fxoffload.passes import Budget, PlanOptions, plan_pair
     from fxoffload.profiles import PROFILES
     from tests.conftest import partitioned_pair
 
     torch.manual_seed(0)
     fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
-    options = PlanOptions(min_bytes=0, budget=Budget(nbytes=2_000_000), strategy="offload", held_cap=cap)
+    budget = {"device_bytes": 6_000_000} if device else {"budget": Budget(nbytes=2_000_000)}
+    options = PlanOptions(min_bytes=0, strategy="offload", held_cap=cap, **budget)
     plan = plan_pair(fw, bw, outputs, options=options, horizon="auto", profile=PROFILES["h100-pcie5"]).plan
     assert plan.held_before == 3 * 256 * 256 * 4 and plan.feasible
     if cap is None:
@@ -180,6 +184,85 @@ def test_a_budget_holds_for_a_step_of_distinct_block_graphs(indexed, budget):
     assert simulate_step(latest).activation_peak <= limit
     assert len({id(r) for r in latest}) == 6 and all(r.plan.runs == 1 for r in latest)
     assert_same_step(loss_and_grads(eager, x), loss_and_grads(model, x))
+
+
+# --------------------------------------------------------------------------- a device budget for the step
+
+
+def device_peaks(model: IndexedModel, x: torch.Tensor, count: int,
+                 **options) -> tuple[list[int], fxoffload.OffloadBackend]:
+    """Each of ``count`` steps' measured device peak, blocks compiled one at a time with ``options``: what is
+    resident before the step (parameters, the batch) plus the peak of what the step creates."""
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", **options)
+    compile_blocks(model, backend)
+    resident = sum(t.numel() * t.element_size() for t in (*model.parameters(), x))
+    peaks = []
+    for _ in range(count):
+        model.zero_grad(set_to_none=True)
+        peaks.append(resident + fxoffload.measure_peak(step, model, x).total_peak)
+    return peaks, backend
+
+
+def outside_the_graphs(model: IndexedModel, x: torch.Tensor) -> int:
+    """What no compiled graph sees, for ``reserved``: the eager input projection's parameters and the batch,
+    and the loss and its seed gradient (8 B)."""
+    return sum(t.numel() * t.element_size() for t in (*model.project.parameters(), x)) + 8
+
+
+def six_blocks(graphs: str) -> IndexedModel:
+    return one_graph_model() if graphs == "one graph, six runs" else IndexedModel()
+
+
+@pytest.mark.parametrize("graphs", ["six graphs", "one graph, six runs"])
+@pytest.mark.parametrize("rows, fraction", [(512, 0.8), (256, 0.85), (512, 0.65)])
+def test_a_device_budget_holds_for_a_step_of_block_graphs(rows, fraction, graphs):
+    """Six blocks compiled one at a time, at a device budget below the step's measured device peak. Each
+    region counts the other regions' parameters (resident all step), what the regions before it hold, and
+    the gradients the later regions' backwards left; one graph serving six blocks counts the other runs'
+    parameters, and its first run's backward runs on top of the other runs' gradients. Without those
+    (each region its own inputs and what came before it), six regions at 0.8 moved nothing and measured
+    8071176 B against 6456940 B. At 512 rows activations set the peak; at 256 the first block's backward,
+    on top of every later block's gradients."""
+    torch.manual_seed(0)
+    eager, x = six_blocks(graphs), torch.randn(rows, 128)
+    plain, _ = device_peaks(copy.deepcopy(eager), x, 2, memory_budget=1.0)
+    budget = int(fraction * plain[-1])
+    model = copy.deepcopy(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the first step's plans may offload a layer's input its caller keeps)
+        peaks, backend = device_peaks(model, x, 4, device_budget=budget, reserved=outside_the_graphs(eager, x))
+    latest = backend.step_invocations()
+    assert peaks[-1] <= budget < plain[-1], (peaks, budget, [fxoffload.explain(r) for r in latest])
+    assert peaks[-2] == peaks[-1]  # re-planned with the step's shares, then steady
+    assert len(latest) == 6 and len({id(r) for r in latest}) == (6 if graphs == "six graphs" else 1)
+    assert all(r.step_share is not None for r in latest)
+    said = fxoffload.explain(latest[0])  # the first block: the others' backwards ran before its own
+    assert ("later regions' backwards left" if graphs == "six graphs" else "other 5 runs' backwards left") in said
+    assert_same_step(loss_and_grads(eager, x), loss_and_grads(model, x))
+
+
+def test_a_device_budget_below_the_step_s_parameters_and_gradients_is_refused_naming_them():
+    """At 128 rows the first block's backward runs on top of every parameter and every later block's
+    gradients: 0.95 of the step's device peak is out of reach, and the refusal says so with the figures.
+    Planned for its smallest peak instead (``on_infeasible="warn"``), the step measures above the budget
+    too: the refusal was right."""
+    torch.manual_seed(0)
+    eager, x = IndexedModel(), torch.randn(128, 128)
+    plain, _ = device_peaks(copy.deepcopy(eager), x, 2, memory_budget=1.0)
+    budget, outside = int(0.95 * plain[-1]), outside_the_graphs(eager, x)
+    with pytest.raises(fxoffload.BudgetInfeasibleError) as info:
+        device_peaks(copy.deepcopy(eager), x, 3, device_budget=budget, reserved=outside)
+    message, block = str(info.value), sum(p.numel() * p.element_size() for p in eager.blocks[0].parameters())
+    assert re.search(r"the step \(6 compiled regions, predicted\): device_budget=\d+ leaves \d+ B for the tensors the "
+                     rf"step creates, after reserved and every region's graph inputs \({6 * block} B\)",
+                     message), message
+    assert f"the later regions' backwards leave {5 * block} B of gradients" in message  # five blocks' parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowest, _ = device_peaks(copy.deepcopy(eager), x, 3, device_budget=budget, reserved=outside,
+                                 on_infeasible="warn")
+    assert lowest[-1] > budget
 
 
 # --------------------------------------------------------------------------- graph breaks, default options

@@ -64,7 +64,9 @@ from torch.fx.graph import _BoxedCodeGen
 import fxoffload.runtime  # op kernels, and the invocations copies cross graphs by
 from fxoffload.backend.callers import CallerWatch, offloaded_inputs
 from fxoffload.backend.compat import compiled_autograd_on
-from fxoffload.backend.compile_call import input_activations, mode_patches, no_cudagraphs, pipeline_inference
+from fxoffload.backend.compile_call import (
+    InputFacts, input_facts, mode_patches, no_cudagraphs, pipeline_inference,
+)
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
@@ -127,11 +129,11 @@ class _Replan:
 
     module: fx.GraphModule
     example_inputs: list[Any]
-    input_activations: frozenset[int]  # as the first call's inputs showed (fake copies cannot)
+    inputs: InputFacts  # as the first call's inputs showed (fake copies cannot)
     patches: dict  # Inductor options of the torch.compile mode
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, example_inputs: list[Any], activations: frozenset[int],
+    def of(cls, gm: fx.GraphModule, example_inputs: list[Any], inputs: InputFacts,
            patches: dict) -> "_Replan | None":
         """None for graphs with symbolic sizes: compiling them again outside dynamo would add
         guards dynamo never checks."""
@@ -146,7 +148,7 @@ class _Replan:
             mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
             example_inputs = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) if isinstance(t, torch.Tensor)
                               else t for t in example_inputs]
-        return cls(_module_copy(gm), list(example_inputs), activations, patches)
+        return cls(_module_copy(gm), list(example_inputs), inputs, patches)
 
     def copy(self) -> "_Replan":
         """Another copy of the graph, to compile once more (a compile may edit the graph it is handed)."""
@@ -181,12 +183,13 @@ class _Compilation:
     between the two), so ``record.forward`` / ``record.backward`` are what runs.
     """
 
-    def __init__(self, backend: "OffloadBackend", region: tuple, input_activations: frozenset[int],
+    def __init__(self, backend: "OffloadBackend", region: tuple, inputs: InputFacts,
                  replannable: bool = False, graph: str = "", choose: str | None = None) -> None:
         self.backend = backend
+        self.gradient_bytes = inputs.gradient_bytes  # what its backward leaves in .grad, one run
         self.region = region
         self.graph = graph  # the key ranks compare its plan under (fxoffload.backend.ranks.graph_key)
-        self.input_activations = input_activations
+        self.input_activations = inputs.activations
         self.replannable = replannable  # runs_per_step="auto" may plan it again once the step is counted
         self.choose = choose  # the candidate plan to compile (measured selection), else the fastest predicted
         self.record: GraphRecord | None = None
@@ -293,6 +296,8 @@ class OffloadBackend:
         options, held_before = self._step.options_for(region)
         options = dataclasses.replace(options, total_cap=plain_total,
                                       staging_devices=fxoffload.runtime.staging_device_types())
+        if options.device_bytes is not None:  # over several runs, the first run's backward sees the others' gradients
+            options = dataclasses.replace(options, run_gradients=compilation.gradient_bytes)
 
         def plan(options: PlanOptions) -> tuple:
             return plan_best_partition(
@@ -340,6 +345,7 @@ class OffloadBackend:
             provisional=provisional, provisional_short=short, step_share=fields.share,
             step_budget=fields.budget_bytes, step_round=fields.round,
             largest_saved_input=_largest_saved_input(fw, result.plan, input_activations),
+            gradient_bytes=compilation.gradient_bytes,
             candidates=result.candidates, candidate_key=choose,
         )
         self.records.append(record)
@@ -387,14 +393,14 @@ class OffloadBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], patches: dict) -> Callable:
         region = self._region_key()
-        activations = input_activations(example_inputs)
+        inputs = input_facts(example_inputs)
         measured = self.config.select == "measured"
         if measured:
             _refuse_several_ranks()
-        source = (_Replan.of(gm, example_inputs, activations, patches)
+        source = (_Replan.of(gm, example_inputs, inputs, patches)
                   if self.config.runs_per_step == "auto" or measured else None)
         replan = source if self.config.runs_per_step == "auto" else None
-        compiled = self._compile_region(gm, example_inputs, region, activations, patches,
+        compiled = self._compile_region(gm, example_inputs, region, inputs, patches,
                                         replannable=replan is not None)
         budget = self.config.plan_options.budget
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
@@ -494,7 +500,7 @@ class OffloadBackend:
                 with torch._functorch.config.patch(enable_autograd_cache=False):
                     source = source.copy()
                     trials.compiled[candidate.key] = self._compile_region(
-                        source.module, source.example_inputs, region, source.input_activations, source.patches,
+                        source.module, source.example_inputs, region, source.inputs, source.patches,
                         choose=candidate.key)
             except Exception as error:  # noqa: BLE001 (any failure leaves the candidate out, said)
                 warnings.warn(f"fxoffload: measured selection leaves out the plan {candidate.label!r} of compiled "
@@ -537,7 +543,7 @@ class OffloadBackend:
         with self._step.replanning(region, share), torch._functorch.config.patch(enable_autograd_cache=False):
             source = replan.copy()  # measured selection may compile it again
             compiled = self._compile_region(source.module, source.example_inputs, region,
-                                            source.input_activations, source.patches)
+                                            source.inputs, source.patches)
         if compiled.compilation.record is not None:
             compiled.compilation.record.runs_learned = True
         return compiled
@@ -574,13 +580,13 @@ class OffloadBackend:
         self._step.learn(self._callers.backward_begins())
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
-                        activations: frozenset[int], patches: dict, replannable: bool = False,
+                        inputs: InputFacts, patches: dict, replannable: bool = False,
                         choose: str | None = None) -> "_Compiled":
-        """Compile one region; ``activations``: its inputs that are activations (:func:`input_activations`);
+        """Compile one region; ``inputs``: what the call that compiled it showed of its inputs (:class:`InputFacts`);
         ``patches``: Inductor options of the compile's mode (:func:`fxoffload.backend.compile_call.mode_patches`);
         ``replannable``: the count of its runs may plan it again (see ``_track``); ``choose``: the
         candidate plan to take (measured selection)."""
-        compilation = _Compilation(self, region, activations, replannable, graph_key(gm, example_inputs), choose)
+        compilation = _Compilation(self, region, inputs, replannable, graph_key(gm, example_inputs), choose)
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,

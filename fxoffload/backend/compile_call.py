@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from fxoffload.passes import tensor_storage_key
 
-__all__ = ["MODES", "input_activations", "mode_patches", "no_cudagraphs", "pipeline_inference"]
+__all__ = ["MODES", "InputFacts", "input_activations", "input_facts", "leaf_gradient_bytes", "mode_patches",
+           "no_cudagraphs", "pipeline_inference"]
 
 
 MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
@@ -87,6 +88,34 @@ def input_activations(example_inputs: list[Any]) -> frozenset[int]:
     counted there, not again."""
     return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
                      and t.requires_grad and not t.is_leaf and not _held_by_maker(t))
+
+
+class InputFacts(NamedTuple):
+    """What a compile call's example inputs show, judged on the call that compiles the graph (a re-plan's
+    fake copies cannot tell): the positions of the activations an earlier part of the step made
+    (:func:`input_activations`), and the gradients one run's backward leaves (:func:`leaf_gradient_bytes`)."""
+
+    activations: frozenset[int]
+    gradient_bytes: int
+
+
+def input_facts(example_inputs: list[Any]) -> InputFacts:
+    return InputFacts(input_activations(example_inputs), leaf_gradient_bytes(example_inputs))
+
+
+def leaf_gradient_bytes(example_inputs: list[Any]) -> int:
+    """Bytes of the gradients one run's backward leaves in ``.grad``: those of the inputs that require
+    grad and are leaves (parameters). They stay on the device while the earlier regions' backwards run;
+    an activation's gradient (a hidden state's) is handed to the region before and freed."""
+    seen: set = set()
+    total = 0
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
+            key = tensor_storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _held_by_maker(t: torch.Tensor) -> bool:

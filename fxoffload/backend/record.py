@@ -56,6 +56,9 @@ class GraphRecord:
     # The largest activation an earlier graph hands it that it saves: back on the device for its
     # backward whatever the plan, so a floor of its peak in the step's accounting.
     largest_saved_input: int = 0
+    # Bytes of the gradients one run's backward leaves for the parameters it is handed (in ``.grad``):
+    # on the device while the earlier regions' backwards run (the step's device accounting).
+    gradient_bytes: int = 0
     # Strategy auto's plans of this graph that met its budget (``fxoffload.passes.CandidatePlan``), fastest
     # predicted first; and, under select="measured", the measurement that kept this one (on the kept record).
     candidates: tuple = ()

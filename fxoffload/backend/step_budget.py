@@ -1,5 +1,5 @@
-"""One memory budget for the whole step: the step's shape, as its first backward shows it, and each
-compiled region's share of the budget, in rounds.
+"""One budget for the whole step (``memory_budget`` or ``device_budget``): the step's shape, as its first
+backward shows it, and each compiled region's share of the budget, in rounds.
 
 A training step may run several compiled regions: graphs split by graph breaks (an embedding before
 a ``.item()``, a loss compiled apart), blocks compiled one at a time to distinct graphs (a per-block
@@ -22,7 +22,21 @@ a share counts it once, where it is saved. A region whose share was cut from a b
 planned again, in the same round (:meth:`StepBudget.moved`), and the round is not settled on it; a
 budget that keeps moving past that (``BUDGET_MOVES``) is not chased, so as not to recompile each step.
 
+A device budget. The step's device peak is every region's graph inputs over its runs (parameters,
+the batch: resident all step) plus, at each region's peak, what the regions before it hold, what its
+runs create, and under its backward the gradients the later regions' backwards left in ``.grad``
+(they ran first). So the budget the shares split is the device budget less every region's inputs
+(:meth:`StepBudget.budget_bytes`), each region's demand is what its runs create with the later
+regions' gradients under it, and its plan gets its share plus its own inputs as its device budget,
+the later gradients as ``PlanOptions.backward_gradients`` (:meth:`StepBudget.device_cap`). One
+graph serving several layers is shared so too (its other runs' parameters count; its first run's
+backward runs on top of the other runs' gradients: ``PlanOptions.run_gradients``). A gradient is a
+parameter's (a leaf's: ``fxoffload.backend.compile_call.leaf_gradient_bytes``), as big as it.
+
 Limits: the shape is the latest step's; a region that ran in an earlier step only is not in it.
+Under a device budget, the first step's plans see only the regions before them (the step may exceed
+it), eager code between regions is not seen (its tensors belong in ``reserved``), a region's later
+gradients are counted over its whole backward, and a parameter two regions share counts twice.
 Figures come from the region's latest plan with a share, else its first plan. Interleaved schedules
 (several microbatches in flight) are modelled as one forward pass then one backward pass.
 """
@@ -58,30 +72,41 @@ BUDGET_MOVES = 1
 
 @dataclass(frozen=True)
 class RunFigures:
-    """One run's saved-activation bytes of a graph (predicted): without offloading, what the run leaves
-    for its backward (``held``) and its peak; the same under a plan that reached its smallest peak, as
-    the floor the graph is known to reach (0 where not known)."""
+    """One run's bytes of a graph (predicted): without offloading, what the run leaves for its backward
+    (``held``) and its peak; the same under a plan that reached its smallest peak, as the floor the graph
+    is known to reach (0 where not known). Under a device budget the peaks are of every tensor the run
+    creates (its device peak less its graph inputs), and ``inputs`` (its graph inputs: parameters, batch,
+    resident all step) and ``gradients`` (what its backward leaves in ``.grad``) are known; else 0."""
 
     held: int
     peak: int
     floor_held: int = 0
     floor_peak: int = 0
+    inputs: int = 0
+    gradients: int = 0
 
 
-def run_figures(plan: Plan, largest_saved_input: int = 0) -> RunFigures:
+def run_figures(plan: Plan, largest_saved_input: int = 0, gradients: int = 0, device: bool = False) -> RunFigures:
     """:class:`RunFigures` from a plan's figures over its runs (the min-cut pair's, without offloading,
     whichever partition strategy auto took); a plan that missed its budget is at its smallest peak.
     ``largest_saved_input``: the largest activation an earlier graph hands it that it saves, which is
     back on the device for its backward whatever the plan (a loss compiled apart saves the logits it
-    is handed): a floor of its peak where the plan's own figures do not count it."""
+    is handed): a floor of its peak where the plan's own figures do not count it. ``device``: the
+    device figures (every tensor the runs create), with ``gradients`` (one run's, in ``.grad``)."""
     runs = plan.runs
     held = plan.held_before // runs
-    peak = plan.step_peak_before - (runs - 1) * held
+    inputs, gradients = (plan.input_bytes, gradients) if device else (0, 0)
+
+    def peak_of(when: str, run_held: int) -> int:  # one run's peak ("before" or "after" the plan), on the others'
+        whole = getattr(plan, f"device_peak_{when}") - inputs if device else getattr(plan, f"step_peak_{when}")
+        return whole - (runs - 1) * run_held
+
+    peak = peak_of("before", held)
     if plan.feasible:
-        return RunFigures(held, peak, 0, largest_saved_input)
+        return RunFigures(held, peak, 0, largest_saved_input, inputs, gradients)
     floor_held = plan.held_after // runs
-    return RunFigures(held, peak, floor_held,
-                      max(plan.step_peak_after - (runs - 1) * floor_held, largest_saved_input))
+    floor_peak = peak_of("after", floor_held)
+    return RunFigures(held, peak, floor_held, max(floor_peak, largest_saved_input), inputs, gradients)
 
 
 @dataclass(frozen=True)
@@ -109,8 +134,24 @@ class StepShape:
     def index(self, region: tuple) -> int | None:
         return next((k for k, r in enumerate(self.regions) if r.region == region), None)
 
-    def demands(self) -> list[RegionDemand]:
-        return [r.demand for r in self.regions]
+    def demands(self, device: bool = False) -> list[RegionDemand]:
+        """Each region's demand; under a device budget its peak also holds the gradients the later regions'
+        backwards left (they ran before its backward: what its own backward makes comes on top of them)."""
+        demands = [r.demand for r in self.regions]
+        if not device:
+            return demands
+        return [dataclasses.replace(d, peak=d.peak + self.later_gradients(k),
+                                    floor_peak=d.floor_peak + self.later_gradients(k) if d.floor_peak else 0)
+                for k, d in enumerate(demands)]
+
+    def later_gradients(self, k: int) -> int:
+        """What the backwards of the regions after the ``k``-th leave in ``.grad``, every run (its own runs'
+        gradients are in its plan: ``PlanOptions.run_gradients``)."""
+        return sum(r.runs * r.figures.gradients for r in self.regions[k + 1:])
+
+    def resident(self) -> int:
+        """The graph inputs of every region, every run (parameters, batch): on the device all step."""
+        return sum(r.runs * r.figures.inputs for r in self.regions)
 
     def peak_before(self) -> int:
         """The step's activation peak without offloading (predicted): what a fraction is a fraction of."""
@@ -121,41 +162,43 @@ class StepShape:
 
 
 def learn_step(known: StepShape | None, records: Sequence[Any], region_of: Mapping[int, tuple],
-               counted: Mapping[tuple, int], shared: Callable[[Any], bool]) -> StepShape:
+               counted: Mapping[tuple, int], shared: Callable[[Any], bool], device: bool = False) -> StepShape:
     """The shape of the step whose forward invocations ran ``records`` (in order); ``region_of``: each
     record's region (by record index); ``counted``: the most runs of each region counted in one step;
     ``shared``: whether a record was planned with a share of the step's budget.
 
     A region's figures come from its plan with a share where it has one (the step's accounting: an
     activation one region hands the next counts where it is saved), else from its first plan; a floor
-    once found is kept (the most of those found)."""
+    once found is kept (the most of those found). ``device``: the figures of a device budget."""
     order: dict[tuple, Any] = {}
     for record in records:
         order.setdefault(region_of[record.index], record)
     kept = {r.region: r.figures for r in known.regions} if known is not None else {}
-    return StepShape(tuple(StepRegion(region, counted.get(region, 1), _figures(kept.get(region), record, shared))
+    return StepShape(tuple(StepRegion(region, counted.get(region, 1),
+                                      _figures(kept.get(region), record, shared, device))
                            for region, record in order.items()))
 
 
-def _figures(known: RunFigures | None, record: Any, shared: Callable[[Any], bool]) -> RunFigures:
+def _figures(known: RunFigures | None, record: Any, shared: Callable[[Any], bool], device: bool) -> RunFigures:
     if known is not None and not shared(record):
         return known
-    found = run_figures(record.plan, record.largest_saved_input)
+    found = run_figures(record.plan, record.largest_saved_input, record.gradient_bytes if device else 0, device)
     if known is None:
         return found
-    return RunFigures(found.held, found.peak, max(found.floor_held, known.floor_held),
-                      max(found.floor_peak, known.floor_peak))
+    return dataclasses.replace(found, floor_held=max(found.floor_held, known.floor_held),
+                               floor_peak=max(found.floor_peak, known.floor_peak))
 
 
 class StepBudget:
     """The step's memory budget across its compiled regions: the step's shape, each region's share, and
     the round of shares regions are re-planned in (see the module docstring). Regions are the
     backend's keys; records are its ``GraphRecord`` s (read: ``index``, ``plan``, ``step_share``,
-    ``step_round``, ``largest_saved_input``)."""
+    ``step_round``, ``largest_saved_input``, ``gradient_bytes``). ``device_bytes``: a device budget (less
+    what is reserved), split instead of ``budget``: see :meth:`device_cap`."""
 
-    def __init__(self, budget: Budget | None, bounds_device: bool) -> None:
-        # Shares split a memory budget; a device budget keeps the backend's first-step ledger.
-        self.budget = None if bounds_device else budget
+    def __init__(self, budget: Budget | None, device_bytes: int | None = None) -> None:
+        self.budget = None if device_bytes is not None else budget
+        self.device_bytes = device_bytes
         self.shape: StepShape | None = None
         self.shares: dict[tuple, Share] = {}
         self.round = 0
@@ -167,7 +210,8 @@ class StepBudget:
     def learn(self, records: Sequence[Any], region_of: Mapping[int, tuple], counted: Mapping[tuple, int]) -> None:
         """The step whose first backward begins ran ``records`` (its forwards, in order): its shape, and
         the next round if a region fell short of its share in this one."""
-        self.shape = learn_step(self.shape, records, region_of, counted, lambda record: record.step_share is not None)
+        self.shape = learn_step(self.shape, records, region_of, counted, lambda record: record.step_share is not None,
+                                self.device_bytes is not None)
         if self._budget_bytes is not None and self.budget_bytes() != self._budget_bytes:
             self._moves += 1
         self._budget_bytes = self.budget_bytes()
@@ -183,13 +227,28 @@ class StepBudget:
         return [r.region for r in self.shape.regions[:self.shape.index(region)]]
 
     def share(self, region: tuple, held_before: Callable[[list[tuple]], int]) -> Share | None:
-        """``region``'s share, once the step has shown more than one region; ``held_before``: what the
-        regions before it hold as planned now (the backend's ledger)."""
+        """``region``'s share, once the step has shown more than one region (under a device budget, or one
+        region that runs several times); ``held_before``: what the regions before it hold as planned now
+        (the backend's ledger)."""
         shape = self.shape
-        if self.budget is None or shape is None or len(shape.regions) < 2 or shape.index(region) is None:
+        if self.budget_bytes() is None or shape.index(region) is None:
+            return None
+        # One region alone has the whole budget; under a device budget, not if it runs several times
+        # (one graph serving several layers): the other runs' parameters and gradients count too.
+        if len(shape.regions) < 2 and (self.device_bytes is None or shape.regions[0].runs < 2):
             return None
         k = shape.index(region)
-        return share_for(shape.budget_bytes(self.budget), held_before(self.earlier(region)), shape.demands()[k:])
+        demands = shape.demands(self.device_bytes is not None)
+        return share_for(self.budget_bytes(), held_before(self.earlier(region)), demands[k:])
+
+    def device_cap(self, region: tuple, share: Share) -> tuple[int, int]:
+        """The device budget (less reserved) a region's plan gets for ``share``, and the gradients its backward
+        runs on top of: the share bounds what its runs create on top of what the regions before it hold,
+        with the other regions' graph inputs (resident all step) set aside; the later regions' backwards
+        left their gradients (``PlanOptions.backward_gradients``); its own inputs count in its plan's
+        device peak."""
+        k = self.shape.index(region)
+        return share.budget + self.shape.regions[k].figures.inputs, self.shape.later_gradients(k)
 
     def stale(self, record: Any) -> bool:
         """Whether a region's plan, given a share now, predates this round (or had none), or shares a step
@@ -235,7 +294,13 @@ class StepBudget:
         self._short = True
 
     def budget_bytes(self) -> int | None:
-        return None if self.budget is None or self.shape is None else self.shape.budget_bytes(self.budget)
+        """The step's budget in bytes: of saved activations under a memory budget; under a device budget, of
+        the tensors the step creates (the device budget less every region's graph inputs)."""
+        if self.shape is None:
+            return None
+        if self.device_bytes is not None:
+            return self.device_bytes - self.shape.resident()
+        return None if self.budget is None else self.shape.budget_bytes(self.budget)
 
 
 def plan_within_cap(plan: Callable[[PlanOptions], tuple], options: PlanOptions) -> tuple:
@@ -254,7 +319,8 @@ def plan_within_cap(plan: Callable[[PlanOptions], tuple], options: PlanOptions) 
         least = options.held_cap + max(error.smallest - error.budget, 0)
         log.info("fxoffload: a region cannot keep what it leaves for the backward to its share of the step's "
                  "budget (%d B): planned for %d B", options.held_cap, least)
-    if least < options.budget.nbytes:
+    limit = options.device_bytes if options.device_bytes is not None else options.budget.nbytes
+    if least < limit:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", BudgetInfeasibleWarning)

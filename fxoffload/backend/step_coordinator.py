@@ -47,7 +47,7 @@ class StepCoordinator:
         self._config = config
         self._ledger = StepLedger(config.runs_per_step)
         options = config.plan_options
-        self._budget = StepBudget(options.budget, options.device_bytes is not None)
+        self._budget = StepBudget(options.budget, options.device_bytes)
 
     # ----------------------------------------------------------------------------- what the step is
 
@@ -90,9 +90,13 @@ class StepCoordinator:
         if (share := self._budget.shares.get(region)) is not None:
             # The step's accounting: an activation one region hands the next counts in the curve of the
             # region that saves it (which may offload it: a layer's input), never in both.
-            return dataclasses.replace(options, budget=Budget(nbytes=share.budget), held_cap=share.held_cap,
-                                       count_outputs=False,
-                                       kept_inputs=ledger.kept_inputs.get(region, frozenset())), held
+            shared = dict(held_cap=share.held_cap, count_outputs=False,
+                          kept_inputs=ledger.kept_inputs.get(region, frozenset()))
+            if options.device_bytes is not None:
+                cap, gradients = self._budget.device_cap(region, share)
+                return dataclasses.replace(options, device_bytes=max(cap, 1), backward_gradients=gradients,
+                                           **shared), held
+            return dataclasses.replace(options, budget=Budget(nbytes=share.budget), **shared), held
         if options.device_bytes is not None and held:
             return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
         if options.budget is None or options.budget.nbytes is None or not held:
@@ -126,8 +130,9 @@ class StepCoordinator:
         options = self._config.plan_options
         if handed_activations:
             return True
-        return (options.device_bytes is None and options.budget is not None
-                and (options.budget.nbytes is None or held_before > 0))
+        if options.device_bytes is not None:  # the rest of the step may make room once it is known
+            return held_before > 0
+        return options.budget is not None and (options.budget.nbytes is None or held_before > 0)
 
     def note_record(self, index: int, region: tuple) -> None:
         self._ledger.note_record(index, region)
@@ -212,16 +217,32 @@ class StepCoordinator:
     def _context(self, region: tuple, place: int, held_before: int, smallest: int) -> str:
         """Where the step's budget went, for the error of a region that cannot keep to its share, and the
         step's floor as planned: what the regions before it hold, plus its own smallest peak."""
-        shape, budget, ledger = self._budget.shape, self._config.memory_budget, self._ledger
+        shape, ledger = self._budget.shape, self._ledger
         earlier = shape.regions[:shape.index(region)]
         holds = ", ".join(f"region {ledger.place(r.region)} {format_bytes(ledger.held.get(r.region, 0) * r.runs)}"
                           + (f" ({r.runs} runs)" if r.runs > 1 else "") for r in earlier) or "none"
-        return (f"the step ({len(shape.regions)} compiled regions, predicted): memory_budget={budget!r} is "
+        if self._budget.device_bytes is not None:
+            return (f"the step ({_regions_words(shape.regions)}, predicted): device_budget="
+                    f"{self._config.device_budget!r} leaves {self._budget.budget_bytes()} B for the tensors the step "
+                    f"creates, after reserved and every region's graph inputs ({shape.resident()} B); the regions "
+                    f"before region {place} hold {held_before} B after their forward ({holds}), and the later "
+                    f"regions' backwards leave {shape.later_gradients(shape.index(region))} B of gradients, leaving "
+                    f"{_left_words(self._budget.shares[region].budget - shape.later_gradients(shape.index(region)))} "
+                    f"for what region {place} creates; ")
+        budget = self._config.memory_budget
+        return (f"the step ({_regions_words(shape.regions)}, predicted): memory_budget={budget!r} is "
                 f"{self._budget.budget_bytes()} B for the whole step, of {shape.peak_before()} B without offloading; "
                 f"the regions before region {place} hold {held_before} B after their forward ({holds}), leaving "
                 f"{_left_words(self._budget.shares[region].budget)} for region {place}; with them as planned, the "
                 f"step's activation peak is at least {held_before + smallest} B "
                 f"({(held_before + smallest) / max(shape.peak_before(), 1):.2f} of it without offloading); ")
+
+
+def _regions_words(regions: tuple[StepRegion, ...]) -> str:
+    """The step's compiled regions in words: "6 compiled regions", or "1 compiled region, 6 runs"."""
+    if len(regions) == 1:
+        return f"1 compiled region, {regions[0].runs} runs"
+    return f"{len(regions)} compiled regions"
 
 
 def _left_words(nbytes: int) -> str:
