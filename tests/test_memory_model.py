@@ -5,7 +5,7 @@ import torch
 
 from fxoffload.passes import PlanOptions, plan_pair
 from fxoffload.passes.analysis import saved_interface
-from fxoffload.passes.memory import build_timeline, curve, intervals, peak
+from fxoffload.passes.memory import build_timeline, curve, device_peak_of_runs, intervals, peak
 from fxoffload.passes.plan import Budget, BudgetInfeasibleError
 from fxoffload.profiles import PROFILES
 from tests.conftest import partitioned_pair, viewed_relu, viewed_relu_inputs
@@ -132,3 +132,21 @@ def test_the_logits_are_held_to_the_end_of_the_forward_predicted_and_measured():
     # only storage the measurement holds beyond the compiled forward's.
     at_return = measured.total_curve[measured.backward_started - 1] - 4
     assert predicted[forward_end] == at_return
+
+
+def test_the_device_peak_of_several_runs_is_the_worst_moment_of_the_step_run_by_run():
+    """``device_peak_of_runs`` against the step laid out run by run: run r's forward on top of what runs
+    1..r-1 hold; the backwards in reverse, run r's on top of what runs 1..r-1 still hold, the gradients
+    runs r+1.. left, and the gradients other graphs left."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        forward, backward = rng.randint(1, 6), rng.randint(1, 6)
+        total = [rng.randint(0, 100) for _ in range(forward + backward)]
+        held, runs = rng.randint(0, 60), rng.randint(1, 5)
+        gradients, extra = rng.randint(0, 80), rng.choice([0, rng.randint(0, 50)])
+        moments = [(r - 1) * held + x for r in range(1, runs + 1) for x in total[:forward]]
+        moments += [(r - 1) * held + (runs - r) * gradients + extra + x
+                    for r in range(runs, 0, -1) for x in total[forward:]]
+        assert device_peak_of_runs(total, forward, held, runs, gradients, extra) == max(moments)
