@@ -77,10 +77,10 @@ def row(setup, fraction: float) -> str:
 
 
 def _refusal(error: BaseException) -> str:
-    """The budget's refusal among the errors dynamo wraps, in its first words (else the error's type)."""
+    """The budget's refusal among the errors dynamo wraps, its first two clauses (else what it was not)."""
     while error is not None and not isinstance(error, fxoffload.BudgetInfeasibleError):
         error = getattr(error, "inner_exception", None) or error.__cause__
-    return "an error other than the budget's" if error is None else str(error).split(";")[0][:200]
+    return "an error other than the budget's" if error is None else ";".join(str(error).split(";")[:2])
 
 
 HEADER = ("| setup | fraction | peak without a budget | device_budget | reserved | each step's peak with it | "
