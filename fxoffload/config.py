@@ -144,9 +144,10 @@ class OffloadConfig:
     reserved: Any = 0
     """Device bytes the graphs cannot see, counted against ``device_budget``: optimizer state, the
     allocator's slack, eager code's tensors (an input projection left outside the compiled layers, the
-    batch it reads), and in the first step of several regions or runs, the other regions' and runs'
-    parameters (once the step has shown its regions, each region's plan counts them, and the gradients
-    the other backwards leave: ``fxoffload.backend.step_budget``). Bytes or a size string."""
+    batch it reads), and in the first step of several regions or runs, the later regions' and runs'
+    parameters (each region's first plan counts those of the regions before it; once the step has shown
+    its regions, every plan counts them all, and the gradients the other backwards leave:
+    ``fxoffload.backend.step_budget``). Bytes or a size string."""
 
     runs_per_step: Any = "auto"
     """How many times each compiled graph runs in one training step: with one graph per layer

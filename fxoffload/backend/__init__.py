@@ -379,7 +379,8 @@ class OffloadBackend:
         """Tell the ledger what a plan of ``region`` holds, takes and spills; what one run leaves for its backward."""
         deferred = sum(int(plan.transfers[p.transfer].nbytes) for p in schedule.placements if p.deferred)
         held = held_after_forward(plan, timeline, schedule)
-        self._step.note_plan(region, held, plan.pinned_host_bytes, max(deferred, schedule.ahead_bytes))
+        self._step.note_plan(region, held, plan.pinned_host_bytes, max(deferred, schedule.ahead_bytes),
+                             plan.input_bytes)
         return held
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,

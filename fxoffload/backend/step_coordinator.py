@@ -97,8 +97,10 @@ class StepCoordinator:
                 return dataclasses.replace(options, device_bytes=max(cap, 1), backward_gradients=gradients,
                                            **shared), held
             return dataclasses.replace(options, budget=Budget(nbytes=share.budget), **shared), held
-        if options.device_bytes is not None and held:
-            return dataclasses.replace(options, device_bytes=max(options.device_bytes - held, 1)), held
+        if options.device_bytes is not None:  # before the step is known: what the regions so far take
+            taken = held + ledger.inputs_before(earlier)
+            return (dataclasses.replace(options, device_bytes=max(options.device_bytes - taken, 1)) if taken
+                    else options), held
         if options.budget is None or options.budget.nbytes is None or not held:
             return options, held
         return dataclasses.replace(options, budget=Budget(nbytes=max(options.budget.nbytes - held, 1))), held
@@ -137,8 +139,8 @@ class StepCoordinator:
     def note_record(self, index: int, region: tuple) -> None:
         self._ledger.note_record(index, region)
 
-    def note_plan(self, region: tuple, held: int, host: int, spill: int) -> None:
-        self._ledger.note_plan(region, held, host, spill)
+    def note_plan(self, region: tuple, held: int, host: int, spill: int, inputs: int) -> None:
+        self._ledger.note_plan(region, held, host, spill, inputs)
 
     # ----------------------------------------------------------------------------- planning again
 

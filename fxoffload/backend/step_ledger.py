@@ -5,7 +5,8 @@ stages), each planned on its own; a memory budget is the step's, so each region'
 what the regions before it leave on the device. The backend keeps, in one :class:`StepLedger`:
 
 * per region, in the order regions were first compiled (the forward's order): the activation
-  bytes one run leaves for its backward, the pinned host bytes of one run's copies and what it
+  bytes one run leaves for its backward, its graph inputs' bytes (what a device budget counts of
+  the regions before a region, until the step is known), the pinned host bytes of one run's copies and what it
   spills into the next region (sources of copies deferred past its forward, copies the next
   backward starts ahead for it), all predicted by its plan; the runs its plan is for, and the
   most counted in one step; the positions of its offloaded inputs a caller kept;
@@ -45,6 +46,7 @@ class StepLedger:
     held: dict[tuple, int] = field(default_factory=dict)  # activation bytes one run leaves for its backward
     host_held: dict[tuple, int] = field(default_factory=dict)  # pinned host bytes of one run's copies
     spill: dict[tuple, int] = field(default_factory=dict)  # what a run leaves while the next region runs
+    inputs: dict[tuple, int] = field(default_factory=dict)  # graph input bytes of one run (parameters, batch)
     runs: dict[tuple, int] = field(default_factory=dict)  # runs each region is planned for, once counted
     counted: dict[tuple, int] = field(default_factory=dict)  # the most runs counted in one step
     forwards: dict[tuple, int] = field(default_factory=dict)  # forwards of each region since a backward began
@@ -81,6 +83,10 @@ class StepLedger:
         held = sum(self.held.get(r, 0) * self.runs_of(r) for r in earlier)
         return held + (self.spill.get(earlier[-1], 0) if earlier else 0)
 
+    def inputs_before(self, earlier: Sequence[tuple]) -> int:
+        """The graph inputs of ``earlier`` regions, every run (their parameters: resident all step)."""
+        return sum(self.inputs.get(r, 0) * self.runs_of(r) for r in earlier)
+
     def host_before(self, earlier: Sequence[tuple]) -> int:
         """The pinned host bytes the copies of ``earlier`` regions take, every run."""
         return sum(self.host_held.get(r, 0) * self.runs_of(r) for r in earlier)
@@ -108,9 +114,11 @@ class StepLedger:
         """The record ``index`` is a plan of ``region``."""
         self.region_of[index] = region
 
-    def note_plan(self, region: tuple, held: int, host: int, spill: int) -> None:
-        """A plan of ``region``: what one run leaves for its backward, its copies' pinned host bytes, its spill."""
+    def note_plan(self, region: tuple, held: int, host: int, spill: int, inputs: int = 0) -> None:
+        """A plan of ``region``: what one run leaves for its backward, its copies' pinned host bytes, its spill,
+        its graph inputs' bytes."""
         self.held[region], self.host_held[region], self.spill[region] = held, host, spill
+        self.inputs[region] = inputs
 
     def note_forward(self, record: Any) -> None:
         """A forward of the step ran ``record``'s graph (the first after a backward begins a new step)."""
