@@ -190,7 +190,7 @@ def _figures(known: RunFigures | None, record: Any, shared: Callable[[Any], bool
 
 
 class StepBudget:
-    """The step's memory budget across its compiled regions: the step's shape, each region's share, and
+    """The step's budget across its compiled regions: the step's shape, each region's share, and
     the round of shares regions are re-planned in (see the module docstring). Regions are the
     backend's keys; records are its ``GraphRecord`` s (read: ``index``, ``plan``, ``step_share``,
     ``step_round``, ``largest_saved_input``, ``gradient_bytes``). ``device_bytes``: a device budget (less
