@@ -215,7 +215,8 @@ def six_blocks(graphs: str) -> IndexedModel:
 
 
 @pytest.mark.parametrize("graphs", ["six graphs", "one graph, six runs"])
-@pytest.mark.parametrize("rows, fraction", [(512, 0.8), (256, 0.85), (512, 0.65)])
+@pytest.mark.parametrize("rows, fraction", [(512, 0.8), pytest.param(256, 0.85, marks=pytest.mark.slow),
+                                             pytest.param(512, 0.65, marks=pytest.mark.slow)])
 def test_a_device_budget_holds_for_a_step_of_block_graphs(rows, fraction, graphs):
     """Six blocks compiled one at a time, at a device budget below the step's measured device peak. Each
     region counts the other regions' parameters (resident all step), what the regions before it hold, and
@@ -247,6 +248,7 @@ def test_a_device_budget_holds_for_a_step_of_block_graphs(rows, fraction, graphs
     assert_same_step(loss_and_grads(eager, x), loss_and_grads(model, x))
 
 
+@pytest.mark.slow
 def test_a_device_budget_below_the_step_s_parameters_and_gradients_is_refused_naming_them():
     """At 128 rows the first block's backward runs on top of every parameter and every later block's
     gradients: 0.95 of the step's device peak is out of reach, and the refusal says so with the figures.
