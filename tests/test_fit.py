@@ -76,6 +76,26 @@ def test_the_answer_and_the_next_size_up_are_both_planned():
     assert Probe(768, 8680) in search.probes and Probe(1024, 11240) in search.probes
 
 
+def test_rows_come_in_the_order_given_each_the_furthest_of_its_setups_searched_grouped_by_checkpointing():
+    from fxoffload.tools.fit import SETUPS, Grid, Limit, LimitCode, Point, fit_rows
+
+    slopes = {(s.row, s.checkpointing): 600 + 97 * i for i, s in enumerate(SETUPS)}
+    modes = []
+
+    def evaluate(setup, size, answer):
+        modes.append(setup.checkpointing)
+        return Point(size, slopes[setup.row, setup.checkpointing] * size, size / 1e3, Limit(LimitCode.TEMPORARIES))
+
+    cap, grid = 4_000_000, Grid(False, 16, 256, 8192)
+    rows = fit_rows(evaluate, cap, grid)
+    assert [r.name for r in rows] == list(dict.fromkeys(s.row for s in SETUPS))
+    assert sum(a != b for a, b in zip(modes, modes[1:])) == 1  # one switch of checkpointing: grouped
+    for row in rows:
+        best = max(brute_force(lambda size, s=s: slopes[s.row, s.checkpointing] * size, cap, grid.step, grid.most)
+                   for s in SETUPS if s.row == row.name)
+        assert row.size == best, row.name
+
+
 def test_nothing_fits_and_everything_fits_are_answers_too():
     nothing = largest_fitting(lambda s: 10**9, 10, step=256, start=4096, most=65536)
     assert nothing.size == 0 and nothing.over == 256
@@ -297,10 +317,11 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
     def evaluate(optimizer, setup, answer):
         args = argparse.Namespace(seq=None, batch=1, optimizer=optimizer, traceback=False, profile="h100-pcie5",
                                   min_bytes="64KiB", host_budget="none")
-        run = _evaluator(args, source, torch.float32, 10**9, RESERVED, _common_options(args), False)
+        run, _ = _evaluator(args, source, torch.float32, 10**9, RESERVED, _common_options(args), False)
         return run(setup, 128, answer)
 
-    for setup, answer in ((SETUPS[0], False), (SETUPS[3], False), (SETUPS[3], True)):
+    budgeted = next(s for s in SETUPS if s.device_budget)  # its probe (smallest peak) and its answer (the budget)
+    for setup, answer in ((SETUPS[0], False), (budgeted, False), (budgeted, True)):
         without, adamw = evaluate("none", setup, answer), evaluate("adamw", setup, answer)
         assert adamw.device_peak - without.device_peak == 2 * parameter_bytes, setup  # AdamW's two moments
         assert adamw.step_time > without.step_time
@@ -324,3 +345,46 @@ def test_a_device_smaller_than_the_parameters_fits_no_row_and_says_why(tmp_path,
     for row in rows:
         assert row["limit"] == "fixed-bytes" and row["next"]["size"] == 16, row
         assert row["device_peak"] is None and row["command"] is None and row["tokens_per_second"] is None
+
+
+def test_every_setup_planned_on_one_kept_trace_gets_the_plan_a_trace_of_its_own_gets(tmp_path):
+    """fit traces each checkpointing mode and size once and plans every setup on that joint graph
+    (``plan_again``): each setup's probe and answer get the plan, device peak and step time that tracing
+    the step under the setup's own options gives (the compile path ``fxoffload plan`` takes)."""
+    import argparse
+    import json
+    import warnings
+
+    import torch
+
+    from fxoffload.passes import BudgetInfeasibleWarning, plan_digest, simulate
+    from fxoffload.tools.fit import SETUPS
+    from fxoffload.tools.fit_command import _common_options
+    from fxoffload.tools.models import from_config_file
+    from fxoffload.tools.tracing import Progress, plan_again, trace_step
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = from_config_file(tmp_path)
+    common = _common_options(argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none"))
+    seq, memory = 192, 9_000_000  # a budget the smallest peaks meet and the plain plan does not
+    kept = {}
+    compared = set()
+    for setup in SETUPS:
+        run = argparse.Namespace(batch=1, checkpointing=setup.checkpointing, per_layer=False, optimizer="none",
+                                 traceback=True)
+        if setup.checkpointing not in kept:
+            kept[setup.checkpointing] = trace_step(source, argparse.Namespace(**vars(run), keep_joints=True), seq,
+                                                   torch.float32, {**common, "memory_budget": 1.0}, Progress(True))
+        for budget in ((1, memory) if setup.device_budget else (None,)):
+            options = {**common, **setup.options}
+            if budget is not None:
+                options.update(device_budget=budget, reserved=0, on_infeasible="warn")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                (own,) = trace_step(source, run, seq, torch.float32, options, Progress(True)).records
+                (again,) = plan_again(kept[setup.checkpointing], options)
+            figures = [(plan_digest(r.plan, r.schedule), r.plan.device_peak_after, r.plan.step_peak_after,
+                        simulate(r).step_time) for r in (own, again)]
+            assert figures[0] == figures[1], (setup, budget)
+            compared.add(figures[0][0])
+    assert len(compared) >= 4  # the setups plan differently: the comparison sees more than one plan

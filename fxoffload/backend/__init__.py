@@ -71,7 +71,7 @@ from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
 from fxoffload.backend.ordering import constrain_offload_sources, pin_offload_order
-from fxoffload.backend.partition import Partitioner, with_stack_headroom
+from fxoffload.backend.partition import PartitionMemo, Partitioner, module_copy, with_stack_headroom
 from fxoffload.runtime.pinned import reservation
 from fxoffload.passes import (
     BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
@@ -93,7 +93,7 @@ log = logging.getLogger(__name__)
 # checkpointed layer saves only its input). Re-planned once counted, whatever the count.
 PROVISIONAL_RUNS = 2
 
-__all__ = ["GraphRecord", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
+__all__ = ["GraphRecord", "Joint", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
            "register_backend_name"]
 
 
@@ -148,18 +148,27 @@ class _Replan:
             mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
             example_inputs = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) if isinstance(t, torch.Tensor)
                               else t for t in example_inputs]
-        return cls(_module_copy(gm), list(example_inputs), inputs, patches)
+        return cls(module_copy(gm), list(example_inputs), inputs, patches)
 
     def copy(self) -> "_Replan":
         """Another copy of the graph, to compile once more (a compile may edit the graph it is handed)."""
-        return dataclasses.replace(self, module=_module_copy(self.module))
+        return dataclasses.replace(self, module=module_copy(self.module))
 
 
-def _module_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with a graph of its own (the same nodes, copied), sharing its submodules and attributes."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+@dataclass(frozen=True)
+class Joint:
+    """A region's joint forward/backward graph as AOTAutograd handed it to the partition hook, with
+    what partitioning and planning it again needs: kept by a backend made with ``keep_joints=True``
+    (in ``backend.joints``, one per compile), planned again by :meth:`OffloadBackend.plan_joint` of a
+    backend with other options, without tracing the model again (``fxoffload fit``)."""
+
+    module: fx.GraphModule  # a copy, taken before any partition
+    joint_inputs: Any
+    kwargs: dict  # the partition hook's keyword arguments (num_fwd_outputs, ...)
+    inputs: InputFacts  # as the compile call's inputs showed them
+    graph: str  # the key ranks compare its plan under (fxoffload.backend.ranks.graph_key)
+    context: Any  # the compile's tracing context (its fake mode: the partitioner makes fake tensors)
+    partition: PartitionMemo  # its default partition, made once (by the compile that kept it)
 
 
 def _eager_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -186,6 +195,7 @@ class _Compilation:
     def __init__(self, backend: "OffloadBackend", region: tuple, inputs: InputFacts,
                  replannable: bool = False, graph: str = "", choose: str | None = None) -> None:
         self.backend = backend
+        self.inputs = inputs
         self.gradient_bytes = inputs.gradient_bytes  # what its backward leaves in .grad, one run
         self.region = region
         self.graph = graph  # the key ranks compare its plan under (fxoffload.backend.ranks.graph_key)
@@ -240,9 +250,11 @@ def _run_backward(compiled: Callable, debug: bool, compilation: _Compilation) ->
 class OffloadBackend:
     """A ``torch.compile`` backend that offloads saved activations; see the module docstring."""
 
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, *, keep_joints: bool = False) -> None:
         self.config = config
         self.records: list[GraphRecord] = []
+        # With keep_joints: each compile's joint graph, to plan again under other options (plan_joint).
+        self.joints: list[Joint] | None = [] if keep_joints else None
         self._host_warned = False
         self._compile_count: dict[Any, int] = {}
         # The step: what each region holds and how often it runs, and the shares of its memory budget
@@ -590,10 +602,30 @@ class OffloadBackend:
         compilation = _Compilation(self, region, inputs, replannable, graph_key(gm, example_inputs), choose)
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
+    def _keep_joint(self, compilation: _Compilation, gm: fx.GraphModule, joint_inputs: Any,
+                    kwargs: dict) -> PartitionMemo:
+        joint = Joint(module_copy(gm), joint_inputs, dict(kwargs), compilation.inputs, compilation.graph,
+                      torch._guards.TracingContext.try_get(), PartitionMemo())
+        self.joints.append(joint)
+        return joint.partition
+
+    def plan_joint(self, joint: Joint) -> GraphRecord:
+        """Plan ``joint`` (kept by another backend) under this backend's options, as this backend would
+        plan the region at its first compile: the partition hook runs on a copy of the joint graph, and
+        the pair is planned and rewritten; the record joins ``records``. Nothing is compiled to run (the
+        rewritten graphs are the record's only). Limits: planned as a region of this backend's step,
+        which knows only the joints planned before it (a step of one graph is planned as at its compile)."""
+        compilation = _Compilation(self, self._region_key(), joint.inputs, graph=joint.graph)
+        partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition)
+        with torch._guards.tracing(joint.context):
+            partitioner(module_copy(joint.module), joint.joint_inputs, **joint.kwargs)
+        return compilation.record
+
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,
                       patches: dict) -> Callable:
         """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
-        partitioner = Partitioner(compilation.on_pair, compilation.input_activations)
+        keep = None if self.joints is None else functools.partial(self._keep_joint, compilation)
+        partitioner = Partitioner(compilation.on_pair, compilation.input_activations, keep)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx  # Inductor: loaded only under inner="inductor"
 

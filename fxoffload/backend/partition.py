@@ -9,7 +9,9 @@ Algorithm. :class:`Partitioner` reads the user's selective-checkpoint marks befo
 its own, partitions with ``min_cut_rematerialization_partition`` (once more without the marks' offloads
 where the user marked any, to cap the total peak at plain compile's), and hands the pair, and a way to
 re-partition it recompute-only at a budget (strategy auto's alternative), to the callback. Every
-partition runs under :func:`quick_min_cut`: the same cuts in less than half the time; and with
+partition runs under :func:`quick_min_cut`: the same cuts in less than half the time. A joint graph
+kept to be planned again (``fxoffload.backend.Joint``) keeps its default partition
+(:class:`PartitionMemo`): each later partition hook on a copy of it gets copies of that pair. And with
 :func:`with_stack_headroom` (the backend's compile and the CLI's trace run under it too): no call
 below pays for mapping Python's frame stack anew.
 
@@ -24,6 +26,7 @@ import contextlib
 import dataclasses
 import gc
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -33,22 +36,74 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from fxoffload.passes import offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak
 
-__all__ = ["CseOnce", "HEADROOM_SLOTS", "Partitioner", "SolveMemo", "quick_min_cut", "with_stack_headroom"]
+__all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMemo", "module_copy", "quick_min_cut",
+           "with_stack_headroom"]
+
+
+def module_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a graph of its own (the same nodes, copied, their meta dicts too), sharing its
+    submodules and attributes."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+@dataclass
+class PartitionMemo:
+    """The default partition of one joint graph, made once (by the compile that kept the graph:
+    ``fxoffload.backend.Joint``): each partition hook run again on a copy of that graph gets a copy
+    of it instead of partitioning again (the partitioner is deterministic: the same graph, the same
+    cut). PyTorch's recompute-only partition (strategy auto) is still made from the graph."""
+
+    made: "_Default | None" = None
+
+
+@dataclass(frozen=True)
+class _Default:
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    policies: dict  # the user's selective-checkpoint marks, as read before the partitioner wrote its own
+    plain_total: int | None
 
 
 class Partitioner(CustomPartitionerFn):
     """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
 
     def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
-                 input_activations: frozenset[int] = frozenset()) -> None:
+                 input_activations: frozenset[int] = frozenset(),
+                 keep: Callable[[fx.GraphModule, Any, dict], PartitionMemo] | None = None,
+                 memo: PartitionMemo | None = None) -> None:
         self._on_pair = on_pair
         self._input_activations = input_activations
+        # Handed the joint graph before anything partitions it (OffloadBackend's keep_joints); the memo it
+        # returns takes this partition.
+        self._keep = keep
+        self._memo = memo
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        memo = self._keep(gm, joint_inputs, kwargs) if self._keep is not None else self._memo
         with quick_min_cut():
-            return with_stack_headroom(self._partition_and_plan, gm, joint_inputs, **kwargs)
+            return with_stack_headroom(self._partition_and_plan, gm, joint_inputs, memo, **kwargs)
 
-    def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+    def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None, **kwargs: Any):
+        made = memo.made if memo is not None else None
+        if made is None:
+            made = self._partition(gm, joint_inputs, kwargs)
+            if memo is not None:  # a copy: the passes rewrite the pair they are handed
+                memo.made = dataclasses.replace(made, forward=module_copy(made.forward),
+                                                backward=module_copy(made.backward))
+        else:
+            save_offload_marks(gm.graph)  # the graph as the default partition leaves it, for recompute_only
+            made = dataclasses.replace(made, forward=module_copy(made.forward), backward=module_copy(made.backward))
+
+        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
+                             made.plain_total)
+
+    def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict) -> _Default:
         # The user's selective-checkpoint marks, before the partitioner writes its own.
         policies = read_policies(gm.graph)
         plain_total = None
@@ -60,12 +115,7 @@ class Partitioner(CustomPartitionerFn):
                                                  self._input_activations)
         save_offload_marks(gm.graph)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-
-        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
-            with torch._functorch.config.patch(activation_memory_budget=fraction):
-                return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-
-        return self._on_pair(fw, bw, kwargs["num_fwd_outputs"], policies, recompute_only, plain_total)
+        return _Default(fw, bw, policies, plain_total)
 
     def uuid(self) -> None:
         return None  # no caching: a cache hit would skip the passes and the record

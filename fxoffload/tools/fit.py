@@ -16,7 +16,7 @@ predict, or when two in a row failed to halve it. The search ends when the brack
 wide: the answer was planned and fits, the next size up was planned and does not (or the answer is
 the largest size tried). A linear peak takes at most five plans (property-tested); a peak that is
 not monotone in the size still gets an answer that fits beside a next size that does not. Each
-plan is a full trace and plan of the whole step with fake tensors (no length is extrapolated).
+plan is a plan of the whole step traced with fake tensors at its size (no length is extrapolated).
 
 Limits: every figure is a prediction (memory model, cost model, simulator), not a measurement; the
 step must compile to one graph (a graph break splits what the device peak must see as one); what
@@ -217,12 +217,16 @@ def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: G
     """One row per distinct ``Setup.row`` (in order): each setup searched on ``grid`` with ``largest_fitting``
     on the device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as
     the row reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so; of
-    several setups for one row, the one that reaches furthest, then the fastest there. Each setup's
-    search starts from the previous row's answer (a close guess: rows reach further in the order
-    given). ``end``: the limit of a row whose answer is ``most`` (what the largest size stands for)."""
-    found: dict[str, list[Row]] = {}
+    several setups for one row, the one that reaches furthest, then the fastest there. The setups are
+    searched grouped by checkpointing (in the order each first appears; rows come out in the order
+    given): an evaluator that traces each checkpointing and size once (``fxoffload fit``) then comes
+    back to the sizes the searches before planned. Each setup's search starts from the previous
+    one's answer (a close guess: rows reach further in the order given). ``end``: the limit of a row
+    whose answer is ``most`` (what the largest size stands for)."""
+    found: dict[str, list[Row]] = {row: [] for row in dict.fromkeys(s.row for s in setups)}
+    modes = list(dict.fromkeys(s.checkpointing for s in setups))
     step, start, most = grid.step, grid.start, grid.most
-    for setup in setups:
+    for setup in sorted(setups, key=lambda s: modes.index(s.checkpointing)):
         points: dict[int, Point] = {}
 
         def peak_of(size: int) -> int:
@@ -242,7 +246,7 @@ def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: G
         limit = over.limit if over is not None else end
         row = Row(setup.row, setup.checkpointing, search.size, fit, over, limit,
                   tuple(points[p.size] for p in search.probes))
-        found.setdefault(setup.row, []).append(row)
+        found[setup.row].append(row)
     return [max(rows, key=lambda r: (r.size, -(r.fit.step_time if r.fit else 0.0))) for rows in found.values()]
 
 

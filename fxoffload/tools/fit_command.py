@@ -6,9 +6,12 @@ For each row of ``fxoffload.tools.fit.SETUPS`` (plain, checkpointing, checkpoint
 most +1%, fxoffload) it
 searches the longest sequence on a grid (``--granularity``, 256 tokens by default; with ``--seq``,
 the largest batch instead) whose predicted device peak, with what is reserved, fits the device's
-memory: each probe builds the model with fake tensors, compiles one training step as one graph
-with the fxoffload backend (``inner="eager"``, nothing runs) and reads the plan's device peak
-(``fxoffload.tools.fit.largest_fitting`` picks the sizes). It prints each row's answer with the predicted
+memory: each probe plans one training step as one graph and reads the plan's device peak
+(``fxoffload.tools.fit.largest_fitting`` picks the sizes). The step is traced once per checkpointing
+mode and size (the model built with fake tensors, compiled with the fxoffload backend,
+``inner="eager"``, nothing runs; the latest ``KEPT_TRACES`` kept), and every setup that probes that
+mode and size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a
+trace of its own would give (a test checks it), without tracing again. It prints each row's answer with the predicted
 step time and tokens per second there, what sets the limit (read at the next size up, planned too),
 the ``fxoffload plan`` command that reproduces the answer, and plots device peak against size.
 Every memory and time figure is a prediction; only the command's own run time is measured.
@@ -37,7 +40,9 @@ from fxoffload.tools.fit import (
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tools.models import DTYPES, PRESETS, ModelError
 from fxoffload.tools.plot import plot_fit
-from fxoffload.tools.tracing import Progress, UsageError, min_bytes_of, model_source, number_or_text, trace_step
+from fxoffload.tools.tracing import (
+    Progress, UsageError, min_bytes_of, model_source, number_or_text, plan_again, reserve_optimizer_state, trace_step,
+)
 
 
 __all__ = ["add_fit_parser", "run_fit"]
@@ -88,7 +93,7 @@ def run_fit(args: argparse.Namespace) -> int:
     except ModelError as e:
         raise UsageError(str(e)) from None
     grid = _grid(args, source)
-    evaluate = _evaluator(args, source, DTYPES[args.dtype], memory, reserved, common, grid.by_batch)
+    evaluate, traces = _evaluator(args, source, DTYPES[args.dtype], memory, reserved, common, grid.by_batch)
     progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB")
     try:
@@ -99,6 +104,7 @@ def run_fit(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     report = fit_report(rows, args, source, memory, reserved, grid)
     report["seconds"] = time.perf_counter() - started
+    report["traces"] = traces.traced
     if not args.no_plot:
         report["plot"] = _plot(rows, args, source, memory, grid)
         progress(f"wrote {args.output}")
@@ -158,30 +164,58 @@ def _common_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+# Traces kept at once (each a whole step's joint graph; the searches come back to recent sizes).
+KEPT_TRACES = 4
+
+
+class _Traces:
+    """The step traced once per checkpointing mode and size (batch, length), the latest ``KEPT_TRACES``
+    kept: every setup of that mode plans the same joint graph (``plan_again``), as ``trace_step`` plans it."""
+
+    def __init__(self, args: argparse.Namespace, source: Any, dtype: Any, common: dict) -> None:
+        self._args, self._source, self._dtype, self._common = args, source, dtype, common
+        self._kept: dict[tuple, Any] = {}
+        self.traced = 0  # traces made (the rest of the probes planned a kept one)
+
+    def of(self, checkpointing: str, batch: int, seq: int) -> Any:
+        key = (checkpointing, batch, seq)
+        if key not in self._kept:
+            # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
+            run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False,
+                                     optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
+            traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
+                                Progress(True))
+            if len(traced.joints) != 1:
+                raise FitError(f"{self._source.name}: the step compiled to {len(traced.joints)} graphs (graph "
+                               "breaks); fit needs it as one graph, whose device peak sees every tensor of the step")
+            self.traced += 1
+            if len(self._kept) >= KEPT_TRACES:
+                del self._kept[next(iter(self._kept))]
+            self._kept[key] = traced
+        return self._kept[key]
+
+
 def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, reserved: int, common: dict,
-               by_batch: bool) -> Callable[[Setup, int, bool], Point]:
-    """Plans one step of a setup at a size (fake tensors, one graph) and reads its device peak: see
-    ``fxoffload.tools.fit.Setup`` for what a probe and an answer of a ``device_budget`` setup plan."""
+               by_batch: bool) -> tuple[Callable[[Setup, int, bool], Point], _Traces]:
+    """Plans one step of a setup at a size (fake tensors, one graph; each checkpointing mode and size
+    traced once: ``_Traces``) and reads its device peak: see ``fxoffload.tools.fit.Setup`` for what a
+    probe and an answer of a ``device_budget`` setup plan."""
+    traces = _Traces(args, source, dtype, common)
 
     def evaluate(setup: Setup, size: int, answer: bool) -> Point:
         batch, seq = (size, args.seq) if by_batch else (args.batch, size)
+        traced = traces.of(setup.checkpointing, batch, seq)
         options = {**common, **setup.options}
-        smallest = setup.device_budget and not answer
-        if smallest:  # a budget of one byte, planned for the smallest device peak instead (on_infeasible)
+        if setup.device_budget and not answer:  # a budget of one byte, planned for the smallest device peak instead
             options.update(device_budget=1, on_infeasible="warn")
-        elif setup.device_budget:
+        elif setup.device_budget:  # the optimizer's state joins what is reserved (for the smallest peak it
+            # must not: one byte cannot hold it; it is added below like any reserved bytes)
             options.update(device_budget=memory, reserved=reserved)
-        # Under a device budget the trace reserves the optimizer's state; for the smallest peak it
-        # must not (one byte cannot hold it), and the state is added below like any reserved bytes.
-        run = argparse.Namespace(batch=batch, checkpointing=setup.checkpointing, per_layer=False,
-                                 optimizer="none" if smallest else args.optimizer, traceback=args.traceback)
+            if traced.optimizer["state_bytes"]:
+                options = reserve_optimizer_state(options, traced.optimizer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-            traced = trace_step(source, run, seq, dtype, options, Progress(True))
-        if len(traced.records) != 1:
-            raise FitError(f"{source.name}: the step compiled to {len(traced.records)} graphs (graph breaks); fit "
-                           "needs it as one graph, whose device peak sees every tensor of the step")
-        record = traced.records[0]
+            (record,) = plan_again(traced, options)
         optimizer = optimizer_step(args.optimizer, traced.optimizer["parameter_bytes"],
                                    resolve_profile(args.profile))
         fixed = reserved + optimizer.state_bytes
@@ -190,7 +224,7 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
         return Point(size, record.plan.device_peak_after + fixed, simulate(record).step_time + optimizer.seconds,
                      limit)
 
-    return evaluate
+    return evaluate, traces
 
 
 def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> str:

@@ -96,8 +96,8 @@ def run_plan(args: argparse.Namespace) -> PlanOutcome:
         source = model_source(args)
         lengths = seq_range(args.seq)
         seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
-        records, invocations, seconds, optimizer = trace_step(source, args, seq, DTYPES[args.dtype], options, progress,
-                                                              lengths)
+        records, invocations, seconds, optimizer, _ = trace_step(source, args, seq, DTYPES[args.dtype], options,
+                                                                 progress, lengths)
     except ModelError as e:
         if args.traceback and e.__cause__ is not None:
             raise

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import fxoffload
+from fxoffload.backend import OffloadBackend
 from fxoffload.backend.partition import with_stack_headroom
-from fxoffload.config import OffloadConfig, OptionError, parse_budget
+from fxoffload.config import OffloadConfig, OptionError, config_from_options, parse_budget
 from fxoffload.explain import format_bytes, format_stages
 from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError, optimizer_step, tensor_nbytes
 from fxoffload.profiles import resolve_profile
@@ -28,7 +28,8 @@ from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line
 
 
-__all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "seq_range", "trace_step"]
+__all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "plan_again",
+           "reserve_optimizer_state", "seq_range", "trace_step"]
 
 
 class UsageError(ValueError):
@@ -106,7 +107,9 @@ def model_source(args: argparse.Namespace):
 def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: Progress,
            lengths: tuple[int, ...] | None = None):
     """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
-    ``--optimizer``) joins what is reserved under a device budget."""
+    ``--optimizer``) joins what is reserved under a device budget. ``args``: the step's batch,
+    checkpointing, per_layer, optimizer and traceback flags, and ``keep_joints`` (optional): keep each
+    compile's joint graph (``_Traced.joints``) for :func:`plan_again`."""
 
 
     torch._dynamo.reset()
@@ -121,7 +124,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
         seconds["build"] = time.perf_counter() - start
         optimizer = _optimizer(step, args.optimizer, options)
         if optimizer["state_bytes"] and options.get("device_budget") is not None:
-            options = _reserve_optimizer_state(options, optimizer)
+            options = reserve_optimizer_state(options, optimizer)
         if lengths and len(lengths) == 2:
             _mark_lengths(inputs, kwargs, *lengths)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
@@ -131,7 +134,8 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
             raise UsageError(f"--per-layer: {source.name} has no list of repeated layers (an nn.ModuleList "
                              "of one layer class) to compile one at a time")
         # One graph serves every layer: plan it for the step's runs of it.
-        backend = fxoffload.offload_backend(**options, **({"runs_per_step": len(blocks)} if blocks else {}))
+        config = config_from_options({**options, **({"runs_per_step": len(blocks)} if blocks else {})})
+        backend = OffloadBackend(config, keep_joints=getattr(args, "keep_joints", False))
         try:
             if blocks:
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
@@ -156,18 +160,32 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
     seconds["fxoffload_stages"] = stages
     progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
              f"(fxoffload passes {format_stages(tuple(stages.items()))})")
-    return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer)
+    return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer,
+                   backend.joints or [])
+
+
+def plan_again(traced: "_Traced", options: dict) -> list:
+    """The records of planning each joint graph ``traced`` kept (``args.keep_joints``) under ``options``
+    (checked as the backend's), one backend for all, without tracing again: the plans ``trace_step``
+    would make under them. The caller reserves the optimizer's state (:func:`reserve_optimizer_state`)."""
+    backend = OffloadBackend(config_from_options(options))
+    try:
+        return [backend.plan_joint(joint) for joint in traced.joints]
+    except BudgetInfeasibleError as error:
+        raise _impossible(error) from None
 
 
 
 class _Traced(NamedTuple):
     """What tracing and planning one step gave: the records, the step's invocations (records in the
-    order they ran), wall times (measured) and the optimizer's figures (predicted: ``_optimizer``)."""
+    order they ran), wall times (measured), the optimizer's figures (predicted: ``_optimizer``) and,
+    when asked (``args.keep_joints``), each compile's joint graph (``fxoffload.backend.Joint``)."""
 
     records: list
     invocations: list
     seconds: dict
     optimizer: dict
+    joints: list
 
 
 
@@ -185,7 +203,7 @@ def _optimizer(step: Any, kind: str, options: dict) -> dict:
 
 
 
-def _reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
+def reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
     """``options`` with the optimizer's state added to what is reserved of the device budget."""
 
     reserved = OffloadConfig(**options).reserved_bytes + optimizer["state_bytes"]
@@ -206,15 +224,19 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):
-        # The command plans for the budget it is given: the advice to warn instead does not apply.
-        advice = [a for a in cause.advice if a != ADVICE_WARN]
-        return UsageError(f"impossible budget: {cause.explained(advice)}")
+        return _impossible(cause)
     if isinstance(cause, ModelError):
         return UsageError(str(cause))
     if source.user_code and not traceback:
         return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: "
                           f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
     return error
+
+
+
+def _impossible(error: BudgetInfeasibleError) -> UsageError:
+    # The command plans for the budget it is given: the advice to warn instead does not apply.
+    return UsageError(f"impossible budget: {error.explained([a for a in error.advice if a != ADVICE_WARN])}")
 
 
 

@@ -1,0 +1,84 @@
+"""``OffloadBackend(keep_joints=True)`` and ``plan_joint``: a compile's joint graph planned again under other
+options, without tracing again, gets the plan that compiling under those options gives."""
+
+import warnings
+
+import pytest
+import torch
+
+from fxoffload.backend import OffloadBackend
+from fxoffload.config import config_from_options
+from fxoffload.passes import BudgetInfeasibleWarning, plan_digest
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))  # saves its input (for up.weight's gradient)
+
+
+def compiled_step(backend: OffloadBackend) -> None:
+    """One step of a block handed an activation (its input is made by an op before it)."""
+    torch.manual_seed(0)
+    block, embed = Block(), torch.nn.Linear(64, 64)
+    torch._dynamo.reset()
+    x = embed(torch.randn(8, 32, 64))
+    torch.compile(block, backend=backend)(x).sum().backward()
+
+
+OPTIONS = [
+    {"memory_budget": 1.0},
+    {"memory_budget": 0.5, "strategy": "offload", "min_bytes": 0},
+    {"memory_budget": 0.5, "strategy": "recompute", "min_bytes": 0, "on_infeasible": "warn"},
+    {"memory_budget": 0.3, "min_bytes": 0},
+    {"memory_budget": 0.2, "strategy": "offload", "min_bytes": 0, "on_infeasible": "warn"},
+    # A graph serving four layers a step: its input activation may be offloaded, and under a device
+    # budget its first run's backward runs on top of the other runs' gradients (the kept input facts).
+    {"memory_budget": 0.5, "strategy": "offload", "min_bytes": 0, "runs_per_step": 4},
+    {"device_budget": 1, "min_bytes": 0, "runs_per_step": 4, "on_infeasible": "warn"},
+]
+
+
+def figures(record) -> tuple:
+    return plan_digest(record.plan, record.schedule), record.plan.step_peak_after, record.plan.device_peak_after
+
+
+@pytest.fixture(scope="module")
+def kept():
+    backend = OffloadBackend(config_from_options({"inner": "eager"}), keep_joints=True)
+    compiled_step(backend)
+    assert len(backend.joints) == 1 and backend.joints[0].inputs.activations  # its input is an activation
+    return backend.joints[0]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_a_kept_joint_planned_again_gets_the_plan_compiling_under_the_options_gives(kept, options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+        own = OffloadBackend(config_from_options({"inner": "eager", **options}))
+        compiled_step(own)
+        again = OffloadBackend(config_from_options({"inner": "eager", **options}))
+        record = again.plan_joint(kept)
+        twice = again.plan_joint(kept)  # the kept graph is left as it was: planned again, the same plan
+    assert figures(record) == figures(own.records[0])
+    assert figures(twice) == figures(record)
+    assert again.records == [record, twice]
+
+
+def test_the_plans_compared_differ_between_options_and_one_offloads_the_input_activation(kept):
+    planned = []
+    for options in OPTIONS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+            planned.append(OffloadBackend(config_from_options({"inner": "eager", **options})).plan_joint(kept))
+    assert len({figures(r)[0] for r in planned}) == len(OPTIONS)
+    assert any(r.offloaded_inputs for r in planned)  # the input activation, which only its facts allow
+
+
+def test_a_backend_keeps_no_joint_unless_asked():
+    backend = OffloadBackend(config_from_options({"inner": "eager"}))
+    compiled_step(backend)
+    assert backend.joints is None and len(backend.records) == 1
