@@ -388,3 +388,17 @@ def test_every_setup_planned_on_one_kept_trace_gets_the_plan_a_trace_of_its_own_
             assert figures[0] == figures[1], (setup, budget)
             compared.add(figures[0][0])
     assert len(compared) >= 4  # the setups plan differently: the comparison sees more than one plan
+
+
+def test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_breaks(capsys):
+    """fit keeps the joint graph of each compile of a probe's trace: a step with a graph break (the loss a
+    region of its own) compiles two, and fit, which needs the step's device peak in one graph, says so."""
+    from pathlib import Path
+
+    from fxoffload.tools.cli import main
+
+    model = Path(__file__).parent / "model_files" / "hf_loss_apart.py"
+    code = main(["fit", "--model", str(model), "--dtype", "fp32", "--device-memory", "2GB", "--max-seq", "256",
+                 "--granularity", "128", "--no-plot", "--quiet"])
+    err = capsys.readouterr().err
+    assert code != 0 and "the step compiled to" in err and "graph breaks" in err, err

@@ -11,9 +11,10 @@ memory: each probe plans one training step as one graph and reads the plan's dev
 mode and size (the model built with fake tensors, compiled with the fxoffload backend,
 ``inner="eager"``, nothing runs; the latest ``KEPT_TRACES`` kept), and every setup that probes that
 mode and size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a
-trace of its own would give (a test checks it), without tracing again. It prints each row's answer with the predicted
-step time and tokens per second there, what sets the limit (read at the next size up, planned too),
-the ``fxoffload plan`` command that reproduces the answer, and plots device peak against size.
+trace of its own would give (a test checks it), without tracing again. It prints each row's answer
+with the predicted step time and tokens per second there, what sets the limit (read at the next size
+up, planned too), the ``fxoffload plan`` command that reproduces the answer, and plots device peak
+against size.
 Every memory and time figure is a prediction; only the command's own run time is measured.
 
 Limits: the step must compile to one graph (``--per-layer`` is refused: layer graphs do not see the
