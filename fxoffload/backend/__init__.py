@@ -195,16 +195,22 @@ class _Compilation:
     def __init__(self, backend: "OffloadBackend", region: tuple, inputs: InputFacts,
                  replannable: bool = False, graph: str = "", choose: str | None = None) -> None:
         self.backend = backend
-        self.inputs = inputs
-        self.gradient_bytes = inputs.gradient_bytes  # what its backward leaves in .grad, one run
+        self.inputs = inputs  # which inputs are activations, what one run's backward leaves in .grad
         self.region = region
         self.graph = graph  # the key ranks compare its plan under (fxoffload.backend.ranks.graph_key)
-        self.input_activations = inputs.activations
         self.replannable = replannable  # runs_per_step="auto" may plan it again once the step is counted
         self.choose = choose  # the candidate plan to compile (measured selection), else the fastest predicted
         self.record: GraphRecord | None = None
         # While its step is timed (measured selection): takes a Mark of each backward run.
         self.timer: Callable[[Mark], None] | None = None
+
+    @property
+    def input_activations(self) -> frozenset[int]:
+        return self.inputs.activations
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.inputs.gradient_bytes
 
     def on_pair(self, fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, policies: dict[str, str],
                 repartition: Any = None, plain_total: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
