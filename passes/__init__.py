@@ -27,7 +27,7 @@ from .candidates import AUTO_HORIZON, Placement
 from .cost_model import OPTIMIZERS, DeviceProfile, optimizer_step
 from .digest import plan_digest
 from .memory import Timeline, curve, on_device
-from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, RELEASES, WAIT
+from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT
 from .pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
@@ -51,7 +51,8 @@ __all__ = [
     "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "CandidatePlan", "BudgetInfeasibleError",
     "BudgetInfeasibleWarning", "DEFER", "Decision",
     "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
-    "OnInfeasible", "OverheadExceededError", "PREFETCH", "PassResult", "Placement", "Plan", "PlanOptions",
+    "OnInfeasible", "OverheadExceededError", "PREFETCH", "PREFETCH_AHEAD", "PassResult", "Placement", "Plan",
+    "PlanOptions",
     "RELEASES", "RegionDemand",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
     "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "activation_peaks_at", "curve",

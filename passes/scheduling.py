@@ -44,7 +44,13 @@ Algorithm.
   their bytes goes at the node that gives the first of them the same lead
   before this graph's end, or later, as far as the memory bound over the rest
   of this backward requires. The graph's own prefetch of such a transfer then
-  finds its copy in flight.
+  finds its copy in flight. In a smallest-peak plan (no budget) of a graph
+  serving several layers, that bound is the total curve alone: the plan's own
+  activation peak would hold the copy to this backward's last op, where it
+  hides nothing (a layer that reads its input to its backward's end leaves no
+  room for the next one's before then); the lead is then doubled
+  (``AHEAD_MARGIN``: a compiler runs independent kernels around the op), and
+  the plan's peaks count those bytes (:func:`started_ahead`).
 * Recompute (priced for the planner by ``fxoffload.passes.candidates.recompute_costs``): the chain
   runs right before the first backward consumer, for the predicted compute
   time of its ops; its storage and the chain's temporaries are fixed memory
@@ -162,15 +168,26 @@ def fifo_finish(ready: Sequence[float], durations: Sequence[float]) -> list[floa
 # --------------------------------------------------------------------------- final schedule (after planning)
 
 
+# Copies started ahead in a smallest-peak plan are planned with twice the lead they need: the compiler
+# reorders the backward's independent kernels around the op (on an H200, Inductor ran the last layers'
+# weight-gradient matmuls after it, and the copy started 0.6 ms of the planned 1.25 ms before the
+# backward's end: benchmarks/measured/frontier-h200-run6.json). The total curve still bounds them.
+AHEAD_MARGIN = 2.0
+
+
 @dataclass
 class _Room:
     """What a move's bytes must fit under: one curve and bound per size the plan holds its budget at
     (its own, then ``Plan.sizes``), with each transfer's bytes at that size. Moves go where they fit
-    at every size."""
+    at every size. ``totals``: the total curves alone, on the same scale (``_occupied``), held beside
+    ``curves``: what copies started ahead fit under in a smallest-peak plan (:meth:`for_ahead`)."""
 
     curves: list[list[int]]
     bounds: list[int]
     sizes: list[list[int]]  # per size: bytes of each transfer
+    totals: list[list[int]] | None = None
+    ahead_by_totals: bool = False  # copies started ahead fit under ``totals`` (a smallest-peak plan)
+    lead_margin: float = 1.0  # the lead copies started ahead are planned with, in units of the lead they need
 
     def fits(self, index: int, k: int) -> bool:
         return all(c[index] + n[k] <= b for c, n, b in zip(self.curves, self.sizes, self.bounds))
@@ -181,7 +198,8 @@ class _Room:
 
     def hold(self, start: int, stop: int, transfers: Sequence[int]) -> None:
         """Add the bytes of ``transfers`` over positions ``[start, stop)``."""
-        for c, n in zip(self.curves, self.sizes):
+        curves = self.curves + (self.totals or [])
+        for c, n in zip(curves, self.sizes * (len(curves) // len(self.sizes))):
             nbytes = sum(n[k] for k in transfers)
             for i in range(start, stop):
                 c[i] += nbytes
@@ -190,6 +208,13 @@ class _Room:
         """The earliest index in ``[desired, end]`` from which ``transfers`` fit over ``[index, end)``."""
         return max(bounded_start(c, desired, end, sum(n[k] for k in transfers), b)
                    for c, n, b in zip(self.curves, self.sizes, self.bounds))
+
+    def for_ahead(self) -> "_Room":
+        """Where copies started ahead must fit: this room, or under ``ahead_by_totals`` the same room
+        bounded by the total curves alone (the activation curves left out), planned with ``AHEAD_MARGIN``."""
+        if not (self.ahead_by_totals and self.totals):
+            return self
+        return _Room(self.totals, self.bounds, self.sizes, lead_margin=AHEAD_MARGIN)
 
 
 @dataclass(frozen=True)
@@ -203,20 +228,24 @@ class _Size:
 
 
 def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: int, total_bound: int,
-              temporaries: Sequence[tuple[int, int, int]] = ()) -> list[int]:
+              temporaries: Sequence[tuple[int, int, int]] = ()) -> tuple[list[int], list[int]]:
     """One curve that a move's bytes must fit under ``bound``: the activation curve, or the total
-    curve shifted so that ``total_bound`` lands on ``bound``, whichever is closer to its limit.
+    curve shifted so that ``total_bound`` lands on ``bound``, whichever is closer to its limit; and that
+    shifted total curve alone.
 
     Both curves rise by the same bytes when a copy is held longer, so one curve states both limits.
     """
     saved = curve(timeline.length, intervals(timeline, moves, residual_only=True))
     total = curve(timeline.length, intervals(timeline, moves, residual_only=False, temporaries=temporaries))
-    return [max(s, t - total_bound + bound) for s, t in zip(saved, total)]
+    shifted = [t - total_bound + bound for t in total]
+    return [max(s, t) for s, t in zip(saved, shifted)], shifted
 
 
-def _room(held: Sequence[_Size], moves: Mapping[int, tuple[int, int]], temporaries) -> _Room:
-    return _Room([_occupied(h.timeline, moves, h.bound, h.total_bound, temporaries) for h in held],
-                 [h.bound for h in held], [h.sizes for h in held])
+def _room(held: Sequence[_Size], moves: Mapping[int, tuple[int, int]], temporaries,
+          ahead_by_totals: bool = False) -> _Room:
+    both = [_occupied(h.timeline, moves, h.bound, h.total_bound, temporaries) for h in held]
+    return _Room([c for c, _ in both], [h.bound for h in held], [h.sizes for h in held], [t for _, t in both],
+                 ahead_by_totals)
 
 
 def schedule_transfers(
@@ -243,11 +272,16 @@ def schedule_transfers(
     moves = plan.recompute_moves()  # recomputed storages stay where the plan put them
     moves.update({lives[k]: (pos[p.free_after], pos[p.prefetch_before]) for k, p in enumerate(chosen)})
     held = _held_sizes(plan, timeline, moves)
+    # A smallest-peak plan's bound is its own activation peak; in a graph serving several layers, a copy
+    # started ahead for the next layer's backward would raise it by that copy's bytes (two layers' inputs
+    # on the device at the handover, not one), and be held back to the end of this backward, where it
+    # can hide nothing: such copies fit under the total curve alone.
+    ahead_by_totals = plan.budget_bytes is None and plan.device_bytes is None and plan.runs > 1
 
     def room() -> _Room:  # the curves at the moves so far, staging buffers included
         staged = [interval for k, p in enumerate(chosen) for interval in staging_intervals(
             pos[p.offload_after], *moves[lives[k]], pos[p.wait_before], plan.transfers[k].staging)]
-        return _room(held, moves, plan.recompute_temporaries() + staged)
+        return _room(held, moves, plan.recompute_temporaries() + staged, ahead_by_totals=ahead_by_totals)
 
     releases, late = _place_releases(timeline, chosen, room(), d2h, starts, pos)
     for k, r in enumerate(releases):
@@ -408,7 +442,7 @@ def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, cross_graphs,
         early.append(k)
     while ahead_room is not None and early and sum(room.sizes[0][k] for k in early) > ahead_room:
         early = early[:-1]
-    return prefetches, _place_ahead(room, starts, first, latest, early)
+    return prefetches, _place_ahead(room.for_ahead(), starts, first, latest, early)
 
 
 def _place_ahead(room: _Room, starts, first, latest, early) -> tuple[int, int, list[int]] | None:
@@ -417,7 +451,7 @@ def _place_ahead(room: _Room, starts, first, latest, early) -> tuple[int, int, l
     them the same lead before the end of this backward, or later as the bound requires. Copies that
     do not fit are dropped from the end of the list."""
     end = len(room.curves[0]) - 1  # the backward's output node
-    lead = starts[first] - latest[0] if early else 0.0
+    lead = (starts[first] - latest[0]) * room.lead_margin if early else 0.0
     while early:
         desired = issue_index(starts, starts[end] - lead, first, end)
         at = room.start(desired, end, early)
@@ -494,13 +528,25 @@ def staging_temporaries(plan: Plan, timeline: Timeline, schedule: Schedule) -> l
                                               pos[p.wait_before], plan.transfers[p.transfer].staging)]
 
 
+def started_ahead(timeline: Timeline, schedule: Schedule) -> list[tuple[int, int, int]]:
+    """The device interval of the copies this backward starts ahead for the next one (``prefetch_ahead``):
+    from its node to the backward's end, where the next backward takes them over. Counted in a plan's
+    peaks when the graph runs several times a step (the next backward is its own next run); one run's
+    next backward is another graph's or none, which the step's simulation counts
+    (``fxoffload.passes.step``)."""
+    if not schedule.ahead_bytes:
+        return []
+    return [(timeline.positions[schedule.ahead_before], timeline.length - 1, schedule.ahead_bytes)]
+
+
 def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> Plan:
     """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
     if not schedule.placements:
         return plan
     moved = scheduled_moves(plan, timeline, schedule)
-    activations = curve(timeline.length, intervals(timeline, moved, True))
-    temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule)
+    ahead = started_ahead(timeline, schedule) if plan.runs > 1 else []  # one run: the next backward is another graph's
+    activations = curve(timeline.length, intervals(timeline, moved, True) + ahead)
+    temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule) + ahead
     totals = curve(timeline.length, intervals(timeline, moved, False, temporaries))
     total = peak(totals)
     held = activations[len(timeline.fw_nodes) - 1] if activations else 0

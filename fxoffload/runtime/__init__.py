@@ -91,6 +91,7 @@ from fxoffload.runtime.engines import CpuEngine, CudaEngine, dense_ends  # noqa:
 from fxoffload.passes import LIB as _lib
 from fxoffload.runtime.state import (
     STATE, CopyRecord, DebugCounts, Invocation, Offloaded, copies_in_flight, debug_counts, debugging, pending_transfers,
+    started_ahead,
     trace,
 )
 from fxoffload.runtime.state import event as _event
@@ -101,7 +102,7 @@ __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
     "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_invocation", "pending_transfers",
     "release_host_memory",
-    "reserve_host", "reset", "staging_device_types", "timing_mark", "trace", "use_engine",
+    "reserve_host", "reset", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
 ]
 
 

@@ -29,7 +29,7 @@ import torch
 
 __all__ = [
     "STATE", "DebugCounts", "Invocation", "Offloaded", "RuntimeState", "CopyRecord", "copies_in_flight",
-    "debug_counts", "debugging", "event", "pending_transfers", "pop", "register", "retire", "trace",
+    "debug_counts", "debugging", "event", "pending_transfers", "pop", "register", "retire", "started_ahead", "trace",
 ]
 
 
@@ -188,6 +188,12 @@ def pop(t: torch.Tensor) -> CopyRecord | None:
 def pending_transfers() -> int:
     """Number of transfers started and not yet waited (0 after a clean step)."""
     return len(STATE.pending)
+
+
+def started_ahead() -> tuple:
+    """The device buffers of copies started ahead (``prefetch_ahead``) that no backward has claimed yet."""
+    with STATE.lock:
+        return tuple(STATE.ahead.values())
 
 
 def copies_in_flight() -> int:

@@ -14,7 +14,8 @@ the step:
   forward, was alive when the backward started (the call of
   ``torch.autograd.backward``, or else the first op dispatched from the
   autograd engine), and was gone when the step returned; copies made by
-  ``fxoffload.prefetch`` are activations too. Return the loss from ``fn`` so
+  ``fxoffload.prefetch`` are activations too, and so are copies a backward starts
+  ahead (``prefetch_ahead``), from that op on. Return the loss from ``fn`` so
   that it is not counted as an activation;
 * the total is every tracked device storage.
 
@@ -40,7 +41,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxoffload.passes import FXOFFLOAD_OPS, OFFLOAD, PREFETCH, tensor_storage_key
+from fxoffload import runtime
+from fxoffload.passes import FXOFFLOAD_OPS, OFFLOAD, PREFETCH, PREFETCH_AHEAD, tensor_storage_key
 
 __all__ = ["MemoryMeasurement", "measure_peak"]
 
@@ -102,6 +104,9 @@ class _Tracker(TorchDispatchMode):
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t, inputs, func)
+        if func is PREFETCH_AHEAD:  # its copies' buffers are made inside the op, where no mode sees them
+            for t in runtime.started_ahead():
+                self._track(t, inputs, PREFETCH)  # a prefetched copy from here (its claim finds it tracked)
         self.sweep()
         return out
 
