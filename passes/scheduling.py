@@ -533,7 +533,8 @@ def started_ahead(timeline: Timeline, schedule: Schedule) -> list[tuple[int, int
     from its node to the backward's end, where the next backward takes them over. Counted in a plan's
     peaks when the graph runs several times a step (the next backward is its own next run); one run's
     next backward is another graph's or none, which the step's simulation counts
-    (``fxoffload.passes.step``)."""
+    (``fxoffload.passes.step``). At the plan's own size only: its peaks at other sizes (``Plan.sizes``)
+    leave them out (each still fits under the budget there, ``_Room``)."""
     if not schedule.ahead_bytes:
         return []
     return [(timeline.positions[schedule.ahead_before], timeline.length - 1, schedule.ahead_bytes)]
