@@ -8,7 +8,10 @@ and full checkpointing, every way in one process on one GPU.
 
 The model (``examples/llama_layers.py``) defaults to 8 decoder layers shaped like Llama-3-8B's at 1 x 8192
 tokens in bf16, each block compiled on its own (torchtitan style; the embedding, head and loss eager);
-``--layers --hidden --heads --kv-heads --ffn --vocab --seq --batch --compile whole`` change it.
+``--layers --hidden --heads --kv-heads --ffn --vocab --seq --batch --compile whole`` change it, and
+``--compile per-block+loss`` compiles the final norm, the head and the loss as one region too, in every
+way alike (fxoffload then sees where the step's peak is: the logits; the layer-input way plans the
+blocks only).
 
 The ways: plain (Inductor); PyTorch's ``activation_memory_budget`` at each budget; full checkpointing per
 block (non-reentrant); fxoffload ``memory_budget`` at each budget under each strategy (``auto`` is the
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +67,7 @@ from results import gpu_or_dry_run, save_run, show_measured  # noqa: E402
 
 HEADING = "Frontier (measured)"
 BUDGETS = (0.7, 0.5, 0.3)
+COMPILES = ("per-block", "per-block+loss", "whole")
 STRATEGIES = ("auto", "offload", "recompute")
 MEASURED_BUDGETS = (0.5,)
 SELECT_STEPS = 2  # timed steps per candidate under select="measured"
@@ -80,7 +85,9 @@ class Setup:
     batch: int
     seq: int
     dtype: str
-    compile: str  # "per-block" (each block on its own) or "whole" (the step as one graph)
+    # "per-block" (each block on its own, the head and loss eager), "per-block+loss" (the head and loss
+    # too, as one region) or "whole" (the step as one graph)
+    compile: str
     inner: str  # fxoffload's inner compiler: "inductor" on a GPU, "eager" in the dry run
     warmup: int  # at least 2: fxoffload re-plans and recompiles a block graph at the second step (runs_per_step)
     timed: int
@@ -172,6 +179,29 @@ def profile_figures(profile: Any) -> dict:
 
 # ----------------------------------------------------------------------------- the step
 
+class HeadAndLoss(nn.Module):
+    """The stack's final norm, its head and the next-token loss: a region of its own under
+    ``--compile per-block+loss``, so that a planner sees the step's peak there (the logits, in float32)."""
+
+    def __init__(self, stack: LlamaStack) -> None:
+        super().__init__()
+        self.norm, self.head = stack.norm, stack.head
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.norm(h)).flatten(0, 1).float(), targets.flatten())
+
+
+class StackThenLoss(nn.Module):
+    """Tokens in, next-token loss out, the head and the loss one module (:class:`HeadAndLoss`)."""
+
+    def __init__(self, stack: LlamaStack, head_and_loss: nn.Module) -> None:
+        super().__init__()
+        self.stack, self.head_and_loss = stack, head_and_loss
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head_and_loss(self.stack.hidden(tokens[:, :-1]), tokens[:, 1:])
+
+
 def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn.Module:
     """A fresh stack (seeded weights) on ``device``, compiled with ``backend`` as ``setup`` says."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -181,9 +211,13 @@ def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn
     for i, block in enumerate(stack.blocks):
         if way.checkpointed:
             block = checkpoint_wrapper(block)
-        if setup.compile == "per-block":
+        if setup.compile != "whole":
             block = torch.compile(block, backend=backend, fullgraph=True)
         stack.blocks[i] = block
+    if setup.compile == "per-block+loss":
+        # The layer-input way offloads the blocks' inputs only: its head and loss compile without a plan.
+        loss_backend = plain_backend(setup.inner) if way.kind == "checkpoint+fxoffload" else backend
+        return StackThenLoss(stack, torch.compile(HeadAndLoss(stack), backend=loss_backend, fullgraph=True))
     step = LossOf(stack)  # tokens in, next-token loss out
     return torch.compile(step, backend=backend) if setup.compile == "whole" else step
 
@@ -637,7 +671,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
         parser.add_argument(f"--{name}", type=int, help="model size (default: Llama-3-8B's layer, 8 layers, "
                             "1 x 8192 tokens; the dry run's are smaller)")
-    parser.add_argument("--compile", choices=("per-block", "whole"), help="compile each block, or the step as one "
+    parser.add_argument("--compile", choices=COMPILES, help="compile each block (and with per-block+loss the head "
+                        "and loss as one region of their own, every way alike), or the step as one "
                         "graph (default per-block)")
     parser.add_argument("--from-json", type=Path, nargs="+", help="render GPU runs' frontier.json instead of "
                         "running (several: each under its own heading, a run and its repeat)")

@@ -93,8 +93,12 @@ class LlamaStack(nn.Module):
         self.head = nn.Linear(shape.hidden, shape.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.hidden(tokens)))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last block's output (before the final norm and the head)."""
         cos, sin = rotary(tokens.shape[1], self.shape.hidden // self.shape.heads, tokens.device)
         h = self.embed(tokens)
         for block in self.blocks:
             h = block(h, cos, sin)
-        return self.head(self.norm(h))
+        return h

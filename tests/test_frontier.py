@@ -146,3 +146,33 @@ def test_a_dry_run_is_never_written_to_the_results(dry_run, tmp_path):
     path.write_text(json.dumps(dry_run[0]))
     with pytest.raises(SystemExit, match="not a GPU's"):
         frontier.main(["--from-json", str(path), "--write"])
+
+
+@pytest.mark.parametrize("kind", ["fxoffload", "checkpoint+fxoffload"])
+def test_per_block_and_loss_makes_the_head_and_loss_a_region_of_their_own(kind):
+    """``--compile per-block+loss``: the head and the loss compile as one region beside the blocks, under
+    the way's backend (a planner then sees the step's peak there), but for the layer-input way, whose
+    plan moves the blocks' inputs only; the loss is eager's."""
+    import torch
+    from dataclasses import replace
+
+    setup = replace(frontier.Setup.for_run(dry_run=True), compile="per-block+loss")
+    way = frontier.Way(kind, 0.5 if kind == "fxoffload" else None, "auto" if kind == "fxoffload" else None)
+    torch._dynamo.reset()
+    backend, fx_backend = frontier.backend_for(setup, way, fxoffload_profile(), cuda=False)
+    step = frontier.build_step(setup, way, backend, torch.device("cpu"))
+    seeded = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, setup.shape.vocab, (setup.batch, setup.seq + 1), generator=seeded)
+    loss = step(tokens)
+    loss.backward()
+    torch.manual_seed(0)
+    eager = frontier.LossOf(frontier.LlamaStack(setup.shape))
+    assert torch.allclose(loss, eager(tokens), rtol=1e-5, atol=1e-6)
+    regions = {record.region for record in fx_backend.records}
+    assert regions == ({0, 1} if kind == "fxoffload" else {0})
+
+
+def fxoffload_profile():
+    import fxoffload
+
+    return fxoffload.offload_backend().config.profile
