@@ -60,7 +60,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 import fxoffload  # noqa: E402
 from fxoffload.backend.selection import WARMUP_STEPS  # noqa: E402
 from _recipes import plain_backend  # noqa: E402
-from gpu_session import LossOf, Run, measure, predict  # noqa: E402
+from gpu_session import Run, measure, predict  # noqa: E402
 from gpu_session import _one_line as one_line  # noqa: E402
 from llama_layers import LlamaShape, LlamaStack  # noqa: E402
 from results import gpu_or_dry_run, save_run, show_measured  # noqa: E402
@@ -180,8 +180,9 @@ def profile_figures(profile: Any) -> dict:
 # ----------------------------------------------------------------------------- the step
 
 class HeadAndLoss(nn.Module):
-    """The stack's final norm, its head and the next-token loss: a region of its own under
-    ``--compile per-block+loss``, so that a planner sees the step's peak there (the logits, in float32)."""
+    """The stack's final norm, its head and the next-token loss (eager under ``--compile per-block``); a
+    region of its own under ``per-block+loss``, so that a planner sees the step's peak there (the logits,
+    in float32)."""
 
     def __init__(self, stack: LlamaStack) -> None:
         super().__init__()
@@ -214,11 +215,12 @@ def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn
         if setup.compile != "whole":
             block = torch.compile(block, backend=backend, fullgraph=True)
         stack.blocks[i] = block
+    head_and_loss = HeadAndLoss(stack)
     if setup.compile == "per-block+loss":
         # The layer-input way offloads the blocks' inputs only: its head and loss compile without a plan.
         loss_backend = plain_backend(setup.inner) if way.kind == "checkpoint+fxoffload" else backend
-        return StackThenLoss(stack, torch.compile(HeadAndLoss(stack), backend=loss_backend, fullgraph=True))
-    step = LossOf(stack)  # tokens in, next-token loss out
+        head_and_loss = torch.compile(head_and_loss, backend=loss_backend, fullgraph=True)
+    step = StackThenLoss(stack, head_and_loss)  # tokens in, next-token loss out
     return torch.compile(step, backend=backend) if setup.compile == "whole" else step
 
 

@@ -198,11 +198,11 @@ class _Room:
 
     def hold(self, start: int, stop: int, transfers: Sequence[int]) -> None:
         """Add the bytes of ``transfers`` over positions ``[start, stop)``."""
-        curves = self.curves + (self.totals or [])
-        for c, n in zip(curves, self.sizes * (len(curves) // len(self.sizes))):
-            nbytes = sum(n[k] for k in transfers)
-            for i in range(start, stop):
-                c[i] += nbytes
+        for curves in (self.curves, self.totals or []):
+            for c, n in zip(curves, self.sizes):
+                nbytes = sum(n[k] for k in transfers)
+                for i in range(start, stop):
+                    c[i] += nbytes
 
     def start(self, desired: int, end: int, transfers: Sequence[int]) -> int:
         """The earliest index in ``[desired, end]`` from which ``transfers`` fit over ``[index, end)``."""
@@ -212,7 +212,7 @@ class _Room:
     def for_ahead(self) -> "_Room":
         """Where copies started ahead must fit: this room, or under ``ahead_by_totals`` the same room
         bounded by the total curves alone (the activation curves left out), planned with ``AHEAD_MARGIN``."""
-        if not (self.ahead_by_totals and self.totals):
+        if self.totals is None:
             return self
         return _Room(self.totals, self.bounds, self.sizes, lead_margin=AHEAD_MARGIN)
 
@@ -244,8 +244,8 @@ def _occupied(timeline: Timeline, moves: Mapping[int, tuple[int, int]], bound: i
 def _room(held: Sequence[_Size], moves: Mapping[int, tuple[int, int]], temporaries,
           ahead_by_totals: bool = False) -> _Room:
     both = [_occupied(h.timeline, moves, h.bound, h.total_bound, temporaries) for h in held]
-    return _Room([c for c, _ in both], [h.bound for h in held], [h.sizes for h in held], [t for _, t in both],
-                 ahead_by_totals)
+    totals = [t for _, t in both] if ahead_by_totals else None  # held only where copies ahead use them
+    return _Room([c for c, _ in both], [h.bound for h in held], [h.sizes for h in held], totals, ahead_by_totals)
 
 
 def schedule_transfers(

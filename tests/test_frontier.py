@@ -165,8 +165,10 @@ def test_per_block_and_loss_makes_the_head_and_loss_a_region_of_their_own(kind):
     tokens = torch.randint(0, setup.shape.vocab, (setup.batch, setup.seq + 1), generator=seeded)
     loss = step(tokens)
     loss.backward()
+    from gpu_session import LossOf  # the GPU session's whole-step module, as a reference
+
     torch.manual_seed(0)
-    eager = frontier.LossOf(frontier.LlamaStack(setup.shape))
+    eager = LossOf(frontier.LlamaStack(setup.shape))
     assert torch.allclose(loss, eager(tokens), rtol=1e-5, atol=1e-6)
     regions = {record.region for record in fx_backend.records}
     assert regions == ({0, 1} if kind == "fxoffload" else {0})
