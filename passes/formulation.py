@@ -179,7 +179,8 @@ def _queues(problem: Problem, offloadable: Sequence[fx.Node], forced: Sequence[f
     everything = list(offloadable) + list(forced)
     down = sorted(everything, key=lambda b: -pos[b])
     up = sorted(everything, key=lambda b: problem.first_use[b])
-    slots = {b: (down.index(b), up.index(b)) for b in everything}
+    down_at, up_at = _first_places(down), _first_places(up)
+    slots = {b: (down_at[b], up_at[b]) for b in everything}
     capacity = []
     for order, window, seconds in ((down, "forward_window", "d2h"), (up, "backward_window", "h2d")):
         taken, caps = 0.0, []
@@ -188,6 +189,14 @@ def _queues(problem: Problem, offloadable: Sequence[fx.Node], forced: Sequence[f
             caps.append(getattr(costs[b], window) - taken)
         capacity.append(Queue(tuple(caps)))
     return slots, capacity
+
+
+def _first_places(order: Sequence[fx.Node]) -> dict[fx.Node, int]:
+    """Each node's first place in ``order`` (what ``order.index`` gives, without its search)."""
+    places: dict[fx.Node, int] = {}
+    for place, node in enumerate(order):
+        places.setdefault(node, place)
+    return places
 
 
 def _host_queue(problem: Problem, offloadable: Sequence[fx.Node], forced: Sequence[fx.Node]):

@@ -38,6 +38,7 @@ FX graphs is what this predicts.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -108,9 +109,26 @@ class Timeline:
                 by_key.setdefault(lifetime.key, lifetime)
         return by_key
 
+    @functools.cached_property
+    def _spans(self) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]:
+        every = tuple((lt.birth, lt.death, lt.nbytes) for lt in self.lifetimes)
+        return tuple(span for span, lt in zip(every, self.lifetimes) if lt.activation), every
+
+    def spans(self, residual_only: bool) -> tuple[tuple[int, int, int], ...]:
+        """(birth, death, bytes) of every storage, or of the activations only, as if nothing moved."""
+        return self._spans[0 if residual_only else 1]
+
+    @functools.cached_property
+    def _forward_by_node(self) -> dict[fx.Node, Lifetime]:
+        return {}
+
     def forward_lifetime(self, node: fx.Node) -> Lifetime:
-        """The lifetime of the storage a forward node's value lives in."""
-        return self._forward_by_key[tensor_storage_key(node.meta["val"])]
+        """The lifetime of the storage a forward node's value lives in (found once per node: the planner
+        asks for each candidate's at every choice it weighs)."""
+        found = self._forward_by_node.get(node)
+        if found is None:
+            found = self._forward_by_node[node] = self._forward_by_key[tensor_storage_key(node.meta["val"])]
+        return found
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
@@ -240,16 +258,15 @@ def curve(
     length: int,
     intervals: Iterable[tuple[int, int, int]],
 ) -> list[int]:
-    """Bytes live at each position, from (start, end inclusive, bytes) intervals."""
+    """Bytes live at each position, from (start, end inclusive, bytes) intervals. The running sum is
+    ``itertools.accumulate``'s (exact for any numbers, at C speed): the planner draws a curve per
+    choice it weighs, each as long as the pair's graphs."""
     delta = [0] * (length + 1)
     for start, end, nbytes in intervals:
         delta[start] += nbytes
         delta[end + 1] -= nbytes
-    out, running = [], 0
-    for d in delta[:-1]:
-        running += d
-        out.append(running)
-    return out
+    delta.pop()
+    return list(itertools.accumulate(delta))
 
 
 def peak(values: Sequence[int]) -> int:
@@ -305,8 +322,12 @@ def intervals(
     they are not activations.
     """
     out = [] if residual_only else list(temporaries)
-    for lt in timeline.lifetimes:
-        if lt.activation or not residual_only:
+    out += timeline.spans(residual_only)
+    lifetimes = timeline.lifetimes
+    for index in moved:  # a moved storage: its whole life out, its time on the device in
+        lt = lifetimes[index] if 0 <= index < len(lifetimes) else None
+        if lt is not None and (lt.activation or not residual_only):
+            out.append((lt.birth, lt.death, -lt.nbytes))
             out += on_device(lt, moved)
     return out
 

@@ -107,8 +107,13 @@ TIME_GUARD = 120.0
 # HiGHS options for branch and bound. Its root reduced-cost heuristic (fix columns by their reduced
 # costs, solve the rest as a sub-MIP) took most of the root's time on the 7B graph's joint program
 # (355 items, 2 queues, 836 conflicts: 6.5 s and 277 nodes to reach 0.80% of the bound with it; 1.8 s,
-# 1 node, to 0.71% without it, a cheaper plan: measured on this 2-core CPU, 2026-11-27).
-MIP_OPTIONS = {"mip_heuristic_run_root_reduced_cost": False}
+# 1 node, to 0.71% without it, a cheaper plan: measured on this 2-core CPU, 2026-11-27). RINS (a
+# sub-MIP around the incumbent) is off too: over seven programs the 7B-class graphs hand the solver
+# (llama-2-7b at budgets 0.3/0.5/0.7, 2048 tokens, 8 and 16 layers; llama-3-8b at 8192 tokens;
+# benchmarks/solver_corpus.py), 6.1 s -> 4.4 s in all, each answer within the 1% it accepts: the same
+# cost on six, +0.9% on the 8-layer one (1.16 s -> 0.57 s); llama-2-7b at 0.5 0.72 s -> 0.57 s, same
+# cost (measured on this 2-core CPU, 2026-11-28). RENS, its sibling, finds those answers alone.
+MIP_OPTIONS = {"mip_heuristic_run_root_reduced_cost": False, "mip_heuristic_run_rins": False}
 
 
 @dataclass(frozen=True)
