@@ -23,7 +23,10 @@ another name; :func:`is_rng_state` recognises it by its producer.
 :func:`recompute_chain` finds the forward ops that rebuild a saved tensor
 from other saved values (the backward receives those), walking inputs back
 until each path reaches one; random, mutating, collective and higher-order
-ops end the search, as does a graph input the backward does not receive.
+ops end the search, as does a graph input the backward does not receive. A
+symbolic size a chain reads (a ``SymInt`` argument) ends a path too: the
+backward builds it from its own inputs' size symbols, so each of its symbols
+must be among them (:class:`RecomputeChain`).
 
 Limits. Saved opaque objects and symints are passed through untouched. A view
 chain whose ops take other graph values as arguments (e.g. symbolic sizes) is
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -55,6 +58,7 @@ __all__ = [
     "is_rng_state",
     "tensor_nbytes",
     "traced_value",
+    "RecomputeChain",
     "recompute_chain",
     "is_random",
     "MAX_CHAIN",
@@ -346,17 +350,30 @@ def _why_not_recomputable(node: fx.Node) -> str | None:
     return None
 
 
+class RecomputeChain(NamedTuple):
+    """The forward ops that rebuild a value, in graph order; the available values they read; and the
+    symbolic sizes they read (forward ``SymInt`` values, which the backward computes from its own inputs)."""
+
+    ops: tuple[fx.Node, ...]
+    reads: tuple[fx.Node, ...]
+    sizes: tuple[fx.Node, ...] = ()
+
+
 def recompute_chain(
-    node: fx.Node, available: Any, order: Any, max_ops: int = MAX_CHAIN,
-) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]] | str:
-    """The forward ops that recompute ``node`` from ``available`` values, in graph order, and
-    the available values they read; or why there is no such chain.
+    node: fx.Node, available: Any, order: Any, max_ops: int = MAX_CHAIN, symbols: Any = frozenset(),
+) -> RecomputeChain | str:
+    """The forward ops that recompute ``node`` from ``available`` values, and what they read
+    (:class:`RecomputeChain`); or why there is no such chain.
 
     ``available``: the forward values the backward receives (saved tensors); ``order``: each
-    forward node's position.
+    forward node's position; ``symbols``: the size symbols the backward finds in its own inputs. A
+    symbolic size the chain reads (a ``SymInt`` argument: ``sym_size`` of an input, or arithmetic on
+    sizes) is neither recomputed nor saved: the rewrite builds it in the backward from those symbols
+    (``fxoffload.passes.rewrite``), so every symbol of it must be among them.
     """
     chain: set[fx.Node] = set()
     reads: set[fx.Node] = set()
+    sizes: set[fx.Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
@@ -369,8 +386,17 @@ def recompute_chain(
         if len(chain) > max_ops:
             return f"needs more than {max_ops} ops"
         for arg in current.all_input_nodes:
-            if arg in available and arg is not node:
+            val = arg.meta.get("val")
+            if isinstance(val, (torch.SymFloat, torch.SymBool)):
+                return f"{arg.name} is a symbolic float or bool"
+            if isinstance(val, torch.SymInt):
+                if missing := unbuildable([val.node.expr], symbols):
+                    return f"{arg.name} is a size the backward cannot build: {'; '.join(missing)}"
+                sizes.add(arg)
+            elif arg in available and arg is not node:
                 reads.add(arg)
             elif arg not in chain:
                 stack.append(arg)
-    return tuple(sorted(chain, key=order.__getitem__)), tuple(sorted(reads, key=order.__getitem__))
+    by_order = order.__getitem__
+    return RecomputeChain(tuple(sorted(chain, key=by_order)), tuple(sorted(reads, key=by_order)),
+                          tuple(sorted(sizes, key=by_order)))

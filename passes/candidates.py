@@ -98,6 +98,7 @@ class RecomputeCost:
     seconds: float  # compute time of the chain
     transient: int  # bytes of the chain's other outputs, alive while it runs
     read_bases: tuple[fx.Node, ...] = ()  # bases of the storages of ``reads`` (set by the planner)
+    sizes: tuple[fx.Node, ...] = ()  # forward symbolic sizes the chain reads (the backward builds them)
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -253,17 +254,19 @@ def recompute_costs(
     placements: Mapping[fx.Node, Placement],
     available: Sequence[fx.Node],
     times: Sequence[float],
+    symbols: frozenset = frozenset(),
 ) -> dict[fx.Node, RecomputeCost]:
-    """Each base's recompute chain from the ``available`` (saved) values, run right before its
-    first consumer, with the chain's predicted compute time; bases without a chain are left out."""
+    """Each base's recompute chain from the ``available`` (saved) values and the backward's size
+    ``symbols``, run right before its first consumer, with the chain's predicted compute time; bases
+    without a chain are left out."""
     pos = timeline.positions
     saved = set(available)
     out = {}
     for base in bases:
-        found = recompute_chain(base, saved, pos)
+        found = recompute_chain(base, saved, pos, symbols=symbols)
         if isinstance(found, str):
             continue
-        chain, reads = found
-        seconds = sum(times[pos[n]] for n in chain)
-        out[base] = RecomputeCost(chain, reads, placements[base].wait_before, seconds, _temporaries(chain, base))
+        seconds = sum(times[pos[n]] for n in found.ops)
+        out[base] = RecomputeCost(found.ops, found.reads, placements[base].wait_before, seconds,
+                                  _temporaries(found.ops, base), sizes=found.sizes)
     return out

@@ -34,7 +34,7 @@ from .candidates import (
 )
 from .cost_model import DeviceProfile, fused_work, node_work, roofline, staging_seconds
 from .memory import Timeline, build_timeline, curve, intervals, peak
-from .eligibility import group_by_base
+from .eligibility import backward_symbols, group_by_base
 from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
 from .planning import Choosable, plan_offloads
 from .rewrite import rewrite_pair
@@ -140,10 +140,12 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO_HORIZON)
     # A chain may read saved values, and graph inputs (saved for it if they were not).
     readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
-    # Recompute chains are copied node for node: not yet for symbolic sizes (their size arguments
-    # are forward values).
-    static = [b for b, g in candidates.items() if isinstance(g[0].base_nbytes, int) and b.op != "placeholder"]
-    recomputes = recompute_costs(timeline, static, placements, readable, times) if with_recomputes else {}
+    # Recompute chains are copied node for node; their symbolic size arguments (forward values) are
+    # built in the backward from the size symbols its kept inputs carry.
+    computed = [b for b in candidates if b.op != "placeholder"]
+    symbols = backward_symbols(interface, group_by_base(activations), frozenset(timeline.input_activations))
+    recomputes = (recompute_costs(timeline, computed, placements, readable, times, symbols) if with_recomputes
+                  else {})
     watch.stamp("cost candidates")
     return Analysis(interface, tuple(activations), timeline, work, times, placements, moves, costs, recomputes)
 

@@ -108,7 +108,7 @@ from .plan import (
     Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from .sizes import held_sizes, timeline_at
+from .sizes import concrete, held_sizes, timeline_at
 from .solvers import SolverInput, curve_with, host_of, solve
 
 __all__ = ["Choosable", "plan_offloads"]
@@ -589,8 +589,8 @@ def _decide(problem: Problem, groups, reasons, choice: _Choice, goal: Goal | Non
                                       staging=staging_bytes(base, problem.options)))
         elif base in recomputed:
             recompute = len(rebuilt)
-            rebuilt.append(Recompute(base, group[0].base_nbytes, members, lt.index, problem.moves[base][0],
-                                     problem.rebuilt_at(base), problem.recomputes[base]))
+            rebuilt.append(Recompute(base, concrete(group[0].base_nbytes, base.meta["val"]), members, lt.index,
+                                     problem.moves[base][0], problem.rebuilt_at(base), problem.recomputes[base]))
         action = RECOMPUTE if recompute is not None else OFFLOAD if transfer is not None else KEEP
         why = _why(action, reasons[base], problem.marks[base], goal)
         if why is Why.NOT_NEEDED and base in choice.held_back:

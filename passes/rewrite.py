@@ -24,8 +24,9 @@ chain takes forward values as arguments is rebuilt with ``as_strided``; one
 starts copies for the backward that runs next.
 Recomputations (before the transfers, whose waits they may follow): each
 chain of forward ops is copied into the backward right before its consumer,
-reading the backward inputs of the saved values it needs; the members are
-rebuilt from it as after a prefetch, and leave the saved tensors.
+reading the backward inputs of the saved values it needs, and the symbolic
+sizes it reads as backward values (:class:`_Sizes`, from the inputs that stay);
+the members are rebuilt from it as after a prefetch, and leave the saved tensors.
 Both graphs keep AOTAutograd's calling convention (user outputs, saved
 tensors, saved symints; backward inputs in the matching order), then are
 linted; the caller regenerates their code (``module.recompile()``). Every new
@@ -259,16 +260,30 @@ def _insert_recomputes(bw: fx.Graph, plan: Plan, interface: SavedInterface,
         with bw.inserting_before(first_input):
             received[node] = bw.placeholder(f"{node.name}_for_recompute")
         received[node].meta["val"] = node.meta["val"]
+    sizes = _recompute_sizes(bw, plan, activations)
     for r in plan.recomputes:
         env = {read: received[read] for read in r.cost.reads}
+        env.update({size: sizes.of([size.meta["val"]])[0] for size in r.cost.sizes})
         for node in r.cost.chain:
             with bw.inserting_before(r.cost.consumer):
                 env[node] = bw.node_copy(node, env.__getitem__)
         for index in r.members:
             act = activations[index]
-            act.bw_node.replace_all_uses_with(_replay(bw, r.cost.consumer, env[r.base], act))
+            rebuilt = (_replay(bw, r.cost.consumer, env[r.base], act) if replayable(act)
+                       else sizes.view(r.cost.consumer, env[r.base], act.val))  # a view with symbolic sizes
+            act.bw_node.replace_all_uses_with(rebuilt)
             bw.erase_node(act.bw_node)
     return received
+
+
+def _recompute_sizes(bw: fx.Graph, plan: Plan, activations: Sequence[SavedActivation]) -> _Sizes | None:
+    """The backward's own values of the symbolic sizes recompute chains and the views of what they
+    rebuild read, read off the inputs that stay (not the saved tensors this plan moves or rebuilds);
+    None when none reads one."""
+    if not any(r.cost.sizes or not all(replayable(activations[i]) for i in r.members) for r in plan.recomputes):
+        return None
+    removed = {activations[i].bw_node for t in (*plan.transfers, *plan.recomputes) for i in t.members}
+    return _Sizes(bw, [p for p in bw.find_nodes(op="placeholder") if p not in removed])
 
 
 def _order_inputs(bw, old_placeholders, interface, plan, host_inputs, extra) -> None:

@@ -51,9 +51,14 @@ def test_the_dynamic_graph_offloads_and_matches_eager_at_every_length(build, str
     # Each region: a static graph for the first length, then one dynamic graph for every other.
     assert len(backend.records) == 2 * len(dynamic) > 0
     model_graph = max(dynamic, key=lambda r: r.plan.activation_peak_before)
-    assert model_graph.plan.transfers, fxoffload.explain(model_graph)
     assert model_graph.plan.activation_peak_after <= model_graph.plan.budget_bytes
-    assert symbolic_prefetches(model_graph)
+    # Under "auto", PyTorch's recompute-only partition may be predicted fastest, as for the static graph
+    # (since the dynamic graph's chains recompute too); otherwise the copies' sizes are the graph's.
+    if strategy == "auto" and model_graph.plan.partition != "min-cut":
+        assert model_graph.plan.recomputes, fxoffload.explain(model_graph)
+    else:
+        assert model_graph.plan.transfers, fxoffload.explain(model_graph)
+        assert symbolic_prefetches(model_graph)
 
 
 @pytest.mark.slow
