@@ -162,8 +162,16 @@ def sizes_between(ranges: dict[Any, tuple[int, int]], points: int = GRID_POINTS)
 
 
 def timeline_at(timeline: "Timeline", values: dict[Any, int]) -> "Timeline":
-    """The timeline with every symbolic size evaluated at ``values`` (symbol -> int)."""
-    lifetimes = tuple(lt if isinstance(lt.expr, int) else dataclasses.replace(lt, nbytes=int(lt.expr.xreplace(values)))
+    """The timeline with every symbolic size evaluated at ``values`` (symbol -> int). Each distinct
+    expression is evaluated once: a symbolic 8B graph's thousands of storages share a few dozen sizes."""
+    evaluated: dict[Any, int] = {}
+
+    def at(expr: Any) -> int:
+        if expr not in evaluated:
+            evaluated[expr] = int(expr.xreplace(values))
+        return evaluated[expr]
+
+    lifetimes = tuple(lt if isinstance(lt.expr, int) else dataclasses.replace(lt, nbytes=at(lt.expr))
                       for lt in timeline.lifetimes)
     return dataclasses.replace(timeline, lifetimes=lifetimes)
 

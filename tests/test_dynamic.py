@@ -102,3 +102,18 @@ def test_strategy_auto_ranks_an_alternative_that_misses_another_size_without_war
         _, _, backend = compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=0.5)
     assert backend.records[0].plan.feasible
     assert [str(w.message) for w in caught if "memory_budget:" in str(w.message)] == []
+
+
+def test_a_compile_explains_its_plan_only_where_debug_logging_asks(monkeypatch, caplog):
+    """explain walks every size a symbolic plan holds (seconds on a symbolic 8B graph): a compile logs it
+    at debug level, and makes it only when that level is on."""
+    import fxoffload.backend
+
+    made = []
+    real = fxoffload.backend.explain
+    monkeypatch.setattr(fxoffload.backend, "explain", lambda record: made.append(record) or real(record))
+    compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64), memory_budget=0.5)
+    assert not made
+    with caplog.at_level("DEBUG", logger="fxoffload.backend"):
+        compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64), memory_budget=0.5)
+    assert made and any("fxoffload graph" in r.getMessage() for r in caplog.records)

@@ -368,7 +368,8 @@ class OffloadBackend:
         )
         self.records.append(record)
         self._step.note_record(record.index, region)
-        log.debug("fxoffload graph %d\n%s", record.index, explain(record))
+        if log.isEnabledFor(logging.DEBUG):  # explain walks the plan's sizes: seconds on a symbolic 8B graph
+            log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if (check := self._rank_check) is not None:
             check.planned(self._compared_as(region, graph, input_activations, options), record.index,
                           plan_digest(record.plan, record.schedule))
