@@ -271,3 +271,27 @@ def test_each_decision_says_why_as_data_and_its_words_agree():
     assert {d.why for d in kept} >= {Why.INELIGIBLE, Why.NOT_NEEDED}, "the test would prove little"
     for d in kept:
         assert (d.why is Why.NOT_NEEDED) == d.reason.startswith("kept: the"), (d.name, d.why, d.reason)
+
+
+def test_measure_peak_counts_what_each_backward_of_a_step_finds_saved():
+    """A stage's step under 1F1B (two microbatches in flight, each backward after the next forward) whose
+    later microbatches are larger: the activation peak is at the third backward's start, where the two
+    64-row microbatches are saved, not at the first (two of 8 rows). Each saves tanh's output (64 x 256
+    float32, read by tanh's and the second Linear's backward) and the model's output (64 x 8, read by
+    ``square``'s), and the backward starts from its loss (one float32) made in the forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    batches = [torch.randn(rows, 64) for rows in (8, 8, 64, 64)]
+
+    def one_f_one_b():
+        outputs = []
+        for x in batches:
+            outputs.append(model(x))
+            if len(outputs) == 2:
+                outputs.pop(0).square().sum().backward()
+        for out in outputs:
+            out.square().sum().backward()
+
+    measured = fxoffload.measure_peak(one_f_one_b)
+    assert len(measured.backwards) == 4
+    assert measured.activation_peak == 2 * 64 * (256 + 8) * 4 + 4

@@ -10,10 +10,13 @@ which the storage is gone. In a step on a CPU (the CPU engine), outputs of
 step that made any accelerator tensor, every CPU tensor is host memory. After
 the step:
 
-* a storage is an *activation* (saved for backward) if it was born in the
-  forward, was alive when the backward started (the call of
-  ``torch.autograd.backward``, or else the first op dispatched from the
-  autograd engine), and was gone when the step returned; copies made by
+* a storage is an *activation* (saved for backward) if it was born in a
+  forward (outside every backward), was alive when a backward started (a call
+  of ``torch.autograd.backward``, or else the first op dispatched from the
+  autograd engine), and was gone when the step returned. A step of several
+  backwards (a pipeline stage under 1F1B, gradient accumulation) counts what
+  each backward finds saved, so a forward that runs between two backwards
+  counts as well; copies made by
   ``fxoffload.prefetch`` are activations too, and so are copies a backward starts
   ahead (``prefetch_ahead``), from that op on. Return the loss from ``fn`` so
   that it is not counted as an activation;
@@ -57,6 +60,7 @@ class MemoryMeasurement:
     ops: int  # ops dispatched
     fxoffload_ops: int  # fxoffload ops among them (0 means no offloading ran)
     backward_started: int | None  # op index of the first backward op
+    backwards: tuple[tuple[int, int], ...] = ()  # (first op, op after the last) of each backward call
     cuda_max_allocated: int | None = None
     total_curve: tuple[int, ...] = field(default=(), repr=False)  # device bytes after each op
 
@@ -85,6 +89,7 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.step = 0
         self.backward_start: int | None = None
+        self.backwards: list[list[int]] = []  # [first op, op after the last] of each backward call
         self.storages: dict[int, _Storage] = {}
         self.live: list[_Storage] = []
         self.fxoffload_ops = 0
@@ -160,7 +165,12 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
         # before the autograd engine dispatches anything, and is not an activation.
         if tracker.backward_start is None:
             tracker.backward_start = tracker.step + 1
-        return original(*a, **k)
+        phase = [tracker.step + 1, tracker.step + 1]
+        tracker.backwards.append(phase)
+        try:
+            return original(*a, **k)
+        finally:
+            phase[1] = tracker.step + 1
 
     torch.autograd.backward = backward
     try:
@@ -179,11 +189,18 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
     host = [e for e in entries if (e.on_cpu if accelerated else e.offloaded)]
     device = [e for e in entries if not (e.on_cpu if accelerated else e.offloaded)]
     start = tracker.backward_start
+    # Each backward's (first op, op after its last); without a call of torch.autograd.backward, the
+    # first op the autograd engine dispatched begins the one backward, which lasts to the step's end.
+    phases = [tuple(p) for p in tracker.backwards] or ([(start, end + 1)] if start is not None else [])
+
+    def in_backward(op: int) -> bool:
+        return any(first <= op < after for first, after in phases)
 
     def is_activation(e: _Storage) -> bool:
         if e.prefetched:
             return True
-        return start is not None and e.born < start and (e.died is None or e.died > start) and e.died is not None
+        return (e.died is not None and not in_backward(e.born)
+                and any(e.born < first < e.died for first, _ in phases))
 
     total_peak, curve = _peak(device, end)
     activation_peak, _ = _peak([e for e in device if is_activation(e)], end)
@@ -195,6 +212,7 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
         ops=tracker.step - 1,
         fxoffload_ops=tracker.fxoffload_ops,
         backward_started=start,
+        backwards=tuple(phases),
         cuda_max_allocated=torch.cuda.max_memory_allocated() if cuda else None,
         total_curve=tuple(curve),
     )
