@@ -36,7 +36,7 @@ node gets a fake ``meta["val"]``.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -207,17 +207,20 @@ def _rewrite_backward(
     fw_hosts: Sequence[fx.Node],
 ) -> None:
     placeholders = list(bw.find_nodes(op="placeholder"))
-    # Recomputations first: an offloaded value they read is then waited for before them.
-    received = _insert_recomputes(bw, plan, interface, activations, placeholders[0])
+    received = _receive_recompute_inputs(bw, plan, interface, placeholders[0])
     host_inputs = []
     for transfer, fw_host in zip(plan.transfers, fw_hosts):
         with bw.inserting_before(placeholders[0]):
             host = bw.placeholder(f"{transfer.base.name}_host")
         host.meta["val"] = fw_host.meta["val"]  # the same host buffer crosses from forward to backward
         host_inputs.append(host)
+    # Symbolic sizes, for the chains and the prefetches alike, read off the inputs that stay (not the
+    # saved tensors this plan moves or rebuilds).
+    removed = {activations[i].bw_node for t in (*plan.transfers, *plan.recomputes) for i in t.members}
+    sizes = _Sizes(bw, [p for p in bw.find_nodes(op="placeholder") if p not in removed])
+    # Recomputations first: an offloaded value they read is then waited for before them.
+    _insert_recomputes(bw, plan, activations, received, sizes)
     order = schedule.prefetch_order or tuple(range(len(plan.transfers)))
-    moved = {activations[i].bw_node for t in plan.transfers for i in t.members}
-    sizes = _Sizes(bw, [p for p in bw.find_nodes(op="placeholder") if p not in moved])
     for k in order:  # the scheduler's issue order: prefetches at one node go in consumer order
         transfer, place, host = plan.transfers[k], schedule.placements[k], host_inputs[k]
         val = transfer.base.meta["val"]
@@ -251,16 +254,22 @@ def _inputs_to_save(plan: Plan, interface: SavedInterface) -> list[fx.Node]:
     return list(dict.fromkeys(n for r in plan.recomputes for n in r.cost.reads if n not in saved))
 
 
-def _insert_recomputes(bw: fx.Graph, plan: Plan, interface: SavedInterface,
-                       activations: Sequence[SavedActivation], first_input: fx.Node) -> dict[fx.Node, fx.Node]:
-    """Copy each recompute chain before its consumer, reading the saved values' backward inputs
-    (new inputs for graph inputs not saved before); return the backward input of each value read."""
+def _receive_recompute_inputs(bw: fx.Graph, plan: Plan, interface: SavedInterface,
+                              first_input: fx.Node) -> dict[fx.Node, fx.Node]:
+    """The backward input of each forward value a recompute chain reads: a saved value's, or a new
+    input for a graph input the forward did not save."""
     received = dict(zip(interface.fw_saved, interface.bw_saved))
     for node in _inputs_to_save(plan, interface):
         with bw.inserting_before(first_input):
             received[node] = bw.placeholder(f"{node.name}_for_recompute")
         received[node].meta["val"] = node.meta["val"]
-    sizes = _recompute_sizes(bw, plan, activations)
+    return received
+
+
+def _insert_recomputes(bw: fx.Graph, plan: Plan, activations: Sequence[SavedActivation],
+                       received: Mapping[fx.Node, fx.Node], sizes: _Sizes) -> None:
+    """Copy each recompute chain before its consumer, reading the ``received`` backward inputs and the
+    symbolic sizes it reads as ``sizes`` builds them; its members are rebuilt from it."""
     for r in plan.recomputes:
         env = {read: received[read] for read in r.cost.reads}
         env.update({size: sizes.of([size.meta["val"]])[0] for size in r.cost.sizes})
@@ -273,17 +282,6 @@ def _insert_recomputes(bw: fx.Graph, plan: Plan, interface: SavedInterface,
                        else sizes.view(r.cost.consumer, env[r.base], act.val))  # a view with symbolic sizes
             act.bw_node.replace_all_uses_with(rebuilt)
             bw.erase_node(act.bw_node)
-    return received
-
-
-def _recompute_sizes(bw: fx.Graph, plan: Plan, activations: Sequence[SavedActivation]) -> _Sizes | None:
-    """The backward's own values of the symbolic sizes recompute chains and the views of what they
-    rebuild read, read off the inputs that stay (not the saved tensors this plan moves or rebuilds);
-    None when none reads one."""
-    if not any(r.cost.sizes or not all(replayable(activations[i]) for i in r.members) for r in plan.recomputes):
-        return None
-    removed = {activations[i].bw_node for t in (*plan.transfers, *plan.recomputes) for i in t.members}
-    return _Sizes(bw, [p for p in bw.find_nodes(op="placeholder") if p not in removed])
 
 
 def _order_inputs(bw, old_placeholders, interface, plan, host_inputs, extra) -> None:

@@ -185,8 +185,7 @@ class _Room:
     curves: list[list[int]]
     bounds: list[int]
     sizes: list[list[int]]  # per size: bytes of each transfer
-    totals: list[list[int]] | None = None
-    ahead_by_totals: bool = False  # copies started ahead fit under ``totals`` (a smallest-peak plan)
+    totals: list[list[int]] | None = None  # held only where copies started ahead fit under them
     lead_margin: float = 1.0  # the lead copies started ahead are planned with, in units of the lead they need
 
     def fits(self, index: int, k: int) -> bool:
@@ -210,8 +209,9 @@ class _Room:
                    for c, n, b in zip(self.curves, self.sizes, self.bounds))
 
     def for_ahead(self) -> "_Room":
-        """Where copies started ahead must fit: this room, or under ``ahead_by_totals`` the same room
-        bounded by the total curves alone (the activation curves left out), planned with ``AHEAD_MARGIN``."""
+        """Where copies started ahead must fit: this room, or where it holds ``totals`` (a smallest-peak
+        plan) the same room bounded by the total curves alone (the activation curves left out), planned
+        with ``AHEAD_MARGIN``."""
         if self.totals is None:
             return self
         return _Room(self.totals, self.bounds, self.sizes, lead_margin=AHEAD_MARGIN)
@@ -245,7 +245,7 @@ def _room(held: Sequence[_Size], moves: Mapping[int, tuple[int, int]], temporari
           ahead_by_totals: bool = False) -> _Room:
     both = [_occupied(h.timeline, moves, h.bound, h.total_bound, temporaries) for h in held]
     totals = [t for _, t in both] if ahead_by_totals else None  # held only where copies ahead use them
-    return _Room([c for c, _ in both], [h.bound for h in held], [h.sizes for h in held], totals, ahead_by_totals)
+    return _Room([c for c, _ in both], [h.bound for h in held], [h.sizes for h in held], totals)
 
 
 def schedule_transfers(
