@@ -129,6 +129,11 @@ class PlanOptions:
     # layers). Above 1, the budget bounds the step: this graph's activation curve plus the bytes
     # every earlier run still holds for its backward, and a fraction is of the step's peak.
     runs: int = 1
+    # Forwards of the step run between its backwards (a pipeline stage under 1F1B or an interleaved
+    # schedule): the copies a backward starts ahead for the next one are held through the forward that
+    # runs between them, so they must fit over this graph's forward too, on top of what the other runs
+    # hold, and the step's peak counts them there (``fxoffload.passes.scheduling``).
+    interleaved: bool = False
     # A bound on the device peak instead of ``budget``: bytes for the graph's inputs and every
     # tensor the step creates (``device_budget`` less ``reserved``).
     device_bytes: int | None = None
@@ -307,6 +312,7 @@ class Plan:
     total_peak_after: int = 0
     total_cap: int | None = None  # PlanOptions.total_cap
     runs: int = 1  # PlanOptions.runs: the graph's runs per step
+    interleaved: bool = False  # PlanOptions.interleaved: forwards run between the step's backwards
     # The step's activation peak over ``runs`` runs (each run's curve on top of what the earlier
     # ones hold for their backward); equal to the activation peaks for one run. The budget bounds it.
     step_peak_before: int = 0

@@ -461,6 +461,7 @@ def plan_offloads(
         total_peak_after=problem.peak(choice.offloaded, choice.recomputed, False),
         total_cap=options.total_cap,
         runs=options.runs,
+        interleaved=options.interleaved,
         step_peak_before=step_before,
         step_peak_after=problem.step_peak(choice.offloaded, choice.recomputed),
         input_bytes=inputs,

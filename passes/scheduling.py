@@ -50,7 +50,14 @@ Algorithm.
   hides nothing (a layer that reads its input to its backward's end leaves no
   room for the next one's before then); the lead is then doubled
   (``AHEAD_MARGIN``: a compiler runs independent kernels around the op), and
-  the plan's peaks count those bytes (:func:`started_ahead`).
+  the plan's peaks count those bytes (:func:`started_ahead`). Where forwards
+  run between the step's backwards (``Plan.interleaved``: a pipeline stage
+  under 1F1B), the copies started ahead are held through the forward between
+  the two backwards as well: they must also fit over this graph's forward,
+  under the same bound (which leaves out what the other runs hold), the last
+  of them dropped until they do; a smallest-peak plan bounds them by its own
+  peak then, not by the total curve alone, and the re-evaluated step and device
+  peaks count them over the forward.
 * Recompute (priced for the planner by ``fxoffload.passes.candidates.recompute_costs``): the chain
   runs right before the first backward consumer, for the predicted compute
   time of its ops; its storage and the chain's temporaries are fixed memory
@@ -92,7 +99,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx as fx
 
@@ -195,6 +202,11 @@ class _Room:
         """Whether transfer ``k`` fits over positions ``[0, stop)``."""
         return all(max(c[:stop]) + n[k] <= b for c, n, b in zip(self.curves, self.sizes, self.bounds))
 
+    def fits_over(self, stop: int, transfers: Sequence[int]) -> bool:
+        """Whether ``transfers`` together fit over positions ``[0, stop)``."""
+        return all(max(c[:stop]) + sum(n[k] for k in transfers) <= b
+                   for c, n, b in zip(self.curves, self.sizes, self.bounds))
+
     def hold(self, start: int, stop: int, transfers: Sequence[int]) -> None:
         """Add the bytes of ``transfers`` over positions ``[start, stop)``."""
         for curves in (self.curves, self.totals or []):
@@ -276,7 +288,10 @@ def schedule_transfers(
     # started ahead for the next layer's backward would raise it by that copy's bytes (two layers' inputs
     # on the device at the handover, not one), and be held back to the end of this backward, where it
     # can hide nothing: such copies fit under the total curve alone.
-    ahead_by_totals = plan.budget_bytes is None and plan.device_bytes is None and plan.runs > 1
+    # Not where forwards run between the backwards: there the copies are held through the next forward too,
+    # which the total curve alone does not bound (the plan's own peak does).
+    ahead_by_totals = (plan.budget_bytes is None and plan.device_bytes is None and plan.runs > 1
+                       and not plan.interleaved)
 
     def room() -> _Room:  # the curves at the moves so far, staging buffers included
         staged = [interval for k, p in enumerate(chosen) for interval in staging_intervals(
@@ -298,7 +313,9 @@ def schedule_transfers(
     if horizon == AUTO_HORIZON:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
             moves[lives[k]] = (moves[lives[k]][0], pos[p.wait_before])
-        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, cross_graphs, spill)
+        forward = len(timeline.fw_nodes) if plan.interleaved else 0
+        prefetches, ahead = _place_prefetches(timeline, chosen, room(), h2d, starts, cross_graphs,
+                                              _AheadRoom(spill, forward))
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
     placed = [_Placed(releases[k], deferred[k], prefetches[k], d2h[k], h2d[k]) for k in range(len(chosen))]
@@ -413,11 +430,22 @@ def _place_releases(timeline, chosen, room: _Room, d2h, starts, pos) -> tuple[li
     return releases, late
 
 
+@dataclass(frozen=True)
+class _AheadRoom:
+    """What copies started ahead must fit besides the rest of the backward that starts them: at most
+    ``nbytes`` (None: as the bound allows), and, where a forward runs between two backwards
+    (``Plan.interleaved``), the positions ``[0, forward)`` of this graph's forward, which holds them
+    too (0: none)."""
+
+    nbytes: int | None = None
+    forward: int = 0
+
+
 def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, cross_graphs,
-                      ahead_room: int | None = None) -> tuple[list[int], tuple[int, int, list[int]] | None]:
+                      ahead_room: _AheadRoom = _AheadRoom()) -> tuple[list[int], tuple[int, int, list[int]] | None]:
     """Each prefetch's position, and the copies to start ahead in the backward before this one:
     (position, bytes, transfers), or None. ``room`` starts from every prefetch at its consumer
-    (the least memory); ``ahead_room``: at most these bytes started ahead (None: as the bound allows)."""
+    (the least memory); ``ahead_room``: what else the copies started ahead must fit (:class:`_AheadRoom`)."""
     pos = timeline.positions
     first = len(timeline.fw_nodes) + next(i for i, n in enumerate(timeline.bw_nodes) if n.op != "placeholder")
     order = sorted(range(len(chosen)), key=lambda k: pos[chosen[k].wait_before])
@@ -440,9 +468,12 @@ def _place_prefetches(timeline, chosen, room: _Room, h2d, starts, cross_graphs,
         if latest[j] >= starts[first] or prefetches[k] != first:
             break
         early.append(k)
-    while ahead_room is not None and early and sum(room.sizes[0][k] for k in early) > ahead_room:
+    while ahead_room.nbytes is not None and early and sum(room.sizes[0][k] for k in early) > ahead_room.nbytes:
         early = early[:-1]
-    return prefetches, _place_ahead(room.for_ahead(), starts, first, latest, early)
+    ahead = room.for_ahead()
+    while early and ahead_room.forward and not ahead.fits_over(ahead_room.forward, early):
+        early = early[:-1]  # held through the forward between two backwards: it must fit there too
+    return prefetches, _place_ahead(ahead, starts, first, latest, early)
 
 
 def _place_ahead(room: _Room, starts, first, latest, early) -> tuple[int, int, list[int]] | None:
@@ -550,19 +581,31 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> 
     temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule) + ahead
     totals = curve(timeline.length, intervals(timeline, moved, False, temporaries))
     total = peak(totals)
-    held = activations[len(timeline.fw_nodes) - 1] if activations else 0
+    forward = len(timeline.fw_nodes)
+    held = activations[forward - 1] if activations else 0
     sizes = tuple(dataclasses.replace(size, step_peak_after=activation_peaks_at(plan, timeline, schedule,
                                                                               dict(size.values))[1])
                   for size in plan.sizes)
+    through = _held_through_forward(plan, ahead, forward, held)
     return dataclasses.replace(
         plan,
         sizes=sizes,
         activation_peak_after=peak(activations),
-        step_peak_after=step_peak(activations, len(timeline.fw_nodes), plan.runs),
-        device_peak_after=plan.input_bytes + device_peak_of_runs(totals, len(timeline.fw_nodes), held, plan.runs,
-                                                             plan.run_gradients),
+        step_peak_after=max(step_peak(activations, forward, plan.runs), through(activations)),
+        device_peak_after=plan.input_bytes + max(
+            device_peak_of_runs(totals, forward, held, plan.runs, plan.run_gradients), through(totals)),
         total_peak_after=total,
     )
+
+
+def _held_through_forward(plan: Plan, ahead: Sequence[tuple[int, int, int]], forward: int,
+                          held: int) -> Callable[[Sequence[int]], int]:
+    """The step's peak over a forward that runs between two backwards (``Plan.interleaved``), given one
+    run's curve: the copies the backward before it started ahead are held through it, on top of its own
+    curve and what the step's other runs hold for their backward (0 where no forward runs so)."""
+    nbytes = sum(n for _, _, n in ahead) if plan.interleaved else 0
+    others = (plan.runs - 1) * held
+    return lambda one_run: max(one_run[:forward], default=0) + nbytes + others if nbytes else 0
 
 
 def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,

@@ -440,17 +440,19 @@ class OffloadBackend:
         ``_select_step`` says, timed."""
 
         def run(*args: Any) -> Any:
+            # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
+            # stage's metadata inference (see compile_call.pipeline_inference). (Runs on fake tensors are:
+            # fxoffload plan traces its steps so.)
+            step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                            and not pipeline_inference())
+            if step_forward:
+                self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
             if state.replan is not None and self._step.counted(region):  # a step has shown how often it runs
                 share = self._step.share(region)
                 if self._step.needs_replan(region, state.compiled.compilation.record, share):
                     state.compiled = self._replan(region, state.replan, share)  # a failure raises here, every time
                 if self._step.final(state.compiled.compilation.record):
                     state.replan = None  # the graph copy and its inputs go
-            # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
-            # stage's metadata inference (see compile_call.pipeline_inference). (Runs on fake tensors are:
-            # fxoffload plan traces its steps so.)
-            step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-                            and not pipeline_inference())
             if step_forward and self._step.backward_seen:  # a new step
                 self._steps += 1
                 if (check := self._rank_check) is not None:

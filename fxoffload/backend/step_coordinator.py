@@ -82,7 +82,8 @@ class StepCoordinator:
         the whole step, so a region gets what earlier regions leave of it; once the step is known, a
         region re-planned with its share of the budget gets that share."""
         ledger = self._ledger
-        options = dataclasses.replace(self._config.plan_options, runs=ledger.runs_of(region))
+        options = dataclasses.replace(self._config.plan_options, runs=ledger.runs_of(region),
+                                      interleaved=ledger.interleaved)
         earlier = ledger.earlier(region, self._budget)
         if options.host_bytes is not None:  # the step's host budget, less what earlier regions' copies take
             options = dataclasses.replace(options, host_bytes=max(options.host_bytes - ledger.host_before(earlier), 0))
@@ -149,10 +150,12 @@ class StepCoordinator:
         return self._budget.share(region, self._ledger.held_before)
 
     def needs_replan(self, region: tuple, record: Any, share: Share | None) -> bool:
-        """Whether the step, as counted, asks for another plan of ``region``: more runs than planned, a
-        provisional plan, or a share of a step of several regions in a round it was not planned in (its
-        first plan saw only itself, and counted what it hands on under a fraction, not in the step's
-        accounting)."""
+        """Whether the step, as counted, asks for another plan of ``region``: forwards seen to run between
+        its backwards since it was planned, more runs than planned, a provisional plan, or a share of a
+        step of several regions in a round it was not planned in (its first plan saw only itself, and
+        counted what it hands on under a fraction, not in the step's accounting)."""
+        if record is not None and record.plan.interleaved != self._ledger.interleaved:
+            return True  # forwards were seen to run between the backwards since it was planned
         if share is not None:
             return self._budget.stale(record)
         planned = record.plan.runs if record is not None else self._ledger.runs_of(region)
@@ -172,6 +175,11 @@ class StepCoordinator:
             yield
 
     # ----------------------------------------------------------------------------- the step running
+
+    def forward_begins(self) -> None:
+        """A forward of the step begins (before any re-plan it asks for): the ledger learns whether forwards
+        run between the step's backwards."""
+        self._ledger.forward_begins()
 
     def note_forward(self, record: Any, region: tuple) -> int:
         """A forward of the step ran ``record``'s graph for ``region``; the index of this run in the step."""

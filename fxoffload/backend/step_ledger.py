@@ -13,12 +13,18 @@ what the regions before it leave on the device. The backend keeps, in one :class
 * per step: the record of each forward in the order they ran, and the offloaded inputs their
   callers kept (``fxoffload.backend.callers``), per run.
 
-Algorithm: a new step begins at the first forward after a backward began. The regions before a
+Algorithm: a new step begins at the first forward after a backward began. A forward that begins
+after a backward began while an earlier forward still waits for its backward (counted: forwards less
+backwards begun) shows that forwards run between the backwards (1F1B): every region is planned so
+from then on (``PlanOptions.interleaved``). The regions before a
 region are, once the step is re-planned with shares of its budget, the step's own order
 (``fxoffload.backend.step_budget``); before that, the regions whose forwards ran so far in this step.
 What they hold is each run's activations for its backward, plus what the last of them spills.
 
-Limits: every figure is a plan's prediction; one ledger per backend, which serves one step.
+Limits: every figure is a plan's prediction; one ledger per backend, which serves one step. A forward
+whose backward never runs (an evaluation forward with gradients on) counts as waiting for good, and
+the forwards after it as running between backwards: their plans count copies started ahead over the
+forward, which costs memory, never exactness.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ class StepLedger:
     region_of: dict[int, tuple] = field(default_factory=dict)  # record index -> its region
     records: list[Any] = field(default_factory=list)  # the step's forwards' records, in the order they ran
     backward_seen: bool = False  # a backward of the latest step has begun
+    waiting: int = 0  # forwards whose backward has not begun
+    # A forward ran after a backward began while others still waited for theirs (1F1B, interleaved
+    # pipeline schedules): copies a backward starts ahead are held through it. Learned once, kept.
+    interleaved: bool = False
     kept: dict[int, list[KeptInput]] = field(default_factory=dict)  # offloaded inputs kept, by the step's run
     held_warned: set[tuple] = field(default_factory=set)
     kept_warned: set[int] = field(default_factory=set)  # records (by index) warned about
@@ -120,11 +130,19 @@ class StepLedger:
         self.held[region], self.host_held[region], self.spill[region] = held, host, spill
         self.inputs[region] = inputs
 
+    def forward_begins(self) -> bool:
+        """A forward of the step begins: learn whether it runs between two backwards (one began, and an
+        earlier forward still waits for its own). Whether that was learned just now."""
+        learned = not self.interleaved and self.backward_seen and self.waiting > 0
+        self.interleaved = self.interleaved or learned
+        return learned
+
     def note_forward(self, record: Any) -> None:
         """A forward of the step ran ``record``'s graph (the first after a backward begins a new step)."""
         if self.backward_seen:
             self.records, self.backward_seen, self.kept = [], False, {}
         self.records.append(record)
+        self.waiting += 1
 
     def count_forward(self, region: tuple) -> int:
         self.forwards[region] = self.forwards.get(region, 0) + 1
@@ -134,6 +152,7 @@ class StepLedger:
         """A backward begins: the forwards since the last one are counted. Whether it is the step's first."""
         first = not self.backward_seen
         self.backward_seen = True
+        self.waiting = max(self.waiting - 1, 0)
         for region, runs in self.forwards.items():
             self.counted[region] = max(self.counted.get(region, 1), runs)
         self.forwards.clear()

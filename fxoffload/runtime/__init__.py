@@ -63,7 +63,8 @@ them in) until its backward begins.
   compiled backward raises, else when the next forward outside a backward
   begins with no forward waiting for its backward (a new step) or finds their
   host buffers gone, or by :func:`reset`. A forward between two backwards
-  (1F1B) keeps them: that forward holds them too, which the plans do not count.
+  (1F1B) keeps them: that forward holds them too, which the plans count once the
+  backend has seen such a forward (``PlanOptions.interleaved``).
 
 :func:`trace` records these events (forward and backward boundaries, copies
 issued and landed, per invocation) for tests and debugging.

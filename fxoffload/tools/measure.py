@@ -16,7 +16,11 @@ the step:
   autograd engine), and was gone when the step returned. A step of several
   backwards (a pipeline stage under 1F1B, gradient accumulation) counts what
   each backward finds saved, so a forward that runs between two backwards
-  counts as well; copies made by
+  counts as well, and a tensor such a forward hands to ``fxoffload.offload``
+  counts from its birth to its release (the copies the backward before it
+  started ahead are on the device beside it; in the forwards before the first
+  backward an offloaded tensor counts only if alive when a backward starts,
+  which leaves out a forward's own transient peak); copies made by
   ``fxoffload.prefetch`` are activations too, and so are copies a backward starts
   ahead (``prefetch_ahead``), from that op on. Return the loss from ``fn`` so
   that it is not counted as an activation;
@@ -74,6 +78,7 @@ class _Storage:
     offloaded: bool  # an output of fxoffload.offload (host memory on either engine)
     prefetched: bool
     died: int | None = None
+    offload_source: bool = False  # handed to fxoffload.offload: a saved tensor until its release
 
 
 class _Tracker(TorchDispatchMode):
@@ -106,6 +111,10 @@ class _Tracker(TorchDispatchMode):
         self.fxoffload_ops += func in FXOFFLOAD_OPS
         inputs = {tensor_storage_key(t) for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
+        if func is OFFLOAD:
+            for key in inputs:
+                if (source := self.storages.get(key)) is not None and not source.ref.expired():
+                    source.offload_source = True
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t, inputs, func)
@@ -199,8 +208,12 @@ def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMea
     def is_activation(e: _Storage) -> bool:
         if e.prefetched:
             return True
-        return (e.died is not None and not in_backward(e.born)
-                and any(e.born < first < e.died for first, _ in phases))
+        if e.died is None or in_backward(e.born):
+            return False
+        # In a forward after a backward began (1F1B), a tensor offloaded counts from its birth: the
+        # copies that backward started ahead sit beside it until its release.
+        return (e.offload_source and bool(phases) and e.born > phases[0][0]
+                or any(e.born < first < e.died for first, _ in phases))
 
     total_peak, curve = _peak(device, end)
     activation_peak, _ = _peak([e for e in device if is_activation(e)], end)

@@ -11,6 +11,10 @@ comparison can be bitwise), against the same stage compiled with ``aot_eager_dec
                                   block graph, handed activations alike, and plan it for steps of
                                   their own; interleaved: Interleaved1F1B, two stages per rank
                                   (four stages on two processes), one block each
+    pipeline_step.py gpipe|1f1b|interleaved blocks inductor
+                                  the blocks compiled with fxoffload's default inner compiler
+                                  (Inductor), four steps against the same stages run eagerly: losses
+                                  and gradients equal within the suite's tolerance
 """
 
 import os
@@ -75,18 +79,22 @@ class Pipeline:
 
     @staticmethod
     def _compiled(module: torch.nn.Module, backend, blocks_apart: bool) -> torch.nn.Module:
-        if blocks_apart:  # each block on its own, as torchtitan compiles a pipeline stage's layers
+        if blocks_apart and backend is not None:  # each block on its own, as torchtitan compiles a stage's layers
             for block in module:
                 if isinstance(block, Block):
                     block.compile(backend=backend)
+        if blocks_apart or backend is None:  # (None: the eager reference)
             return module
-        return torch.compile(module, backend=backend) if backend is not None else module
+        return torch.compile(module, backend=backend)
 
     def step(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Step ``index`` (its inputs are seeded by it): the last stage's microbatch losses, and the stage's
         gradients."""
-        generator = torch.Generator().manual_seed(index)
-        x, target = torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, 1, generator=generator)
+        return self.step_on(*batch(index))
+
+    def step_on(self, x: torch.Tensor, target: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A step on the batch ``x`` and its ``target``: the last stage's microbatch losses, and the stage's
+        gradients."""
         self.module.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         if self.rank == 0 and not self.last:
@@ -98,19 +106,32 @@ class Pipeline:
         return [loss.detach() for loss in losses], [p.grad.clone() for p in self.module.parameters()]
 
 
+def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``index``'s batch and target, seeded by it."""
+    generator = torch.Generator().manual_seed(index)
+    return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, 1, generator=generator)
+
+
 def bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def run(schedule: str, blocks_apart: bool = False) -> int:
+def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Equal within the suite's tolerance for Inductor's float32 kernels (``tests.conftest.assert_same_step``)."""
+    return len(a) == len(b) and all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(a, b))
+
+
+def run(schedule: str, blocks_apart: bool = False, inner: str = "eager") -> int:
     rank = dist.get_rank()
+    if inner != "eager":
+        return run_inductor(schedule, blocks_apart)
     # The reference's four steps first, then fxoffload's: dynamo keeps one compiled entry per code object,
     # and blocks compiled one by one (Module.compile) share theirs with the reference's blocks.
     reference = Pipeline(rank, schedule, "aot_eager_decomp_partition", blocks_apart)
     expected = [reference.step(index) for index in range(2)]
-    # The third step as measured: its activations (born before the stage's first backward and alive
-    # after it began).
-    plain = measure_peak(reference.step, 2)
+    # The third step as measured: what each of its backwards finds saved. Its batch is made before (made
+    # inside, it would count as an activation of every stage, the last one's too, which never reads it).
+    plain = measure_peak(reference.step_on, *batch(2))
     expected += [reference.step(2), reference.step(3)]
     torch._dynamo.reset()
     options = {"strategy": "offload", "min_bytes": 0} if blocks_apart else {}  # copies, so the plans differ
@@ -118,7 +139,7 @@ def run(schedule: str, blocks_apart: bool = False) -> int:
     offloaded = Pipeline(rank, schedule, backend, blocks_apart)
     # The first step learns each stage's step; the second re-plans it; the third is measured.
     actual = [offloaded.step(index) for index in range(2)]
-    ours = measure_peak(offloaded.step, 2)
+    ours = measure_peak(offloaded.step_on, *batch(2))
     actual += [offloaded.step(2), offloaded.step(3)]
     same = len(actual) == len(expected) and all(
         bit_equal(a, b) for want, got in zip(expected, actual) for a, b in zip(want, got))
@@ -132,13 +153,33 @@ def run(schedule: str, blocks_apart: bool = False) -> int:
     return 0 if same else 1
 
 
-def main(mode: str, blocks_apart: bool = False) -> int:
+def run_inductor(schedule: str, blocks_apart: bool) -> int:
+    """The stages compiled with fxoffload's default inner compiler (Inductor), four steps against the same
+    stages run eagerly: losses and gradients equal within the suite's tolerance."""
+    rank = dist.get_rank()
+    reference = Pipeline(rank, schedule, None, blocks_apart)
+    expected = [reference.step(index) for index in range(4)]
+    options = {"strategy": "offload", "min_bytes": 0} if blocks_apart else {}
+    backend = fxoffload.offload_backend(memory_budget=0.5, **options)
+    compiled = Pipeline(rank, schedule, backend, blocks_apart)
+    actual = [compiled.step(index) for index in range(4)]
+    same = len(actual) == len(expected) and all(
+        close(a, b) for want, got in zip(expected, actual) for a, b in zip(want, got))
+    transfers = sum(len(r.plan.transfers) for r in backend.records)
+    sys.stdout.write(f"rank {rank}: {schedule}: inductor close to eager: {same}, graphs {len(backend.records)}, "
+                     f"planned for {backend.records[-1].plan.runs} runs, transfers {transfers}\n")
+    sys.stdout.flush()
+    return 0 if same else 1
+
+
+def main(mode: str, blocks_apart: bool = False, inner: str = "eager") -> int:
     dist.init_process_group("gloo")
-    code = run(mode, blocks_apart)
+    code = run(mode, blocks_apart, inner)
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1], sys.argv[2:] == ["blocks"])
+    flags = sys.argv[2:]
+    code = main(sys.argv[1], "blocks" in flags, "inductor" if "inductor" in flags else "eager")
     os._exit(code)  # skip gloo's teardown at finalization (see ddp_step.py)
