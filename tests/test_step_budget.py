@@ -338,8 +338,10 @@ def test_a_step_whose_callers_keep_what_it_needs_is_refused_naming_them_and_its_
     """GPT-2 (hidden 64) with Hugging Face checkpointing at 0.5, min_bytes=0: the logits the loss region
     is handed stay referenced by the model's code after that region's graph returns, so no plan moves
     them off the device and 0.5 is out of reach. The refusal names them and gives the step's floor as
-    planned: above the budget, and no higher than what the plans made under on_infeasible="warn"
-    measure (they do not push the regions before to their floors: 0.65 of the step predicted and
+    planned: above the budget, and within 5% of what the plans made under on_infeasible="warn" measure
+    (76224 B against 75904 B). Before, the region that hands the loss its logits kept the floor its first
+    plan found, which counted the logits as its own (64 KiB), as a floor in the step's accounting: it held
+    16 KiB it could have moved, and the warned step measured 92288 B (0.65 of the step predicted and
     measured, against the floor's 0.53)."""
     torch.manual_seed(0)
     model, batch = GPT2WithLoss(hidden=64, checkpointing=True), torch.randint(0, 256, (2, 32))
@@ -358,7 +360,7 @@ def test_a_step_whose_callers_keep_what_it_needs_is_refused_naming_them_and_its_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)
         measured = steps(torch.compile(model, backend=backend), batch, 4)[-1]
-    assert int(floor.group(1)) <= measured, (measured, message)
+    assert abs(int(floor.group(1)) - measured) <= 0.05 * measured, (measured, message)
 
 
 def test_an_input_its_caller_keeps_is_counted_and_never_moved():

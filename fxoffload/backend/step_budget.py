@@ -37,7 +37,8 @@ Limits: the shape is the latest step's; a region that ran in an earlier step onl
 Under a device budget, the first step's plans see only the regions before them (the step may exceed
 it), eager code between regions is not seen (its tensors belong in ``reserved``), a region's later
 gradients are counted over its whole backward, and a parameter two regions share counts twice.
-Figures come from the region's latest plan with a share, else its first plan. Interleaved schedules
+Figures come from the region's latest plan with a share, else its first plan (its floors less what
+it hands on, which a first plan counts as its own). Interleaved schedules
 (several microbatches in flight) are modelled as one forward pass then one backward pass.
 """
 
@@ -169,7 +170,9 @@ def learn_step(known: StepShape | None, records: Sequence[Any], region_of: Mappi
 
     A region's figures come from its plan with a share where it has one (the step's accounting: an
     activation one region hands the next counts where it is saved), else from its first plan; a floor
-    once found is kept (the most of those found). ``device``: the figures of a device budget."""
+    found is kept (the most of those found); a first plan's, less what it hands on (which it counts as
+    its own, under a fraction, and the step's accounting where it is saved).
+    ``device``: the figures of a device budget."""
     order: dict[tuple, Any] = {}
     for record in records:
         order.setdefault(region_of[record.index], record)
@@ -183,6 +186,14 @@ def _figures(known: RunFigures | None, record: Any, shared: Callable[[Any], bool
     if known is not None and not shared(record):
         return known
     found = run_figures(record.plan, record.largest_saved_input, record.gradient_bytes if device else 0, device)
+    if not shared(record) and not device and found.floor_held:
+        # A first plan's floor counts what the region hands on as its own (the logits, a checkpointed
+        # layer's output: ``Lifetime.handed_on``), which the step's accounting counts where it is saved:
+        # kept whole, it let a region hold that much more while the one it hands on to could not meet
+        # its share. Less those bytes, it is a floor of the step's.
+        handed = sum(lt.nbytes for lt in record.timeline.lifetimes if lt.handed_on)
+        found = dataclasses.replace(found, floor_held=max(found.floor_held - handed, 0),
+                                    floor_peak=max(found.floor_peak - handed, record.largest_saved_input))
     if known is None:
         return found
     return dataclasses.replace(found, floor_held=max(found.floor_held, known.floor_held),
