@@ -276,4 +276,7 @@ def _crossing(plan: Any, schedule: Any) -> str:
             f"issued here before {schedule.ahead_before.name}")
     else:
         lines.append("started ahead: none (every copy is hidden inside this backward, or none fits the bound)")
+    if plan.interleaved:
+        lines.append("forwards run between this step's backwards (1F1B, interleaved): copies started ahead "
+                     "are held through the forward between two backwards, and must fit there too")
     return "\n".join(lines)

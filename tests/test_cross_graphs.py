@@ -308,6 +308,7 @@ def test_under_1f1b_copies_started_ahead_are_counted_through_the_forward_between
     record = backend.records[-1]
     assert record.plan.interleaved and record.plan.runs == 3 and record.plan.transfers, record.plan
     assert (record.schedule.ahead_bytes > 0) == ahead, record.schedule
+    assert "held through the forward between two backwards" in fxoffload.explain(record)
     assert measured <= (budget + 0.05) * baseline, (measured, baseline)
     assert abs(record.plan.step_peak_after - measured) <= 0.05 * measured, (record.plan.step_peak_after, measured)
     assert record.plan.step_peak_after <= record.plan.budget_bytes
