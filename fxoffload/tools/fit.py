@@ -12,7 +12,8 @@ token adds its activations; a quadratic attention mask, as Mistral's sliding win
 line a little), so each probe is where the line through the two probes nearest the bracket's ends
 meets the device's memory (a secant step), rounded down to the grid and kept strictly inside the
 bracket; the next probe bisects the bracket instead when the last one came out as the line did not
-predict, or when two in a row failed to halve it. The search ends when the bracket is one step
+predict, or when two in a row failed to halve it; where the line is flat (every probe fits alike), it
+quadruples the size. The search ends when the bracket is one step
 wide: the answer was planned and fits, the next size up was planned and does not (or the answer is
 the largest size tried). A linear peak takes at most five plans (property-tested); a peak that is
 not monotone in the size still gets an answer that fits beside a next size that does not. Each
@@ -97,8 +98,8 @@ def _secant(probes: Mapping[int, int], lo: int, hi: int, cap: int) -> int:
         move = max(1, unit // 8)
         return unit + move if probes[unit] <= cap else unit - move
     (u1, p1), (u2, p2) = sorted((u, probes[u]) for u in points)
-    if p2 <= p1:  # flat or falling: no line to follow; double up or halve down
-        return 2 * u2 if p2 <= cap else u1 // 2
+    if p2 <= p1:  # flat or falling: no line to follow; quadruple up (doubling from a small start took
+        return 4 * u2 if p2 <= cap else u1 // 2  # more probes than the bracket then needs) or halve down
     return u1 + ((cap - p1) * (u2 - u1)) // (p2 - p1)
 
 
