@@ -198,10 +198,6 @@ class _Room:
     def fits(self, index: int, k: int) -> bool:
         return all(c[index] + n[k] <= b for c, n, b in zip(self.curves, self.sizes, self.bounds))
 
-    def fits_all(self, stop: int, k: int) -> bool:
-        """Whether transfer ``k`` fits over positions ``[0, stop)``."""
-        return all(max(c[:stop]) + n[k] <= b for c, n, b in zip(self.curves, self.sizes, self.bounds))
-
     def fits_over(self, stop: int, transfers: Sequence[int]) -> bool:
         """Whether ``transfers`` together fit over positions ``[0, stop)``."""
         return all(max(c[:stop]) + sum(n[k] for k in transfers) <= b
@@ -400,7 +396,7 @@ def _deferrable(late, runs, sizes, starts, forward, room: _Room) -> set[int]:
     for k in sorted(late, key=lambda k: sizes[k]):
         # The next run's forward positions that start before this copy has landed.
         until = min(forward, bisect.bisect_left(starts, late[k], 0, forward) + 1)
-        if room.fits_all(until, k):
+        if room.fits_over(until, [k]):
             chosen.add(k)
             room.hold(0, until, [k])
     return chosen

@@ -130,12 +130,10 @@ class StepLedger:
         self.held[region], self.host_held[region], self.spill[region] = held, host, spill
         self.inputs[region] = inputs
 
-    def forward_begins(self) -> bool:
+    def forward_begins(self) -> None:
         """A forward of the step begins: learn whether it runs between two backwards (one began, and an
-        earlier forward still waits for its own). Whether that was learned just now."""
-        learned = not self.interleaved and self.backward_seen and self.waiting > 0
-        self.interleaved = self.interleaved or learned
-        return learned
+        earlier forward still waits for its own)."""
+        self.interleaved = self.interleaved or (self.backward_seen and self.waiting > 0)
 
     def note_forward(self, record: Any) -> None:
         """A forward of the step ran ``record``'s graph (the first after a backward begins a new step)."""
