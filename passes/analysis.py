@@ -129,12 +129,29 @@ def is_anchored_compute(node: fx.Node) -> bool:
 
 
 def is_compute(node: fx.Node) -> bool:
-    """A node that runs a kernel: not a view, a getitem, or an fxoffload op."""
+    """A node that runs a kernel: not a view, a getitem, an fxoffload op, or arithmetic on sizes (a
+    symbolic graph's ``sym_size`` and the integer ops on it run on the host)."""
     if node.op != "call_function" or node.target in FXOFFLOAD_OPS:
         return False
-    if node.target is operator.getitem:
+    if node.target is operator.getitem or _is_size_arithmetic(node):
         return False
     return aliased_input(node) is None
+
+
+_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def reads_size_only(node: fx.Node) -> bool:
+    """``sym_size`` of a symbolic dimension: it reads the tensor's size, not its data (the rewrite reads
+    such a size off another input when the tensor is moved: a copy need not land before it)."""
+    val = node.meta.get("val")
+    return (node.target is torch.ops.aten.sym_size.int and isinstance(val, torch.SymInt)
+            and not val.node.expr.is_number)
+
+
+def _is_size_arithmetic(node: fx.Node) -> bool:
+    # A tensor's item (``_local_scalar_dense``) also gives a scalar, but reads it off the device: a kernel.
+    return isinstance(node.meta.get("val"), _SCALARS) and node.target is not torch.ops.aten._local_scalar_dense.default
 
 
 def is_rng_state(node: fx.Node) -> bool:

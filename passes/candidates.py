@@ -30,12 +30,13 @@ forward's end; costs are the roofline cost model's predictions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
 from .analysis import (
-    SavedActivation, is_anchored_compute, is_compute, last_storage_use, recompute_chain, storage_key,
+    SavedActivation, is_anchored_compute, is_compute, last_storage_use, reads_size_only, recompute_chain,
+    storage_key,
 )
 from .cost_model import OPS_PER_TRANSFER, DeviceProfile, transfer_time, value_nbytes
 from .memory import Timeline
@@ -155,7 +156,7 @@ def place_candidates(
     for base, members in groups.items():
         birth = fw_pos[base]
         free = free_index(birth, last_use.get(storage_key(base), birth))
-        consumer = min(bw_pos[u] for m in members for u in m.bw_node.users)
+        consumer = _first_data_use(members, bw_pos)
         start = consumer if horizon == AUTO_HORIZON else prefetch_index(compute, consumer, horizon, first)
         placements[base] = Placement(
             transfer=-1,
@@ -166,6 +167,12 @@ def place_candidates(
             ops_ahead=sum(compute[start:consumer]),
         )
     return placements
+
+
+def _first_data_use(members: Sequence[Any], bw_pos: dict) -> int:
+    """The first backward node that reads a member's data (a size read does not: ``reads_size_only``)."""
+    users = [u for m in members for u in m.bw_node.users]
+    return min(bw_pos[u] for u in ([u for u in users if not reads_size_only(u)] or users))
 
 
 def timeline_moves(timeline: Timeline, placements: Mapping[fx.Node, Placement]) -> dict[fx.Node, tuple[int, int]]:

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from .analysis import SavedActivation, SavedInterface, symbol_sources
+from .analysis import SavedActivation, SavedInterface, reads_size_only, symbol_sources
 from .ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
 from .eligibility import replayable
 from .plan import Plan
@@ -229,6 +229,7 @@ def _rewrite_backward(
         ready = _before(bw, place.wait_before, WAIT, (dev, host))
         for index in transfer.members:
             act = activations[index]
+            _read_sizes_elsewhere(bw, act, sizes)  # read before the wait: not off the copy
             rebuilt = (_replay(bw, place.wait_before, ready, act) if replayable(act)
                        else sizes.view(place.wait_before, ready, act.val))
             act.bw_node.replace_all_uses_with(rebuilt)
@@ -237,6 +238,15 @@ def _rewrite_backward(
         _insert_ahead(bw, schedule.ahead_before, schedule.ahead_bytes)
     extra = [received[node] for node in _inputs_to_save(plan, interface)]
     _order_inputs(bw, placeholders, interface, plan, host_inputs, extra)
+
+
+def _read_sizes_elsewhere(bw: fx.Graph, act: Any, sizes: _Sizes) -> None:
+    """Each size read of a moved activation (``reads_size_only``; the scheduler waits for the copy at
+    its first data use, which may come after) reads the size off an input that stays instead."""
+    for user in [u for u in act.bw_node.users if reads_size_only(u)]:
+        (size,) = sizes.of([act.val.shape[user.args[1]]])
+        user.replace_all_uses_with(size)
+        bw.erase_node(user)
 
 
 def _insert_ahead(bw: fx.Graph, before: fx.Node, nbytes: int) -> None:

@@ -117,3 +117,42 @@ def test_a_compile_explains_its_plan_only_where_debug_logging_asks(monkeypatch, 
     with caplog.at_level("DEBUG", logger="fxoffload.backend"):
         compile_marked(lambda x: torch._dynamo.mark_dynamic(x, 0, min=2, max=64), memory_budget=0.5)
     assert made and any("fxoffload graph" in r.getMessage() for r in caplog.records)
+
+
+def test_a_size_read_off_an_offloaded_tensor_does_not_wait_for_its_copy(tmp_path):
+    """A symbolic graph's backward reads sizes off saved tensors (``sym_size``: here the logits' length,
+    for the loss fxoffload's tools compute apart from the model): for one the plan moves, the copy
+    is waited for at its first data use, and the size is read off an input that stays (a wait
+    before the size read stalled the backward on the logits' copy). The step, at a length other than
+    the traced one, equals eager."""
+    import json
+
+    from fxoffload.passes.analysis import reads_size_only
+    from fxoffload.tools.models import from_config_file
+    from tests.test_fit import TINY_LLAMA
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    torch.manual_seed(0)
+    step, _, inputs = from_config_file(tmp_path).build(1, 48, torch.float32)
+    with torch.no_grad():  # built without initialising its weights (values do not matter to a plan)
+        for parameter in step.parameters():
+            parameter.normal_(0.0, 0.02)
+    other = {"input_ids": torch.randint(0, TINY_LLAMA["vocab_size"], (1, 40))}
+    torch._dynamo.mark_dynamic(inputs["input_ids"], 1, min=8, max=64)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, strategy="offload", all_eligible=True)
+    compiled = torch.compile(step, backend=backend)
+
+    def loss_and_grads_of(run, batch):
+        step.zero_grad(set_to_none=True)
+        loss = run(**batch)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in step.named_parameters()}
+
+    expected = loss_and_grads_of(step, other)
+    loss_and_grads_of(compiled, inputs)
+    assert_same_step(expected, loss_and_grads_of(compiled, other))
+    (record,) = backend.records
+    assert record.plan.transfers
+    assert not any(reads_size_only(p.wait_before) for p in record.schedule.placements)
+    # Every size the rewritten backward reads, it reads off an input, not off a copy brought back.
+    assert all(n.args[0].op == "placeholder" for n in record.backward.graph.nodes if reads_size_only(n))
