@@ -42,7 +42,7 @@ from .scheduling import (
 )
 from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
-from .sizes import plan_sizes, size_ranges, smallest_sizes
+from .sizes import fixed_sizes, plan_sizes, size_ranges, smallest_sizes
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_step
 from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
@@ -56,7 +56,8 @@ __all__ = [
     "RELEASES", "RegionDemand",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
     "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "activation_peaks_at", "curve",
-    "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute", "offload_marked",
+    "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
+    "offload_marked",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
     "plan_sizes", "read_policies", "rewrite_planned", "save_offload_marks", "scheduled_moves", "share_for",
     "simulate", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",

@@ -5,6 +5,7 @@ Inputs: a ``Timeline`` (``fxoffload.passes.memory``) whose lifetimes carry sympy
 (:func:`concrete`), each symbol's planned size, smallest size and range (:func:`plan_sizes`,
 :func:`smallest_sizes`, :func:`size_ranges`), the sizes a fraction is held at (:func:`held_sizes`) or
 checked at (:func:`sizes_between`), and a timeline evaluated at given sizes (:func:`timeline_at`).
+:func:`fixed_sizes` plans a graph traced once with symbolic sizes at chosen sizes (``fxoffload fit``).
 
 Algorithm. An expression is evaluated at the largest size the guards allow
 (``torch._dynamo.mark_dynamic(t, dim, max=N)``), so that a plan made once holds for every size its
@@ -16,23 +17,29 @@ size. :func:`size_ranges` gives the range each symbol is held over: the guards' 
 ``UNBOUNDED_REACH`` times the traced size. :func:`held_sizes` names the corners of that range (besides
 the plan's own size) where the planner holds the fraction, and :func:`sizes_between` a grid across it
 to check. Limits: a symbol no graph input carries does not vary between calls (its range is its traced
-value); more than three symbols are held at two corners only.
+value); more than three symbols are held at two corners only. :func:`fixed_sizes` narrows the shape
+environment itself (each symbol's range and hint) for as long as it is entered: what reads the
+graph's sizes meanwhile (the planner, PyTorch's partitioner, the simulator) sees the graph as traced
+at those sizes; it is exact only where the graph's ops do not depend on the size (its guards allow
+every size it is asked for).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import sympy
 import torch
 from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from .analysis import symbol_sources
 
-__all__ = ["GRID_POINTS", "UNBOUNDED_REACH", "concrete", "held_sizes", "input_symbols", "plan_sizes", "size_ranges",
-           "sizes_between", "smallest_sizes", "timeline_at", "unbounded_symbols"]
+__all__ = ["GRID_POINTS", "UNBOUNDED_REACH", "concrete", "fixed_sizes", "held_sizes", "input_symbols", "plan_sizes",
+           "size_ranges", "sizes_between", "smallest_sizes", "timeline_at", "unbounded_symbols"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
@@ -174,6 +181,30 @@ def timeline_at(timeline: "Timeline", values: dict[Any, int]) -> "Timeline":
     lifetimes = tuple(lt if isinstance(lt.expr, int) else dataclasses.replace(lt, nbytes=at(lt.expr))
                       for lt in timeline.lifetimes)
     return dataclasses.replace(timeline, lifetimes=lifetimes)
+
+
+@contextlib.contextmanager
+def fixed_sizes(shape_env: Any, values: Mapping[Any, int]) -> Iterator[None]:
+    """Within: each symbol of ``values`` (symbol -> int) is that size alone, as though the graph had been
+    traced there: its range is the one value and its hint that value (what :func:`concrete` and
+    PyTorch's partitioner read). Restored on exit. Refused (ValueError) for a value outside the
+    range the graph's guards allow: the graph does not serve that size."""
+    hints = _hints(shape_env)
+    for symbol, value in values.items():
+        allowed = shape_env.var_to_range[symbol]
+        if not allowed.lower <= value <= allowed.upper:
+            raise ValueError(f"{symbol} = {value}: outside the sizes the graph's guards allow ({allowed})")
+    saved = {symbol: (shape_env.var_to_range[symbol], hints[symbol]) for symbol in values}
+    try:
+        for symbol, value in values.items():
+            shape_env.var_to_range[symbol] = ValueRanges(value, value)
+            hints[symbol] = sympy.Integer(value)
+        shape_env._update_version_counter()  # the shape environment's caches of evaluated expressions
+        yield
+    finally:
+        for symbol, (allowed, hint) in saved.items():
+            shape_env.var_to_range[symbol], hints[symbol] = allowed, hint
+        shape_env._update_version_counter()
 
 
 def _hints(shape_env: Any) -> dict:

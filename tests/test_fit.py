@@ -310,8 +310,8 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
 
     import torch
 
-    from fxoffload.tools.fit import SETUPS
-    from fxoffload.tools.fit_command import _common_options, _evaluator
+    from fxoffload.tools.fit import SETUPS, Grid
+    from fxoffload.tools.fit_command import _common_options, _evaluator, _Traces
     from fxoffload.tools.models import from_config_file
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -321,8 +321,9 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
     def evaluate(optimizer, setup, answer):
         args = argparse.Namespace(seq=None, batch=1, optimizer=optimizer, traceback=False, profile="h100-pcie5",
                                   min_bytes="64KiB", host_budget="none")
-        run, _ = _evaluator(args, source, torch.float32, 10**9, RESERVED, _common_options(args), False)
-        return run(setup, 128, answer)
+        common, grid = _common_options(args), Grid(False, GRID, 128, 1024)
+        traces = _Traces(args, source, torch.float32, common, grid)
+        return _evaluator(args, source, traces, 10**9, RESERVED, common, grid)(setup, 128, answer)
 
     budgeted = next(s for s in SETUPS if s.device_budget)  # its probe (smallest peak) and its answer (the budget)
     for setup, answer in ((SETUPS[0], False), (budgeted, False), (budgeted, True)):
@@ -406,3 +407,103 @@ def test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_brea
                  "--granularity", "128", "--no-plot", "--quiet"])
     err = capsys.readouterr().err
     assert code != 0 and "the step compiled to" in err and "graph breaks" in err, err
+
+
+def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_trace_at_that_length_gets(
+        tmp_path):
+    """fit traces each checkpointing mode of a model it builds once, with the length symbolic, and plans
+    each probe at its length (``fixed_sizes``): each setup's plan there has the peaks, the step time
+    and the decisions (by action; node names differ: the symbolic graph reads its sizes) of the plan a
+    trace at that length gets. Planting a plan at the trace's largest length, or sizes priced as
+    kernels (``sym_size`` reading its tensor), fails it."""
+    import argparse
+    import collections
+    import json
+    import warnings
+
+    import torch
+
+    from fxoffload.passes import BudgetInfeasibleWarning, simulate
+    from fxoffload.tools.fit import SETUPS, Grid
+    from fxoffload.tools.fit_command import _common_options, _Traces
+    from fxoffload.tools.models import from_config_file
+    from fxoffload.tools.tracing import Progress, plan_again, trace_step
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = from_config_file(tmp_path)
+    args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
+                              traceback=True)
+    common = _common_options(args)
+    traces = _Traces(args, source, torch.float32, common, Grid(False, GRID, 96, 1024))
+
+    def figures(record):
+        plan = record.plan
+        return (plan.device_peak_after, plan.step_peak_after, plan.total_peak_after, plan.held_after,
+                plan.offloaded_bytes, tuple(sorted(collections.Counter(d.action for d in plan.decisions).items())),
+                pytest.approx(simulate(record).step_time, rel=1e-12))  # (sums of the same terms, reordered)
+
+    compared = set()
+    for checkpointing in ("none", "full"):
+        for seq in (48, 400):
+            run = argparse.Namespace(batch=1, checkpointing=checkpointing, per_layer=False, optimizer="none",
+                                     traceback=True, keep_joints=True)
+            own = trace_step(source, run, seq, torch.float32, {**common, "memory_budget": 1.0}, Progress(True))
+            for setup in (s for s in SETUPS if s.checkpointing == checkpointing):
+                for budget in ((1, 6_000_000) if setup.device_budget else (None,)):
+                    options = {**common, **setup.options}
+                    if budget is not None:
+                        options.update(device_budget=budget, reserved=0, on_infeasible="warn")
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                        with traces.at(checkpointing, 1, seq) as traced:
+                            symbolic = figures(plan_again(traced, options)[0])
+                        (alone,) = plan_again(own, options)
+                    assert figures(alone) == symbolic, (checkpointing, seq, setup, budget)
+                    compared.add(symbolic[:-1] + (symbolic[-1].expected,))
+    assert traces.traced == 2  # one trace per checkpointing mode served both lengths
+    assert len(compared) >= 8  # the setups and lengths plan differently: the comparison sees many plans
+
+
+class _BranchesOnLength(__import__("torch").nn.Module):
+    """A step whose ops depend on the length (a branch): one symbolic trace cannot serve every length."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.embedding, self.head = torch.nn.Embedding(32, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, input_ids):
+        hidden = self.embedding(input_ids)
+        if input_ids.shape[1] > 40:
+            hidden = hidden.relu()
+        return self.head(hidden).pow(2).mean()
+
+
+def test_a_step_whose_ops_depend_on_the_length_is_traced_at_each_length_instead():
+    """A symbolic trace whose guards would not serve every length marked fails (dynamo refuses the
+    mark): fit says so and traces each length, planning each as ``fxoffload plan`` does."""
+    import argparse
+
+    import torch
+
+    from fxoffload.tools.fit import Grid
+    from fxoffload.tools.fit_command import _common_options, _Traces
+    from fxoffload.tools.models import ModelSource
+    from fxoffload.tools.tracing import plan_again
+
+    def build(batch, seq, dtype):
+        return _BranchesOnLength(), (), {"input_ids": torch.randint(0, 32, (batch, seq))}
+
+    source = ModelSource("branches", build, 64, symbolic_length=True)
+    args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
+                              traceback=True)
+    said = []
+    traces = _Traces(args, source, torch.float32, _common_options(args), Grid(False, 16, 64, 256), said.append)
+    relu = []
+    for seq in (32, 64):
+        with traces.at("none", 1, seq) as traced:
+            (record,) = plan_again(traced, {**_common_options(args), "memory_budget": 1.0})
+        relu.append(any("relu" in str(node.target) for node in record.timeline.fw_nodes))
+    assert traces.traced == 2 and len(said) == 1 and "tracing each length instead" in said[0], said
+    assert relu == [False, True]  # each length's own ops

@@ -17,7 +17,9 @@ quadruples the size. The search ends when the bracket is one step
 wide: the answer was planned and fits, the next size up was planned and does not (or the answer is
 the largest size tried). A linear peak takes at most five plans (property-tested); a peak that is
 not monotone in the size still gets an answer that fits beside a next size that does not. Each
-plan is a plan of the whole step traced with fake tensors at its size (no length is extrapolated).
+plan is a plan of the whole step at its size, traced with fake tensors (``fxoffload fit`` traces
+once with the length symbolic and plans each probe with every size evaluated at its length: no
+length is extrapolated).
 
 Limits: every figure is a prediction (memory model, cost model, simulator), not a measurement; the
 step must compile to one graph (a graph break splits what the device peak must see as one); what

@@ -7,14 +7,18 @@ most +1%, fxoffload) it
 searches the longest sequence on a grid (``--granularity``, 256 tokens by default; with ``--seq``,
 the largest batch instead) whose predicted device peak, with what is reserved, fits the device's
 memory: each probe plans one training step as one graph and reads the plan's device peak
-(``fxoffload.tools.fit.largest_fitting`` picks the sizes). The step is traced once per checkpointing
-mode and size (the model built with fake tensors, compiled with the fxoffload backend,
-``inner="eager"``, nothing runs; the latest ``KEPT_TRACES`` kept), and every setup that probes that
-mode and size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a
-trace of its own would give (a test checks it), without tracing again. It prints each row's answer
-with the predicted step time and tokens per second there, what sets the limit (read at the next size
-up, planned too), the ``fxoffload plan`` command that reproduces the answer, and plots device peak
-against size.
+(``fxoffload.tools.fit.largest_fitting`` picks the sizes). The step is traced (the model built with
+fake tensors, compiled with the fxoffload backend, ``inner="eager"``, nothing runs) once per
+checkpointing mode with the sequence length symbolic, where fit searches the lengths of a preset's or
+a config's text model: each probe is planned with every size evaluated at its length
+(``fxoffload.passes.fixed_sizes``), the plan a trace at that length gives (a test checks it). A batch
+search, a model file (whose own ``build`` may depend on the length) and a step whose ops depend on the
+length (dynamo refuses the symbolic trace; fit says so) are traced once per size instead (the latest
+``KEPT_TRACES`` kept). Every setup that probes a mode and size plans its joint graph again
+(``fxoffload.tools.tracing.plan_again``): the plan a trace of its own would give (a test checks it).
+It prints each row's answer with the predicted step time and tokens per second there, what sets the
+limit (read at the next size up, planned too), the ``fxoffload plan`` command that reproduces the
+answer, and plots device peak against size.
 Every memory and time figure is a prediction; only the command's own run time is measured.
 
 Limits: the step must compile to one graph (``--per-layer`` is refused: layer graphs do not see the
@@ -25,24 +29,28 @@ its grid for the plans made, not for the GPU's allocator (its slack belongs in `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
 
 from fxoffload.config import OffloadConfig, OptionError
-from fxoffload.passes import BudgetInfeasibleWarning, optimizer_step, simulate
+from fxoffload.passes import BudgetInfeasibleWarning, fixed_sizes, optimizer_step, simulate
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
     limit_at_peak,
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
-from fxoffload.tools.models import DTYPES, PRESETS, ModelError
+from fxoffload.tools.models import DTYPES, PRESETS, ModelError, one_line
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
-    Progress, UsageError, min_bytes_of, model_source, number_or_text, plan_again, reserve_optimizer_state, trace_step,
+    Progress, UsageError, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
+    reserve_optimizer_state, trace_step,
 )
 
 
@@ -94,7 +102,8 @@ def run_fit(args: argparse.Namespace) -> int:
     except ModelError as e:
         raise UsageError(str(e)) from None
     grid = _grid(args, source)
-    evaluate, traces = _evaluator(args, source, DTYPES[args.dtype], memory, reserved, common, grid.by_batch)
+    traces = _Traces(args, source, DTYPES[args.dtype], common, grid, progress)
+    evaluate = _evaluator(args, source, traces, memory, reserved, common, grid)
     progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB")
     try:
@@ -169,43 +178,127 @@ def _common_options(args: argparse.Namespace) -> dict[str, Any]:
 KEPT_TRACES = 4
 
 
-class _Traces:
-    """The step traced once per checkpointing mode and size (batch, length), the latest ``KEPT_TRACES``
-    kept: every setup of that mode plans the same joint graph (``plan_again``), as ``trace_step`` plans it."""
+class _Symbolic(NamedTuple):
+    """A step traced once with its sequence length symbolic: the trace, and the length's symbol, its
+    shape environment and the lengths its guards allow (``lower`` to ``upper``)."""
 
-    def __init__(self, args: argparse.Namespace, source: Any, dtype: Any, common: dict) -> None:
+    traced: Any
+    shape_env: Any
+    symbol: Any
+    lower: int
+    upper: int
+
+    def serves(self, seq: int) -> bool:
+        return self.lower <= seq <= self.upper
+
+
+class _Traces:
+    """The step traced per checkpointing mode. Where fit searches the lengths of a model that does not
+    depend on the length (``ModelSource.symbolic_length``: a preset or a config's text model), once per
+    mode with the length symbolic (dynamo's ``mark_dynamic``, bounded by the search's grid), each probe
+    planned at its length (``fixed_sizes``: the plan a trace at that length gives; a test checks it).
+    Else (a batch search, a model file, a symbolic trace that failed or whose guards leave a length
+    out) once per size, the latest ``KEPT_TRACES`` kept. Every setup of a mode and size plans the same
+    joint graph again (``plan_again``), as ``trace_step`` plans it."""
+
+    def __init__(self, args: argparse.Namespace, source: Any, dtype: Any, common: dict, grid: Grid,
+                 progress: Callable[[str], None] = lambda _: None) -> None:
         self._args, self._source, self._dtype, self._common = args, source, dtype, common
-        self._kept: dict[tuple, Any] = {}
+        lower = max(grid.step, 2)  # dynamo specializes lengths 0 and 1
+        symbolic = source.symbolic_length and not grid.by_batch and grid.most > lower
+        self._lengths = (lower, grid.most) if symbolic else None
+        self._example = min(max(grid.start, lower), grid.most)
+        self._progress = progress
+        self._kept: dict[tuple, Any] = {}  # per size: a trace of its own, or the symbolic one's joint to plan there
+        self._symbolic: dict[tuple, _Symbolic | None] = {}  # per (checkpointing, batch); None: it failed
         self.traced = 0  # traces made (the rest of the probes planned a kept one)
 
-    def of(self, checkpointing: str, batch: int, seq: int) -> Any:
+    @contextlib.contextmanager
+    def at(self, checkpointing: str, batch: int, seq: int) -> Iterator[Any]:
+        """Within: the step's trace to plan at ``(batch, seq)`` (``plan_again``), and read (sizes, times)."""
+        symbolic = self._symbolic_trace(checkpointing, batch) if self._lengths else None
+        if symbolic is None or not symbolic.serves(seq):
+            yield self._per_size(checkpointing, batch, seq)
+            return
+        key = (checkpointing, batch, seq)
+        if key not in self._kept:  # its own default partition, made at this length
+            self._keep(key, partitioned_anew(symbolic.traced))
+        with fixed_sizes(symbolic.shape_env, {symbolic.symbol: seq}):
+            yield self._kept[key]
+
+    def _symbolic_trace(self, checkpointing: str, batch: int) -> _Symbolic | None:
+        key = (checkpointing, batch)
+        if key not in self._symbolic:
+            self._symbolic[key] = self._trace_symbolic(checkpointing, batch)
+        return self._symbolic[key]
+
+    def _trace_symbolic(self, checkpointing: str, batch: int) -> _Symbolic | None:
+        lower, upper = self._lengths
+        try:
+            traced = self._trace(checkpointing, batch, self._example, self._lengths)
+        except Exception as e:  # noqa: BLE001 -- traced per size instead, which reports its own failure
+            self._progress(f"tracing with the length symbolic (checkpointing {checkpointing}) failed "
+                           f"({one_line(e)}): tracing each length instead")
+            return None
+        symbols = _input_symbols(traced.joints[0]) if len(traced.joints) == 1 else set()
+        if len(symbols) != 1:
+            self._progress(f"tracing with the length symbolic (checkpointing {checkpointing}) gave "
+                           f"{len(traced.joints)} graph(s) and {len(symbols)} symbolic size(s), not one each: "
+                           "tracing each length instead")
+            return None
+        (symbol,) = symbols
+        shape_env = traced.joints[0].context.fake_mode.shape_env
+        allowed = shape_env.var_to_range[symbol]  # the guards may have narrowed what was marked
+        return _Symbolic(traced, shape_env, symbol, max(int(allowed.lower), lower), min(int(allowed.upper), upper))
+
+    def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)
         if key not in self._kept:
-            # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
-            run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False,
-                                     optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
-            traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
-                                Progress(True))
+            traced = self._trace(checkpointing, batch, seq, None)
             if len(traced.joints) != 1:
                 raise FitError(f"{self._source.name}: the step compiled to {len(traced.joints)} graphs (graph "
                                "breaks); fit needs it as one graph, whose device peak sees every tensor of the step")
-            self.traced += 1
-            if len(self._kept) >= KEPT_TRACES:
-                del self._kept[next(iter(self._kept))]
-            self._kept[key] = traced
+            self._keep(key, traced)
         return self._kept[key]
 
+    def _trace(self, checkpointing: str, batch: int, seq: int, lengths: tuple[int, int] | None) -> Any:
+        # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
+        run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False,
+                                 optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
+        traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
+                            Progress(True), lengths=lengths)
+        self.traced += 1
+        return traced
 
-def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, reserved: int, common: dict,
-               by_batch: bool) -> tuple[Callable[[Setup, int, bool], Point], _Traces]:
-    """Plans one step of a setup at a size (fake tensors, one graph; each checkpointing mode and size
-    traced once: ``_Traces``) and reads its device peak: see ``fxoffload.tools.fit.Setup`` for what a
-    probe and an answer of a ``device_budget`` setup plan."""
-    traces = _Traces(args, source, dtype, common)
+    def _keep(self, key: tuple, traced: Any) -> None:
+        if len(self._kept) >= KEPT_TRACES:
+            del self._kept[next(iter(self._kept))]
+        self._kept[key] = traced
+
+
+def _input_symbols(joint: Any) -> set:
+    """The symbols of the sizes of a joint graph's inputs."""
+    symbols: set = set()
+    for value in torch.utils._pytree.tree_leaves(joint.joint_inputs):
+        sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                symbols |= size.node.expr.free_symbols
+    return symbols
+
+
+def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: int, reserved: int, common: dict,
+               grid: Grid) -> Callable[[Setup, int, bool], Point]:
+    """Plans one step of a setup at a size (fake tensors, one graph, traced by ``traces``) and reads its
+    device peak: see ``fxoffload.tools.fit.Setup`` for what a probe and an answer of a ``device_budget``
+    setup plan."""
 
     def evaluate(setup: Setup, size: int, answer: bool) -> Point:
-        batch, seq = (size, args.seq) if by_batch else (args.batch, size)
-        traced = traces.of(setup.checkpointing, batch, seq)
+        batch, seq = (size, args.seq) if grid.by_batch else (args.batch, size)
+        with traces.at(setup.checkpointing, batch, seq) as traced:  # sizes read within: at this size
+            return planned(setup, size, traced, answer)
+
+    def planned(setup: Setup, size: int, traced: Any, answer: bool) -> Point:
         options = {**common, **setup.options}
         if setup.device_budget and not answer:  # a budget of one byte, planned for the smallest device peak instead
             options.update(device_budget=1, on_infeasible="warn")
@@ -225,7 +318,7 @@ def _evaluator(args: argparse.Namespace, source: Any, dtype: Any, memory: int, r
         return Point(size, record.plan.device_peak_after + fixed, simulate(record).step_time + optimizer.seconds,
                      limit)
 
-    return evaluate, traces
+    return evaluate
 
 
 def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> str:

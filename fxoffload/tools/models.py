@@ -123,6 +123,9 @@ class ModelSource:
     user_code: bool = False  # built by the user's own code, whose failures are reported in one line
     positions: int | None = None  # the longest sequence the model takes (max_position_embeddings), when known
     vocab: int | None = None  # the vocabulary's size (the logits' last dimension), when known
+    # The model built does not depend on the sequence length, only its token ids do: one trace with the
+    # length symbolic serves every length (``fxoffload fit``). Not known of a model file's own build.
+    symbolic_length: bool = False
 
 
 def from_preset(name: str, layers: int | None = None) -> ModelSource:
@@ -308,7 +311,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
 
     positions = getattr(config, "max_position_embeddings", None) if task != "image-classification" else None
     return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
-                       vocab=getattr(config, "vocab_size", None))
+                       vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification")
 
 
 def _check_size(name: str, config: Any, task: str, seq: int) -> None:

@@ -11,6 +11,7 @@ Limits: ``--per-layer`` needs a list of repeated layers of a module class of the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import Any, NamedTuple
@@ -19,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.backend import OffloadBackend
-from fxoffload.backend.partition import with_stack_headroom
+from fxoffload.backend.partition import PartitionMemo, with_stack_headroom
 from fxoffload.config import OffloadConfig, OptionError, config_from_options, parse_budget
 from fxoffload.explain import format_bytes, format_stages
 from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError, optimizer_step, tensor_nbytes
@@ -28,7 +29,7 @@ from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line
 
 
-__all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "plan_again",
+__all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "partitioned_anew", "plan_again",
            "reserve_optimizer_state", "seq_range", "trace_step"]
 
 
@@ -174,6 +175,12 @@ def plan_again(traced: "_Traced", options: dict) -> list:
     except BudgetInfeasibleError as error:
         raise _impossible(error) from None
 
+
+
+def partitioned_anew(traced: "_Traced") -> "_Traced":
+    """``traced`` whose kept joint graphs are partitioned anew when planned again (each joint keeps the
+    default partition it was first planned with): for plans at other sizes of a symbolic trace."""
+    return traced._replace(joints=[dataclasses.replace(joint, partition=PartitionMemo()) for joint in traced.joints])
 
 
 class _Traced(NamedTuple):
