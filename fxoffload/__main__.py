@@ -1,3 +1,4 @@
 from fxoffload.tools.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned worker imports the parent's main module (fxoffload fit --jobs)
+    raise SystemExit(main())

@@ -247,6 +247,20 @@ def test_with_a_length_given_the_largest_batch_fits_when_measured_and_one_more_d
 
 
 @pytest.mark.slow
+def test_the_checkpointing_modes_searched_in_processes_of_their_own_give_the_rows_one_process_gives(tmp_path,
+                                                                                                     tiny_fit):
+    """fit searches each checkpointing mode in a process of its own (one per mode, at most one per CPU):
+    the rows are those of searching them one after the other in this process (``--jobs 1``)."""
+    import os
+
+    report, _, _ = tiny_fit
+    alone, _ = fit_json(tmp_path, "--jobs", "1", "--no-plot")
+    assert report["jobs"] == min(2, os.cpu_count()) and alone["jobs"] == 1
+    rows = [[{k: v for k, v in row.items() if k != "command"} for row in r["rows"]] for r in (report, alone)]
+    assert rows[0] == rows[1] and report["traces"] == alone["traces"] == 2  # (commands name their config's path)
+
+
+@pytest.mark.slow
 def test_the_table_and_the_plot_say_the_same_rows_and_that_they_are_predictions(tiny_fit):
     from fxoffload.tools.fit_command import format_fit
 
@@ -280,6 +294,7 @@ def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_p
     (["--host-budget", "lots"], "--host-budget: got 'lots'"),
     (["--seq", "64", "--granularity", "300"], "--granularity: got 300, above --max-batch 256"),
     (["--batch", "0"], "--batch: got 0; accepted: an integer >= 1"),
+    (["--jobs", "0"], "--jobs: got 0; accepted: an integer >= 1"),
 ])
 def test_bad_input_is_refused_before_anything_is_planned_with_what_is_accepted(tmp_path, capsys, flags, words):
     import json

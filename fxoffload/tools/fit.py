@@ -36,7 +36,8 @@ from fxoffload.passes import Why, curve, on_device, scheduled_moves, staging_tem
 
 
 __all__ = ["FitError", "Grid", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS",
-           "WITHIN_ONE_PERCENT", "chooses_checkpointing", "fit_rows", "largest_fitting", "limit_at_peak"]
+           "WITHIN_ONE_PERCENT", "best_rows", "checkpointing_modes", "chooses_checkpointing", "fit_rows",
+           "largest_fitting", "limit_at_peak", "search_setups"]
 
 
 class FitError(ValueError):
@@ -217,19 +218,33 @@ class Grid:
 def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: Grid, *,
              setups: Sequence[Setup] = SETUPS, progress: Callable[[str], None] = lambda _: None,
              end: Limit = Limit(LimitCode.LARGEST_TRIED)) -> list[Row]:
-    """One row per distinct ``Setup.row`` (in order): each setup searched on ``grid`` with ``largest_fitting``
-    on the device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as
-    the row reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so; of
-    several setups for one row, the one that reaches furthest, then the fastest there. The setups are
-    searched grouped by checkpointing (in the order each first appears; rows come out in the order
-    given): an evaluator that traces each checkpointing and size once (``fxoffload fit``) then comes
-    back to the sizes the searches before planned. Each setup's search starts from the previous
-    one's answer (a close guess: rows reach further in the order given). ``end``: the limit of a row
-    whose answer is ``most`` (what the largest size stands for)."""
-    found: dict[str, list[Row]] = {row: [] for row in dict.fromkeys(s.row for s in setups)}
-    modes = list(dict.fromkeys(s.checkpointing for s in setups))
+    """One row per distinct ``Setup.row`` (in order, :func:`best_rows`) of the setups searched by
+    :func:`search_setups`, one checkpointing mode after another (``fxoffload fit`` may search the
+    modes in processes of their own: each mode's searches are the same either way)."""
+    found = [row for mode in checkpointing_modes(setups)
+             for row in search_setups(evaluate, memory, grid, setups=[s for s in setups if s.checkpointing == mode],
+                                      progress=progress, end=end)]
+    return best_rows(found, setups)
+
+
+def checkpointing_modes(setups: Sequence[Setup] = SETUPS) -> list[str]:
+    """The setups' checkpointing modes, in the order each first appears."""
+    return list(dict.fromkeys(s.checkpointing for s in setups))
+
+
+def search_setups(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: Grid, *,
+                  setups: Sequence[Setup], progress: Callable[[str], None] = lambda _: None,
+                  end: Limit = Limit(LimitCode.LARGEST_TRIED)) -> list[Row]:
+    """One row per setup (in order): each setup searched on ``grid`` with ``largest_fitting`` on the
+    device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as the row
+    reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so. Each
+    setup's search starts from the previous one's answer (a close guess: rows reach further in the
+    order given; an evaluator that traces each checkpointing mode once, or each mode and size, then
+    comes back to what it traced). ``end``: the limit of a row whose answer is ``most`` (what the
+    largest size stands for)."""
+    rows = []
     step, start, most = grid.step, grid.start, grid.most
-    for setup in sorted(setups, key=lambda s: modes.index(s.checkpointing)):
+    for setup in setups:
         points: dict[int, Point] = {}
 
         def peak_of(size: int) -> int:
@@ -247,10 +262,19 @@ def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: G
                      f"device budget: device peak {_gb(fit.device_peak)}, step {fit.step_time:.3f} s")
         over = points.get(search.over) if search.over is not None else None
         limit = over.limit if over is not None else end
-        row = Row(setup.row, setup.checkpointing, search.size, fit, over, limit,
-                  tuple(points[p.size] for p in search.probes))
-        found[setup.row].append(row)
-    return [max(rows, key=lambda r: (r.size, -(r.fit.step_time if r.fit else 0.0))) for rows in found.values()]
+        rows.append(Row(setup.row, setup.checkpointing, search.size, fit, over, limit,
+                        tuple(points[p.size] for p in search.probes)))
+    return rows
+
+
+def best_rows(rows: Sequence[Row], setups: Sequence[Setup] = SETUPS) -> list[Row]:
+    """One row per distinct ``Setup.row`` (in the order given): of several setups' rows for one row (with
+    and without checkpointing), the one that reaches furthest, then the fastest there."""
+    found: dict[str, list[Row]] = {row: [] for row in dict.fromkeys(s.row for s in setups)}
+    for row in rows:
+        found[row.name].append(row)
+    return [max(candidates, key=lambda r: (r.size, -(r.fit.step_time if r.fit else 0.0)))
+            for candidates in found.values()]
 
 
 def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, checkpointed: bool) -> Limit:

@@ -16,6 +16,8 @@ search, a model file (whose own ``build`` may depend on the length) and a step w
 length (dynamo refuses the symbolic trace; fit says so) are traced once per size instead (the latest
 ``KEPT_TRACES`` kept). Every setup that probes a mode and size plans its joint graph again
 (``fxoffload.tools.tracing.plan_again``): the plan a trace of its own would give (a test checks it).
+Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
+traces again from the arguments), one per mode and at most one per CPU by default.
 It prints each row's answer with the predicted step time and tokens per second there, what sets the
 limit (read at the next size up, planned too), the ``fxoffload plan`` command that reproduces the
 answer, and plots device peak against size.
@@ -31,8 +33,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
+import os
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -42,8 +47,8 @@ from fxoffload.config import OffloadConfig, OptionError
 from fxoffload.passes import BudgetInfeasibleWarning, fixed_sizes, optimizer_step, simulate
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
-    SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, chooses_checkpointing, fit_rows,
-    limit_at_peak,
+    SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, best_rows, checkpointing_modes,
+    chooses_checkpointing, limit_at_peak, search_setups,
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tools.models import DTYPES, PRESETS, ModelError, one_line
@@ -82,6 +87,9 @@ def add_fit_parser(commands: Any) -> None:
                      help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
     fit.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                      help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
+    fit.add_argument("--jobs", type=int,
+                     help="processes that search the checkpointing modes side by side (default: one per mode, at "
+                          "most one per CPU; 1: one after the other, in this process)")
     add_output(fit, plot="fxoffload-fit.png")
 
 
@@ -89,7 +97,7 @@ def run_fit(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
-    common = _common_options(args)
+    _common_options(args)
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
     if args.per_layer:
@@ -97,29 +105,53 @@ def run_fit(args: argparse.Namespace) -> int:
                          "loss count in the device peak; layer graphs do not see them; accepted: without --per-layer")
     if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
-    try:
-        source = model_source(args)
-    except ModelError as e:
-        raise UsageError(str(e)) from None
+    source = _source(args)
     grid = _grid(args, source)
-    traces = _Traces(args, source, DTYPES[args.dtype], common, grid, progress)
-    evaluate = _evaluator(args, source, traces, memory, reserved, common, grid)
+    modes = checkpointing_modes()
+    jobs = min(args.jobs or os.cpu_count() or 1, len(modes))
     progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
-             f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB")
-    try:
-        rows = fit_rows(evaluate, memory, grid, progress=progress,
-                        end=Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch
-                                  else LimitCode.LARGEST_TRIED))
-    except (ModelError, FitError) as e:
-        raise UsageError(str(e)) from None
+             f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB"
+             + (f"; {len(modes)} checkpointing modes in {jobs} processes" if jobs > 1 else ""))
+    if jobs == 1:
+        searched = [search_mode(args, mode) for mode in modes]
+    else:  # spawned, not forked: a forked child inherits the parent's thread pools half made
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            searched = list(pool.map(search_mode, [args] * len(modes), modes))
+    rows = best_rows([row for found, _ in searched for row in found])
     report = fit_report(rows, args, source, memory, reserved, grid)
     report["seconds"] = time.perf_counter() - started
-    report["traces"] = traces.traced
+    report["traces"], report["jobs"] = sum(traced for _, traced in searched), jobs
     if not args.no_plot:
         report["plot"] = _plot(rows, args, source, memory, grid)
         progress(f"wrote {args.output}")
     print(json.dumps(report, indent=2) if args.json else format_fit(report))
     return 0
+
+
+def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
+    """The setups of one checkpointing mode searched (here, or in a process of its own: everything is
+    made again from ``args``): one row per setup, and the traces made."""
+    progress = Progress(args.quiet)
+    memory, reserved = _device_figures(args)
+    common = _common_options(args)
+    source = _source(args)
+    grid = _grid(args, source)
+    traces = _Traces(args, source, DTYPES[args.dtype], common, grid, progress)
+    evaluate = _evaluator(args, source, traces, memory, reserved, common, grid)
+    end = Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch else LimitCode.LARGEST_TRIED)
+    try:
+        rows = search_setups(evaluate, memory, grid, setups=[s for s in SETUPS if s.checkpointing == mode],
+                             progress=progress, end=end)
+    except (ModelError, FitError) as e:
+        raise UsageError(str(e)) from None
+    return rows, traces.traced
+
+
+def _source(args: argparse.Namespace) -> Any:
+    try:
+        return model_source(args)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
 
 
 def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
@@ -131,7 +163,7 @@ def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, g
 
 
 def _grid(args: argparse.Namespace, source: Any) -> Grid:
-    for flag in ("batch", "seq", "layers", "granularity", "max_seq", "max_batch"):
+    for flag in ("batch", "seq", "layers", "granularity", "max_seq", "max_batch", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
