@@ -219,7 +219,8 @@ def _rewrite_backward(
     removed = {activations[i].bw_node for t in (*plan.transfers, *plan.recomputes) for i in t.members}
     sizes = _Sizes(bw, [p for p in bw.find_nodes(op="placeholder") if p not in removed])
     # Recomputations first: an offloaded value they read is then waited for before them.
-    _insert_recomputes(bw, plan, activations, received, sizes)
+    replaced = _Replaced(bw, sizes)
+    _insert_recomputes(bw, plan, activations, received, replaced)
     order = schedule.prefetch_order or tuple(range(len(plan.transfers)))
     for k in order:  # the scheduler's issue order: prefetches at one node go in consumer order
         transfer, place, host = plan.transfers[k], schedule.placements[k], host_inputs[k]
@@ -229,24 +230,39 @@ def _rewrite_backward(
         ready = _before(bw, place.wait_before, WAIT, (dev, host))
         for index in transfer.members:
             act = activations[index]
-            _read_sizes_elsewhere(bw, act, sizes)  # read before the wait: not off the copy
             rebuilt = (_replay(bw, place.wait_before, ready, act) if replayable(act)
                        else sizes.view(place.wait_before, ready, act.val))
-            act.bw_node.replace_all_uses_with(rebuilt)
-            bw.erase_node(act.bw_node)
+            replaced.by(act, rebuilt)
+    replaced.erase()
     if schedule.ahead_bytes:
         _insert_ahead(bw, schedule.ahead_before, schedule.ahead_bytes)
     extra = [received[node] for node in _inputs_to_save(plan, interface)]
     _order_inputs(bw, placeholders, interface, plan, host_inputs, extra)
 
 
-def _read_sizes_elsewhere(bw: fx.Graph, act: Any, sizes: _Sizes) -> None:
-    """Each size read of a moved activation (``reads_size_only``; the scheduler waits for the copy at
-    its first data use, which may come after) reads the size off an input that stays instead."""
-    for user in [u for u in act.bw_node.users if reads_size_only(u)]:
-        (size,) = sizes.of([act.val.shape[user.args[1]]])
-        user.replace_all_uses_with(size)
-        bw.erase_node(user)
+class _Replaced:
+    """Saved activations the rewrite moves or recomputes, replaced by what rebuilds them (:meth:`by`);
+    each size read off one (``reads_size_only``: the copy is waited for, or the chain recomputed, at
+    its first data use, which may come after it) reads the size off an input that stays instead. The
+    replaced nodes and their size reads are erased once every copy and chain is placed
+    (:meth:`erase`): until then they may be the places other copies are put before."""
+
+    def __init__(self, graph: fx.Graph, sizes: _Sizes) -> None:
+        self.graph, self.sizes = graph, sizes
+        self.dead: list[fx.Node] = []
+
+    def by(self, act: SavedActivation, rebuilt: fx.Node) -> None:
+        reads = [u for u in act.bw_node.users if reads_size_only(u)]
+        for read in reads:
+            (size,) = self.sizes.of([act.val.shape[read.args[1]]])
+            read.replace_all_uses_with(size)
+        act.bw_node.replace_all_uses_with(rebuilt, delete_user_cb=lambda user: user not in reads)
+        self.dead += [*reads, act.bw_node]
+
+    def erase(self) -> None:
+        for node in self.dead:
+            self.graph.erase_node(node)
+        self.dead = []
 
 
 def _insert_ahead(bw: fx.Graph, before: fx.Node, nbytes: int) -> None:
@@ -277,9 +293,10 @@ def _receive_recompute_inputs(bw: fx.Graph, plan: Plan, interface: SavedInterfac
 
 
 def _insert_recomputes(bw: fx.Graph, plan: Plan, activations: Sequence[SavedActivation],
-                       received: Mapping[fx.Node, fx.Node], sizes: _Sizes) -> None:
+                       received: Mapping[fx.Node, fx.Node], replaced: _Replaced) -> None:
     """Copy each recompute chain before its consumer, reading the ``received`` backward inputs and the
-    symbolic sizes it reads as ``sizes`` builds them; its members are rebuilt from it."""
+    symbolic sizes it reads as ``replaced.sizes`` builds them; its members are rebuilt from it."""
+    sizes = replaced.sizes
     for r in plan.recomputes:
         env = {read: received[read] for read in r.cost.reads}
         env.update({size: sizes.of([size.meta["val"]])[0] for size in r.cost.sizes})
@@ -290,8 +307,7 @@ def _insert_recomputes(bw: fx.Graph, plan: Plan, activations: Sequence[SavedActi
             act = activations[index]
             rebuilt = (_replay(bw, r.cost.consumer, env[r.base], act) if replayable(act)
                        else sizes.view(r.cost.consumer, env[r.base], act.val))  # a view with symbolic sizes
-            act.bw_node.replace_all_uses_with(rebuilt)
-            bw.erase_node(act.bw_node)
+            replaced.by(act, rebuilt)
 
 
 def _order_inputs(bw, old_placeholders, interface, plan, host_inputs, extra) -> None:

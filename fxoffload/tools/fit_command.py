@@ -97,7 +97,7 @@ def run_fit(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
-    _common_options(args)
+    _common_options(args)  # checked here, before any process starts; each search makes its own
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
     if args.per_layer:
