@@ -522,3 +522,29 @@ def test_a_step_whose_ops_depend_on_the_length_is_traced_at_each_length_instead(
         relu.append(any("relu" in str(node.target) for node in record.timeline.fw_nodes))
     assert traces.traced == 2 and len(said) == 1 and "tracing each length instead" in said[0], said
     assert relu == [False, True]  # each length's own ops
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_found_it(tmp_path, collecting):
+    """fit pauses Python's cyclic garbage collector while it traces, then freezes what the trace left out of
+    later collections (``gc.freeze``: the plans' collections skip the trace's millions of objects). A search
+    in the caller's process (``--jobs 1``; a program that calls fit) leaves the collector as it was, enabled
+    or not, and nothing frozen."""
+    import gc
+    import json
+
+    from fxoffload.tools.cli import _parser
+    from fxoffload.tools.fit_command import search_mode
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    args = _parser().parse_args(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", str(MEMORY),
+                                 "--reserved", str(RESERVED), "--granularity", "16", "--max-seq", "64", "--quiet"])
+    (gc.enable if collecting else gc.disable)()
+    try:
+        rows, traced = search_mode(args, "none")
+        assert (gc.isenabled(), gc.get_freeze_count()) == (collecting, 0)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert traced == 1 and [row.size for row in rows] == [64, 64, 64]  # the tiny Llama fits 64 tokens

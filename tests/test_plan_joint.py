@@ -66,6 +66,10 @@ def test_a_kept_joint_planned_again_gets_the_plan_compiling_under_the_options_gi
     assert figures(record) == figures(own.records[0])
     assert figures(twice) == figures(record)
     assert again.records == [record, twice]
+    # Its rewritten graphs are the compile's (their Python code generated when read: plan_joint's graph
+    # modules are lazy), the kept graph's copy no different from the graph compiled.
+    for mine, compiled in ((record.forward, own.records[0].forward), (record.backward, own.records[0].backward)):
+        assert str(mine.graph) == str(compiled.graph) and "def forward" in mine.code
 
 
 def test_the_plans_compared_differ_between_options_and_one_offloads_the_input_activation(kept):

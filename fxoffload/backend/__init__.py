@@ -71,7 +71,7 @@ from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
 from fxoffload.backend.ordering import constrain_offload_sources, pin_offload_order
-from fxoffload.backend.partition import PartitionMemo, Partitioner, module_copy, with_stack_headroom
+from fxoffload.backend.partition import PartitionMemo, Partitioner, lazy_graph_modules, module_copy, with_stack_headroom
 from fxoffload.runtime.pinned import reservation
 from fxoffload.passes import (
     BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
@@ -626,7 +626,7 @@ class OffloadBackend:
         which knows only the joints planned before it (a step of one graph is planned as at its compile)."""
         compilation = _Compilation(self, self._region_key(), joint.inputs, graph=joint.graph)
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition)
-        with torch._guards.tracing(joint.context):
+        with torch._guards.tracing(joint.context), lazy_graph_modules():  # its graphs are read, not run
             partitioner(module_copy(joint.module), joint.joint_inputs, **joint.kwargs)
         return compilation.record
 

@@ -32,20 +32,30 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from fxoffload.passes import offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak
 
-__all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMemo", "module_copy", "quick_min_cut",
-           "with_stack_headroom"]
+__all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMemo", "lazy_graph_modules",
+           "module_copy", "quick_min_cut", "with_stack_headroom"]
 
 
 def module_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with a graph of its own (the same nodes, copied, their meta dicts too), sharing its
-    submodules and attributes."""
+    submodules and attributes. Its Python code is generated when first needed where PyTorch makes graph
+    modules lazily (dynamo's compiles; :func:`lazy_graph_modules`), else at once."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
+
+
+def lazy_graph_modules() -> contextlib.AbstractContextManager:
+    """Within: graph modules PyTorch's partitioner and :func:`module_copy` make generate their Python code
+    when first run or read, not when made, as in dynamo's compiles. A plan made only to be read (``fit``'s
+    probes: ``OffloadBackend.plan_joint``) never runs its graphs: about 0.2 s of code generation per copy
+    of an 8B step's graph is saved."""
+    return _use_lazy_graph_module(True)
 
 
 @dataclass

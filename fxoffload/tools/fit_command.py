@@ -31,10 +31,13 @@ its grid for the plans made, not for the GPU's allocator (its slack belongs in `
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
+import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -115,8 +118,9 @@ def run_fit(args: argparse.Namespace) -> int:
     if jobs == 1:
         searched = [search_mode(args, mode) for mode in modes]
     else:  # spawned, not forked: a forked child inherits the parent's thread pools half made
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            searched = list(pool.map(search_mode, [args] * len(modes), modes))
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_exit_without_freeing) as pool:
+            searched = list(pool.map(_search_in_worker, [args] * len(modes), modes))
     rows = best_rows([row for found, _ in searched for row in found])
     report = fit_report(rows, args, source, memory, reserved, grid)
     report["seconds"] = time.perf_counter() - started
@@ -131,6 +135,35 @@ def run_fit(args: argparse.Namespace) -> int:
 def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
     """The setups of one checkpointing mode searched (here, or in a process of its own: everything is
     made again from ``args``): one row per setup, and the traces made."""
+    rows, traces = _searched(args, mode)
+    return rows, traces.traced
+
+
+# A worker's traces, kept to its end: see _exit_without_freeing.
+_WORKER_TRACES: list = []
+
+
+def _search_in_worker(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
+    """:func:`search_mode` in a worker process of fit's pool, its traces kept (not freed on return)."""
+    rows, traces = _searched(args, mode)
+    _WORKER_TRACES.append(traces)
+    return rows, traces.traced
+
+
+def _exit_without_freeing() -> None:
+    """A worker's initializer: the process ends without freeing what it holds (``os._exit`` first
+    thing at its exit, its output flushed). A step's trace is millions of Python objects, and freeing
+    them at the process's end kept the command waiting for its workers (2.1 s after the answers for 8
+    layers of llama-3-8b; none since, 2026-11-29)."""
+    def exit_now() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    atexit.register(exit_now)
+
+
+def _searched(args: argparse.Namespace, mode: str) -> tuple[list[Row], "_Traces"]:
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
     common = _common_options(args)
@@ -144,7 +177,9 @@ def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
                              progress=progress, end=end)
     except (ModelError, FitError) as e:
         raise UsageError(str(e)) from None
-    return rows, traces.traced
+    finally:
+        gc.unfreeze()  # the traces (frozen by _Traces._trace) are the collector's again
+    return rows, traces
 
 
 def _source(args: argparse.Namespace) -> Any:
@@ -297,8 +332,9 @@ class _Traces:
         # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
         run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False,
                                  optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
-        traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
-                            Progress(True), lengths=lengths)
+        with _collected_then_frozen():
+            traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
+                                Progress(True), lengths=lengths)
         self.traced += 1
         return traced
 
@@ -306,6 +342,25 @@ class _Traces:
         if len(self._kept) >= KEPT_TRACES:
             del self._kept[next(iter(self._kept))]
         self._kept[key] = traced
+
+
+@contextlib.contextmanager
+def _collected_then_frozen() -> Iterator[None]:
+    """Within: Python's cyclic garbage collector paused (a trace makes millions of objects, most of them
+    kept; each full collection walked them all). After: one collection, then every object left (the
+    traces kept) frozen out of later collections (``gc.freeze``), so that the plans' collections do not
+    walk the traces again; the search unfreezes them when it ends. On an 8B step: its symbolic trace
+    36.7 s -> 32.3 s, and six plans 27.1 s -> 21.2 s (2026-11-29, this CPU)."""
+    enabled = gc.isenabled()
+    gc.unfreeze()  # what an earlier trace left (a trace dropped since) is collected too
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def _input_symbols(joint: Any) -> set:
