@@ -36,7 +36,7 @@ from .cost_model import DeviceProfile, fused_work, node_work, roofline, staging_
 from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import backward_symbols, group_by_base
 from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
-from .planning import Choosable, plan_offloads
+from .planning import Choosable, PeakWithin, plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 from .simulator import simulate
@@ -167,8 +167,11 @@ def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | st
     ``max_overhead``: without a budget, the smallest peak whose simulated overhead is within it
     (:func:`_within_overhead`); with one, the plan that meets the budget, checked against it
     (:func:`check_overhead`)."""
+    shared = PeakWithin(0)  # what plans of this pair under raised peaks share (the smallest peak's choice)
+
     def planned(peak_within: int | None) -> PassResult:
-        return _plan_and_schedule(analysis, options, horizon, profile, policies, watch, peak_within)
+        within = None if peak_within is None else shared.sharing(peak_within)
+        return _plan_and_schedule(analysis, options, horizon, profile, policies, watch, within)
 
     if options.max_overhead is None:
         return planned(None)
@@ -183,7 +186,8 @@ def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | st
 
 
 def _plan_and_schedule(a: Analysis, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
-                       policies: Mapping[str, str] | None, watch: Stopwatch, peak_within: int | None) -> PassResult:
+                       policies: Mapping[str, str] | None, watch: Stopwatch,
+                       peak_within: PeakWithin | None) -> PassResult:
     recomputes = {} if options.strategy == "offload" else a.recomputes
     choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, priced_staging(a.costs, options, profile),
                           recomputes)

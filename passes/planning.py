@@ -68,9 +68,10 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   (:func:`_reachable`). MUST_CPU_OFFLOAD copies count first; a kept
   candidate that did not fit says so.
 * Under ``max_overhead`` without a budget, the driver (``fxoffload.passes.pipeline``) finds the
-  lowest peak whose plan's simulated overhead is within it and hands it in (``peak_within``): the
-  budget is that peak, and a candidate the smallest peak moves but this plan keeps says so
-  (``Why.OVERHEAD``).
+  lowest peak whose plan's simulated overhead is within it and hands it in (``peak_within``: a
+  :class:`PeakWithin`): the budget is that peak, and a candidate the smallest peak moves but this plan
+  keeps says so (``Why.OVERHEAD``). The smallest peak and the cheapest choice that reaches it are the
+  same for every peak the driver tries on one pair: found once, by the first plan that needs them.
 * If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
   raises ``plan.BudgetInfeasibleError`` with the smallest achievable peak;
   ``"warn"`` plans the cheapest choice at that smallest peak and says so.
@@ -111,7 +112,7 @@ from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import concrete, held_sizes, timeline_at
 from .solvers import SolverInput, curve_with, host_of, solve
 
-__all__ = ["Choosable", "plan_offloads"]
+__all__ = ["Choosable", "PeakWithin", "plan_offloads"]
 
 
 _EVERY_ELIGIBLE = "offloaded (all_eligible, >= min_bytes)"
@@ -378,6 +379,30 @@ def _recomputable(
     return out
 
 
+@dataclass
+class _Smallest:
+    """The smallest peak's budget (bytes, ``min_bytes`` over the peak) and the cheapest choice reaching it."""
+
+    limit: int | None = None
+    choice: _Choice | None = None
+
+
+@dataclass(frozen=True)
+class PeakWithin:
+    """Without a budget: a peak (bytes, of what a budget bounds) max_overhead's driver found within its
+    bound, to plan under (``fxoffload.passes.pipeline``). Its plans of one analysed pair, each under
+    another peak, share ``found``: the smallest peak's budget and the cheapest choice that reaches it
+    (which each plan names as what it held back), the same for each: found by the first, not a dozen
+    times (each was one of a plan's two solves)."""
+
+    peak: int
+    found: _Smallest = field(default_factory=_Smallest, compare=False)
+
+    def sharing(self, peak: int) -> "PeakWithin":
+        """Another peak to plan the same pair under, sharing what this one found."""
+        return PeakWithin(peak, self.found)
+
+
 @dataclass(frozen=True)
 class Choosable:
     """A pair's saved storages as the planner chooses among them: the forward/backward interface and its
@@ -399,7 +424,7 @@ def plan_offloads(
     policies: Mapping[str, str] | None = None,
     *,
     queued: bool = False,
-    peak_within: int | None = None,
+    peak_within: PeakWithin | None = None,
 ) -> Plan:
     """Keep, offload or recompute every saved activation (see the module docstring).
 
@@ -519,10 +544,10 @@ def _host_reasons(problem: Problem, decisions: tuple[Decision, ...], groups, cho
 
 
 def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node], limit: int | None,
-            held: Sequence[SizeTarget], peak_within: int | None = None) -> tuple[_Choice, Goal | None]:
+            held: Sequence[SizeTarget], peak_within: PeakWithin | None = None) -> tuple[_Choice, Goal | None]:
     """The choice for a budget of ``limit`` bytes (None: no budget) at the plan's size and ``held``'s,
     and the goal its reasons name (None: every eligible candidate, ``all_eligible``). Without a budget,
-    ``peak_within`` (bytes, max_overhead's) raises the smallest peak to it."""
+    ``peak_within`` (max_overhead's) raises the smallest peak to its peak."""
     unbounded: _Choice | None = None
     if limit is None:
         wanted = [b for b in free if PREFER_SAVE not in problem.marks[b]]  # without a budget, PREFER_SAVE holds
@@ -530,11 +555,16 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
             return _all_eligible(problem, wanted, forced), None
         # The smallest peak is the budget: a move that cannot lower it is not made, nor one that lowers
         # it by less than min_bytes (a saving that small is not worth a copy, as a storage that small is not).
-        limit = _smallest_peak(problem, wanted, forced) + problem.options.min_bytes
+        found = peak_within.found if peak_within is not None else _Smallest()
+        if found.limit is None:
+            found.limit = _smallest_peak(problem, wanted, forced) + problem.options.min_bytes
+        limit = found.limit
         free, goal = wanted, Goal.SMALLEST_PEAK
-        if peak_within is not None and peak_within > limit:
-            unbounded = _choose(problem, free, forced, limit)
-            limit, goal = peak_within, Goal.SMALLEST_PEAK_WITHIN
+        if peak_within is not None and peak_within.peak > limit:
+            if found.choice is None:
+                found.choice = _choose(problem, free, forced, limit)
+            unbounded = found.choice
+            limit, goal = peak_within.peak, Goal.SMALLEST_PEAK_WITHIN
     else:
         goal = Goal.MEET_BUDGET
     cap = problem.options.held_cap

@@ -148,3 +148,36 @@ def test_a_bounded_plan_trains_like_eager():
     ids = torch.randint(0, 256, (2, 32))
     for _ in range(2):
         assert_same_step(lm_step(eager, ids), lm_step(model, ids))
+
+
+def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal_plans_made_alone():
+    """max_overhead's driver plans one pair under a dozen peaks (a bisection), each plan sharing the
+    smallest peak and the cheapest choice reaching it (``PeakWithin.found``, found by the first): each
+    equals the plan made alone, what it holds back for the bound (``Why.OVERHEAD``) included."""
+    from fxoffload.passes.pipeline import AnalysisSettings, Stopwatch, analyse_pair
+    from fxoffload.passes.plan import PlanOptions, Why
+    from fxoffload.passes.planning import Choosable, PeakWithin, plan_offloads
+    from fxoffload.profiles import PROFILES
+    from tests.conftest import partitioned_pair
+
+    def deep(x, *weights):
+        for w in weights:
+            x = torch.tanh(x @ w)
+        return x.sum()
+
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
+    fw, bw, n = partitioned_pair(deep, torch.randn(256, 64, requires_grad=True), *weights)
+    settings = AnalysisSettings(1, PROFILES["h100-pcie5"], frozenset(), False)
+    a = analyse_pair(fw, bw, n, settings, with_recomputes=True, watch=Stopwatch())
+    choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, a.costs, a.recomputes)
+    options = PlanOptions(min_bytes=0, max_overhead=0.01)
+    smallest = plan_offloads(choosable, options)
+    low, high = smallest.step_peak_after, smallest.step_peak_before
+    shared = PeakWithin(0)
+    plans = []
+    for peak in (low + (high - low) * 3 // 4, low + (high - low) // 4, low + (high - low) // 2):
+        plans.append(plan_offloads(choosable, options, peak_within=shared.sharing(peak)))
+        assert plans[-1] == plan_offloads(choosable, options, peak_within=PeakWithin(peak))
+    assert len({p.step_peak_after for p in plans}) == 3  # three plans, each holding back what the smallest moves
+    assert all(any(d.why is Why.OVERHEAD for d in p.decisions) for p in plans)
