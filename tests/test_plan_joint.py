@@ -86,3 +86,32 @@ def test_a_backend_keeps_no_joint_unless_asked():
     backend = OffloadBackend(config_from_options({"inner": "eager"}))
     compiled_step(backend)
     assert backend.joints is None and len(backend.records) == 1
+
+
+def test_a_cut_chosen_again_gets_the_pair_extracted_before_and_another_cut_its_own(kept):
+    """``partition_by_cut``: a joint graph partitioned again (fit plans a symbolic trace at each length)
+    gets, where PyTorch's partitioner chooses a cut it chose before, the pair extracted then; a cut not
+    chosen before (here: another activation_memory_budget) is extracted anew. Each pair equals PyTorch's
+    own partition of that copy."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fxoffload.backend.partition import module_copy, partition_by_cut
+
+    by_cut: dict = {}
+
+    def graphs(partition, fraction: float) -> tuple[str, str]:
+        with torch._functorch.config.patch(activation_memory_budget=fraction), torch._guards.tracing(kept.context):
+            fw, bw = partition(module_copy(kept.module), kept.joint_inputs, **dict(kept.kwargs))
+        seen = str(fw.graph), str(bw.graph)
+        for graph in (fw.graph, bw.graph):  # the passes rewrite the pair they are handed: a copy of the known one
+            graph.placeholder("rewritten")
+        return seen
+
+    def by_cut_partition(gm, joint_inputs, **kwargs):
+        return partition_by_cut(gm, joint_inputs, kwargs, by_cut)
+
+    pairs = []
+    for fraction in (1.0, 0.0, 1.0, 1.0, 0.0):
+        pairs.append(graphs(by_cut_partition, fraction))
+        assert pairs[-1] == graphs(min_cut_rematerialization_partition, fraction)
+    assert len(by_cut) == 2 and pairs[0] != pairs[1]  # two cuts, each extracted once

@@ -20,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.backend import OffloadBackend
-from fxoffload.backend.partition import PartitionMemo, with_stack_headroom
+from fxoffload.backend.partition import with_stack_headroom
 from fxoffload.config import OffloadConfig, OptionError, config_from_options, parse_budget
 from fxoffload.explain import format_bytes, format_stages
 from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError, optimizer_step, tensor_nbytes
@@ -180,7 +180,8 @@ def plan_again(traced: "_Traced", options: dict) -> list:
 def partitioned_anew(traced: "_Traced") -> "_Traced":
     """``traced`` whose kept joint graphs are partitioned anew when planned again (each joint keeps the
     default partition it was first planned with): for plans at other sizes of a symbolic trace."""
-    return traced._replace(joints=[dataclasses.replace(joint, partition=PartitionMemo()) for joint in traced.joints])
+    return traced._replace(joints=[dataclasses.replace(joint, partition=joint.partition.anew())
+                                   for joint in traced.joints])
 
 
 class _Traced(NamedTuple):
