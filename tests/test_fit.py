@@ -524,6 +524,7 @@ def test_a_step_whose_ops_depend_on_the_length_is_traced_at_each_length_instead(
     assert relu == [False, True]  # each length's own ops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("collecting", [True, False])
 def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_found_it(tmp_path, collecting):
     """fit pauses Python's cyclic garbage collector while it traces, then freezes what the trace left out of
