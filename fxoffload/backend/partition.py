@@ -107,7 +107,7 @@ class Partitioner(CustomPartitionerFn):
     def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None, **kwargs: Any):
         made = memo.made if memo is not None else None
         if made is None:
-            made = self._partition(gm, joint_inputs, kwargs, memo.by_cut if memo is not None else {})
+            made = self._partition(gm, joint_inputs, kwargs, memo.by_cut if memo is not None else None)
             if memo is not None:  # a copy: the passes rewrite the pair they are handed
                 memo.made = dataclasses.replace(made, forward=module_copy(made.forward),
                                                 backward=module_copy(made.backward))
@@ -122,7 +122,9 @@ class Partitioner(CustomPartitionerFn):
         return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
                              made.plain_total)
 
-    def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, by_cut: dict) -> _Default:
+    def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, by_cut: dict | None) -> _Default:
+        """The default partition; ``by_cut``: the pairs extracted from other copies of a kept joint graph
+        (``PartitionMemo.by_cut``), None for a graph partitioned once."""
         # The user's selective-checkpoint marks, before the partitioner writes its own.
         policies = read_policies(gm.graph)
         plain_total = None
@@ -133,7 +135,10 @@ class Partitioner(CustomPartitionerFn):
             plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"],
                                                  self._input_activations)
         save_offload_marks(gm.graph)
-        fw, bw = partition_by_cut(gm, joint_inputs, kwargs, by_cut)
+        if by_cut is None:
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        else:
+            fw, bw = partition_by_cut(gm, joint_inputs, kwargs, by_cut)
         return _Default(fw, bw, policies, plain_total)
 
     def uuid(self) -> None:
