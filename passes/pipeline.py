@@ -36,7 +36,7 @@ from .cost_model import DeviceProfile, fused_work, node_work, roofline, staging_
 from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import backward_symbols, group_by_base
 from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
-from .planning import Choosable, PeakWithin, plan_offloads
+from .planning import Choosable, PeakWithin, SmallestPeak, plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 from .simulator import simulate
@@ -167,10 +167,10 @@ def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | st
     ``max_overhead``: without a budget, the smallest peak whose simulated overhead is within it
     (:func:`_within_overhead`); with one, the plan that meets the budget, checked against it
     (:func:`check_overhead`)."""
-    shared = PeakWithin(0)  # what plans of this pair under raised peaks share (the smallest peak's choice)
+    found = SmallestPeak()  # shared by this pair's plans under raised peaks
 
     def planned(peak_within: int | None) -> PassResult:
-        within = None if peak_within is None else shared.sharing(peak_within)
+        within = None if peak_within is None else PeakWithin(peak_within, found)
         return _plan_and_schedule(analysis, options, horizon, profile, policies, watch, within)
 
     if options.max_overhead is None:

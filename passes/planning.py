@@ -112,7 +112,7 @@ from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import concrete, held_sizes, timeline_at
 from .solvers import SolverInput, curve_with, host_of, solve
 
-__all__ = ["Choosable", "PeakWithin", "plan_offloads"]
+__all__ = ["Choosable", "PeakWithin", "SmallestPeak", "plan_offloads"]
 
 
 _EVERY_ELIGIBLE = "offloaded (all_eligible, >= min_bytes)"
@@ -380,8 +380,9 @@ def _recomputable(
 
 
 @dataclass
-class _Smallest:
-    """The smallest peak's budget (bytes, ``min_bytes`` over the peak) and the cheapest choice reaching it."""
+class SmallestPeak:
+    """The smallest peak's budget (bytes, ``min_bytes`` over the peak) and the cheapest choice reaching it,
+    found by the first plan of a pair that needs them (:class:`PeakWithin`)."""
 
     limit: int | None = None
     choice: _Choice | None = None
@@ -396,11 +397,7 @@ class PeakWithin:
     times (each was one of a plan's two solves)."""
 
     peak: int
-    found: _Smallest = field(default_factory=_Smallest, compare=False)
-
-    def sharing(self, peak: int) -> "PeakWithin":
-        """Another peak to plan the same pair under, sharing what this one found."""
-        return PeakWithin(peak, self.found)
+    found: SmallestPeak = field(default_factory=SmallestPeak, compare=False)
 
 
 @dataclass(frozen=True)
@@ -555,7 +552,7 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
             return _all_eligible(problem, wanted, forced), None
         # The smallest peak is the budget: a move that cannot lower it is not made, nor one that lowers
         # it by less than min_bytes (a saving that small is not worth a copy, as a storage that small is not).
-        found = peak_within.found if peak_within is not None else _Smallest()
+        found = peak_within.found if peak_within is not None else SmallestPeak()
         if found.limit is None:
             found.limit = _smallest_peak(problem, wanted, forced) + problem.options.min_bytes
         limit = found.limit

@@ -156,7 +156,7 @@ def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal
     equals the plan made alone, what it holds back for the bound (``Why.OVERHEAD``) included."""
     from fxoffload.passes.pipeline import AnalysisSettings, Stopwatch, analyse_pair
     from fxoffload.passes.plan import PlanOptions, Why
-    from fxoffload.passes.planning import Choosable, PeakWithin, plan_offloads
+    from fxoffload.passes.planning import Choosable, PeakWithin, SmallestPeak, plan_offloads
     from fxoffload.profiles import PROFILES
     from tests.conftest import partitioned_pair
 
@@ -174,10 +174,10 @@ def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal
     options = PlanOptions(min_bytes=0, max_overhead=0.01)
     smallest = plan_offloads(choosable, options)
     low, high = smallest.step_peak_after, smallest.step_peak_before
-    shared = PeakWithin(0)
+    found = SmallestPeak()
     plans = []
     for peak in (low + (high - low) * 3 // 4, low + (high - low) // 4, low + (high - low) // 2):
-        plans.append(plan_offloads(choosable, options, peak_within=shared.sharing(peak)))
+        plans.append(plan_offloads(choosable, options, peak_within=PeakWithin(peak, found)))
         assert plans[-1] == plan_offloads(choosable, options, peak_within=PeakWithin(peak))
     assert len({p.step_peak_after for p in plans}) == 3  # three plans, each holding back what the smallest moves
     assert all(any(d.why is Why.OVERHEAD for d in p.decisions) for p in plans)

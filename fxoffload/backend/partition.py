@@ -27,7 +27,7 @@ import dataclasses
 import gc
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -202,10 +202,10 @@ def _cut_key(args: tuple, kwargs: dict) -> tuple:
     def named(value: Any) -> Any:
         if isinstance(value, fx.Node):
             return value.name
-        if isinstance(value, (list, tuple)) or type(value).__name__ == "OrderedSet":
-            return tuple(named(v) for v in value)
         if isinstance(value, (set, frozenset)):
             return tuple(sorted(named(v) for v in value))
+        if isinstance(value, Iterable) and not isinstance(value, str):  # lists, PyTorch's OrderedSet: in order
+            return tuple(named(v) for v in value)
         return repr(value)
 
     return tuple(named(a) for a in args) + tuple((k, named(v)) for k, v in sorted(kwargs.items()))
