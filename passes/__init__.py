@@ -37,7 +37,7 @@ from .plan import (
 )
 from .policies import offload_marked, read_policies, save_offload_marks
 from .scheduling import (
-    Schedule, activation_peaks_at, held_after_forward, peaks_over_range, scheduled_moves,
+    RunPeaks, Schedule, activation_peaks_at, held_after_forward, peaks_over_range, run_peaks, scheduled_moves,
     staging_temporaries,
 )
 from .shares import RegionDemand, Share, share_for, step_peak
@@ -53,13 +53,13 @@ __all__ = [
     "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
     "OnInfeasible", "OverheadExceededError", "PREFETCH", "PREFETCH_AHEAD", "PassResult", "Placement", "Plan",
     "PlanOptions",
-    "RELEASES", "RegionDemand",
+    "RELEASES", "RegionDemand", "RunPeaks",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
     "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "activation_peaks_at", "curve",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
     "offload_marked",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
-    "plan_sizes", "read_policies", "rewrite_planned", "save_offload_marks", "scheduled_moves", "share_for",
+    "plan_sizes", "read_policies", "rewrite_planned", "run_peaks", "save_offload_marks", "scheduled_moves", "share_for",
     "simulate", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
     "storage_key", "tensor_nbytes", "tensor_storage_key", "unbounded_size_warning", "unoffloaded_total_peak",
 ]

@@ -6,7 +6,7 @@ predicted op times and the device profile. Output: a :class:`Schedule` (each
 transfer's final :class:`~fxoffload.passes.candidates.Placement`, the prefetch order,
 the copies started ahead, predicted stalls), and the plan's predicted peaks
 re-evaluated under it (:func:`with_scheduled_peaks`, :func:`activation_peaks_at`,
-:func:`held_after_forward`). Their digest: ``fxoffload.passes.digest``.
+:func:`held_after_forward`, and one run's figures, :func:`run_peaks`). Their digest: ``fxoffload.passes.digest``.
 
 Algorithm.
 * Offload: right after its base is computed. Post-AOTAutograd graphs are
@@ -111,7 +111,7 @@ from .plan import Plan
 from .replay import Copy, replay
 
 __all__ = ["Schedule", "activation_peaks_at", "bounded_start", "fifo_finish", "held_after_forward", "issue_index",
-           "latest_starts", "peaks_over_range", "schedule_transfers", "scheduled_moves",
+           "latest_starts", "peaks_over_range", "RunPeaks", "run_peaks", "schedule_transfers", "scheduled_moves",
            "staging_temporaries",
            "with_scheduled_peaks"]
 
@@ -567,15 +567,41 @@ def started_ahead(timeline: Timeline, schedule: Schedule) -> list[tuple[int, int
     return [(timeline.positions[schedule.ahead_before], timeline.length - 1, schedule.ahead_bytes)]
 
 
-def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> Plan:
-    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
-    if not schedule.placements:
-        return plan
+@dataclass(frozen=True)
+class RunPeaks:
+    """One run of a planned graph at the schedule's placements (predicted bytes of every tensor the run
+    creates): the largest over its forward and over its backward, and what it leaves on the device for
+    its backward (the activation curve at its forward's end). A step that runs the graph beside eager
+    code adds the run's curve to what that code holds at each run (``fxoffload.tools.layer_step``)."""
+
+    forward: int
+    backward: int
+    held: int
+
+
+def run_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> RunPeaks:
+    """:class:`RunPeaks` of one run of ``plan`` (the curves :func:`with_scheduled_peaks` reads)."""
+    activations, totals = _run_curves(plan, timeline, schedule)
+    forward = len(timeline.fw_nodes)
+    return RunPeaks(peak(totals[:forward]), peak(totals[forward:]),
+                    activations[forward - 1] if activations and forward else 0)
+
+
+def _run_curves(plan: Plan, timeline: Timeline, schedule: Schedule) -> tuple[list[int], list[int]]:
+    """One run's activation curve and total curve (every tensor it creates) at the schedule's placements."""
     moved = scheduled_moves(plan, timeline, schedule)
     ahead = started_ahead(timeline, schedule) if plan.runs > 1 else []  # one run: the next backward is another graph's
     activations = curve(timeline.length, intervals(timeline, moved, True) + ahead)
     temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule) + ahead
-    totals = curve(timeline.length, intervals(timeline, moved, False, temporaries))
+    return activations, curve(timeline.length, intervals(timeline, moved, False, temporaries))
+
+
+def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> Plan:
+    """The plan with its predicted peaks re-evaluated at the schedule's final placements."""
+    if not schedule.placements:
+        return plan
+    activations, totals = _run_curves(plan, timeline, schedule)
+    ahead = started_ahead(timeline, schedule) if plan.runs > 1 else []
     total = peak(totals)
     forward = len(timeline.fw_nodes)
     held = activations[forward - 1] if activations else 0

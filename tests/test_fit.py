@@ -159,26 +159,36 @@ def tiny_fit(tmp_path_factory):
     return report, config, plot
 
 
-def measured_device_peak(config_path, row, seq, batch=1):
+def measured_device_peak(config_path, row, seq, batch=1, per_layer=False):
     """One real step of the tiny Llama at ``batch`` x ``seq``, planned as ``row`` plans it: graph inputs
-    (parameters, batch) + every tensor the step makes (``measure_peak``) + what is reserved."""
+    (parameters, batch) + every tensor the step makes (``measure_peak``) + what is reserved. ``per_layer``:
+    each layer compiled on its own (one graph for both), the rest eager, as ``fit --per-layer`` plans it."""
     import torch
 
     import fxoffload
     from fxoffload.tools.fit import SETUPS
-    from fxoffload.tools.models import checkpoint_layers, from_config_file
+    from fxoffload.tools.models import checkpoint_layers, from_config_file, layer_list
 
     setup = next(s for s in SETUPS if s.row == row["name"] and s.checkpointing == row["checkpointing"])
     options = {"inner": "eager", "device_profile": "h100-pcie5", **setup.options}  # fit's default --profile
-    if setup.device_budget:  # past the answer no plan fits: plan the smallest peak, which is what fit read
+    if setup.device_budget and per_layer:  # fit's answer per layer: the smallest device peak
+        options.update(device_budget=1, on_infeasible="warn")
+    elif setup.device_budget:  # past the answer no plan fits: plan the smallest peak, which is what fit read
         options.update(device_budget=MEMORY, reserved=RESERVED, on_infeasible="warn")
     source = from_config_file(config_path)
     torch._dynamo.reset()
     torch.manual_seed(0)
     step, _, inputs = source.build(batch, seq, torch.float32)
     checkpoint_layers(step, setup.checkpointing, source.origin)
-    backend = fxoffload.offload_backend(**options)
-    compiled = torch.compile(step, backend=backend)
+    if per_layer:
+        layers = layer_list(step)
+        backend = fxoffload.offload_backend(**options, runs_per_step=len(layers))
+        for layer in layers:
+            layer.compile(backend=backend)
+        compiled = step
+    else:
+        backend = fxoffload.offload_backend(**options)
+        compiled = torch.compile(step, backend=backend)
 
     def run(**batch):
         loss = compiled(**batch)
@@ -193,6 +203,9 @@ def measured_device_peak(config_path, row, seq, batch=1):
         step.zero_grad(set_to_none=True)
         measured = fxoffload.measure_peak(run, **inputs)
     assert len(backend.records) == 1
+    if per_layer:  # on the device before the step: parameters, buffers, the batch
+        resident = sum(t.untyped_storage().nbytes() for t in [*step.parameters(), *step.buffers(), *inputs.values()])
+        return resident + measured.total_peak + RESERVED
     return backend.records[0].plan.input_bytes + measured.total_peak + RESERVED
 
 
@@ -219,6 +232,33 @@ def test_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit)
     assert "--max-overhead 1%" in within["command"]
     planned = plan_json(within["command"])["step"]
     assert planned["overhead"] <= 0.01 and planned["step_time"] == pytest.approx(within["step_time"], rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def tiny_fit_per_layer(tmp_path_factory):
+    """One fit of the tiny Llama with each layer compiled on its own: (report, config path)."""
+    return fit_json(tmp_path_factory.mktemp("fit_per_layer"), "--per-layer", "--no-plot")
+
+
+@pytest.mark.slow
+def test_per_layer_each_row_fits_when_measured_at_its_answer_and_not_one_step_up(tiny_fit_per_layer):
+    """``fit --per-layer``: one graph serves both layers and the embedding, head and loss run eagerly; each
+    row's answer, measured with the layers compiled so, fits, and the next size up does not. Counting
+    the layer graph's runs alone (the logits left out) answers past the measured limit."""
+    report, config = tiny_fit_per_layer
+    assert report["per_layer"]
+    rows = {row["name"]: row for row in report["rows"]}
+    assert tuple(rows) == SETUP_ROWS
+    for row in rows.values():
+        seq = row["max_seq"]
+        assert GRID <= seq < 1024 and seq % GRID == 0, row
+        assert row["next"]["size"] == seq + GRID and row["device_peak"] <= MEMORY < row["next"]["device_peak"]
+        fits = measured_device_peak(config, row, seq, per_layer=True)
+        over = measured_device_peak(config, row, seq + GRID, per_layer=True)
+        assert fits <= MEMORY < over, (row["name"], seq, fits, over)
+    assert rows["checkpointing"]["max_seq"] > rows["plain"]["max_seq"]
+    assert rows["fxoffload"]["max_seq"] >= max(row["max_seq"] for row in rows.values())
+    assert "--per-layer" in rows["plain"]["command"] and rows["fxoffload"]["command"] is None
 
 
 def plan_json(command: str) -> dict:
@@ -287,7 +327,6 @@ def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_p
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--per-layer"], "--per-layer: fit plans the step as one graph"),
     (["--max-seq", "2048"], "--max-seq: got 2048; tiny takes at most 1024 positions"),
     (["--granularity", "2048"], "--granularity: got 2048, above the longest sequence tried (1024)"),
     (["--reserved", "30MB"], "--reserved: reserved='30MB' leaves nothing of device_budget"),
@@ -335,7 +374,7 @@ def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_ti
 
     def evaluate(optimizer, setup, answer):
         args = argparse.Namespace(seq=None, batch=1, optimizer=optimizer, traceback=False, profile="h100-pcie5",
-                                  min_bytes="64KiB", host_budget="none")
+                                  min_bytes="64KiB", host_budget="none", per_layer=False)
         common, grid = _common_options(args), Grid(False, GRID, 128, 1024)
         traces = _Traces(args, source, torch.float32, common, grid)
         return _evaluator(args, source, traces, 10**9, RESERVED, common, grid)(setup, 128, answer)
@@ -447,7 +486,7 @@ def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_t
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     source = from_config_file(tmp_path)
     args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
-                              traceback=True)
+                              traceback=True, per_layer=False)
     common = _common_options(args)
     traces = _Traces(args, source, torch.float32, common, Grid(False, GRID, 96, 1024))
 
@@ -512,7 +551,7 @@ def test_a_step_whose_ops_depend_on_the_length_is_traced_at_each_length_instead(
 
     source = ModelSource("branches", build, 64, symbolic_length=True)
     args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
-                              traceback=True)
+                              traceback=True, per_layer=False)
     said = []
     traces = _Traces(args, source, torch.float32, _common_options(args), Grid(False, 16, 64, 256), said.append)
     relu = []

@@ -3,7 +3,8 @@
 Owns: the command line (``cli``: argparse and printing; ``flags``: the flags ``plan``, ``fit`` and
 ``check`` share), the fake-tensor step tracer (``tracing``) and the model sources it builds
 (``models``), ``fxoffload plan`` (``plan_command``, ``report``), ``fxoffload fit`` (``fit_command``;
-``fit``, its search, free of FX), ``fxoffload check`` (``check``), measured peaks of real runs
+``fit``, its search, free of FX; ``layer_step``, a step whose layers run one graph, beside its eager
+parts), ``fxoffload check`` (``check``), measured peaks of real runs
 (``measure``) and the plots (``plot``). ``fxoffload.plot``, ``fxoffload.plot_step`` and
 ``fxoffload.measure_peak`` are re-exported by the package's face.
 

@@ -18,14 +18,22 @@ length (dynamo refuses the symbolic trace; fit says so) are traced once per size
 (``fxoffload.tools.tracing.plan_again``): the plan a trace of its own would give (a test checks it).
 Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
 traces again from the arguments), one per mode and at most one per CPU by default.
+With ``--per-layer`` each layer is compiled on its own (one graph serves them all, planned for their
+runs) and the embedding, head and loss run eagerly: each probe's device peak is the layer graph's
+planned runs beside the step's eager parts, measured on fake tensors with stand-in layers at that size
+(``fxoffload.tools.layer_step``; a test measures the answers), and the ``fxoffload`` row plans the
+layer graph's smallest device peak at its answer too.
 It prints each row's answer with the predicted step time and tokens per second there, what sets the
 limit (read at the next size up, planned too), the ``fxoffload plan`` command that reproduces the
 answer, and plots device peak against size.
 Every memory and time figure is a prediction; only the command's own run time is measured.
 
-Limits: the step must compile to one graph (``--per-layer`` is refused: layer graphs do not see the
-embedding, the logits and the loss, which count in the device peak); a row's answer is exact on
-its grid for the plans made, not for the GPU's allocator (its slack belongs in ``--reserved``).
+Limits: the step must compile to one graph (with ``--per-layer``, its layers to one graph and the rest
+eager); a row's answer is exact on its grid for the plans made, not for the GPU's allocator (its slack
+belongs in ``--reserved``). Per layer, step times are the layer graph's runs and the optimizer's step
+(the eager parts' compute is not simulated), and a preset's or a config's step is traced as a real step
+runs, without the full attention mask transformers builds on fake tensors
+(``fxoffload.tools.models.unpacked_sequences``; ``fxoffload plan --per-layer`` still traces it).
 """
 
 from __future__ import annotations
@@ -45,16 +53,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.config import OffloadConfig, OptionError
-from fxoffload.passes import BudgetInfeasibleWarning, fixed_sizes, optimizer_step, simulate
+from fxoffload.passes import (
+    BudgetInfeasibleWarning, Why, fixed_sizes, optimizer_step, run_peaks, simulate, simulate_step,
+)
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, best_rows, checkpointing_modes,
     chooses_checkpointing, limit_at_peak, search_setups,
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
-from fxoffload.tools.models import DTYPES, PRESETS, ModelError, one_line
+from fxoffload.tools.layer_step import EagerParts, LayerStepError, layer_step_peak, measure_eager_parts
+from fxoffload.tools.models import DTYPES, PRESETS, ModelError, layer_list, one_line, unpacked_sequences
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
     Progress, UsageError, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
@@ -83,7 +95,9 @@ def add_fit_parser(commands: Any) -> None:
     fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead (not a "
                                               "range, as in plan)")
     add_shape(fit)
-    fit.add_argument("--per-layer", action="store_true", help="refused: fit plans the step as one graph")
+    fit.add_argument("--per-layer", action="store_true",
+                     help="each layer compiled on its own (one graph serving every layer, as FSDP2 and torchtitan "
+                          "compile), the embedding, head and loss eager beside them and counted in the device peak")
     fit.add_argument("--granularity", type=int,
                      help="the search's grid: 256 tokens (default), or 1 for a batch search with --seq")
     fit.add_argument("--max-seq", type=int,
@@ -103,9 +117,6 @@ def run_fit(args: argparse.Namespace) -> int:
     _common_options(args)  # checked here, before any process starts; each search makes its own
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
-    if args.per_layer:
-        raise UsageError("--per-layer: fit plans the step as one graph, so that the embedding, the logits and the "
-                         "loss count in the device peak; layer graphs do not see them; accepted: without --per-layer")
     if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"--output: got {args.output!r}; accepted: a path ending in .png, .svg or .pdf")
     source = _source(args)
@@ -192,7 +203,8 @@ def _source(args: argparse.Namespace) -> Any:
 def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
     fixed = f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
     plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
-             f"{source.name}, {fixed}, {args.dtype}: device peak against {memory / 1e9:.0f} GB, predicted on "
+             f"{source.name}{', per layer' if args.per_layer else ''}, {fixed}, {args.dtype}: device peak against "
+             f"{memory / 1e9:.0f} GB, predicted on "
              f"{args.profile} (simulated, not measured)")
     return args.output
 
@@ -278,6 +290,7 @@ class _Traces:
         self._progress = progress
         self._kept: dict[tuple, Any] = {}  # per size: a trace of its own, or the symbolic one's joint to plan there
         self._symbolic: dict[tuple, _Symbolic | None] = {}  # per (checkpointing, batch); None: it failed
+        self._eager: dict[tuple, EagerParts] = {}  # per (batch, seq), under --per-layer
         self.traced = 0  # traces made (the rest of the probes planned a kept one)
 
     @contextlib.contextmanager
@@ -330,13 +343,33 @@ class _Traces:
 
     def _trace(self, checkpointing: str, batch: int, seq: int, lengths: tuple[int, int] | None) -> Any:
         # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
-        run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False,
+        run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=self._args.per_layer,
                                  optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
-        with _collected_then_frozen():
+        # Per layer, the mask code runs eagerly on fake tensors: as a real step, without a full mask.
+        unpacked = unpacked_sequences(self._source) if self._args.per_layer else contextlib.nullcontext()
+        with _collected_then_frozen(), unpacked:
             traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
                                 Progress(True), lengths=lengths)
         self.traced += 1
         return traced
+
+    def eager_parts(self, batch: int, seq: int) -> EagerParts:
+        """Under ``--per-layer``: the step's eager parts at ``(batch, seq)`` (``layer_step``), the model built
+        again with fake tensors at that size (its checkpointing does not change them: the layers' places
+        are taken by stand-ins)."""
+        key = (batch, seq)
+        if key not in self._eager:
+            with FakeTensorMode(allow_non_fake_inputs=True), unpacked_sequences(self._source):
+                step, inputs, kwargs = self._source.build(batch, seq, self._dtype)
+                layers = layer_list(step)
+                if layers is None:
+                    raise FitError(f"--per-layer: {self._source.name} has no list of repeated layers (an "
+                                   "nn.ModuleList of one layer class) to compile one at a time")
+                try:
+                    self._eager[key] = measure_eager_parts(step, list(layers), inputs, kwargs)
+                except LayerStepError as e:
+                    raise FitError(f"--per-layer: {self._source.name}: {e}") from None
+        return self._eager[key]
 
     def _keep(self, key: tuple, traced: Any) -> None:
         if len(self._kept) >= KEPT_TRACES:
@@ -382,12 +415,17 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
 
     def evaluate(setup: Setup, size: int, answer: bool) -> Point:
         batch, seq = (size, args.seq) if grid.by_batch else (args.batch, size)
+        parts = traces.eager_parts(batch, seq) if args.per_layer else None
         with traces.at(setup.checkpointing, batch, seq) as traced:  # sizes read within: at this size
-            return planned(setup, size, traced, answer)
+            return planned(setup, size, traced, answer, parts)
 
-    def planned(setup: Setup, size: int, traced: Any, answer: bool) -> Point:
+    def planned(setup: Setup, size: int, traced: Any, answer: bool, parts: EagerParts | None) -> Point:
         options = {**common, **setup.options}
-        if setup.device_budget and not answer:  # a budget of one byte, planned for the smallest device peak instead
+        if parts is not None:
+            options["runs_per_step"] = len(parts.forwards)
+        # A budget of one byte, planned for the smallest device peak instead. Per layer, the answer too: a
+        # device budget would bound the layer graph's runs, not the eager parts beside them.
+        if setup.device_budget and (not answer or parts is not None):
             options.update(device_budget=1, on_infeasible="warn")
         elif setup.device_budget:  # the optimizer's state joins what is reserved (for the smallest peak it
             # must not: one byte cannot hold it; it is added below like any reserved bytes)
@@ -399,6 +437,8 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
             (record,) = plan_again(traced, options)
         optimizer = optimizer_step(args.optimizer, traced.optimizer["parameter_bytes"],
                                    resolve_profile(args.profile))
+        if parts is not None:
+            return _layer_step_point(size, record, parts, reserved, optimizer, memory, setup.checkpointing != "none")
         fixed = reserved + optimizer.state_bytes
         limit = limit_at_peak(record, record.plan.input_bytes + fixed, memory, source.vocab,
                               setup.checkpointing != "none")
@@ -408,10 +448,37 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
     return evaluate
 
 
+def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, optimizer: Any, memory: int,
+                      checkpointed: bool) -> Point:
+    """A planned size of a step whose layers run one graph (``--per-layer``): the device peak of its eager
+    parts and the layer graph's runs (``layer_step``), with the step's resident bytes, what is reserved
+    and the optimizer's state; the step time of the layer graph's runs (the eager parts' compute is not
+    simulated) and the optimizer's step; the limit read from the larger share at the peak."""
+    peak = layer_step_peak(parts, run_peaks(record.plan, record.timeline, record.schedule))
+    fixed = parts.resident + reserved + optimizer.state_bytes
+    figures = {"graph inputs and reserved": fixed, "eager parts (embedding, head, loss)": peak.eager,
+               "held by the layer runs for their backwards": peak.held,
+               "a layer run's own tensors and the runs' gradients": peak.other}
+    largest = max(("eager", "held", "other"), key=lambda share: getattr(peak, share))
+    if fixed >= memory:
+        code = LimitCode.FIXED_BYTES
+    elif largest == "eager":  # between the forwards and the backwards, the head's: the logits
+        code = LimitCode.LOGITS if peak.phase == "between" else LimitCode.TEMPORARIES
+    elif largest == "held" and any(d.why is Why.HOST_BUDGET for d in record.plan.decisions):
+        code = LimitCode.HOST_BUDGET  # saved tensors the host had no room for
+    elif largest == "held":
+        code = LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED_ACTIVATIONS
+    else:
+        code = LimitCode.TEMPORARIES
+    step_time = simulate_step([record] * len(parts.forwards)).step_time
+    return Point(size, fixed + peak.nbytes, step_time + optimizer.seconds, Limit(code, figures))
+
+
 def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> str:
     """The ``fxoffload plan`` command that plans the row's answer alone."""
     source = next(f"--{flag} {getattr(args, flag)}" for flag in ("preset", "config", "model") if getattr(args, flag))
     words = ["fxoffload plan", source] + ([f"--layers {args.layers}"] if args.layers else [])
+    words += ["--per-layer"] if args.per_layer else []
     words += [f"--seq {seq} --batch {batch} --dtype {args.dtype} --profile {args.profile}"]
     if row.checkpointing != "none":
         words.append(f"--checkpointing {row.checkpointing}")
@@ -426,6 +493,12 @@ def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> s
     if args.min_bytes != "64KiB":
         words.append(f"--min-bytes {args.min_bytes}")
     return " ".join(words)
+
+
+def _smallest_per_layer(args: argparse.Namespace, row: Row) -> bool:
+    """Whether the row's answer is the layer graph's smallest device peak, which no ``plan`` flag asks for
+    (``--per-layer``: a device budget would bound the layer graph alone)."""
+    return args.per_layer and any(s.device_budget for s in SETUPS if s.row == row.name)
 
 
 def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, reserved: int,
@@ -443,10 +516,11 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
             "limit": row.limit.code.name.lower().replace("_", "-"), "limit_words": row.limit.words,
             "next": None if row.over is None else {"size": row.over.size, "device_peak": row.over.device_peak},
             "planned": [{"size": p.size, "device_peak": p.device_peak} for p in row.probes],
-            "command": _plan_command(args, row, batch, seq) if fit else None,
+            "command": _plan_command(args, row, batch, seq) if fit and not _smallest_per_layer(args, row) else None,
         })
     return {
         "model": source.name, "searched": "batch" if grid.by_batch else "seq", "batch": args.batch,
+        "per_layer": args.per_layer,
         "seq": args.seq, "dtype": args.dtype, "profile": args.profile, "device_memory": memory,
         "reserved": reserved, "optimizer": args.optimizer, "granularity": grid.step, "most": grid.most,
         "note": "device peaks and step times are predictions (memory model, cost model, simulator), not "
@@ -462,7 +536,9 @@ def format_fit(report: dict) -> str:
              f"({report['reserved'] / 1e9:.2f} GB reserved, optimizer {report['optimizer']}), grid "
              f"{report['granularity']} up to {report['most']}: predicted (memory model, cost model, simulator), "
              "not measured",
-             f"searched: {'the largest batch' if report['searched'] == 'batch' else 'the longest sequence'}",
+             f"searched: {'the largest batch' if report['searched'] == 'batch' else 'the longest sequence'}"
+             + ("; each layer compiled on its own, the embedding, head and loss eager beside them (step times: the "
+                "layer graph's runs only)" if report.get("per_layer") else ""),
              f"{'row':<30}{'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}{'tokens/s':>11}  limit"]
     for row in report["rows"]:
         peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f} GB"
@@ -478,6 +554,8 @@ def format_fit(report: dict) -> str:
         lines.append(f"{row['name']}: limit {at}{row['limit_words']}")
         if row["command"]:
             lines.append(f"  {row['command']}")
+        elif row["device_peak"] is not None:
+            lines.append("  (the layer graph's smallest device peak: no plan flag asks for it)")
     lines.append(f"\nfit ran {report['seconds']:.0f} s here (measured)")
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ Limits: text and image classification tasks only; the loss is cross-entropy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -50,7 +51,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 __all__ = ["CHECKPOINTING", "PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "TrainingStep",
-           "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list", "one_line"]
+           "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list", "one_line",
+           "unpacked_sequences"]
 
 CHECKPOINTING = ("none", "full", "selective")
 TASKS = ("causal-lm", "masked-lm", "image-classification")
@@ -224,6 +226,26 @@ def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origi
         raise ModelError(f"{origin}: the model must return a scalar loss, or an output with a scalar .loss; got "
                          f"{type(out).__name__}" + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
                                                     else ""))
+
+
+@contextlib.contextmanager
+def unpacked_sequences(source: ModelSource):
+    """Within: a preset's or a config's model takes its sequences as unpacked, as it finds them on real
+    tensors. transformers tests the position ids for several sequences packed in one row by reading
+    their values, which fake tensors do not have; it then builds a full attention mask (a batch x length
+    x length tensor) that a real step of the same model skips for SDPA's causal kernel. A model file's
+    step is left as it is (its position ids may be packed)."""
+    if source.user_code:
+        yield
+        return
+    import transformers.masking_utils as masking  # here: a model file's step needs no transformers
+
+    found = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found
 
 
 def one_line(error: BaseException) -> str:
