@@ -218,8 +218,10 @@ def test_a_model_that_returns_no_loss_is_refused(capsys, tmp_path):
 
 
 def test_per_layer_compiles_each_layer_and_reports_the_step(capsys):
+    # At 0.2 (since the layers are traced without the full attention mask a real step skips, 0.5 leaves
+    # nothing that crossing the layers' boundaries hides better).
     argv = ["--preset", "llama-2-7b", "--layers", "4", "--seq", "1024", "--per-layer", "--strategy", "offload",
-            "--no-plot"]
+            "--budget", "0.2", "--no-plot"]
     crossing = run_json(capsys, *argv)
     waiting = run_json(capsys, *argv, "--no-cross-graphs")
     for report in (crossing, waiting):
@@ -227,7 +229,7 @@ def test_per_layer_compiles_each_layer_and_reports_the_step(capsys):
         graph, step = report["graphs"][0], report["step"]
         assert step["invocations"] == 4 and step["graphs"] == 1  # ... run once per layer
         assert graph["runs_per_step"] == 4  # and planned for the four runs
-        assert step["budget_bytes"] == int(0.5 * step["activation_peak_before"])  # a fraction of the step's peak
+        assert step["budget_bytes"] == int(0.2 * step["activation_peak_before"])  # a fraction of the step's peak
         assert (graph["budget_bytes"] == step["budget_bytes"]
                 and graph["step_peak_before"] == step["activation_peak_before"])
         assert graph["within_budget"] and step["within_budget"], (graph, step)  # copies crossing layers included

@@ -234,10 +234,11 @@ def checkpointing_modes(setups: Sequence[Setup] = SETUPS) -> list[str]:
 
 def search_setups(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: Grid, *,
                   setups: Sequence[Setup], progress: Callable[[str], None] = lambda _: None,
-                  end: Limit = Limit(LimitCode.LARGEST_TRIED)) -> list[Row]:
+                  end: Limit = Limit(LimitCode.LARGEST_TRIED), answers_again: bool = True) -> list[Row]:
     """One row per setup (in order): each setup searched on ``grid`` with ``largest_fitting`` on the
     device peaks of ``evaluate(setup, size, False)`` against ``memory``, its answer planned as the row
-    reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so. Each
+    reports it by ``evaluate(setup, size, True)`` where ``Setup.device_budget`` says so and
+    ``answers_again`` (False: every answer is its probe's plan, as ``fit --per-layer`` plans them). Each
     setup's search starts from the previous one's answer (a close guess: rows reach further in the
     order given; an evaluator that traces each checkpointing mode once, or each mode and size, then
     comes back to what it traced). ``end``: the limit of a row whose answer is ``most`` (what the
@@ -256,7 +257,7 @@ def search_setups(evaluate: Callable[[Setup, int, bool], Point], memory: int, gr
         search = largest_fitting(peak_of, memory, step=step, start=start, most=most)
         start = max(search.size + step, step)
         fit = points.get(search.size)
-        if fit is not None and setup.device_budget:
+        if fit is not None and setup.device_budget and answers_again:
             fit = evaluate(setup, search.size, True)
             progress(f"{setup.row} (checkpointing {setup.checkpointing}) at {search.size}, planned under the "
                      f"device budget: device peak {_gb(fit.device_peak)}, step {fit.step_time:.3f} s")

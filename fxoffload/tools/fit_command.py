@@ -33,7 +33,7 @@ eager); a row's answer is exact on its grid for the plans made, not for the GPU'
 belongs in ``--reserved``). Per layer, step times are the layer graph's runs and the optimizer's step
 (the eager parts' compute is not simulated), and a preset's or a config's step is traced as a real step
 runs, without the full attention mask transformers builds on fake tensors
-(``fxoffload.tools.models.unpacked_sequences``; ``fxoffload plan --per-layer`` still traces it).
+(``fxoffload.tools.models.unpacked_sequences``, as ``fxoffload plan --per-layer`` traces it).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def _searched(args: argparse.Namespace, mode: str) -> tuple[list[Row], "_Traces"
     end = Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch else LimitCode.LARGEST_TRIED)
     try:
         rows = search_setups(evaluate, memory, grid, setups=[s for s in SETUPS if s.checkpointing == mode],
-                             progress=progress, end=end)
+                             progress=progress, end=end, answers_again=not args.per_layer)
     except (ModelError, FitError) as e:
         raise UsageError(str(e)) from None
     finally:
@@ -345,9 +345,7 @@ class _Traces:
         # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
         run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=self._args.per_layer,
                                  optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
-        # Per layer, the mask code runs eagerly on fake tensors: as a real step, without a full mask.
-        unpacked = unpacked_sequences(self._source) if self._args.per_layer else contextlib.nullcontext()
-        with _collected_then_frozen(), unpacked:
+        with _collected_then_frozen():
             traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
                                 Progress(True), lengths=lengths)
         self.traced += 1

@@ -26,7 +26,7 @@ from fxoffload.explain import format_bytes, format_stages
 from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError, optimizer_step, tensor_nbytes
 from fxoffload.profiles import resolve_profile
 from fxoffload.tools import models
-from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line
+from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line, unpacked_sequences
 
 
 __all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "partitioned_anew", "plan_again",
@@ -142,7 +142,10 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
                 for block in blocks:
                     block.compile(backend=backend)
-                with_stack_headroom(step, *inputs, **kwargs)  # the rest of the step runs eagerly, on fake tensors
+                # The rest of the step runs eagerly, on fake tensors: as on real ones, without the full
+                # attention mask transformers builds where it cannot read the position ids.
+                with unpacked_sequences(source):
+                    with_stack_headroom(step, *inputs, **kwargs)
             else:
                 with_stack_headroom(torch.compile(step, backend=backend), *inputs, **kwargs)
         except Exception as e:
