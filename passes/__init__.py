@@ -24,7 +24,7 @@ from .analysis import (
     tensor_storage_key,
 )
 from .candidates import AUTO_HORIZON, Placement
-from .cost_model import OPTIMIZERS, DeviceProfile, optimizer_step
+from .cost_model import OPTIMIZERS, DeviceProfile, Work, op_work, optimizer_step, roofline
 from .digest import plan_digest
 from .memory import Timeline, curve, on_device
 from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT
@@ -55,11 +55,12 @@ __all__ = [
     "PlanOptions",
     "RELEASES", "RegionDemand", "RunPeaks",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
-    "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "activation_peaks_at", "curve",
+    "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "Work", "activation_peaks_at", "curve",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
-    "offload_marked",
+    "offload_marked", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
-    "plan_sizes", "read_policies", "rewrite_planned", "run_peaks", "save_offload_marks", "scheduled_moves", "share_for",
+    "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "save_offload_marks",
+    "scheduled_moves", "share_for",
     "simulate", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
     "storage_key", "tensor_nbytes", "tensor_storage_key", "unbounded_size_warning", "unoffloaded_total_peak",
 ]

@@ -34,7 +34,9 @@ its own share of those bytes, and an op inside the chain none. Checked against a
 Llama-3-8B layer at 8192 tokens, bf16, ``benchmarks/measured/frontier-h200-traces``): Inductor's
 Triton kernels took 1.05 ms per layer, fused pricing predicts 1.11 ms and op-by-op pricing 8.06 ms
 (``benchmarks/price_check.py``).
-Graphs run op by op (``inner="eager"``) are priced op by op (``node_work``).
+Graphs run op by op (``inner="eager"``) are priced op by op (``node_work``), and so are ops dispatched
+outside any compiled graph (``op_work``: a step's eager embedding, head and loss, by their dispatched
+arguments and outputs).
 
 Limits. No kernel launch overhead for compute ops (the host otherwise runs
 ahead at no cost); fusion as above, not Inductor's own decisions (a chain
@@ -52,13 +54,15 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from .analysis import aliased_input, is_compute, tensor_nbytes, traced_value
 from .sizes import concrete
 
 __all__ = ["DeviceProfile", "OPTIMIZERS", "OPS_PER_TRANSFER", "OptimizerStep", "Work", "fused_work", "node_time",
-           "node_times", "node_work", "optimizer_step", "roofline", "staging_seconds", "transfer_time", "value_nbytes"]
+           "node_times", "node_work", "op_work", "optimizer_step", "roofline", "staging_seconds", "transfer_time",
+           "value_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,8 @@ _FLOPS_AS = {
 }
 
 
-def _flop_counter(node: fx.Node) -> Any:
-    packet = getattr(node.target, "overloadpacket", None)
+def _flop_counter(target: Any) -> Any:
+    packet = getattr(target, "overloadpacket", None)
     counter = flop_registry.get(packet)
     alias = _FLOPS_AS.get(getattr(packet, "__name__", ""))
     if counter is None and alias is not None and hasattr(torch.ops.aten, alias):
@@ -113,22 +117,27 @@ def _flop_counter(node: fx.Node) -> Any:
 
 
 def _flops(node: fx.Node) -> int:
-    counter = _flop_counter(node)
+    args, kwargs = fx.map_arg((node.args, node.kwargs), traced_value)
+    return _op_flops(node.target, args, kwargs, node.meta.get("val"))
+
+
+def _op_flops(target: Any, args: Any, kwargs: dict, out: Any) -> int:
+    """FLOPs of one op on its traced (or dispatched) arguments and output, by PyTorch's FLOP registry."""
+    counter = _flop_counter(target)
     if counter is None:
         return 0
-    args, kwargs = fx.map_arg((node.args, node.kwargs), traced_value)
     try:
-        flops = counter(*args, **kwargs, out_val=node.meta.get("val"))
+        flops = counter(*args, **kwargs, out_val=out)
     except Exception:  # an unusual overload the counter does not handle: bandwidth-only estimate
-        grouped = _query_heads(args) if "attention" in str(node.target) else None
+        grouped = _query_heads(args) if "attention" in str(target) else None
         if grouped is None:
             return 0
         try:
-            flops = counter(*grouped, **kwargs, out_val=node.meta.get("val"))
+            flops = counter(*grouped, **kwargs, out_val=out)
         except Exception:
             return 0
     if isinstance(flops, torch.SymInt):  # int() would add a guard and specialise the graph's sizes
-        tensors = _tensors(node.meta.get("val"))  # the first output's fake mode holds the shape env
+        tensors = _tensors(out)  # the first output's fake mode holds the shape env
         return concrete(flops.node.expr, tensors[0] if tensors else None)
     return int(flops)
 
@@ -164,6 +173,18 @@ def node_work(node: fx.Node) -> Work | None:
     out = node.meta.get("val")
     moved = value_nbytes(out) + sum(value_nbytes(traced_value(a)) for a in node.all_input_nodes)
     return Work(flops=_flops(node), moved=moved, dtype=_work_dtype(out))
+
+
+def op_work(target: Any, args: tuple, kwargs: dict, out: Any) -> Work | None:
+    """What one op dispatched eagerly (outside the compiled graphs: a step's embedding, head and loss,
+    ``fxoffload.tools.layer_step``) asks of the device, as :func:`node_work` prices a node: its FLOPs,
+    the bytes of its tensor arguments and outputs, its dtype; None for an op that makes no tensor."""
+    outputs = _tensors(out)
+    if not outputs:
+        return None
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    moved = sum(value_nbytes(t) for t in tensors + outputs)
+    return Work(flops=_op_flops(target, args, kwargs, out), moved=moved, dtype=_work_dtype(out))
 
 
 # Ops Inductor leaves to a kernel of their own (a library call or a fallback), though they count no FLOPs.

@@ -105,3 +105,24 @@ def test_a_layer_that_returns_more_than_its_hidden_state_is_refused_with_what_is
             measure_eager_parts(net, list(net.layers), (torch.randn(4, 8, requires_grad=True),), {})
     assert all(type(layer).forward is _Pairs.forward for layer in net.layers)
     assert all("forward" not in vars(layer) for layer in net.layers)  # the layers restored
+
+
+def test_the_eager_ops_are_priced_as_nodes_are_the_head_s_three_matmuls_among_them(tmp_path):
+    """The step's time per layer counts the eager ops (``EagerParts.works``, priced by the roofline as
+    nodes are): with a wide vocabulary the head's matmuls (forward, and the two of its backward) are the
+    three largest, each 2 x tokens x hidden x vocabulary FLOPs."""
+    from fxoffload.passes import roofline
+    from fxoffload.profiles import resolve_profile
+
+    (tmp_path / "config.json").write_text(json.dumps(WIDE_VOCABULARY))
+    source = from_config_file(tmp_path)
+    seq, hidden, vocab = 64, WIDE_VOCABULARY["hidden_size"], WIDE_VOCABULARY["vocab_size"]
+    with FakeTensorMode(allow_non_fake_inputs=True), unpacked_sequences(source):
+        step, args, kwargs = source.build(1, seq, torch.float32)
+        parts = measure_eager_parts(step, list(layer_list(step)), args, kwargs)
+    matmul = 2 * seq * hidden * vocab
+    assert sorted(work.flops for work in parts.works)[-3:] == [matmul] * 3
+    assert all(work.moved > 0 for work in parts.works)
+    profile = resolve_profile("h100-pcie5")
+    head = 3 * roofline(next(w for w in parts.works if w.flops == matmul), profile)
+    assert head < parts.seconds(profile) < 10 * head  # the head's matmuls, and the rest of the eager ops

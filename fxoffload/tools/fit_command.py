@@ -30,9 +30,9 @@ Every memory and time figure is a prediction; only the command's own run time is
 
 Limits: the step must compile to one graph (with ``--per-layer``, its layers to one graph and the rest
 eager); a row's answer is exact on its grid for the plans made, not for the GPU's allocator (its slack
-belongs in ``--reserved``). Per layer, step times are the layer graph's runs and the optimizer's step
-(the eager parts' compute is not simulated), and a preset's or a config's step is traced as a real step
-runs, without the full attention mask transformers builds on fake tensors
+belongs in ``--reserved``). Per layer, step times are the layer graph's runs, the eager ops priced one
+after another (copies are not hidden under them) and the optimizer's step, and a preset's or a config's
+step is traced as a real step runs, without the full attention mask transformers builds on fake tensors
 (``fxoffload.tools.models.unpacked_sequences``, as ``fxoffload plan --per-layer`` traces it).
 """
 
@@ -450,8 +450,8 @@ def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, 
                       checkpointed: bool) -> Point:
     """A planned size of a step whose layers run one graph (``--per-layer``): the device peak of its eager
     parts and the layer graph's runs (``layer_step``), with the step's resident bytes, what is reserved
-    and the optimizer's state; the step time of the layer graph's runs (the eager parts' compute is not
-    simulated) and the optimizer's step; the limit read from the larger share at the peak."""
+    and the optimizer's state; the step time of the layer graph's runs, the eager ops (priced as nodes
+    are, one after another) and the optimizer's step; the limit read from the largest share at the peak."""
     peak = layer_step_peak(parts, run_peaks(record.plan, record.timeline, record.schedule))
     fixed = parts.resident + reserved + optimizer.state_bytes
     figures = {"graph inputs and reserved": fixed, "eager parts (embedding, head, loss)": peak.eager,
@@ -468,7 +468,7 @@ def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, 
         code = LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED_ACTIVATIONS
     else:
         code = LimitCode.TEMPORARIES
-    step_time = simulate_step([record] * len(parts.forwards)).step_time
+    step_time = simulate_step([record] * len(parts.forwards)).step_time + parts.seconds(record.profile)
     return Point(size, fixed + peak.nbytes, step_time + optimizer.seconds, Limit(code, figures))
 
 
@@ -536,7 +536,7 @@ def format_fit(report: dict) -> str:
              "not measured",
              f"searched: {'the largest batch' if report['searched'] == 'batch' else 'the longest sequence'}"
              + ("; each layer compiled on its own, the embedding, head and loss eager beside them (step times: the "
-                "layer graph's runs only)" if report.get("per_layer") else ""),
+                "layer graph's runs, then the eager ops one after another)" if report.get("per_layer") else ""),
              f"{'row':<30}{'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}{'tokens/s':>11}  limit"]
     for row in report["rows"]:
         peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f} GB"
