@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxoffload.passes import DeviceProfile, RunPeaks, Work, op_work, roofline, tensor_nbytes, tensor_storage_key
@@ -191,8 +192,6 @@ class _Tracker(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor, inputs: set[int]) -> bool:
         """Track ``t``'s storage if the op made it; whether it did."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         key = tensor_storage_key(t)
         known = self.storages.get(key)
         if key in inputs or known is not None and not known.ref.expired():
