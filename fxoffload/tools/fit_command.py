@@ -421,9 +421,9 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
         options = {**common, **setup.options}
         if parts is not None:
             options["runs_per_step"] = len(parts.forwards)
-        # A budget of one byte, planned for the smallest device peak instead. Per layer, the answer too: a
-        # device budget would bound the layer graph's runs, not the eager parts beside them.
-        if setup.device_budget and (not answer or parts is not None):
+        # A budget of one byte, planned for the smallest device peak instead (per layer the answer is its
+        # probe's plan: search_setups' answers_again).
+        if setup.device_budget and not answer:
             options.update(device_budget=1, on_infeasible="warn")
         elif setup.device_budget:  # the optimizer's state joins what is reserved (for the smallest peak it
             # must not: one byte cannot hold it; it is added below like any reserved bytes)

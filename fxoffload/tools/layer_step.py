@@ -216,8 +216,15 @@ class _Tracker(TorchDispatchMode):
         if entry is not None and entry.end is None and not entry.ref.expired():
             entry.end = self.ops
 
-    def made_in_stand_in(self, t: torch.Tensor, counted: bool) -> None:
-        self.storages[tensor_storage_key(t)].counted = counted
+    def fresh_like(self, t: torch.Tensor, counted: bool) -> torch.Tensor:
+        """A stand-in's new tensor shaped as ``t``: tracked, counted as eager only where ``counted``."""
+        self.in_stand_in = True
+        try:
+            out = torch.empty_like(t)
+        finally:
+            self.in_stand_in = False
+        self.storages[tensor_storage_key(out)].counted = counted
+        return out
 
 
 def _stand_in(forward: Any, index: int, layers: int, tracker: _Tracker, learned: dict) -> Any:
@@ -263,12 +270,7 @@ class _StandIn(torch.autograd.Function):
         ctx.index, ctx.layers, ctx.tracker = index, layers, tracker
         tracker.hand_to_layer(hidden)
         tracker.forwards[index] = tracker.ops
-        tracker.in_stand_in = True
-        try:
-            out = torch.empty_like(hidden)
-        finally:
-            tracker.in_stand_in = False
-        tracker.made_in_stand_in(out, counted=index == layers - 1)  # the final norm keeps the last output
+        out = tracker.fresh_like(hidden, counted=index == layers - 1)  # the final norm keeps the last output
         tracker.forwards_ended[index] = tracker.ops
         return out
 
@@ -277,12 +279,7 @@ class _StandIn(torch.autograd.Function):
         tracker, index = ctx.tracker, ctx.index
         tracker.hand_to_layer(grad)
         tracker.backwards[index] = tracker.ops
-        tracker.in_stand_in = True
-        try:
-            grad_in = torch.empty_like(grad)
-        finally:
-            tracker.in_stand_in = False
-        tracker.made_in_stand_in(grad_in, counted=index == 0)  # the embedding's backward reads the first's
+        grad_in = tracker.fresh_like(grad, counted=index == 0)  # the embedding's backward reads the first's
         tracker.backwards_ended[index] = tracker.ops
         return (grad_in, None, None, None) + (None,) * len(ctx.saved_tensors)
 
