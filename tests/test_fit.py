@@ -588,3 +588,147 @@ def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_fou
         gc.unfreeze()
         gc.enable()
     assert traced == 1 and [row.size for row in rows] == [64, 64, 64]  # the tiny Llama fits 64 tokens
+
+
+def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, monkeypatch):
+    """``trace_step`` traces under ``tracing.unlogged_graphs``: AOTAutograd prints none of its graphs as text
+    (it did for every compile, log or no log: 1.2 s of an 8B step's trace). The plan is the same as a trace
+    that prints them gives."""
+    import argparse
+    import json
+
+    import torch
+    import torch.fx
+
+    from fxoffload.passes import plan_digest
+    from fxoffload.tools import tracing
+    from fxoffload.tools.fit_command import _common_options
+    from fxoffload.tools.models import from_config_file
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = from_config_file(tmp_path)
+    options = {**_common_options(argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none")),
+               "memory_budget": 0.5}
+    run = argparse.Namespace(batch=1, checkpointing="none", per_layer=False, optimizer="none", traceback=True)
+    printed = []
+    print_readable = torch.fx.GraphModule.print_readable
+
+    def counted(self, *args, **kwargs):  # AOTAutograd's prints (dynamo's structured log may print its own)
+        import traceback
+
+        if any("_functorch" in frame.filename for frame in traceback.extract_stack()):
+            printed.append(type(self).__name__)
+        return print_readable(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "print_readable", counted)
+    (quiet,) = tracing.trace_step(source, run, 64, torch.float32, options, tracing.Progress(True)).records
+    assert printed == []
+    monkeypatch.setattr(tracing, "unlogged_graphs", contextlib_nullcontext)
+    (loud,) = tracing.trace_step(source, run, 64, torch.float32, options, tracing.Progress(True)).records
+    assert len(printed) >= 3  # the premise: AOTAutograd prints the joint, forward and backward graphs
+    assert plan_digest(quiet.plan, quiet.schedule) == plan_digest(loud.plan, loud.schedule)
+
+
+def contextlib_nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_fit_s_traces_skip_dynamo_s_own_collection_and_restore_it():
+    """While fit traces (``_collected_then_frozen``), dynamo does not collect after each compile (the one
+    collection after the trace walks what it made once); the setting is restored after."""
+    import torch
+
+    from fxoffload.tools.fit_command import _collected_then_frozen
+
+    before = torch._dynamo.config.run_gc_after_compile
+    with _collected_then_frozen():
+        assert torch._dynamo.config.run_gc_after_compile is False
+    import gc
+
+    gc.unfreeze()
+    assert torch._dynamo.config.run_gc_after_compile == before
+
+
+@pytest.mark.slow
+def test_the_command_s_own_process_gives_the_rows_a_calling_program_gets(tmp_path, tiny_fit):
+    """``python -m fxoffload fit`` searches its first checkpointing mode in its own process and ends without
+    freeing its traces (``os._exit`` after its report): its exit status is 0 and its report whole, with the
+    rows of fit called from this process."""
+    import json
+    import subprocess
+    import sys
+
+    report, config, _ = tiny_fit
+    done = subprocess.run([sys.executable, "-m", "fxoffload", "fit", "--config", config, "--dtype", "fp32",
+                           "--device-memory", str(MEMORY), "--reserved", str(RESERVED), "--granularity", str(GRID),
+                           "--max-seq", "1024", "--quiet", "--json", "--no-plot"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    program = json.loads(done.stdout)
+    assert program["rows"] == report["rows"] and program["jobs"] == report["jobs"]
+
+
+def test_a_trace_stopped_at_its_joint_graph_plans_again_as_a_whole_compile_s_joint(tmp_path):
+    """fit traces with ``joints_only``: the compile stops once the backend keeps the step's joint graph (no
+    partition, plan, backward compile, nor dynamo's guards: about 6 s of an 8B trace). Planned again, that
+    joint gives every setup's plan of the joint a whole compile keeps. (A step with a graph break is traced
+    whole: ``test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_breaks``.)"""
+    import argparse
+    import json
+
+    import torch
+
+    from fxoffload.passes import plan_digest
+    from fxoffload.tools.fit import SETUPS
+    from fxoffload.tools.fit_command import _common_options
+    from fxoffload.tools.models import from_config_file
+    from fxoffload.tools.tracing import Progress, plan_again, trace_step
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = from_config_file(tmp_path)
+    common = _common_options(argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none"))
+    run = dict(batch=1, checkpointing="none", per_layer=False, optimizer="none", traceback=True, keep_joints=True)
+    traced = {only: trace_step(source, argparse.Namespace(**run, joints_only=only), 128, torch.float32,
+                               {**common, "memory_budget": 1.0}, Progress(True)) for only in (True, False)}
+    assert len(traced[True].joints) == len(traced[False].joints) == 1
+    assert traced[True].records == [] and len(traced[False].records) == 1  # stopped: nothing planned
+    for setup in (s for s in SETUPS if s.checkpointing == "none" and not s.device_budget):
+        (stopped,), (whole,) = (plan_again(traced[only], {**common, **setup.options}) for only in (True, False))
+        assert plan_digest(stopped.plan, stopped.schedule) == plan_digest(whole.plan, whole.schedule), setup
+        assert stopped.plan.step_peak_after == whole.plan.step_peak_after
+
+
+def test_a_plan_that_moves_tensors_first_at_a_length_leaves_the_next_setup_s_partition_as_it_was(tmp_path):
+    """Setups planned at one length of the symbolic trace share its default partition (``PartitionMemo``):
+    each is handed a copy, which its rewrite changes in place. A setup that moves tensors, planned first
+    there, leaves the next one (plain) the plan plain gets alone."""
+    import argparse
+    import json
+    import warnings
+
+    import torch
+
+    from fxoffload.passes import BudgetInfeasibleWarning, plan_digest
+    from fxoffload.tools.fit import Grid
+    from fxoffload.tools.fit_command import _common_options, _Traces
+    from fxoffload.tools.models import from_config_file
+    from fxoffload.tools.tracing import plan_again
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = from_config_file(tmp_path)
+    args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
+                              traceback=True, per_layer=False)
+    common = _common_options(args)
+    plain, smallest = {**common, "memory_budget": 1.0}, {**common, "device_budget": 1, "on_infeasible": "warn"}
+    digests = {}
+    for order in ((plain,), (smallest, plain)):
+        traces = _Traces(args, source, torch.float32, common, Grid(False, GRID, 96, 1024))
+        for options in order:
+            with warnings.catch_warnings(), traces.at("none", 1, 400) as traced:
+                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                (record,) = plan_again(traced, options)
+            digests.setdefault(len(order), []).append(plan_digest(record.plan, record.schedule))
+            assert options is plain or record.plan.transfers  # the premise: the first plan moves tensors
+    assert digests[2][-1] == digests[1][0]

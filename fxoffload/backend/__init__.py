@@ -93,7 +93,7 @@ log = logging.getLogger(__name__)
 # checkpointed layer saves only its input). Re-planned once counted, whatever the count.
 PROVISIONAL_RUNS = 2
 
-__all__ = ["GraphRecord", "Joint", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
+__all__ = ["GraphRecord", "Joint", "JointKept", "OffloadBackend", "offload_backend", "dynamo_backend", "named_backend",
            "register_backend_name"]
 
 
@@ -153,6 +153,16 @@ class _Replan:
     def copy(self) -> "_Replan":
         """Another copy of the graph, to compile once more (a compile may edit the graph it is handed)."""
         return dataclasses.replace(self, module=module_copy(self.module))
+
+
+class JointKept(Exception):
+    """Raised out of ``torch.compile`` by a backend made with ``stop_at_joint=True`` once it kept the step's
+    joint graph (``joint``): what the compile would do after the partition hook (partition, plan, the
+    backward's compile, dynamo's guards and code) is not needed to plan the joint again."""
+
+    def __init__(self, joint: "Joint") -> None:
+        super().__init__("fxoffload: the joint graph is kept; the compile stops here")
+        self.joint = joint
 
 
 @dataclass(frozen=True)
@@ -256,11 +266,15 @@ def _run_backward(compiled: Callable, debug: bool, compilation: _Compilation) ->
 class OffloadBackend:
     """A ``torch.compile`` backend that offloads saved activations; see the module docstring."""
 
-    def __init__(self, config: OffloadConfig, *, keep_joints: bool = False) -> None:
+    def __init__(self, config: OffloadConfig, *, keep_joints: bool = False, stop_at_joint: bool = False) -> None:
         self.config = config
         self.records: list[GraphRecord] = []
         # With keep_joints: each compile's joint graph, to plan again under other options (plan_joint).
-        self.joints: list[Joint] | None = [] if keep_joints else None
+        self.joints: list[Joint] | None = [] if keep_joints or stop_at_joint else None
+        # With stop_at_joint: a compile of the whole frame stops once its joint graph is kept (JointKept).
+        self._stop_at_joint = stop_at_joint
+        self._compiled_any = False
+        self.stopped = False  # a compile stopped at its joint (stop_at_joint)
         self._host_warned = False
         self._compile_count: dict[Any, int] = {}
         # The step: what each region holds and how often it runs, and the shares of its memory budget
@@ -612,11 +626,22 @@ class OffloadBackend:
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
     def _keep_joint(self, compilation: _Compilation, gm: fx.GraphModule, joint_inputs: Any,
-                    kwargs: dict) -> PartitionMemo:
+                    kwargs: dict, stop: bool = False) -> PartitionMemo:
         joint = Joint(module_copy(gm), joint_inputs, dict(kwargs), compilation.inputs, compilation.graph,
                       torch._guards.TracingContext.try_get(), PartitionMemo())
         self.joints.append(joint)
+        if stop:
+            self.stopped = True
+            raise JointKept(joint)
         return joint.partition
+
+    def _stops_at_joint(self, gm: fx.GraphModule) -> bool:
+        """Under ``stop_at_joint``: whether this compile stops once its joint graph is kept. Only the
+        backend's first compile, of a graph dynamo compiled at its frame's return: the step's one graph
+        (after a graph break, dynamo compiles more graphs, and each is compiled whole, to be counted)."""
+        first, self._compiled_any = not self._compiled_any, True
+        reason = getattr(gm, "compile_subgraph_reason", None)  # dynamo's (GraphCompileReason); absent: not stopped
+        return self._stop_at_joint and first and reason is not None and reason.graph_break is False
 
     def plan_joint(self, joint: Joint) -> GraphRecord:
         """Plan ``joint`` (kept by another backend) under this backend's options, as this backend would
@@ -633,7 +658,8 @@ class OffloadBackend:
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,
                       patches: dict) -> Callable:
         """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
-        keep = None if self.joints is None else functools.partial(self._keep_joint, compilation)
+        stop = self._stops_at_joint(gm)
+        keep = None if self.joints is None else functools.partial(self._keep_joint, compilation, stop=stop)
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, keep)
         if self.config.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx  # Inductor: loaded only under inner="inductor"

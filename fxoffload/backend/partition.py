@@ -107,10 +107,10 @@ class Partitioner(CustomPartitionerFn):
     def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None, **kwargs: Any):
         made = memo.made if memo is not None else None
         if made is None:
-            made = self._partition(gm, joint_inputs, kwargs, memo.by_cut if memo is not None else None)
-            if memo is not None:  # a copy: the passes rewrite the pair they are handed
-                memo.made = dataclasses.replace(made, forward=module_copy(made.forward),
-                                                backward=module_copy(made.backward))
+            made, kept = self._partition(gm, joint_inputs, kwargs, memo.by_cut if memo is not None else None)
+            if memo is not None:  # not the pair handed on: the passes rewrite the pair they are handed
+                forward, backward = kept or (module_copy(made.forward), module_copy(made.backward))
+                memo.made = dataclasses.replace(made, forward=forward, backward=backward)
         else:
             save_offload_marks(gm.graph)  # the graph as the default partition leaves it, for recompute_only
             made = dataclasses.replace(made, forward=module_copy(made.forward), backward=module_copy(made.backward))
@@ -122,9 +122,11 @@ class Partitioner(CustomPartitionerFn):
         return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
                              made.plain_total)
 
-    def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, by_cut: dict | None) -> _Default:
-        """The default partition; ``by_cut``: the pairs extracted from other copies of a kept joint graph
-        (``PartitionMemo.by_cut``), None for a graph partitioned once."""
+    def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
+                   by_cut: dict | None) -> tuple[_Default, tuple | None]:
+        """The default partition, and the pair ``by_cut`` keeps of it (read only, never handed on: a copy of
+        the partition's), None where it keeps none; ``by_cut``: the pairs extracted from other copies of a
+        kept joint graph (``PartitionMemo.by_cut``), None for a graph partitioned once."""
         # The user's selective-checkpoint marks, before the partitioner writes its own.
         policies = read_policies(gm.graph)
         plain_total = None
@@ -135,11 +137,12 @@ class Partitioner(CustomPartitionerFn):
             plain_total = unoffloaded_total_peak(plain_fw, plain_bw, kwargs["num_fwd_outputs"],
                                                  self._input_activations)
         save_offload_marks(gm.graph)
+        kept = None
         if by_cut is None:
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         else:
-            fw, bw = partition_by_cut(gm, joint_inputs, kwargs, by_cut)
-        return _Default(fw, bw, policies, plain_total)
+            fw, bw, kept = partition_by_cut(gm, joint_inputs, kwargs, by_cut)
+        return _Default(fw, bw, policies, plain_total), kept
 
     def uuid(self) -> None:
         return None  # no caching: a cache hit would skip the passes and the record
@@ -165,14 +168,16 @@ class _KnownCut(Exception):
 
 
 def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
-                     by_cut: dict) -> tuple[fx.GraphModule, fx.GraphModule]:
+                     by_cut: dict) -> tuple[fx.GraphModule, fx.GraphModule, tuple | None]:
     """PyTorch's min-cut partition of ``gm``, except that where it chooses a cut (the saved values,
     with the arguments that extract the pair) that it chose before for another copy of the same joint
     graph (``by_cut``), the pair extracted then is handed out, copied. What the partitioner does after
     choosing the cut (extract the two graphs, reorder the backward as autograd would run it, raise
     getitems) reads the graph and the cut only, not the sizes the cut was chosen at; a symbolic trace
     planned at several lengths saves the same values at each (llama-3-8b and mistral-7b from 256 to
-    8192 tokens, with checkpointing and without): the cut is chosen at each length, extracted once."""
+    8192 tokens, with checkpointing and without): the cut is chosen at each length, extracted once.
+    Returns the pair to hand on, and the pair ``by_cut`` keeps for its cut (read only: never handed on;
+    None where the partitioner took its default partition, extracting nothing)."""
     partitioners = torch._functorch.partitioners
     extract = partitioners._extract_fwd_bwd_modules
     key = None
@@ -189,12 +194,13 @@ def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
     except _KnownCut as known:
         fw, bw = known.pair
-        return module_copy(fw), module_copy(bw)
+        return module_copy(fw), module_copy(bw), known.pair
     finally:
         partitioners._extract_fwd_bwd_modules = extract
-    if key is not None:  # (None: the partitioner took its default partition, extracting nothing)
-        by_cut[key] = (module_copy(fw), module_copy(bw))
-    return fw, bw
+    if key is None:  # the partitioner took its default partition, extracting nothing
+        return fw, bw, None
+    by_cut[key] = (module_copy(fw), module_copy(bw))
+    return fw, bw, by_cut[key]
 
 
 def _cut_key(args: tuple, kwargs: dict) -> tuple:

@@ -111,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "fit":
-
-            return run_fit(args)
+            return run_fit(args, program=argv is None)  # argv None: the command line's own process
         return _check(args) if args.command == "check" else _plan(args)
     except UsageError as e:
         print(f"fxoffload {args.command}: error: {e}", file=sys.stderr)

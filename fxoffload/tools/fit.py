@@ -291,13 +291,16 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     spans = [(lt, span) for lt in timeline.lifetimes for span in on_device(lt, moved)]
     totals = curve(timeline.length, [span for _, span in spans] + list(temporaries))
     at = max(range(len(totals)), key=totals.__getitem__) if totals else 0
-    shapes = {n.name: getattr(n.meta.get("val"), "shape", None) for n in timeline.fw_nodes + timeline.bw_nodes}
     shares = {"logits": 0, "saved": 0, "other": sum(n for s, e, n in temporaries if s <= at <= e)}
-    for lt, (start, end, nbytes) in spans:
-        if start <= at <= end:
-            shape = shapes.get(lt.name)
-            logits = vocab is not None and shape is not None and len(shape) >= 1 and shape[-1] == vocab
-            shares["logits" if logits else "saved" if lt.activation else "other"] += nbytes
+    alive = [(lt, nbytes) for lt, (start, end, nbytes) in spans if start <= at <= end]
+    # Shapes read only for the tensors alive at the peak (reading every node's took 0.2 s a probe of an 8B step).
+    names = {lt.name for lt, _ in alive}
+    shapes = {n.name: getattr(n.meta.get("val"), "shape", None)
+              for n in timeline.fw_nodes + timeline.bw_nodes if n.name in names}
+    for lt, nbytes in alive:
+        shape = shapes.get(lt.name)
+        logits = vocab is not None and shape is not None and len(shape) >= 1 and shape[-1] == vocab
+        shares["logits" if logits else "saved" if lt.activation else "other"] += nbytes
     figures = {"graph inputs and reserved": fixed, "logits": shares["logits"],
                "saved activations": shares["saved"], "other tensors": shares["other"]}
     if fixed >= memory:

@@ -110,7 +110,10 @@ def add_fit_parser(commands: Any) -> None:
     add_output(fit, plot="fxoffload-fit.png")
 
 
-def run_fit(args: argparse.Namespace) -> int:
+def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
+    """``fxoffload fit``. ``program``: this process is the command itself (not a program calling it), and
+    ends without freeing its traces once the report is printed (as fit's workers do: see
+    :func:`_exit_without_freeing`; freeing an 8B step's trace took 5 s, 2026-11-29)."""
     started = time.perf_counter()
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
@@ -126,12 +129,16 @@ def run_fit(args: argparse.Namespace) -> int:
     progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB"
              + (f"; {len(modes)} checkpointing modes in {jobs} processes" if jobs > 1 else ""))
+    search = _search_kept if program else search_mode
     if jobs == 1:
-        searched = [search_mode(args, mode) for mode in modes]
+        searched = [search(args, mode) for mode in modes]
     else:  # spawned, not forked: a forked child inherits the parent's thread pools half made
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+        with ProcessPoolExecutor(jobs - 1, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_exit_without_freeing) as pool:
-            searched = list(pool.map(_search_in_worker, [args] * len(modes), modes))
+            # The first mode (no checkpointing: the most probes) is searched here meanwhile: one process
+            # fewer to start and to import torch in (about 4 s of an 8B fit's 70, 2026-11-29).
+            others = pool.map(_search_in_worker, [args] * (len(modes) - 1), modes[1:])
+            searched = [search(args, modes[0]), *others]
     rows = best_rows([row for found, _ in searched for row in found])
     report = fit_report(rows, args, source, memory, reserved, grid)
     report["seconds"] = time.perf_counter() - started
@@ -140,6 +147,8 @@ def run_fit(args: argparse.Namespace) -> int:
         report["plot"] = _plot(rows, args, source, memory, grid)
         progress(f"wrote {args.output}")
     print(json.dumps(report, indent=2) if args.json else format_fit(report))
+    if program:
+        _exit_without_freeing()
     return 0
 
 
@@ -156,16 +165,22 @@ _WORKER_TRACES: list = []
 
 def _search_in_worker(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
     """:func:`search_mode` in a worker process of fit's pool, its traces kept (not freed on return)."""
+    return _search_kept(args, mode)
+
+
+def _search_kept(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
+    """:func:`search_mode`, its traces kept to the process's end rather than freed on return (a process
+    that ends without freeing them: :func:`_exit_without_freeing`)."""
     rows, traces = _searched(args, mode)
     _WORKER_TRACES.append(traces)
     return rows, traces.traced
 
 
 def _exit_without_freeing() -> None:
-    """A worker's initializer: the process ends without freeing what it holds (``os._exit`` first
-    thing at its exit, its output flushed). A step's trace is millions of Python objects, and freeing
-    them at the process's end kept the command waiting for its workers (2.1 s after the answers for 8
-    layers of llama-3-8b; none since, 2026-11-29)."""
+    """A worker's initializer, and the command's own process once its report is printed: the process ends
+    without freeing what it holds (``os._exit(0)`` first thing at its exit, its output flushed). A step's
+    trace is millions of Python objects, and freeing them at the process's end kept the command waiting
+    for its workers (2.1 s after the answers for 8 layers of llama-3-8b; none since, 2026-11-29)."""
     def exit_now() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -342,9 +357,11 @@ class _Traces:
         return self._kept[key]
 
     def _trace(self, checkpointing: str, batch: int, seq: int, lengths: tuple[int, int] | None) -> Any:
-        # Traced under the cheapest plan (keep everything); each setup plans the joint graph again.
+        # Traced to its joint graph, the compile stopped there (where the step is one graph; else planned
+        # under the cheapest plan, keep everything): each setup plans the joint graph again.
         run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=self._args.per_layer,
-                                 optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True)
+                                 optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True,
+                                 joints_only=True)
         with _collected_then_frozen():
             traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
                                 Progress(True), lengths=lengths)
@@ -385,8 +402,12 @@ def _collected_then_frozen() -> Iterator[None]:
     enabled = gc.isenabled()
     gc.unfreeze()  # what an earlier trace left (a trace dropped since) is collected too
     gc.disable()
+    # Dynamo's own collection after a compile (of the younger generations: every object the trace made,
+    # the collector being paused) would walk them once more than the one collection below.
+    quiet = {"run_gc_after_compile": False} if hasattr(torch._dynamo.config, "run_gc_after_compile") else {}
     try:
-        yield
+        with torch._dynamo.config.patch(**quiet):
+            yield
     finally:
         gc.collect()
         gc.freeze()

@@ -11,15 +11,16 @@ Limits: ``--per-layer`` needs a list of repeated layers of a module class of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxoffload.backend import OffloadBackend
+from fxoffload.backend import JointKept, OffloadBackend
 from fxoffload.backend.partition import with_stack_headroom
 from fxoffload.config import OffloadConfig, OptionError, config_from_options, parse_budget
 from fxoffload.explain import format_bytes, format_stages
@@ -110,7 +111,9 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
     """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
     ``--optimizer``) joins what is reserved under a device budget. ``args``: the step's batch,
     checkpointing, per_layer, optimizer and traceback flags, and ``keep_joints`` (optional): keep each
-    compile's joint graph (``_Traced.joints``) for :func:`plan_again`."""
+    compile's joint graph (``_Traced.joints``) for :func:`plan_again`; ``joints_only`` (optional): keep it
+    and stop the compile there (no plan, no record) where it is the step's one graph (dynamo compiled it at
+    the step's return; after a graph break every graph is compiled and planned, to be counted)."""
 
 
     torch._dynamo.reset()
@@ -136,7 +139,9 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
                              "of one layer class) to compile one at a time")
         # One graph serves every layer: plan it for the step's runs of it.
         config = config_from_options({**options, **({"runs_per_step": len(blocks)} if blocks else {})})
-        backend = OffloadBackend(config, keep_joints=getattr(args, "keep_joints", False))
+        # Only the joint graph wanted (fit): the compile stops once it is kept, where it is the step's one graph.
+        backend = OffloadBackend(config, keep_joints=getattr(args, "keep_joints", False),
+                                 stop_at_joint=getattr(args, "joints_only", False) and not blocks)
         try:
             if blocks:
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
@@ -144,17 +149,22 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
                     block.compile(backend=backend)
                 # The rest of the step runs eagerly, on fake tensors: as on real ones, without the full
                 # attention mask transformers builds where it cannot read the position ids.
-                with unpacked_sequences(source):
+                with unpacked_sequences(source), unlogged_graphs():
                     with_stack_headroom(step, *inputs, **kwargs)
             else:
-                with_stack_headroom(torch.compile(step, backend=backend), *inputs, **kwargs)
+                with unlogged_graphs():
+                    with_stack_headroom(torch.compile(step, backend=backend), *inputs, **kwargs)
         except Exception as e:
-            error = _usage_error(e, source, args.traceback)
-            if error is e:
-                raise
-            raise error from None
+            if _cause(e, (JointKept,)) is None:
+                error = _usage_error(e, source, args.traceback)
+                if error is e:
+                    raise
+                raise error from None
         seconds["trace_and_plan"] = time.perf_counter() - start
     torch._dynamo.reset()
+    if backend.stopped:
+        progress(f"traced the step's joint graph in {seconds['trace_and_plan']:.1f} s (not planned)")
+        return _Traced([], [], {**seconds, "fxoffload_passes": 0.0, "fxoffload_stages": {}}, optimizer, backend.joints)
     _check_compiled(backend, blocks, source)
     stages: dict[str, float] = {}
     for record in backend.records:
@@ -166,6 +176,37 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
              f"(fxoffload passes {format_stages(tuple(stages.items()))})")
     return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer,
                    backend.joints or [])
+
+
+# AOTAutograd's functions that print its joint, forward and backward graphs as text for its structured log
+# and its cache entries, whether or not a log is on (``AOTConfig.enable_log``, which dynamo's compiles
+# leave on): (module, name, what it returns when it logs nothing).
+_GRAPH_LOGGERS = (("torch._functorch._aot_autograd.graph_compile", "_log_joint_graph", None),
+                  ("torch._functorch._aot_autograd.graph_compile", "_log_fw_bw_graphs", (None, None)))
+
+
+@contextlib.contextmanager
+def unlogged_graphs() -> Iterator[None]:
+    """Within: AOTAutograd prints no graph as text (it does so as ``enable_log=False`` has it: the
+    strings are None). A traced step is only planned and read, never logged nor cached: on an 8B step
+    the printing took 1.2 s of a 35 s trace (2026-11-29, this CPU). A release without one of those
+    functions is left as it is."""
+    import importlib
+
+    patched = []
+    for module_name, name, quiet in _GRAPH_LOGGERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if callable(getattr(module, name, None)):
+            patched.append((module, name, getattr(module, name)))
+            setattr(module, name, lambda *args, _quiet=quiet, **kwargs: _quiet)
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 def plan_again(traced: "_Traced", options: dict) -> list:
