@@ -595,6 +595,7 @@ def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, mon
     (it did for every compile, log or no log: 1.2 s of an 8B step's trace). The plan is the same as a trace
     that prints them gives."""
     import argparse
+    import contextlib
     import json
 
     import torch
@@ -623,16 +624,10 @@ def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, mon
     monkeypatch.setattr(torch.fx.GraphModule, "print_readable", counted)
     (quiet,) = tracing.trace_step(source, run, 64, torch.float32, options, tracing.Progress(True)).records
     assert printed == []
-    monkeypatch.setattr(tracing, "unlogged_graphs", contextlib_nullcontext)
+    monkeypatch.setattr(tracing, "unlogged_graphs", contextlib.nullcontext)
     (loud,) = tracing.trace_step(source, run, 64, torch.float32, options, tracing.Progress(True)).records
     assert len(printed) >= 3  # the premise: AOTAutograd prints the joint, forward and backward graphs
     assert plan_digest(quiet.plan, quiet.schedule) == plan_digest(loud.plan, loud.schedule)
-
-
-def contextlib_nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def test_fit_s_traces_skip_dynamo_s_own_collection_and_restore_it():
