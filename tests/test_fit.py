@@ -519,24 +519,29 @@ def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_t
 
 
 class _BranchesOnLength(__import__("torch").nn.Module):
-    """A step whose ops depend on the length (a branch): one symbolic trace cannot serve every length."""
+    """A step whose ops depend on the length (a branch, on a bound or on divisibility by 32): one symbolic
+    trace cannot serve every length."""
 
-    def __init__(self):
+    def __init__(self, divisible: bool = False):
         import torch
 
         super().__init__()
         self.embedding, self.head = torch.nn.Embedding(32, 64), torch.nn.Linear(64, 64)
+        self.divisible = divisible
 
     def forward(self, input_ids):
         hidden = self.embedding(input_ids)
-        if input_ids.shape[1] > 40:
+        if (input_ids.shape[1] % 32 == 0) if self.divisible else (input_ids.shape[1] > 40):
             hidden = hidden.relu()
         return self.head(hidden).pow(2).mean()
 
 
-def test_a_step_whose_ops_depend_on_the_length_is_traced_at_each_length_instead():
-    """A symbolic trace whose guards would not serve every length marked fails (dynamo refuses the
-    mark): fit says so and traces each length, planning each as ``fxoffload plan`` does."""
+@pytest.mark.parametrize("divisible", [False, True])
+def test_a_step_whose_ops_depend_on_the_length_is_traced_on_its_own_where_the_guards_do_not_hold(divisible):
+    """The symbolic trace stops at its joint graph, before dynamo checks its guards against the lengths
+    marked: fit reads them (the range they narrow, and guards beside it: here a divisibility), traces
+    on its own each length where one does not hold, says so, and plans each length with its own ops.
+    Serving every length of the range fails it (the divisibility's 48 would get the relu)."""
     import argparse
 
     import torch
@@ -547,20 +552,21 @@ def test_a_step_whose_ops_depend_on_the_length_is_traced_at_each_length_instead(
     from fxoffload.tools.tracing import plan_again
 
     def build(batch, seq, dtype):
-        return _BranchesOnLength(), (), {"input_ids": torch.randint(0, 32, (batch, seq))}
+        return _BranchesOnLength(divisible), (), {"input_ids": torch.randint(0, 32, (batch, seq))}
 
-    source = ModelSource("branches", build, 64, symbolic_length=True)
+    source = ModelSource("branches", build, 256, symbolic_length=True)
     args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
                               traceback=True, per_layer=False)
     said = []
     traces = _Traces(args, source, torch.float32, _common_options(args), Grid(False, 16, 64, 256), said.append)
     relu = []
-    for seq in (32, 64):
+    lengths = (48, 64, 96) if divisible else (32, 64, 96)
+    for seq in lengths:
         with traces.at("none", 1, seq) as traced:
             (record,) = plan_again(traced, {**_common_options(args), "memory_budget": 1.0})
         relu.append(any("relu" in str(node.target) for node in record.timeline.fw_nodes))
-    assert traces.traced == 2 and len(said) == 1 and "tracing each length instead" in said[0], said
-    assert relu == [False, True]  # each length's own ops
+    assert traces.traced == 2 and len(said) == 1 and f"does not serve length {lengths[0]}" in said[0], said
+    assert relu == [False, True, True]  # each length's own ops
 
 
 @pytest.mark.slow

@@ -108,7 +108,9 @@ def test_a_cut_chosen_again_gets_the_pair_extracted_before_and_another_cut_its_o
         return seen
 
     def by_cut_partition(gm, joint_inputs, **kwargs):
-        return partition_by_cut(gm, joint_inputs, kwargs, by_cut)
+        fw, bw, kept_pair = partition_by_cut(gm, joint_inputs, kwargs, by_cut)
+        assert kept_pair is not None and kept_pair[0] is not fw  # the pair kept for the cut is never handed on
+        return fw, bw
 
     pairs = []
     for fraction in (1.0, 0.0, 1.0, 1.0, 0.0):

@@ -12,10 +12,11 @@ fake tensors, compiled with the fxoffload backend, ``inner="eager"``, nothing ru
 checkpointing mode with the sequence length symbolic, where fit searches the lengths of a preset's or
 a config's text model: each probe is planned with every size evaluated at its length
 (``fxoffload.passes.fixed_sizes``), the plan a trace at that length gives (a test checks it). A batch
-search, a model file (whose own ``build`` may depend on the length) and a step whose ops depend on the
-length (dynamo refuses the symbolic trace; fit says so) are traced once per size instead (the latest
-``KEPT_TRACES`` kept). Every setup that probes a mode and size plans its joint graph again
-(``fxoffload.tools.tracing.plan_again``): the plan a trace of its own would give (a test checks it).
+search and a model file (whose own ``build`` may depend on the length) are traced once per size instead
+(the latest ``KEPT_TRACES`` kept), and so is each length where a guard of the symbolic trace on the
+length does not hold (a step whose ops depend on it; fit says so). Every setup that probes a mode and
+size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a trace of its own
+would give (a test checks it).
 Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
 traces again from the arguments), one per mode and at most one per CPU by default.
 With ``--per-layer`` each layer is compiled on its own (one graph serves them all, planned for their
@@ -52,6 +53,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
+import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -274,16 +276,34 @@ KEPT_TRACES = 4
 
 class _Symbolic(NamedTuple):
     """A step traced once with its sequence length symbolic: the trace, and the length's symbol, its
-    shape environment and the lengths its guards allow (``lower`` to ``upper``)."""
+    shape environment, the lengths its guards allow (``lower`` to ``upper``) and the guards (and runtime
+    asserts) on the length besides (sympy expressions). The trace stops at its joint graph
+    (``joints_only``), before dynamo would check its guards against the lengths marked: a length is
+    served where every guard holds there."""
 
     traced: Any
     shape_env: Any
     symbol: Any
     lower: int
     upper: int
+    guards: tuple = ()
 
     def serves(self, seq: int) -> bool:
-        return self.lower <= seq <= self.upper
+        return self.lower <= seq <= self.upper and all(_holds(guard, self.symbol, seq) for guard in self.guards)
+
+
+def _holds(guard: Any, symbol: Any, value: int) -> bool:
+    """Whether a guard on ``symbol`` holds at ``value`` (False where it does not come out True or False)."""
+    try:
+        return bool(guard.xreplace({symbol: sympy.Integer(value)}))
+    except TypeError:
+        return False
+
+
+def _guards_on(shape_env: Any, symbol: Any) -> tuple:
+    """The shape environment's guards and runtime asserts that read ``symbol``."""
+    asserts = [a.expr for found in getattr(shape_env, "deferred_runtime_asserts", {}).values() for a in found]
+    return tuple(expr for expr in [g.expr for g in shape_env.guards] + asserts if symbol in expr.free_symbols)
 
 
 class _Traces:
@@ -313,6 +333,11 @@ class _Traces:
         """Within: the step's trace to plan at ``(batch, seq)`` (``plan_again``), and read (sizes, times)."""
         symbolic = self._symbolic_trace(checkpointing, batch) if self._lengths else None
         if symbolic is None or not symbolic.serves(seq):
+            if symbolic is not None and (checkpointing, batch, seq) not in self._kept:
+                self._progress(f"the trace with the length symbolic (checkpointing {checkpointing}) does not serve "
+                               f"length {seq} (its guards: {symbolic.lower} to {symbolic.upper}"
+                               + (f"; {', '.join(map(str, symbolic.guards))}" if symbolic.guards else "")
+                               + "): traced at that length")
             yield self._per_size(checkpointing, batch, seq)
             return
         key = (checkpointing, batch, seq)
@@ -344,7 +369,8 @@ class _Traces:
         (symbol,) = symbols
         shape_env = traced.joints[0].context.fake_mode.shape_env
         allowed = shape_env.var_to_range[symbol]  # the guards may have narrowed what was marked
-        return _Symbolic(traced, shape_env, symbol, max(int(allowed.lower), lower), min(int(allowed.upper), upper))
+        return _Symbolic(traced, shape_env, symbol, max(int(allowed.lower), lower), min(int(allowed.upper), upper),
+                         _guards_on(shape_env, symbol))
 
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)
