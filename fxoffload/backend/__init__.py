@@ -157,12 +157,8 @@ class _Replan:
 
 class JointKept(Exception):
     """Raised out of ``torch.compile`` by a backend made with ``stop_at_joint=True`` once it kept the step's
-    joint graph (``joint``): what the compile would do after the partition hook (partition, plan, the
-    backward's compile, dynamo's guards and code) is not needed to plan the joint again."""
-
-    def __init__(self, joint: "Joint") -> None:
-        super().__init__("fxoffload: the joint graph is kept; the compile stops here")
-        self.joint = joint
+    joint graph (the last of ``backend.joints``): what the compile would do after the partition hook
+    (partition, plan, the backward's compile, dynamo's guards and code) is not needed to plan it again."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +270,6 @@ class OffloadBackend:
         # With stop_at_joint: a compile of the whole frame stops once its joint graph is kept (JointKept).
         self._stop_at_joint = stop_at_joint
         self._compiled_any = False
-        self.stopped = False  # a compile stopped at its joint (stop_at_joint)
         self._host_warned = False
         self._compile_count: dict[Any, int] = {}
         # The step: what each region holds and how often it runs, and the shares of its memory budget
@@ -631,8 +626,7 @@ class OffloadBackend:
                       torch._guards.TracingContext.try_get(), PartitionMemo())
         self.joints.append(joint)
         if stop:
-            self.stopped = True
-            raise JointKept(joint)
+            raise JointKept("fxoffload: the joint graph is kept; the compile stops here")
         return joint.partition
 
     def _stops_at_joint(self, gm: fx.GraphModule) -> bool:

@@ -139,7 +139,7 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
                                  initializer=_exit_without_freeing) as pool:
             # The first mode (no checkpointing: the most probes) is searched here meanwhile: one process
             # fewer to start and to import torch in (about 4 s of an 8B fit's 70, 2026-11-29).
-            others = pool.map(_search_in_worker, [args] * (len(modes) - 1), modes[1:])
+            others = pool.map(_search_kept, [args] * (len(modes) - 1), modes[1:])
             searched = [search(args, modes[0]), *others]
     rows = best_rows([row for found, _ in searched for row in found])
     report = fit_report(rows, args, source, memory, reserved, grid)
@@ -165,14 +165,9 @@ def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
 _WORKER_TRACES: list = []
 
 
-def _search_in_worker(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
-    """:func:`search_mode` in a worker process of fit's pool, its traces kept (not freed on return)."""
-    return _search_kept(args, mode)
-
-
 def _search_kept(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
-    """:func:`search_mode`, its traces kept to the process's end rather than freed on return (a process
-    that ends without freeing them: :func:`_exit_without_freeing`)."""
+    """:func:`search_mode`, its traces kept to the process's end rather than freed on return (in a worker
+    of fit's pool, or the command's own process: each ends without freeing them, :func:`_exit_without_freeing`)."""
     rows, traces = _searched(args, mode)
     _WORKER_TRACES.append(traces)
     return rows, traces.traced

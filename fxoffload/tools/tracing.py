@@ -142,6 +142,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
         # Only the joint graph wanted (fit): the compile stops once it is kept, where it is the step's one graph.
         backend = OffloadBackend(config, keep_joints=getattr(args, "keep_joints", False),
                                  stop_at_joint=getattr(args, "joints_only", False) and not blocks)
+        stopped = False  # at the joint graph (stop_at_joint)
         try:
             if blocks:
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
@@ -155,14 +156,15 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
                 with unlogged_graphs():
                     with_stack_headroom(torch.compile(step, backend=backend), *inputs, **kwargs)
         except Exception as e:
-            if _cause(e, (JointKept,)) is None:
+            stopped = _cause(e, (JointKept,)) is not None
+            if not stopped:
                 error = _usage_error(e, source, args.traceback)
                 if error is e:
                     raise
                 raise error from None
         seconds["trace_and_plan"] = time.perf_counter() - start
     torch._dynamo.reset()
-    if backend.stopped:
+    if stopped:
         progress(f"traced the step's joint graph in {seconds['trace_and_plan']:.1f} s (not planned)")
         return _Traced([], [], {**seconds, "fxoffload_passes": 0.0, "fxoffload_stages": {}}, optimizer, backend.joints)
     _check_compiled(backend, blocks, source)
