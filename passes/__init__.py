@@ -42,7 +42,7 @@ from .scheduling import (
 )
 from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
-from .sizes import fixed_sizes, plan_sizes, size_ranges, smallest_sizes
+from .sizes import fixed_sizes, plan_sizes, size_ranges, smallest_sizes, symbol_value, timeline_at
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_step
 from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
@@ -62,5 +62,6 @@ __all__ = [
     "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "save_offload_marks",
     "scheduled_moves", "share_for",
     "simulate", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
-    "storage_key", "tensor_nbytes", "tensor_storage_key", "unbounded_size_warning", "unoffloaded_total_peak",
+    "storage_key", "symbol_value", "tensor_nbytes", "tensor_storage_key", "timeline_at", "unbounded_size_warning",
+    "unoffloaded_total_peak",
 ]

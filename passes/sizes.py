@@ -39,7 +39,7 @@ from torch.utils._sympy.value_ranges import ValueRanges
 from .analysis import symbol_sources
 
 __all__ = ["GRID_POINTS", "UNBOUNDED_REACH", "concrete", "fixed_sizes", "held_sizes", "input_symbols", "plan_sizes",
-           "size_ranges", "sizes_between", "smallest_sizes", "timeline_at", "unbounded_symbols"]
+           "size_ranges", "sizes_between", "smallest_sizes", "symbol_value", "timeline_at", "unbounded_symbols"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
@@ -58,12 +58,14 @@ def concrete(expr: Any, val: Any = None) -> int:
     shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
     if shape_env is None:
         return int(expr)
-    hints = _hints(shape_env)
-    values = {}
-    for symbol in expr.free_symbols:
-        upper = _largest(shape_env, symbol)
-        values[symbol] = upper if upper is not None else hints[symbol]
-    return int(expr.xreplace(values))
+    return int(expr.xreplace({symbol: symbol_value(shape_env, symbol) for symbol in expr.free_symbols}))
+
+
+def symbol_value(shape_env: Any, symbol: Any) -> int:
+    """The value :func:`concrete` gives ``symbol``: the largest its guards allow where that is finite
+    (one value, under :func:`fixed_sizes`), else its hint."""
+    upper = _largest(shape_env, symbol)
+    return upper if upper is not None else int(_hints(shape_env)[symbol])
 
 
 def _largest(shape_env: Any, symbol: Any) -> int | None:

@@ -39,6 +39,53 @@ def test_a_linear_peak_is_answered_exactly_in_at_most_five_probes(fixed, per_tok
     assert all(p.size % step == 0 for p in search.probes)
 
 
+def neighbour_of(peak, step, most):
+    """An exact estimate: ``peak`` at the next size up (down, at the largest), as a plan evaluated there gives it."""
+    def estimate_of(size):
+        other = size + step if size + step <= most else size - step
+        return Probe(other, peak(other)) if other >= step else None
+
+    return estimate_of
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(fixed=st.integers(0, 10**9), per_token=st.integers(1, 10**6), cap=st.integers(0, 2 * 10**9),
+       step=st.sampled_from([1, 16, 256]), start=st.integers(1, 70_000), most=st.integers(256, 65_536))
+def test_a_linear_peak_with_an_exact_estimate_is_answered_in_at_most_three_probes(fixed, per_token, cap, step, start,
+                                                                                   most):
+    def peak(s):
+        return fixed + per_token * s
+
+    peak_of, calls = counted(peak)
+    search = largest_fitting(peak_of, cap, step=step, start=start, most=most,
+                             estimate_of=neighbour_of(peak, step, most))
+    assert search.size == brute_force(peak, cap, step, most)
+    assert len(calls) == len(set(calls)) <= 3, calls
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(fixed=st.integers(0, 10**6), linear=st.integers(0, 10**4), square=st.integers(0, 100),
+       jumps=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 10**6)), max_size=4),
+       cap=st.integers(0, 10**9), step=st.sampled_from([1, 7, 64]), start=st.integers(1, 6000),
+       most=st.integers(64, 6000), wrong=st.lists(st.tuples(st.integers(-3, 3), st.integers(-10**9, 10**9)),
+                                                  min_size=1, max_size=8))
+def test_estimates_however_wrong_leave_the_answer_exact(fixed, linear, square, jumps, cap, step, start, most, wrong):
+    def peak(s):
+        return fixed + linear * s + square * s * s + sum(b for at, b in jumps if s >= at)
+
+    made = iter(wrong * 100)
+
+    def estimate_of(size):  # another size of the grid (or off it), at any peak
+        offset, value = next(made)
+        return Probe(size + offset * step + (offset == 3), value) if size + offset * step > 0 else None
+
+    peak_of, calls = counted(peak)
+    search = largest_fitting(peak_of, cap, step=step, start=start, most=most, estimate_of=estimate_of)
+    assert search.size == brute_force(peak, cap, step, most)
+    units = most // step
+    assert len(calls) == len(set(calls)) <= 2 * math.ceil(math.log2(units + 1)) + 5, (len(calls), units)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(fixed=st.integers(0, 10**6), linear=st.integers(0, 10**4), square=st.integers(0, 100),
        jumps=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 10**6)), max_size=4),

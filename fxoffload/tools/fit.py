@@ -13,13 +13,16 @@ line a little), so each probe is where the line through the two probes nearest t
 meets the device's memory (a secant step), rounded down to the grid and kept strictly inside the
 bracket; the next probe bisects the bracket instead when the last one came out as the line did not
 predict, or when two in a row failed to halve it; where the line is flat (every probe fits alike), it
-quadruples the size. The search ends when the bracket is one step
-wide: the answer was planned and fits, the next size up was planned and does not (or the answer is
-the largest size tried). A linear peak takes at most five plans (property-tested); a peak that is
-not monotone in the size still gets an answer that fits beside a next size that does not. Each
-plan is a plan of the whole step at its size, traced with fake tensors (``fxoffload fit`` traces
-once with the length symbolic and plans each probe with every size evaluated at its length: no
-length is extrapolated).
+quadruples the size. After the first probe, the line runs through it and the same plan's peak at
+the next size of the grid (its sizes evaluated there: a point the plan gives for free where the
+trace is symbolic in the size, ``Point.estimate``), else a step of an eighth of the size towards the
+cap. The search ends when the bracket is one step wide: the answer was planned and fits, the next
+size up was planned and does not (or the answer is the largest size tried). A linear peak takes at
+most five plans, three with an exact estimate (property-tested); whatever the estimates say, a peak
+that is not monotone in the size still gets an answer that fits beside a next size that does not.
+Each plan is a plan of the whole step at its size, traced with fake tensors (``fxoffload fit``
+traces once with the length symbolic and plans each probe with every size evaluated at its length: no
+probe's figures are extrapolated, only the estimates that steer the search).
 
 Limits: every figure is a prediction (memory model, cost model, simulator), not a measurement; the
 step must compile to one graph (a graph break splits what the device peak must see as one); what
@@ -61,14 +64,19 @@ class Search:
     probes: tuple[Probe, ...]
 
 
-def largest_fitting(peak_of: Callable[[int], int], cap: int, *, step: int, start: int, most: int) -> Search:
+def largest_fitting(peak_of: Callable[[int], int], cap: int, *, step: int, start: int, most: int,
+                    estimate_of: Callable[[int], Probe | None] = lambda _: None) -> Search:
     """The largest multiple of ``step`` in ``[step, most]`` whose ``peak_of`` is at most ``cap``, by the
-    secant-and-bisection bracket search of the module docstring; ``start`` is the first size tried."""
+    secant-and-bisection bracket search of the module docstring; ``start`` is the first size tried.
+    ``estimate_of(size)``, asked after each probe: the peak at another size of the grid as the probe's
+    plan would have it there (not planned there), or None; it steers the first secant step only, and
+    is never a bracket's end."""
     if step < 1 or most < step:
         raise ValueError(f"step {step} and most {most}: need 1 <= step <= most")
     top = most // step
     lo, hi = 0, top + 1  # in steps: lo fits (0: nothing tried fits), hi does not (top + 1: beyond the range)
     probes: dict[int, int] = {}
+    estimates: dict[int, tuple[int, int]] = {}  # per probe (in steps): (another size in steps, its estimated peak)
     closed: list[int] = []  # the bracket's width after each probe that left both its ends planned
     surprised = False  # the last probe came out as the line did not predict
     while hi - lo > 1:
@@ -77,10 +85,13 @@ def largest_fitting(peak_of: Callable[[int], int], cap: int, *, step: int, start
         elif surprised or (len(closed) >= 3 and closed[-1] * 2 > closed[-2] and closed[-2] * 2 > closed[-3]):
             unit, expected = (lo + hi) // 2, None  # bisect: the line misled, or stopped halving the bracket
         else:
-            guess = _secant(probes, lo, hi, cap)
+            guess = _secant(probes, lo, hi, cap, estimates)
             unit = min(max(guess, lo + 1), hi - 1)
             expected = guess >= unit  # the line puts the cap at or beyond this size: it should fit
         probes[unit] = peak_of(unit * step)
+        estimate = estimate_of(unit * step)
+        if estimate is not None and estimate.size % step == 0 and estimate.size != unit * step:
+            estimates[unit] = (estimate.size // step, estimate.peak)
         fits = probes[unit] <= cap
         lo, hi = (unit, hi) if fits else (lo, unit)
         surprised = expected is not None and fits != expected
@@ -90,19 +101,29 @@ def largest_fitting(peak_of: Callable[[int], int], cap: int, *, step: int, start
     return Search(lo * step, hi * step if hi <= top else None, tried)
 
 
-def _secant(probes: Mapping[int, int], lo: int, hi: int, cap: int) -> int:
+def _secant(probes: Mapping[int, int], lo: int, hi: int, cap: int, estimates: Mapping[int, tuple[int, int]]) -> int:
     """Where the line through the probes at the bracket's ends (or the two nearest it) meets ``cap``,
-    rounded down; with one probe, a step of an eighth of its size towards the cap."""
+    rounded down; with one probe, the line through it and its estimate where that rises, else a step
+    of an eighth of its size towards the cap."""
     ends = [u for u in (lo, hi) if u in probes]
     nearest = sorted(probes, key=lambda u: min(abs(u - lo), abs(u - hi)))
     points = (ends if len(ends) == 2 else (ends + [u for u in nearest if u not in ends])[:2])
     if len(points) < 2:
         (unit,) = points
+        if unit in estimates:
+            (u1, p1), (u2, p2) = sorted([(unit, probes[unit]), estimates[unit]])
+            if p2 > p1:
+                return _crossing(u1, p1, u2, p2, cap)
         move = max(1, unit // 8)
         return unit + move if probes[unit] <= cap else unit - move
     (u1, p1), (u2, p2) = sorted((u, probes[u]) for u in points)
     if p2 <= p1:  # flat or falling: no line to follow; quadruple up (doubling from a small start took
         return 4 * u2 if p2 <= cap else u1 // 2  # more probes than the bracket then needs) or halve down
+    return _crossing(u1, p1, u2, p2, cap)
+
+
+def _crossing(u1: int, p1: int, u2: int, p2: int, cap: int) -> int:
+    """Where the rising line through ``(u1, p1)`` and ``(u2, p2)`` meets ``cap``, rounded down."""
     return u1 + ((cap - p1) * (u2 - u1)) // (p2 - p1)
 
 
@@ -145,6 +166,9 @@ class Point:
     device_peak: int
     step_time: float
     limit: Limit
+    # The same plan's device peak at a neighbouring size on the grid, its sizes evaluated there (not planned
+    # there): the search's first slope. None where the trace is not symbolic in the size searched.
+    estimate: Probe | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +278,8 @@ def search_setups(evaluate: Callable[[Setup, int, bool], Point], memory: int, gr
                      f"{_gb(points[size].device_peak)} of {_gb(memory)}")
             return points[size].device_peak
 
-        search = largest_fitting(peak_of, memory, step=step, start=start, most=most)
+        search = largest_fitting(peak_of, memory, step=step, start=start, most=most,
+                                 estimate_of=lambda size: points[size].estimate)
         start = max(search.size + step, step)
         fit = points.get(search.size)
         if fit is not None and setup.device_budget and answers_again:

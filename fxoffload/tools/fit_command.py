@@ -59,11 +59,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.config import OffloadConfig, OptionError
 from fxoffload.passes import (
-    BudgetInfeasibleWarning, Why, fixed_sizes, optimizer_step, run_peaks, simulate, simulate_step,
+    BudgetInfeasibleWarning, Why, fixed_sizes, optimizer_step, run_peaks, simulate, simulate_step, symbol_value,
+    timeline_at,
 )
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
-    SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Row, Setup, best_rows, checkpointing_modes,
+    SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Probe, Row, Setup, best_rows,
+    checkpointing_modes,
     chooses_checkpointing, limit_at_peak, search_setups,
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
@@ -341,6 +343,11 @@ class _Traces:
         with fixed_sizes(symbolic.shape_env, {symbolic.symbol: seq}):
             yield self._kept[key]
 
+    def serving(self, checkpointing: str, batch: int, seq: int) -> _Symbolic | None:
+        """The symbolic trace (made already) where it serves length ``seq``, else None."""
+        symbolic = self._symbolic.get((checkpointing, batch))
+        return symbolic if symbolic is not None and symbolic.serves(seq) else None
+
     def _symbolic_trace(self, checkpointing: str, batch: int) -> _Symbolic | None:
         key = (checkpointing, batch)
         if key not in self._symbolic:
@@ -482,10 +489,34 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
         fixed = reserved + optimizer.state_bytes
         limit = limit_at_peak(record, record.plan.input_bytes + fixed, memory, source.vocab,
                               setup.checkpointing != "none")
-        return Point(size, record.plan.device_peak_after + fixed, simulate(record).step_time + optimizer.seconds,
-                     limit)
+        peak = record.plan.device_peak_after + fixed
+        return Point(size, peak, simulate(record).step_time + optimizer.seconds, limit,
+                     _estimate(record, peak, *_neighbour(setup, size)))
+
+    def _neighbour(setup: Setup, size: int) -> tuple[int, _Symbolic | None]:
+        """The next length up on the grid (down, at the largest), and the symbolic trace where it serves
+        both lengths (the plan is of that trace), else None."""
+        other = size + grid.step if size + grid.step <= grid.most else size - grid.step
+        served = [traces.serving(setup.checkpointing, args.batch, seq) for seq in (size, other)]
+        if grid.by_batch or other < grid.step or None in served:
+            return other, None
+        return other, served[0]
 
     return evaluate
+
+
+def _estimate(record: Any, peak: int, other: int, symbolic: _Symbolic | None) -> Probe | None:
+    """The device peak at length ``other`` of the plan ``record`` made at a device peak of ``peak`` from the
+    symbolic trace ``symbolic`` (None: no estimate): ``peak`` and the difference of its largest run peak
+    with the plan's sizes at ``other`` and as planned (the plan kept as it is, not planned there; every
+    other symbol at the value the plan gave it)."""
+    if symbolic is None:
+        return None
+    symbols = {s for lt in record.timeline.lifetimes if not isinstance(lt.expr, int) for s in lt.expr.free_symbols}
+    values = {s: other if s == symbolic.symbol else symbol_value(symbolic.shape_env, s) for s in symbols}
+    here = run_peaks(record.plan, record.timeline, record.schedule)
+    there = run_peaks(record.plan, timeline_at(record.timeline, values), record.schedule)
+    return Probe(other, peak + max(there.forward, there.backward) - max(here.forward, here.backward))
 
 
 def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, optimizer: Any, memory: int,
