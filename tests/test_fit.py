@@ -683,15 +683,48 @@ def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, mon
     assert plan_digest(quiet.plan, quiet.schedule) == plan_digest(loud.plan, loud.schedule)
 
 
+def test_the_first_trace_s_garbage_is_frozen_with_it_and_a_later_trace_collects_what_the_earlier_left():
+    """``_paused_then_frozen``: the first trace's cyclic garbage is frozen with what it keeps, not collected
+    (2 s of an 8B step's trace); the next trace collects it (and a trace dropped since) before freezing its
+    own, so that tracing size after size does not hold every trace made."""
+    import gc
+    import weakref
+
+    from fxoffload.tools.fit_command import _paused_then_frozen
+
+    class Cycle:
+        pass
+
+    def garbage() -> weakref.ref:
+        cycle = Cycle()
+        cycle.me = cycle
+        return weakref.ref(cycle)
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.unfreeze()
+    try:
+        with _paused_then_frozen():
+            first = garbage()
+        assert first() is not None and gc.get_freeze_count() > 0  # frozen, not collected
+        with _paused_then_frozen():
+            second = garbage()
+        assert first() is None  # collected by the next trace
+        assert second() is not None
+    finally:
+        gc.unfreeze()
+        (gc.enable if enabled else gc.disable)()
+
+
 def test_fit_s_traces_skip_dynamo_s_own_collection_and_restore_it():
-    """While fit traces (``_collected_then_frozen``), dynamo does not collect after each compile (the one
-    collection after the trace walks what it made once); the setting is restored after."""
+    """While fit traces (``_paused_then_frozen``), dynamo does not collect after each compile (it would
+    walk every object the trace made); the setting is restored after."""
     import torch
 
-    from fxoffload.tools.fit_command import _collected_then_frozen
+    from fxoffload.tools.fit_command import _paused_then_frozen
 
     before = torch._dynamo.config.run_gc_after_compile
-    with _collected_then_frozen():
+    with _paused_then_frozen():
         assert torch._dynamo.config.run_gc_after_compile is False
     import gc
 
