@@ -83,6 +83,7 @@ def plan_best_partition(
     input_activations: frozenset[int] = frozenset(),
     compare_all: bool = False,
     choose: str | None = None,
+    analyses: dict | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
     """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
     predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
@@ -102,6 +103,8 @@ def plan_best_partition(
     that qualify, fastest predicted first. ``compare_all``: plan the alternatives even when the first
     plan predicts no cost (measured selection times them all). ``choose``: return the candidate of that
     key (``CANDIDATE_KEYS``) instead of the fastest predicted; ValueError when it does not qualify.
+    ``analyses``: the pair's analyses made before, by what they were made under (the pair not rewritten
+    since), to take one from and to keep this one in.
     """
     # Decided on the user's budget: the alternatives are held to its bytes, not to its fraction.
     settings = AnalysisSettings(horizon, profile, counted_inputs(options, input_activations), counts_outputs(options),
@@ -109,7 +112,7 @@ def plan_best_partition(
     planner = _Planner(num_user_outputs, settings, policies)
     watch = planner.watch
     hinted = any(mark in (PREFER_SAVE, PREFER_CPU_OFFLOAD) for mark in (policies or {}).values())
-    analysis = planner.analysed(fw_module, bw_module, options)
+    analysis = planner.analysed(fw_module, bw_module, options, analyses)
     if options.strategy != "auto" or options.budget is None or hinted:  # the user's hints outrank predictions
         return fw_module, bw_module, planner.planned(analysis, options)
     # An alternative may meet a budget the joint plan misses: judge infeasibility at the end.
@@ -145,11 +148,23 @@ class _Planner:
         self.num_user_outputs, self.settings, self.policies = num_user_outputs, settings, policies
         self.watch = Stopwatch()
 
-    def analysed(self, fw: fx.GraphModule, bw: fx.GraphModule, opts: PlanOptions) -> Analysis:
+    def analysed(self, fw: fx.GraphModule, bw: fx.GraphModule, opts: PlanOptions,
+                 analyses: dict | None = None) -> Analysis:
+        """The pair analysed, or its analysis in ``analyses`` (made before under the same settings; one with
+        recompute chains serves strategy offload too, which reads none), kept there if made."""
+        with_recomputes = opts.strategy != "offload"
+        keys = [(self.settings, self.num_user_outputs, True)] + ([] if with_recomputes else
+                                                                  [(self.settings, self.num_user_outputs, False)])
+        found = next((analyses[key] for key in keys if analyses is not None and key in analyses), None)
+        if found is not None:
+            return found
         self.watch.restart()
         with gc_paused():
-            return analyse_pair(fw, bw, self.num_user_outputs, self.settings,
-                                with_recomputes=opts.strategy != "offload", watch=self.watch)
+            analysis = analyse_pair(fw, bw, self.num_user_outputs, self.settings, with_recomputes=with_recomputes,
+                                    watch=self.watch)
+        if analyses is not None:
+            analyses[self.settings, self.num_user_outputs, with_recomputes] = analysis
+        return analysis
 
     def planned(self, analysis: Analysis, opts: PlanOptions) -> PassResult:
         self.watch.restart()

@@ -489,10 +489,16 @@ def test_every_setup_planned_on_one_kept_trace_gets_the_plan_a_trace_of_its_own_
                 warnings.simplefilter("ignore", BudgetInfeasibleWarning)
                 (own,) = trace_step(source, run, seq, torch.float32, options, Progress(True)).records
                 (again,) = plan_again(kept[setup.checkpointing], options)
+                # Read only, as fit plans: on the kept pair itself, its analysis made by the first setup
+                (read,) = plan_again(kept[setup.checkpointing], options, rewrite=False)
             figures = [(plan_digest(r.plan, r.schedule), r.plan.device_peak_after, r.plan.step_peak_after,
-                        simulate(r).step_time) for r in (own, again)]
-            assert figures[0] == figures[1], (setup, budget)
+                        simulate(r).step_time) for r in (own, again, read)]
+            assert figures[0] == figures[1] == figures[2], (setup, budget)
             compared.add(figures[0][0])
+    (joint,) = kept["none"].joints
+    # Made once per way of counting the outputs (plans under a fraction count them, the others do not),
+    # shared by the setups' read-only plans (each made 2 to 4 plans here).
+    assert len(joint.partition.analyses) == 2
     assert len(compared) >= 4  # the setups plan differently: the comparison sees more than one plan
 
 
@@ -558,6 +564,7 @@ def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_t
                         warnings.simplefilter("ignore", BudgetInfeasibleWarning)
                         with traces.at(checkpointing, 1, seq) as traced:
                             symbolic = figures(plan_again(traced, options)[0])
+                            assert figures(plan_again(traced, options, rewrite=False)[0]) == symbolic
                         (alone,) = plan_again(own, options)
                     assert figures(alone) == symbolic, (checkpointing, seq, setup, budget)
                     compared.add(symbolic[:-1] + (symbolic[-1].expected,))

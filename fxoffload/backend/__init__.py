@@ -199,8 +199,12 @@ class _Compilation:
     """
 
     def __init__(self, backend: "OffloadBackend", region: tuple, inputs: InputFacts,
-                 replannable: bool = False, graph: str = "", choose: str | None = None) -> None:
+                 replannable: bool = False, graph: str = "", choose: str | None = None,
+                 analyses: dict | None = None) -> None:
         self.backend = backend
+        # A plan to read, not to run (``OffloadBackend.plan_joint(rewrite=False)``): the pair is left as it
+        # is, and its analysis is kept here (by what it was made under) for the next plan of the same pair.
+        self.analyses = analyses
         self.inputs = inputs  # which inputs are activations, what one run's backward leaves in .grad
         self.region = region
         self.graph = graph  # the key ranks compare its plan under (fxoffload.backend.ranks.graph_key)
@@ -331,6 +335,7 @@ class OffloadBackend:
                 fw, bw, num_user_outputs, repartition,
                 options=options, horizon=self.config.horizon, profile=self.config.profile, policies=policies,
                 input_activations=input_activations, compare_all=self.config.select == "measured", choose=choose,
+                analyses=compilation.analyses,
             )
 
         provisional = short = False
@@ -358,7 +363,8 @@ class OffloadBackend:
             short = not planned.plan.feasible
         if retry and not planned.plan.feasible:
             self._step.fell_short()  # the next round's shares reserve this plan's smallest peak for it
-        result: PassResult = rewrite_planned(fw, bw, planned)
+        # A plan only read (plan_joint's rewrite=False) leaves the pair as it is: it is shared with later plans.
+        result: PassResult = planned if compilation.analyses is not None else rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
         held = self._note_plan(region, result.plan, result.timeline, result.schedule)
@@ -382,7 +388,7 @@ class OffloadBackend:
         if (check := self._rank_check) is not None:
             check.planned(self._compared_as(region, graph, input_activations, options), record.index,
                           plan_digest(record.plan, record.schedule))
-        if self.config.inner == "inductor":
+        if self.config.inner == "inductor" and compilation.analyses is None:  # (a pair only read is not compiled)
             for module in (fw, bw):
                 pin_offload_order(module)
         return record
@@ -637,14 +643,19 @@ class OffloadBackend:
         reason = getattr(gm, "compile_subgraph_reason", None)  # dynamo's (GraphCompileReason); absent: not stopped
         return self._stop_at_joint and first and reason is not None and reason.graph_break is False
 
-    def plan_joint(self, joint: Joint) -> GraphRecord:
+    def plan_joint(self, joint: Joint, *, rewrite: bool = True) -> GraphRecord:
         """Plan ``joint`` (kept by another backend) under this backend's options, as this backend would
         plan the region at its first compile: the partition hook runs on a copy of the joint graph, and
         the pair is planned and rewritten; the record joins ``records``. Nothing is compiled to run (the
-        rewritten graphs are the record's only). Limits: planned as a region of this backend's step,
-        which knows only the joints planned before it (a step of one graph is planned as at its compile)."""
-        compilation = _Compilation(self, self._region_key(), joint.inputs, graph=joint.graph)
-        partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition)
+        rewritten graphs are the record's only). ``rewrite=False``: the plan is only read (``fit``'s
+        probes): it is made on the joint's kept default partition itself, which is left as it is (the
+        record's graphs are that pair, not rewritten), and the pair's analysis is kept with it for the next
+        such plan (the same plan, the analysis made once). Limits: planned as a region of this backend's
+        step, which knows only the joints planned before it (a step of one graph is planned as at its compile)."""
+        analyses = None if rewrite else joint.partition.analyses
+        compilation = _Compilation(self, self._region_key(), joint.inputs, graph=joint.graph, analyses=analyses)
+        partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition,
+                                  shared=not rewrite)
         with torch._guards.tracing(joint.context), lazy_graph_modules():  # its graphs are read, not run
             partitioner(module_copy(joint.module), joint.joint_inputs, **joint.kwargs)
         return compilation.record

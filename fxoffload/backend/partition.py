@@ -71,6 +71,9 @@ class PartitionMemo:
 
     made: "_Default | None" = None
     by_cut: dict = dataclasses.field(default_factory=dict)
+    # The kept pair's analyses (``fxoffload.passes.Analysis``, by what they were made under), for plans
+    # made on the kept pair itself and never rewritten (``OffloadBackend.plan_joint(rewrite=False)``).
+    analyses: dict = dataclasses.field(default_factory=dict)
 
     def anew(self) -> "PartitionMemo":
         """A memo that partitions the graph again (at other sizes), sharing the pairs extracted by cut."""
@@ -91,13 +94,15 @@ class Partitioner(CustomPartitionerFn):
     def __init__(self, on_pair: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
                  input_activations: frozenset[int] = frozenset(),
                  keep: Callable[[fx.GraphModule, Any, dict], PartitionMemo] | None = None,
-                 memo: PartitionMemo | None = None) -> None:
+                 memo: PartitionMemo | None = None, shared: bool = False) -> None:
         self._on_pair = on_pair
         self._input_activations = input_activations
         # Handed the joint graph before anything partitions it (OffloadBackend's keep_joints); the memo it
         # returns takes this partition.
         self._keep = keep
         self._memo = memo
+        # With a memo: the callback is handed the memo's pair itself, to read, not a copy to rewrite.
+        self._shared = shared
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         memo = self._keep(gm, joint_inputs, kwargs) if self._keep is not None else self._memo
@@ -111,9 +116,12 @@ class Partitioner(CustomPartitionerFn):
             if memo is not None:  # not the pair handed on: the passes rewrite the pair they are handed
                 forward, backward = kept or (module_copy(made.forward), module_copy(made.backward))
                 memo.made = dataclasses.replace(made, forward=forward, backward=backward)
+                made = memo.made if self._shared else made
         else:
             save_offload_marks(gm.graph)  # the graph as the default partition leaves it, for recompute_only
-            made = dataclasses.replace(made, forward=module_copy(made.forward), backward=module_copy(made.backward))
+            if not self._shared:
+                made = dataclasses.replace(made, forward=module_copy(made.forward),
+                                           backward=module_copy(made.backward))
 
         def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
             with torch._functorch.config.patch(activation_memory_budget=fraction):

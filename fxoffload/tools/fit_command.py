@@ -486,7 +486,7 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
                 options = reserve_optimizer_state(options, traced.optimizer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-            (record,) = plan_again(traced, options)
+            (record,) = plan_again(traced, options, rewrite=False)  # read only: the analysis kept per length
         optimizer = optimizer_step(args.optimizer, traced.optimizer["parameter_bytes"],
                                    resolve_profile(args.profile))
         if parts is not None:

@@ -211,13 +211,14 @@ def unlogged_graphs() -> Iterator[None]:
             setattr(module, name, original)
 
 
-def plan_again(traced: "_Traced", options: dict) -> list:
+def plan_again(traced: "_Traced", options: dict, *, rewrite: bool = True) -> list:
     """The records of planning each joint graph ``traced`` kept (``args.keep_joints``) under ``options``
     (checked as the backend's), one backend for all, without tracing again: the plans ``trace_step``
-    would make under them. The caller reserves the optimizer's state (:func:`reserve_optimizer_state`)."""
+    would make under them. The caller reserves the optimizer's state (:func:`reserve_optimizer_state`).
+    ``rewrite=False``: records to read only (their graphs not rewritten; ``OffloadBackend.plan_joint``)."""
     backend = OffloadBackend(config_from_options(options))
     try:
-        return [backend.plan_joint(joint) for joint in traced.joints]
+        return [backend.plan_joint(joint, rewrite=rewrite) for joint in traced.joints]
     except BudgetInfeasibleError as error:
         raise _impossible(error) from None
 
