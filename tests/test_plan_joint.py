@@ -72,6 +72,31 @@ def test_a_kept_joint_planned_again_gets_the_plan_compiling_under_the_options_gi
         assert str(mine.graph) == str(compiled.graph) and "def forward" in mine.code
 
 
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_a_plan_only_read_is_the_plan_rewritten_and_leaves_the_joint_and_its_pair_as_they_were(kept, options):
+    """``plan_joint(rewrite=False)`` (fit's probes) plans on the joint's kept default pair itself, copies the
+    joint graph only where it partitions it (first, or for strategy auto's recompute-only alternative),
+    and keeps the pair's analysis for the next such plan: each plan is the plan ``plan_joint`` makes on
+    copies it rewrites, and the joint graph and the kept pair are left as they were."""
+    import dataclasses
+
+    fresh = dataclasses.replace(kept, partition=kept.partition.anew())  # its default partition not made yet
+    joint = str(fresh.module.graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+        backend = OffloadBackend(config_from_options({"inner": "eager", **options}))
+        first = backend.plan_joint(fresh, rewrite=False)  # partitions a copy of the joint
+        pair = tuple(str(m.graph) for m in (fresh.partition.made.forward, fresh.partition.made.backward))
+        second = backend.plan_joint(fresh, rewrite=False)  # the pair and its analysis made: reused
+        rewritten = backend.plan_joint(fresh)
+    assert figures(first) == figures(second) == figures(rewritten)
+    repartitioned = "activation_memory_budget" in first.plan.partition  # PyTorch's own pair, chosen by auto
+    assert (first.forward is fresh.partition.made.forward) != repartitioned
+    assert str(fresh.module.graph) == joint
+    assert tuple(str(m.graph) for m in (fresh.partition.made.forward, fresh.partition.made.backward)) == pair
+    assert fresh.partition.analyses
+
+
 def test_the_plans_compared_differ_between_options_and_one_offloads_the_input_activation(kept):
     planned = []
     for options in OPTIONS:

@@ -657,7 +657,8 @@ class OffloadBackend:
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition,
                                   shared=not rewrite)
         with torch._guards.tracing(joint.context), lazy_graph_modules():  # its graphs are read, not run
-            partitioner(module_copy(joint.module), joint.joint_inputs, **joint.kwargs)
+            # (read only, the partitioner copies the joint graph itself where it partitions it)
+            partitioner(module_copy(joint.module) if rewrite else joint.module, joint.joint_inputs, **joint.kwargs)
         return compilation.record
 
     def _compile_with(self, gm: fx.GraphModule, example_inputs: list[Any], compilation: _Compilation,

@@ -11,7 +11,9 @@ where the user marked any, to cap the total peak at plain compile's), and hands 
 re-partition it recompute-only at a budget (strategy auto's alternative), to the callback. Every
 partition runs under :func:`quick_min_cut`: the same cuts in less than half the time. A joint graph
 kept to be planned again (``fxoffload.backend.Joint``) keeps its default partition
-(:class:`PartitionMemo`): each later partition hook on a copy of it gets copies of that pair. And with
+(:class:`PartitionMemo`): each later partition hook on a copy of it gets copies of that pair (or, for
+plans only read, ``Partitioner(shared=True)``, the pair itself, the joint graph copied only where it is
+partitioned). And with
 :func:`with_stack_headroom` (the backend's compile and the CLI's trace run under it too): no call
 below pays for mapping Python's frame stack anew.
 
@@ -110,18 +112,17 @@ class Partitioner(CustomPartitionerFn):
             return with_stack_headroom(self._partition_and_plan, gm, joint_inputs, memo, **kwargs)
 
     def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None, **kwargs: Any):
+        if self._shared:
+            return self._plan_shared(gm, joint_inputs, memo, kwargs)
         made = memo.made if memo is not None else None
         if made is None:
             made, kept = self._partition(gm, joint_inputs, kwargs, memo.by_cut if memo is not None else None)
             if memo is not None:  # not the pair handed on: the passes rewrite the pair they are handed
                 forward, backward = kept or (module_copy(made.forward), module_copy(made.backward))
                 memo.made = dataclasses.replace(made, forward=forward, backward=backward)
-                made = memo.made if self._shared else made
         else:
             save_offload_marks(gm.graph)  # the graph as the default partition leaves it, for recompute_only
-            if not self._shared:
-                made = dataclasses.replace(made, forward=module_copy(made.forward),
-                                           backward=module_copy(made.backward))
+            made = dataclasses.replace(made, forward=module_copy(made.forward), backward=module_copy(made.backward))
 
         def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
             with torch._functorch.config.patch(activation_memory_budget=fraction):
@@ -130,11 +131,36 @@ class Partitioner(CustomPartitionerFn):
         return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
                              made.plain_total)
 
+    def _plan_shared(self, joint: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo, kwargs: dict):
+        """As :meth:`_partition_and_plan`, for pairs only read (``shared``): ``joint`` is a kept joint graph
+        itself, left as it is (what partitions it partitions a copy, made once and only where needed), and
+        the memo's default pair is made without copies and handed on itself."""
+        copied: list[fx.GraphModule] = []  # the joint as the default partition leaves it, once copied
+
+        def partitioned_copy() -> fx.GraphModule:
+            if not copied:
+                copied.append(module_copy(joint))
+                save_offload_marks(copied[0].graph)
+            return copied[0]
+
+        if memo.made is None:
+            copied.append(module_copy(joint))  # _partition writes the marks, and the partitioner its own graph
+            memo.made, _ = self._partition(copied[0], joint_inputs, kwargs, memo.by_cut, copy=False)
+        made = memo.made
+
+        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                return min_cut_rematerialization_partition(partitioned_copy(), joint_inputs, **kwargs)
+
+        return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
+                             made.plain_total)
+
     def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
-                   by_cut: dict | None) -> tuple[_Default, tuple | None]:
+                   by_cut: dict | None, copy: bool = True) -> tuple[_Default, tuple | None]:
         """The default partition, and the pair ``by_cut`` keeps of it (read only, never handed on: a copy of
         the partition's), None where it keeps none; ``by_cut``: the pairs extracted from other copies of a
-        kept joint graph (``PartitionMemo.by_cut``), None for a graph partitioned once."""
+        kept joint graph (``PartitionMemo.by_cut``), None for a graph partitioned once. ``copy=False``: the
+        partition's pair is only read (:meth:`_plan_shared`): the pair ``by_cut`` keeps is the one returned."""
         # The user's selective-checkpoint marks, before the partitioner writes its own.
         policies = read_policies(gm.graph)
         plain_total = None
@@ -149,7 +175,7 @@ class Partitioner(CustomPartitionerFn):
         if by_cut is None:
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         else:
-            fw, bw, kept = partition_by_cut(gm, joint_inputs, kwargs, by_cut)
+            fw, bw, kept = partition_by_cut(gm, joint_inputs, kwargs, by_cut, copy=copy)
         return _Default(fw, bw, policies, plain_total), kept
 
     def uuid(self) -> None:
@@ -175,8 +201,8 @@ class _KnownCut(Exception):
         self.pair = pair
 
 
-def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
-                     by_cut: dict) -> tuple[fx.GraphModule, fx.GraphModule, tuple | None]:
+def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, by_cut: dict,
+                     copy: bool = True) -> tuple[fx.GraphModule, fx.GraphModule, tuple | None]:
     """PyTorch's min-cut partition of ``gm``, except that where it chooses a cut (the saved values,
     with the arguments that extract the pair) that it chose before for another copy of the same joint
     graph (``by_cut``), the pair extracted then is handed out, copied. What the partitioner does after
@@ -185,7 +211,8 @@ def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
     planned at several lengths saves the same values at each (llama-3-8b and mistral-7b from 256 to
     8192 tokens, with checkpointing and without): the cut is chosen at each length, extracted once.
     Returns the pair to hand on, and the pair ``by_cut`` keeps for its cut (read only: never handed on;
-    None where the partitioner took its default partition, extracting nothing)."""
+    None where the partitioner took its default partition, extracting nothing). ``copy=False``: the pair
+    handed on is only read, and is the one ``by_cut`` keeps (no copies made)."""
     partitioners = torch._functorch.partitioners
     extract = partitioners._extract_fwd_bwd_modules
     key = None
@@ -202,12 +229,12 @@ def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
     except _KnownCut as known:
         fw, bw = known.pair
-        return module_copy(fw), module_copy(bw), known.pair
+        return (module_copy(fw) if copy else fw), (module_copy(bw) if copy else bw), known.pair
     finally:
         partitioners._extract_fwd_bwd_modules = extract
     if key is None:  # the partitioner took its default partition, extracting nothing
         return fw, bw, None
-    by_cut[key] = (module_copy(fw), module_copy(bw))
+    by_cut[key] = (module_copy(fw), module_copy(bw)) if copy else (fw, bw)
     return fw, bw, by_cut[key]
 
 
