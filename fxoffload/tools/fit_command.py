@@ -65,8 +65,7 @@ from fxoffload.passes import (
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Probe, Row, Setup, best_rows,
-    checkpointing_modes,
-    chooses_checkpointing, limit_at_peak, search_setups,
+    checkpointing_modes, chooses_checkpointing, limit_at_peak, search_setups,
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tools.layer_step import EagerParts, LayerStepError, layer_step_peak, measure_eager_parts
@@ -502,10 +501,10 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
         """The next length up on the grid (down, at the largest), and the symbolic trace where it serves
         both lengths (the plan is of that trace), else None."""
         other = size + grid.step if size + grid.step <= grid.most else size - grid.step
-        served = [traces.serving(setup.checkpointing, args.batch, seq) for seq in (size, other)]
-        if grid.by_batch or other < grid.step or None in served:
+        if grid.by_batch or other < grid.step:
             return other, None
-        return other, served[0]
+        served = [traces.serving(setup.checkpointing, args.batch, seq) for seq in (size, other)]
+        return other, None if None in served else served[0]
 
     return evaluate
 
