@@ -496,8 +496,8 @@ def test_every_setup_planned_on_one_kept_trace_gets_the_plan_a_trace_of_its_own_
             assert figures[0] == figures[1] == figures[2], (setup, budget)
             compared.add(figures[0][0])
     (joint,) = kept["none"].joints
-    # Made once per way of counting the outputs (plans under a fraction count them, the others do not),
-    # shared by the setups' read-only plans (each made 2 to 4 plans here).
+    # One analysis per way of counting the outputs (plans under a fraction count them, the others do not),
+    # shared by every read-only plan of the setups without checkpointing.
     assert len(joint.partition.analyses) == 2
     assert len(compared) >= 4  # the setups plan differently: the comparison sees more than one plan
 
