@@ -215,6 +215,11 @@ class _Compilation:
         self.timer: Callable[[Mark], None] | None = None
 
     @property
+    def read_only(self) -> bool:
+        """Whether the plan is only read (its pair not rewritten nor compiled: ``plan_joint(rewrite=False)``)."""
+        return self.analyses is not None
+
+    @property
     def input_activations(self) -> frozenset[int]:
         return self.inputs.activations
 
@@ -364,7 +369,7 @@ class OffloadBackend:
         if retry and not planned.plan.feasible:
             self._step.fell_short()  # the next round's shares reserve this plan's smallest peak for it
         # A plan only read (plan_joint's rewrite=False) leaves the pair as it is: it is shared with later plans.
-        result: PassResult = planned if compilation.analyses is not None else rewrite_planned(fw, bw, planned)
+        result: PassResult = planned if compilation.read_only else rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
             warnings.warn(warning, stacklevel=2)
         held = self._note_plan(region, result.plan, result.timeline, result.schedule)
@@ -388,7 +393,7 @@ class OffloadBackend:
         if (check := self._rank_check) is not None:
             check.planned(self._compared_as(region, graph, input_activations, options), record.index,
                           plan_digest(record.plan, record.schedule))
-        if self.config.inner == "inductor" and compilation.analyses is None:  # (a pair only read is not compiled)
+        if self.config.inner == "inductor" and not compilation.read_only:
             for module in (fw, bw):
                 pin_offload_order(module)
         return record

@@ -112,8 +112,20 @@ class Partitioner(CustomPartitionerFn):
             return with_stack_headroom(self._partition_and_plan, gm, joint_inputs, memo, **kwargs)
 
     def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None, **kwargs: Any):
-        if self._shared:
-            return self._plan_shared(gm, joint_inputs, memo, kwargs)
+        made, partitioned = (self._pair_to_read if self._shared else self._pair_to_rewrite)(gm, joint_inputs, memo,
+                                                                                           kwargs)
+
+        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                return min_cut_rematerialization_partition(partitioned(), joint_inputs, **kwargs)
+
+        return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
+                             made.plain_total)
+
+    def _pair_to_rewrite(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None,
+                         kwargs: dict) -> tuple[_Default, Callable[[], fx.GraphModule]]:
+        """The default partition to hand on (the memo's copied, where it has one), and the joint graph as
+        the default partition leaves it (``gm`` itself), for recompute_only."""
         made = memo.made if memo is not None else None
         if made is None:
             made, kept = self._partition(gm, joint_inputs, kwargs, memo.by_cut if memo is not None else None)
@@ -123,16 +135,11 @@ class Partitioner(CustomPartitionerFn):
         else:
             save_offload_marks(gm.graph)  # the graph as the default partition leaves it, for recompute_only
             made = dataclasses.replace(made, forward=module_copy(made.forward), backward=module_copy(made.backward))
+        return made, lambda: gm
 
-        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
-            with torch._functorch.config.patch(activation_memory_budget=fraction):
-                return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-
-        return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
-                             made.plain_total)
-
-    def _plan_shared(self, joint: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo, kwargs: dict):
-        """As :meth:`_partition_and_plan`, for pairs only read (``shared``): ``joint`` is a kept joint graph
+    def _pair_to_read(self, joint: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo,
+                      kwargs: dict) -> tuple[_Default, Callable[[], fx.GraphModule]]:
+        """As :meth:`_pair_to_rewrite`, for pairs only read (``shared``): ``joint`` is a kept joint graph
         itself, left as it is (what partitions it partitions a copy, made once and only where needed), and
         the memo's default pair is made without copies and handed on itself."""
         copied: list[fx.GraphModule] = []  # the joint as the default partition leaves it, once copied
@@ -146,14 +153,7 @@ class Partitioner(CustomPartitionerFn):
         if memo.made is None:
             copied.append(module_copy(joint))  # _partition writes the marks, and the partitioner its own graph
             memo.made, _ = self._partition(copied[0], joint_inputs, kwargs, memo.by_cut, copy=False)
-        made = memo.made
-
-        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
-            with torch._functorch.config.patch(activation_memory_budget=fraction):
-                return min_cut_rematerialization_partition(partitioned_copy(), joint_inputs, **kwargs)
-
-        return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
-                             made.plain_total)
+        return memo.made, partitioned_copy
 
     def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
                    by_cut: dict | None, copy: bool = True) -> tuple[_Default, tuple | None]:
