@@ -4,9 +4,11 @@ at, predicted, and how long the command takes here (measured).
     python benchmarks/fit_presets.py             # print the table
     python benchmarks/fit_presets.py --write     # and rewrite its section of benchmarks/RESULTS.md
 
-Each run is ``fxoffload fit --preset P --profile F --device-memory 80GB --reserved 16GB --batch 1
---json`` in a process of its own. Device peaks, step times and tokens per second are predictions
-(memory model, cost model, simulator); the seconds are the command's run time on this machine.
+Each preset is one run of ``fxoffload fit --preset P --profile F1,F2 --device-memory 80GB --reserved 16GB
+--batch 1 --json`` in a process of its own (both profiles fitted from the same traces). Each
+``fxoffload`` row's ``fxoffload plan`` command is then run alone, a preset's two side by side. Device
+peaks, step times and tokens per second are predictions (memory model, cost model, simulator); the
+seconds are the command's run time on this machine.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ PROFILES = ("h100-pcie5", "a100-pcie4")
 FLAGS = ("--device-memory", "80GB", "--reserved", "16GB", "--batch", "1")
 
 
-def run_fit(preset: str, profile: str) -> tuple[dict, float]:
-    command = [sys.executable, "-m", "fxoffload", "fit", "--preset", preset, "--profile", profile, *FLAGS,
+def run_fit(preset: str, profiles: list[str]) -> tuple[list[dict], float]:
+    """One ``fxoffload fit`` of ``preset`` on every profile: a report per profile, and the command's seconds."""
+    command = [sys.executable, "-m", "fxoffload", "fit", "--preset", preset, "--profile", ",".join(profiles), *FLAGS,
                "--json", "--quiet", "--no-plot"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
@@ -40,20 +43,28 @@ def run_fit(preset: str, profile: str) -> tuple[dict, float]:
     seconds = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(done.stdout), seconds
+    report = json.loads(done.stdout)
+    return (report["profiles"] if "profiles" in report else [report]), seconds
 
 
-def plan_alone(command: str) -> bool:
-    """Whether ``fxoffload plan`` of the fxoffload row's answer, alone, is within its device budget."""
-    words = command.split()[2:]  # after "fxoffload plan"
-    done = subprocess.run([sys.executable, "-m", "fxoffload", "plan", *words, "--json", "--quiet", "--no-plot"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    if done.returncode:
-        raise SystemExit(f"{command} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return all(graph["within_device_budget"] for graph in json.loads(done.stdout)["graphs"])
+def plans_alone(commands: list[str]) -> list[bool]:
+    """Whether ``fxoffload plan`` of each fxoffload row's answer, alone, is within its device budget: the
+    commands run side by side, each in a process of its own."""
+    running = [subprocess.Popen([sys.executable, "-m", "fxoffload", "plan", *command.split()[2:],  # after "plan"
+                                 "--json", "--quiet", "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+               for command in commands]
+    within = []
+    for command, process in zip(commands, running):
+        out, err = process.communicate()
+        if process.returncode:
+            raise SystemExit(f"{command} failed ({process.returncode}): {err[-2000:]}")
+        within.append(all(graph["within_device_budget"] for graph in json.loads(out)["graphs"]))
+    return within
 
 
-def table(results: list[tuple[str, str, dict, float]]) -> str:
+def table(results: list[tuple[str, str, dict, float | None, bool]]) -> str:
+    """The rows of every fit; a preset's run time on its first row (one run fits both profiles)."""
     lines = ["| preset | profile | row | longest seq | device peak (GB) | step time (s) | tokens/s | limit | "
              "fit ran (s, measured) |", "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for preset, profile, report, seconds, _ in results:
@@ -63,7 +74,7 @@ def table(results: list[tuple[str, str, dict, float]]) -> str:
             peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f}"
             step = "-" if row["step_time"] is None else f"{row['step_time']:.3f}"
             rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
-            ran = f"{seconds:.0f}" if i == 0 else ""
+            ran = f"{seconds:.0f}" if i == 0 and seconds is not None else ""
             lines.append(f"| {preset} | {profile} | {name} | {row['max_seq']} | {peak} | {step} | {rate} | "
                          f"{row['limit']} | {ran} |")
     return "\n".join(lines)
@@ -75,15 +86,18 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=PRESETS)
     parser.add_argument("--profiles", nargs="+", default=PROFILES)
     args = parser.parse_args()
-    results = []
+    started = time.perf_counter()
+    results, fits = [], 0.0
     for preset in args.presets:
-        for profile in args.profiles:
-            report, seconds = run_fit(preset, profile)
-            row = next(row for row in report["rows"] if row["name"] == "fxoffload")
-            within = plan_alone(row["command"])
-            results.append((preset, profile, report, seconds, within))
-            print(f"{preset} on {profile}: {seconds:.0f} s; its fxoffload row planned alone: "
-                  f"{'within' if within else 'OVER'} the device budget", file=sys.stderr, flush=True)
+        reports, seconds = run_fit(preset, args.profiles)
+        fits += seconds
+        commands = [next(row for row in report["rows"] if row["name"] == "fxoffload")["command"] for report in reports]
+        for i, (profile, report, within) in enumerate(zip(args.profiles, reports, plans_alone(commands))):
+            results.append((preset, profile, report, seconds if i == 0 else None, within))
+            print(f"{preset} on {profile}: its fxoffload row planned alone: {'within' if within else 'OVER'} the "
+                  "device budget", file=sys.stderr, flush=True)
+        print(f"{preset}: fit {seconds:.0f} s", file=sys.stderr, flush=True)
+    total = time.perf_counter() - started
     body = (
         f"`python benchmarks/fit_presets.py --write`, {datetime.date.today().isoformat()}: `fxoffload fit "
         f"--preset P --profile F {' '.join(FLAGS)} --json` per preset and profile. The longest sequence on a "
@@ -96,7 +110,9 @@ def main() -> None:
         "further). Device peaks, step times (forward and backward) and tokens per second are **predicted** "
         "(memory model, cost model, simulator), not measured; `positions` means the model's positions "
         "(max_position_embeddings) were reached. The last column is the command's own run time on this "
-        "machine's CPU (measured, 2 cores), each run in a process of its own. Each `fxoffload` row's "
+        f"machine's CPU (measured, 2 cores): one run per preset, each in a process of its own, fitting "
+        f"{' and '.join(args.profiles)} from the same traces ({fits / 60:.1f} min of fits; the script "
+        f"{total / 60:.1f} min in all, with the checks that follow). Each `fxoffload` row's "
         "`fxoffload plan` command (`--device-budget 80GB --reserved 16GB` at its length), run alone: "
         + ", ".join(f"{p} on {f} {'within' if w else '**over**'} its budget" for p, f, _, _, w in results)
         + ".\n\n" + table(results))

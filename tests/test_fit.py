@@ -348,6 +348,33 @@ def test_the_checkpointing_modes_searched_in_processes_of_their_own_give_the_row
 
 
 @pytest.mark.slow
+def test_several_profiles_fitted_from_the_same_traces_get_the_rows_each_gets_alone(tmp_path, tiny_fit):
+    """``--profile h100-pcie5,a100-pcie4``: one trace per checkpointing mode for both profiles, and per
+    profile the rows (and plot) a fit on that profile alone gives."""
+    from fxoffload.tools.fit_command import format_fit
+
+    report, _, _ = tiny_fit  # on h100-pcie5, fit's default
+    both, _ = fit_json(tmp_path, "--profile", "h100-pcie5,a100-pcie4", "--output", str(tmp_path / "fit.svg"))
+    alone, _ = fit_json(tmp_path, "--profile", "a100-pcie4", "--no-plot")
+    assert both["traces"] == report["traces"] == alone["traces"] == 2
+
+    def rows(one):  # (commands name their config's path; probes follow where the search started)
+        return [{k: v for k, v in row.items() if k not in ("command", "planned")} for row in one["rows"]]
+
+    h100, a100 = both["profiles"]
+    assert (h100["profile"], a100["profile"]) == ("h100-pcie5", "a100-pcie4")
+    assert rows(h100) == rows(report) and rows(a100) == rows(alone)
+    assert rows(a100) != rows(h100)  # the profiles' step times differ: a profile mixed up would show
+    assert all("--profile a100-pcie4" in row["command"] for row in a100["rows"] if row["command"])
+    assert [one["plot"] for one in both["profiles"]] == [str(tmp_path / f"fit-{name}.svg")
+                                                        for name in ("h100-pcie5", "a100-pcie4")]
+    assert all((tmp_path / f"fit-{name}.svg").stat().st_size > 10_000 for name in ("h100-pcie5", "a100-pcie4"))
+    text = format_fit(both)
+    assert "on h100-pcie5 with" in text and "on a100-pcie4 with" in text
+    assert "for 2 profiles from the same traces" in text
+
+
+@pytest.mark.slow
 def test_the_table_and_the_plot_say_the_same_rows_and_that_they_are_predictions(tiny_fit):
     from fxoffload.tools.fit_command import format_fit
 
@@ -381,6 +408,10 @@ def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_p
     (["--seq", "64", "--granularity", "300"], "--granularity: got 300, above --max-batch 256"),
     (["--batch", "0"], "--batch: got 0; accepted: an integer >= 1"),
     (["--jobs", "0"], "--jobs: got 0; accepted: an integer >= 1"),
+    (["--profile", "h100-pcie5,b300"], "--profile: unknown profile 'b300'; known: a100-pcie4"),
+    (["--profile", "h100-pcie5,h100-pcie5"], "--profile: got 'h100-pcie5,h100-pcie5'; accepted: a profile name, or "
+                                             "several different ones separated by commas"),
+    (["--profile", "h100-pcie5,"], "--profile: got 'h100-pcie5,'; accepted: "),
 ])
 def test_bad_input_is_refused_before_anything_is_planned_with_what_is_accepted(tmp_path, capsys, flags, words):
     import json
@@ -642,7 +673,7 @@ def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_fou
                                  "--reserved", str(RESERVED), "--granularity", "16", "--max-seq", "64", "--quiet"])
     (gc.enable if collecting else gc.disable)()
     try:
-        rows, traced = search_mode(args, "none")
+        (rows,), traced = search_mode(args, "none")  # one profile's rows
         assert (gc.isenabled(), gc.get_freeze_count()) == (collecting, 0)
     finally:
         gc.unfreeze()

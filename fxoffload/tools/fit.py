@@ -274,7 +274,7 @@ def search_setups(evaluate: Callable[[Setup, int, bool], Point], memory: int, gr
 
         def peak_of(size: int) -> int:
             points[size] = evaluate(setup, size, False)
-            progress(f"{setup.row} (checkpointing {setup.checkpointing}) at {size}: device peak "
+            progress(f"{_label(setup)} at {size}: device peak "
                      f"{_gb(points[size].device_peak)} of {_gb(memory)}")
             return points[size].device_peak
 
@@ -284,13 +284,19 @@ def search_setups(evaluate: Callable[[Setup, int, bool], Point], memory: int, gr
         fit = points.get(search.size)
         if fit is not None and setup.device_budget and answers_again:
             fit = evaluate(setup, search.size, True)
-            progress(f"{setup.row} (checkpointing {setup.checkpointing}) at {search.size}, planned under the "
+            progress(f"{_label(setup)} at {search.size}, planned under the "
                      f"device budget: device peak {_gb(fit.device_peak)}, step {fit.step_time:.3f} s")
         over = points.get(search.over) if search.over is not None else None
         limit = over.limit if over is not None else end
         rows.append(Row(setup.row, setup.checkpointing, search.size, fit, over, limit,
                         tuple(points[p.size] for p in search.probes)))
     return rows
+
+
+def _label(setup: Setup) -> str:
+    """A setup in progress lines: its row, checkpointing and, where its options name one, its profile."""
+    profile = setup.options.get("device_profile")
+    return f"{setup.row} (checkpointing {setup.checkpointing}{f', on {profile}' if profile else ''})"
 
 
 def best_rows(rows: Sequence[Row], setups: Sequence[Setup] = SETUPS) -> list[Row]:

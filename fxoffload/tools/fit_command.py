@@ -19,6 +19,8 @@ size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the p
 would give (a test checks it).
 Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
 traces again from the arguments), one per mode and at most one per CPU by default.
+Several profiles (``--profile h100-pcie5,a100-pcie4``) are fitted from the same traces (a trace does
+not depend on the profile), each setup searched for one profile after the other; one report each.
 With ``--per-layer`` each layer is compiled on its own (one graph serves them all, planned for their
 runs) and the embedding, head and loss run eagerly: each probe's device peak is the layer graph's
 planned runs beside the step's eager parts, measured on fake tensors with stand-in layers at that size
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import gc
 import json
 import multiprocessing
@@ -94,6 +97,9 @@ def add_fit_parser(commands: Any) -> None:
     add_model_source(fit)
     fit.add_argument("--device-memory", required=True, help="the GPU's memory, as a size (80GB) or bytes")
     add_device(fit)
+    profile = next(a for a in fit._actions if a.dest == "profile")
+    profile.help = (f"device profile: {', '.join(PROFILES)}; several, comma-separated (h100-pcie5,a100-pcie4): each "
+                    "fitted from the same traces (a trace does not depend on the profile), one report each")
     add_batch(fit)
     fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead (not a "
                                               "range, as in plan)")
@@ -120,7 +126,9 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     started = time.perf_counter()
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
-    _common_options(args)  # checked here, before any process starts; each search makes its own
+    profiles = _profiles(args)
+    for name in profiles:  # checked here, before any process starts; each search makes its own
+        _common_options(_for_profile(args, name))
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
     if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -129,7 +137,7 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     grid = _grid(args, source)
     modes = checkpointing_modes()
     jobs = min(args.jobs or os.cpu_count() or 1, len(modes))
-    progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {args.profile}: grid "
+    progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {', '.join(profiles)}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB"
              + (f"; {len(modes)} checkpointing modes in {jobs} processes" if jobs > 1 else ""))
     search = _search_kept if program else search_mode
@@ -142,22 +150,26 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
             # fewer to start and to import torch in (about 4 s of an 8B fit's 70, 2026-11-29).
             others = pool.map(_search_kept, [args] * (len(modes) - 1), modes[1:])
             searched = [search(args, modes[0]), *others]
-    rows = best_rows([row for found, _ in searched for row in found])
-    report = fit_report(rows, args, source, memory, reserved, grid)
+    reports = []
+    for i, name in enumerate(profiles):
+        one = _for_profile(args, name, plot_of=len(profiles) > 1)
+        rows = best_rows([row for found, _ in searched for row in found[i]])
+        reports.append(fit_report(rows, one, source, memory, reserved, grid))
+        if not args.no_plot:
+            reports[-1]["plot"] = _plot(rows, one, source, memory, grid)
+            progress(f"wrote {one.output}")
+    report = reports[0] if len(reports) == 1 else {"profiles": reports}
     report["seconds"] = time.perf_counter() - started
     report["traces"], report["jobs"] = sum(traced for _, traced in searched), jobs
-    if not args.no_plot:
-        report["plot"] = _plot(rows, args, source, memory, grid)
-        progress(f"wrote {args.output}")
     print(json.dumps(report, indent=2) if args.json else format_fit(report))
     if program:
         _exit_without_freeing()
     return 0
 
 
-def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
+def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], int]:
     """The setups of one checkpointing mode searched (here, or in a process of its own: everything is
-    made again from ``args``): one row per setup, and the traces made."""
+    made again from ``args``): per profile (``_profiles``), one row per setup; and the traces made."""
     rows, traces = _searched(args, mode)
     return rows, traces.traced
 
@@ -166,7 +178,7 @@ def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
 _WORKER_TRACES: list = []
 
 
-def _search_kept(args: argparse.Namespace, mode: str) -> tuple[list[Row], int]:
+def _search_kept(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], int]:
     """:func:`search_mode`, its traces kept to the process's end rather than freed on return (in a worker
     of fit's pool, or the command's own process: each ends without freeing them, :func:`_exit_without_freeing`)."""
     rows, traces = _searched(args, mode)
@@ -187,23 +199,47 @@ def _exit_without_freeing() -> None:
     atexit.register(exit_now)
 
 
-def _searched(args: argparse.Namespace, mode: str) -> tuple[list[Row], "_Traces"]:
+def _searched(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], "_Traces"]:
+    """One mode's setups searched for each profile, on one trace per mode (:class:`_Traces`): rows per profile.
+    With several profiles each setup is searched for one profile after the other, its profile among its
+    options (``device_profile``), so that each search starts from the answer just found (the profiles'
+    answers lie close: the plain rows' are equal) and plans at lengths whose partition was just made."""
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
-    common = _common_options(args)
+    profiles = _profiles(args)
+    common = _common_options(_for_profile(args, profiles[0]))
     source = _source(args)
     grid = _grid(args, source)
     traces = _Traces(args, source, DTYPES[args.dtype], common, grid, progress)
     evaluate = _evaluator(args, source, traces, memory, reserved, common, grid)
     end = Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch else LimitCode.LARGEST_TRIED)
+    setups = [dataclasses.replace(s, options={**s.options, "device_profile": name})
+              for s in SETUPS if s.checkpointing == mode for name in profiles]
     try:
-        rows = search_setups(evaluate, memory, grid, setups=[s for s in SETUPS if s.checkpointing == mode],
-                             progress=progress, end=end, answers_again=not args.per_layer)
+        rows = search_setups(evaluate, memory, grid, setups=setups, progress=progress, end=end,
+                             answers_again=not args.per_layer)
     except (ModelError, FitError) as e:
         raise UsageError(str(e)) from None
     finally:
         gc.unfreeze()  # the traces (frozen by _Traces._trace) and their garbage are the collector's again
-    return rows, traces
+    return [[row for row, s in zip(rows, setups) if s.options["device_profile"] == name] for name in profiles], traces
+
+
+def _profiles(args: argparse.Namespace) -> list[str]:
+    """``--profile``'s names (one, or several comma-separated), checked for blanks and repeats."""
+    names = [name.strip() for name in args.profile.split(",")]
+    if "" in names or len(set(names)) < len(names):
+        raise UsageError(f"--profile: got {args.profile!r}; accepted: a profile name, or several different ones "
+                         f"separated by commas ({', '.join(PROFILES)}, auto)")
+    return names
+
+
+def _for_profile(args: argparse.Namespace, name: str, plot_of: bool = False) -> argparse.Namespace:
+    """``args`` for the one profile ``name``; ``plot_of``: the plot's file named after it as well
+    (``fxoffload-fit-h100-pcie5.png``), one per profile."""
+    output = Path(args.output)
+    return argparse.Namespace(**{**vars(args), "profile": name,
+                                 "output": str(output.with_stem(f"{output.stem}-{name}")) if plot_of else args.output})
 
 
 def _source(args: argparse.Namespace) -> Any:
@@ -487,7 +523,7 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
             warnings.simplefilter("ignore", BudgetInfeasibleWarning)
             (record,) = plan_again(traced, options, rewrite=False)  # read only: the analysis kept per length
         optimizer = optimizer_step(args.optimizer, traced.optimizer["parameter_bytes"],
-                                   resolve_profile(args.profile))
+                                   resolve_profile(options["device_profile"]))
         if parts is not None:
             return _layer_step_point(size, record, parts, reserved, optimizer, memory, setup.checkpointing != "none")
         fixed = reserved + optimizer.state_bytes
@@ -605,7 +641,16 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
 
 
 def format_fit(report: dict) -> str:
-    """The report as a table, each row's limit and its plan command below it."""
+    """The report as a table, each row's limit and its plan command below it; with several profiles
+    (``report["profiles"]``), one such table per profile."""
+    if "profiles" in report:
+        tables = [_format_profile(one) for one in report["profiles"]]
+        return "\n\n".join(tables) + (f"\n\nfit ran {report['seconds']:.0f} s here (measured), for "
+                                      f"{len(tables)} profiles from the same traces")
+    return _format_profile(report) + f"\n\nfit ran {report['seconds']:.0f} s here (measured)"
+
+
+def _format_profile(report: dict) -> str:
     memory = report["device_memory"] / 1e9
     lines = [f"{report['model']}, {report['dtype']}, on {report['profile']} with {memory:.2f} GB "
              f"({report['reserved'] / 1e9:.2f} GB reserved, optimizer {report['optimizer']}), grid "
@@ -631,6 +676,5 @@ def format_fit(report: dict) -> str:
             lines.append(f"  {row['command']}")
         elif row["device_peak"] is not None:
             lines.append("  (the layer graph's smallest device peak: no plan flag asks for it)")
-    lines.append(f"\nfit ran {report['seconds']:.0f} s here (measured)")
     return "\n".join(lines)
 
