@@ -100,10 +100,10 @@ def main() -> None:
     total = time.perf_counter() - started
     body = (
         f"`python benchmarks/fit_presets.py --write`, {datetime.date.today().isoformat()}: `fxoffload fit "
-        f"--preset P --profile F {' '.join(FLAGS)} --json` per preset and profile. The longest sequence on a "
-        "256-token grid whose device peak (graph inputs, every tensor the step makes, and the 16 GB reserved) "
-        "fits 80 GB, per row: `plain` (nothing checkpointed or offloaded), `checkpointing` (full, per layer), "
-        "`checkpointing+offload` (the seed's configuration: checkpointed layers, their inputs offloaded), "
+        f"--preset P --profile {','.join(args.profiles)} {' '.join(FLAGS)} --json` per preset. The longest "
+        "sequence on a 256-token grid whose device peak (graph inputs, every tensor the step makes, and the 16 GB "
+        "reserved) fits 80 GB, per row: `plain` (nothing checkpointed or offloaded), `checkpointing` (full, per "
+        "layer), `checkpointing+offload` (the seed's configuration: checkpointed layers, their inputs offloaded), "
         "`fxoffload, at most +1%` (the smallest peak whose predicted overhead is within 1% of the step, "
         "`max_overhead='1%'`, without or with checkpointing) and `fxoffload` (its own plan under the device "
         "budget, without or with checkpointing, whichever reaches "
