@@ -55,11 +55,17 @@ def plans_alone(commands: list[str]) -> list[bool]:
                                 text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
                for command in commands]
     within = []
-    for command, process in zip(commands, running):
-        out, err = process.communicate()
-        if process.returncode:
-            raise SystemExit(f"{command} failed ({process.returncode}): {err[-2000:]}")
-        within.append(all(graph["within_device_budget"] for graph in json.loads(out)["graphs"]))
+    try:
+        for command, process in zip(commands, running):
+            out, err = process.communicate()
+            if process.returncode:
+                raise SystemExit(f"{command} failed ({process.returncode}): {err[-2000:]}")
+            within.append(all(graph["within_device_budget"] for graph in json.loads(out)["graphs"]))
+    finally:
+        for process in running:  # (after a failure: the others are not left running)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return within
 
 

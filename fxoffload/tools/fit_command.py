@@ -96,10 +96,8 @@ def add_fit_parser(commands: Any) -> None:
                "All figures are predictions (simulated), not measurements.")
     add_model_source(fit)
     fit.add_argument("--device-memory", required=True, help="the GPU's memory, as a size (80GB) or bytes")
-    add_device(fit)
-    profile = next(a for a in fit._actions if a.dest == "profile")
-    profile.help = (f"device profile: {', '.join(PROFILES)}; several, comma-separated (h100-pcie5,a100-pcie4): each "
-                    "fitted from the same traces (a trace does not depend on the profile), one report each")
+    add_device(fit, several_profiles="each fitted from the same traces (a trace does not depend on the profile), "
+                                      "one report each")
     add_batch(fit)
     fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead (not a "
                                               "range, as in plan)")

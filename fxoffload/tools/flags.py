@@ -47,9 +47,11 @@ def add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
 
 
-def add_device(parser: argparse.ArgumentParser) -> None:
-    """The device the plan is for, what it reserves, and the copies' limits."""
-    parser.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}")
+def add_device(parser: argparse.ArgumentParser, several_profiles: str | None = None) -> None:
+    """The device the plan is for, what it reserves, and the copies' limits; ``several_profiles``: what
+    a comma-separated list of profiles does (None: one profile only)."""
+    several = f"; several, comma-separated (h100-pcie5,a100-pcie4): {several_profiles}" if several_profiles else ""
+    parser.add_argument("--profile", default="h100-pcie5", help=f"device profile: {', '.join(PROFILES)}{several}")
     parser.add_argument("--reserved", default="0",
                         help="reserved: device bytes the graphs cannot see (optimizer state, allocator slack, the "
                              "CUDA context), counted against the device's memory, as a size or bytes (default 0)")
