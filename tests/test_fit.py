@@ -1,6 +1,7 @@
 """``fxoffload.tools.fit``: the bracket search on plain functions (exact at the answer, few probes), and
 ``fxoffload fit`` on a small Llama, each row's answer measured on this CPU (``measure_peak``)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -119,6 +120,66 @@ def test_a_peak_that_is_not_monotone_still_gets_an_answer_that_fits_beside_a_nex
         assert search.over == search.size + 1 and planned[search.over] > cap
     else:
         assert search.size == len(values)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(fixed=st.integers(0, 10**6), linear=st.integers(0, 10**4), square=st.integers(0, 100),
+       jumps=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 10**6)), max_size=4),
+       cap=st.integers(0, 10**9), step=st.sampled_from([1, 7, 64]), start=st.integers(1, 6000),
+       most=st.integers(64, 6000), floor=st.integers(1, 6000))
+def test_a_floor_leaves_an_answer_at_or_above_it_as_it_was_and_ends_at_its_first_probe_below(
+        fixed, linear, square, jumps, cap, step, start, most, floor):
+    """Another row's answer as the floor: where the answer reaches it, the same answer (the search starts
+    there); where not, one probe, at the floor, and the search says it is short."""
+    def peak(s):
+        return fixed + linear * s + square * s * s + sum(b for at, b in jumps if s >= at)
+
+    floor = min(max(floor // step, 1) * step, most // step * step)
+    peak_of, calls = counted(peak)
+    search = largest_fitting(peak_of, cap, step=step, start=start, most=most, floor=floor)
+    answer = brute_force(peak, cap, step, most)
+    assert calls[0] == floor
+    if answer >= floor:
+        assert not search.short and search.size == answer
+    else:
+        assert search.short and calls == [floor] and search.over == floor and search.size == 0
+        assert search.probes == (Probe(floor, peak(floor)),)
+
+
+@pytest.mark.parametrize("floor", [0, 100, 8448])  # below the grid, off it, above it
+def test_a_floor_off_the_grid_is_refused(floor):
+    with pytest.raises(ValueError, match="need a multiple of step 256 in"):
+        largest_fitting(lambda s: 0, 10, step=256, start=256, most=8192, floor=floor)
+
+
+def test_a_setup_that_cannot_reach_its_row_s_answer_with_checkpointing_is_planned_once_there():
+    """fit_rows searches the checkpointed setups first: a row's setup without checkpointing is planned at
+    that row's answer, and searched no further where it does not fit there (the row is the other's);
+    where it fits, it is searched to its own answer (the row is the further, then the faster)."""
+    from fxoffload.tools.fit import SETUPS, WITHIN_ONE_PERCENT, Grid, Limit, LimitCode, Point, best_rows, fit_rows
+
+    # Without checkpointing: +1% reaches less than with, fxoffload further.
+    slopes = {("plain", "none"): 900, ("checkpointing", "full"): 500, ("checkpointing+offload", "full"): 450,
+              (WITHIN_ONE_PERCENT, "none"): 700, (WITHIN_ONE_PERCENT, "full"): 400,
+              ("fxoffload", "none"): 300, ("fxoffload", "full"): 350}
+    planned = []
+
+    def evaluate(setup, size, answer):
+        planned.append((setup.row, setup.checkpointing, size, answer))
+        return Point(size, slopes[setup.row, setup.checkpointing] * size, size / 1e3, Limit(LimitCode.TEMPORARIES))
+
+    cap, grid = 4_000_000, Grid(False, 16, 256, 16384)
+    rows = {row.name: row for row in fit_rows(evaluate, cap, grid)}
+    best = {s.row: max(brute_force(lambda size, s=t: slopes[s.row, s.checkpointing] * size, cap, grid.step,
+                                   grid.most) for t in SETUPS if t.row == s.row) for s in SETUPS}
+    assert {name: row.size for name, row in rows.items()} == best
+    assert rows[WITHIN_ONE_PERCENT].checkpointing == "full" and rows["fxoffload"].checkpointing == "none"
+    floor = rows[WITHIN_ONE_PERCENT].size
+    assert [p for p in planned if p[:2] == (WITHIN_ONE_PERCENT, "none")] == [(WITHIN_ONE_PERCENT, "none", floor, False)]
+    assert sum(p[:2] == ("fxoffload", "none") for p in planned) > 2  # searched: it reaches further
+    with pytest.raises(ValueError, match="no row searched to its answer"):
+        best_rows([dataclasses.replace(rows[WITHIN_ONE_PERCENT], short_of=floor)],
+                  [s for s in SETUPS if s.row == WITHIN_ONE_PERCENT])
 
 
 def test_the_answer_and_the_next_size_up_are_both_planned():
@@ -665,6 +726,7 @@ def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_fou
     import json
 
     from fxoffload.tools.cli import _parser
+    from fxoffload.tools.fit import LimitCode
     from fxoffload.tools.fit_command import search_mode
 
     config = tmp_path / "config.json"
@@ -679,6 +741,37 @@ def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_fou
         gc.unfreeze()
         gc.enable()
     assert traced == 1 and [row.size for row in rows] == [64, 64, 64]  # the tiny Llama fits 64 tokens
+    assert {row.limit.code for row in rows} == {LimitCode.LARGEST_TRIED}  # --max-seq, below its positions
+
+
+def test_the_first_mode_asks_for_the_other_s_answers_only_at_a_row_they_answer(tmp_path, capsys):
+    """fit searches the first checkpointing mode (none) while the other runs in a process of its own, and
+    asks for the other's answers (its floors) only at the first row that has a setup there: plain's search
+    does not wait for them. The floors are the rows' answers: a setup that reaches one is searched from it."""
+    import json
+
+    from fxoffload.tools.cli import _parser
+    from fxoffload.tools.fit import LimitCode
+    from fxoffload.tools.fit_command import search_mode
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_LLAMA, "max_position_embeddings": 64}))
+    args = _parser().parse_args(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", str(MEMORY),
+                                 "--reserved", str(RESERVED), "--granularity", "16"])
+    full = search_mode(args, "full")
+    capsys.readouterr()
+    said_before = []
+
+    def later():
+        said_before.append(capsys.readouterr().err)
+        return [full]
+
+    (rows,), _ = search_mode(args, "none", later)
+    first = said_before[0]
+    assert "plain (checkpointing none" in first and "at most +1% (checkpointing none" not in first, first
+    assert [row.size for row in rows] == [64, 64, 64] and all(row.short_of is None for row in rows)
+    assert all([probe.size for probe in row.probes] == [64] for row in rows[1:])  # searched from the floor
+    assert {row.limit.code for row in rows} == {LimitCode.POSITIONS}  # the answers reach the model's positions
 
 
 def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, monkeypatch):

@@ -18,7 +18,10 @@ length does not hold (a step whose ops depend on it; fit says so). Every setup t
 size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a trace of its own
 would give (a test checks it).
 Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
-traces again from the arguments), one per mode and at most one per CPU by default.
+traces again from the arguments), one per mode and at most one per CPU by default. The rows searched
+in both modes (fxoffload's) take the checkpointed answers as floors (``fxoffload.tools.fit.fit_rows``):
+the search without checkpointing, in the command's own process, waits for them where it reaches
+such a row (plain's search first), and plans once at a floor it does not reach.
 Several profiles (``--profile h100-pcie5,a100-pcie4``) are fitted from the same traces (a trace does
 not depend on the profile), each setup searched for one profile after the other; one report each.
 With ``--per-layer`` each layer is compiled on its own (one graph serves them all, planned for their
@@ -54,7 +57,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import sympy
 import torch
@@ -68,7 +71,7 @@ from fxoffload.passes import (
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Probe, Row, Setup, best_rows,
-    checkpointing_modes, chooses_checkpointing, limit_at_peak, search_setups,
+    checkpointing_modes, chooses_checkpointing, floor_in, limit_at_peak, search_setups,
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tools.layer_step import EagerParts, LayerStepError, layer_step_peak, measure_eager_parts
@@ -139,15 +142,19 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB"
              + (f"; {len(modes)} checkpointing modes in {jobs} processes" if jobs > 1 else ""))
     search = _search_kept if program else search_mode
+    # The later modes first, the first (no checkpointing: the most probes) with their answers as floors
+    # (fxoffload.tools.fit.fit_rows): a row its setup cannot win is not searched to its own answer.
     if jobs == 1:
-        searched = [search(args, mode) for mode in modes]
+        others = [search(args, mode) for mode in modes[1:]]
+        searched = [search(args, modes[0], lambda: others), *others]
     else:  # spawned, not forked: a forked child inherits the parent's thread pools half made
         with ProcessPoolExecutor(jobs - 1, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_exit_without_freeing) as pool:
-            # The first mode (no checkpointing: the most probes) is searched here meanwhile: one process
-            # fewer to start and to import torch in (about 4 s of an 8B fit's 70, 2026-11-29).
-            others = pool.map(_search_kept, [args] * (len(modes) - 1), modes[1:])
-            searched = [search(args, modes[0]), *others]
+            # The first mode is searched here meanwhile, waiting for the others' answers where it needs
+            # them: one process fewer to start and to import torch in (about 4 s of an 8B fit's 70, 2026-11-29).
+            futures = [pool.submit(_search_kept, args, mode) for mode in modes[1:]]
+            searched = [search(args, modes[0], lambda: [f.result() for f in futures])]
+            searched += [f.result() for f in futures]
     reports = []
     for i, name in enumerate(profiles):
         one = _for_profile(args, name, plot_of=len(profiles) > 1)
@@ -165,10 +172,16 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     return 0
 
 
-def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], int]:
+# One mode's search: per profile, one row per setup; and the traces made.
+Searched = tuple[list[list[Row]], int]
+
+
+def search_mode(args: argparse.Namespace, mode: str, later: Callable[[], Sequence[Searched]] = tuple) -> Searched:
     """The setups of one checkpointing mode searched (here, or in a process of its own: everything is
-    made again from ``args``): per profile (``_profiles``), one row per setup; and the traces made."""
-    rows, traces = _searched(args, mode)
+    made again from ``args``): per profile (``_profiles``), one row per setup; and the traces made.
+    ``later``: the other modes' searches (asked where first needed, it may wait for them), whose answers
+    are this mode's floors (``fxoffload.tools.fit.fit_rows``)."""
+    rows, traces = _searched(args, mode, later)
     return rows, traces.traced
 
 
@@ -176,10 +189,10 @@ def search_mode(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], i
 _WORKER_TRACES: list = []
 
 
-def _search_kept(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], int]:
+def _search_kept(args: argparse.Namespace, mode: str, later: Callable[[], Sequence[Searched]] = tuple) -> Searched:
     """:func:`search_mode`, its traces kept to the process's end rather than freed on return (in a worker
     of fit's pool, or the command's own process: each ends without freeing them, :func:`_exit_without_freeing`)."""
-    rows, traces = _searched(args, mode)
+    rows, traces = _searched(args, mode, later)
     _WORKER_TRACES.append(traces)
     return rows, traces.traced
 
@@ -197,11 +210,13 @@ def _exit_without_freeing() -> None:
     atexit.register(exit_now)
 
 
-def _searched(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], "_Traces"]:
+def _searched(args: argparse.Namespace, mode: str,
+              later: Callable[[], Sequence[Searched]]) -> tuple[list[list[Row]], "_Traces"]:
     """One mode's setups searched for each profile, on one trace per mode (:class:`_Traces`): rows per profile.
     With several profiles each setup is searched for one profile after the other, its profile among its
     options (``device_profile``), so that each search starts from the answer just found (the profiles'
-    answers lie close: the plain rows' are equal) and plans at lengths whose partition was just made."""
+    answers lie close: the plain rows' are equal) and plans at lengths whose partition was just made.
+    A setup whose row ``later``'s searches answered (on its profile) has that answer as its floor."""
     progress = Progress(args.quiet)
     memory, reserved = _device_figures(args)
     profiles = _profiles(args)
@@ -210,12 +225,17 @@ def _searched(args: argparse.Namespace, mode: str) -> tuple[list[list[Row]], "_T
     grid = _grid(args, source)
     traces = _Traces(args, source, DTYPES[args.dtype], common, grid, progress)
     evaluate = _evaluator(args, source, traces, memory, reserved, common, grid)
-    end = Limit(LimitCode.POSITIONS if grid.most == source.positions and not grid.by_batch else LimitCode.LARGEST_TRIED)
     setups = [dataclasses.replace(s, options={**s.options, "device_profile": name})
               for s in SETUPS if s.checkpointing == mode for name in profiles]
+    def floor_of(setup: Setup) -> int | None:
+        if not chooses_checkpointing(setup.row):  # (its row has no other mode's setup: nothing to wait for)
+            return None
+        at = profiles.index(setup.options["device_profile"])
+        return floor_in([row for found, _ in later() for row in found[at]], setup)
+
     try:
-        rows = search_setups(evaluate, memory, grid, setups=setups, progress=progress, end=end,
-                             answers_again=not args.per_layer)
+        rows = search_setups(evaluate, memory, grid, setups=setups, progress=progress,
+                             answers_again=not args.per_layer, floor_of=floor_of)
     except (ModelError, FitError) as e:
         raise UsageError(str(e)) from None
     finally:
@@ -274,7 +294,8 @@ def _grid(args: argparse.Namespace, source: Any) -> Grid:
     step = args.granularity or 256
     if step > most:
         raise UsageError(f"--granularity: got {step}, above the longest sequence tried ({most}); accepted: at most it")
-    return Grid(False, step, min(source.default_seq, most), most)
+    top = Limit(LimitCode.POSITIONS if most == positions else LimitCode.LARGEST_TRIED)
+    return Grid(False, step, min(source.default_seq, most), most, top)
 
 
 def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
