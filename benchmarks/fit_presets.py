@@ -5,15 +5,19 @@ at, predicted, and how long the command takes here (measured).
     python benchmarks/fit_presets.py --write     # and rewrite its section of benchmarks/RESULTS.md
 
 Each preset is one run of ``fxoffload fit --preset P --profile F1,F2 --device-memory 80GB --reserved 16GB
---batch 1 --json`` in a process of its own (both profiles fitted from the same traces). Each
-``fxoffload`` row's ``fxoffload plan`` command is then run alone, a preset's two side by side. Device
-peaks, step times and tokens per second are predictions (memory model, cost model, simulator); the
-seconds are the command's run time on this machine.
+--batch 1 --json`` in a process of its own (both profiles fitted from the same traces), one preset after
+the other. Each ``fxoffload`` row's ``fxoffload plan`` command is then run alone, in a process of its
+own at the lowest priority (``nice 19``), while the next preset's fit runs: a core a fit leaves idle
+(its checkpointing mode's process ends first) checks the previous preset's answers, and a fit's own
+processes keep their cores (a niced process gets about 1.5% of a core that a fit's process wants).
+Device peaks, step times and tokens per second are predictions (memory model, cost model, simulator);
+the seconds are the command's run time on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,26 +52,37 @@ def run_fit(preset: str, profiles: list[str]) -> tuple[list[dict], float]:
     return (report["profiles"] if "profiles" in report else [report]), seconds
 
 
-def plans_alone(commands: list[str]) -> list[bool]:
-    """Whether ``fxoffload plan`` of each fxoffload row's answer, alone, is within its device budget: the
-    commands run side by side, each in a process of its own."""
-    running = [subprocess.Popen([sys.executable, "-m", "fxoffload", "plan", *command.split()[2:],  # after "plan"
-                                 "--json", "--quiet", "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-               for command in commands]
+def start_checks(commands: list[str]) -> list[subprocess.Popen]:
+    """``fxoffload plan`` of each fxoffload row's answer, alone, each in a process of its own at the lowest
+    priority (see the module docstring), started now: :func:`within_budgets` reads them."""
+    return [subprocess.Popen([sys.executable, "-m", "fxoffload", "plan", *command.split()[2:],  # after "plan"
+                              "--json", "--quiet", "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                             preexec_fn=lambda: os.nice(19))
+            for command in commands]
+
+
+def within_budgets(commands: list[str], running: list[subprocess.Popen]) -> list[bool]:
+    """Whether each check (:func:`start_checks`) planned its command within its device budget; waits for them."""
     within = []
+    for command, process in zip(commands, running):
+        out, err = process.communicate()
+        if process.returncode:
+            raise SystemExit(f"{command} failed ({process.returncode}): {err[-2000:]}")
+        within.append(all(graph["within_device_budget"] for graph in json.loads(out)["graphs"]))
+    return within
+
+
+@contextlib.contextmanager
+def stopped_at_exit(checks: list[list[subprocess.Popen]]) -> Iterator[None]:
+    """Within: after a failure, no check of ``checks`` (started by then) is left running."""
     try:
-        for command, process in zip(commands, running):
-            out, err = process.communicate()
-            if process.returncode:
-                raise SystemExit(f"{command} failed ({process.returncode}): {err[-2000:]}")
-            within.append(all(graph["within_device_budget"] for graph in json.loads(out)["graphs"]))
+        yield
     finally:
-        for process in running:  # (after a failure: the others are not left running)
+        for process in (p for started in checks for p in started):
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    return within
 
 
 def table(results: list[tuple[str, str, dict, float | None, bool]]) -> str:
@@ -93,16 +109,23 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=PROFILES)
     args = parser.parse_args()
     started = time.perf_counter()
-    results, fits = [], 0.0
-    for preset in args.presets:
-        reports, seconds = run_fit(preset, args.profiles)
-        fits += seconds
-        commands = [next(row for row in report["rows"] if row["name"] == "fxoffload")["command"] for report in reports]
-        for i, (profile, report, within) in enumerate(zip(args.profiles, reports, plans_alone(commands))):
-            results.append((preset, profile, report, seconds if i == 0 else None, within))
-            print(f"{preset} on {profile}: its fxoffload row planned alone: {'within' if within else 'OVER'} the "
-                  "device budget", file=sys.stderr, flush=True)
-        print(f"{preset}: fit {seconds:.0f} s", file=sys.stderr, flush=True)
+    fitted, checks, fits = [], [], 0.0  # per preset: its reports and seconds; its checks, started
+    with stopped_at_exit(checks):
+        for preset in args.presets:  # each fit alone at its priority, the previous preset's checks beside it
+            reports, seconds = run_fit(preset, args.profiles)
+            fits += seconds
+            print(f"{preset}: fit {seconds:.0f} s", file=sys.stderr, flush=True)
+            commands = [next(row for row in report["rows"] if row["name"] == "fxoffload")["command"]
+                        for report in reports]
+            fitted.append((preset, reports, seconds, commands))
+            checks.append(start_checks(commands))
+        results = []
+        for (preset, reports, seconds, commands), running in zip(fitted, checks):
+            answers = within_budgets(commands, running)
+            for i, (profile, report, within) in enumerate(zip(args.profiles, reports, answers)):
+                results.append((preset, profile, report, seconds if i == 0 else None, within))
+                print(f"{preset} on {profile}: its fxoffload row planned alone: {'within' if within else 'OVER'} "
+                      "the device budget", file=sys.stderr, flush=True)
     total = time.perf_counter() - started
     body = (
         f"`python benchmarks/fit_presets.py --write`, {datetime.date.today().isoformat()}: `fxoffload fit "
@@ -118,8 +141,9 @@ def main() -> None:
         "(max_position_embeddings) were reached. The last column is the command's own run time on this "
         f"machine's CPU (measured, 2 cores): one run per preset, each in a process of its own, fitting "
         f"{' and '.join(args.profiles)} from the same traces ({fits / 60:.1f} min of fits; the script "
-        f"{total / 60:.1f} min in all, with the checks that follow). Each `fxoffload` row's "
-        "`fxoffload plan` command (`--device-budget 80GB --reserved 16GB` at its length), run alone: "
+        f"{total / 60:.1f} min in all, with the checks). Each `fxoffload` row's `fxoffload plan` command "
+        "(`--device-budget 80GB --reserved 16GB` at its length), run alone in a process at the lowest priority "
+        "beside the next preset's fit: "
         + ", ".join(f"{p} on {f} {'within' if w else '**over**'} its budget" for p, f, _, _, w in results)
         + ".\n\n" + table(results))
     print(body)
