@@ -227,6 +227,7 @@ def _searched(args: argparse.Namespace, mode: str,
     evaluate = _evaluator(args, source, traces, memory, reserved, common, grid)
     setups = [dataclasses.replace(s, options={**s.options, "device_profile": name})
               for s in SETUPS if s.checkpointing == mode for name in profiles]
+
     def floor_of(setup: Setup) -> int | None:
         if not chooses_checkpointing(setup.row):  # (its row has no other mode's setup: nothing to wait for)
             return None
