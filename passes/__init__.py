@@ -26,6 +26,7 @@ from .analysis import (
 from .candidates import AUTO_HORIZON, Placement
 from .cost_model import OPTIMIZERS, DeviceProfile, Work, op_work, optimizer_step, roofline
 from .digest import plan_digest
+from .layer_copies import TRACED_LAYERS, CopiedLayers, LayerCopyError, copy_layers
 from .memory import Timeline, curve, on_device
 from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT
 from .pipeline import (
@@ -49,13 +50,15 @@ from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
 
 __all__ = [
     "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "CandidatePlan", "BudgetInfeasibleError",
-    "BudgetInfeasibleWarning", "DEFER", "Decision",
-    "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
+    "BudgetInfeasibleWarning", "CopiedLayers", "DEFER", "Decision",
+    "DeviceProfile", "FXOFFLOAD_OPS", "KeptSource", "LIB", "LayerCopyError",
+    "NODE_LIMIT", "OFFLOAD", "ON_INFEASIBLE", "OPTIMIZERS",
     "OnInfeasible", "OverheadExceededError", "PREFETCH", "PREFETCH_AHEAD", "PassResult", "Placement", "Plan",
     "PlanOptions",
     "RELEASES", "RegionDemand", "RunPeaks",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
-    "Strategy", "TIME_GUARD", "Timeline", "Transfer", "WAIT", "Why", "Work", "activation_peaks_at", "curve",
+    "Strategy", "TIME_GUARD", "TRACED_LAYERS", "Timeline", "Transfer", "WAIT", "Why", "Work", "activation_peaks_at",
+    "copy_layers", "curve",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
     "offload_marked", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",

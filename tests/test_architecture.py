@@ -105,6 +105,7 @@ STAGE_ORDER = {
     "fxoffload.passes.ops": 0, "fxoffload.passes.policies": 0,
     "fxoffload.passes.solvers": 0, "fxoffload.passes.replay": 0, "fxoffload.passes.shares": 0,
     "fxoffload.passes.analysis": 1, "fxoffload.passes.sizes": 1, "fxoffload.passes.memory": 1,
+    "fxoffload.passes.layer_copies": 1,  # fit's joint graph of many layers from a trace of four
     "fxoffload.passes.cost_model": 2,
     "fxoffload.passes.candidates": 3,
     "fxoffload.passes.eligibility": 4, "fxoffload.passes.plan": 4, "fxoffload.passes.formulation": 4,

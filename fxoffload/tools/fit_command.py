@@ -65,8 +65,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.config import OffloadConfig, OptionError
 from fxoffload.passes import (
-    BudgetInfeasibleWarning, Why, fixed_sizes, optimizer_step, run_peaks, simulate, simulate_step, symbol_value,
-    timeline_at,
+    TRACED_LAYERS, BudgetInfeasibleWarning, LayerCopyError, Why, fixed_sizes, optimizer_step, run_peaks, simulate,
+    simulate_step, symbol_value, timeline_at,
 )
 from fxoffload.profiles import PROFILES, resolve_profile
 from fxoffload.tools.fit import (
@@ -79,7 +79,7 @@ from fxoffload.tools.models import DTYPES, PRESETS, ModelError, layer_list, one_
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
     Progress, UsageError, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
-    reserve_optimizer_state, trace_step,
+    reserve_optimizer_state, trace_step, with_layer_copies,
 )
 
 
@@ -114,6 +114,9 @@ def add_fit_parser(commands: Any) -> None:
                      help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
     fit.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                      help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
+    fit.add_argument("--trace-every-layer", action="store_true",
+                     help=f"trace all the model's layers (default for a preset or a config: trace "
+                          f"{TRACED_LAYERS} and copy the joint graph's layers, the same graph in seconds)")
     fit.add_argument("--jobs", type=int,
                      help="processes that search the checkpointing modes side by side (default: one per mode, at "
                           "most one per CPU; 1: one after the other, in this process)")
@@ -412,7 +415,8 @@ class _Traces:
     def _trace_symbolic(self, checkpointing: str, batch: int) -> _Symbolic | None:
         lower, upper = self._lengths
         try:
-            traced = self._trace(checkpointing, batch, self._example, self._lengths)
+            traced = (self._trace_copying_layers(checkpointing, batch)
+                      or self._trace(checkpointing, batch, self._example, self._lengths))
         except Exception as e:  # noqa: BLE001 -- traced per size instead, which reports its own failure
             self._progress(f"tracing with the length symbolic (checkpointing {checkpointing}) failed "
                            f"({one_line(e)}): tracing each length instead")
@@ -429,6 +433,23 @@ class _Traces:
         return _Symbolic(traced, shape_env, symbol, max(int(allowed.lower), lower), min(int(allowed.upper), upper),
                          _guards_on(shape_env, symbol))
 
+    def _trace_copying_layers(self, checkpointing: str, batch: int) -> Any:
+        """The step traced with ``TRACED_LAYERS`` layers, its joint graph's layers copied to the model's
+        (``with_layer_copies``), where the source builds fewer layers and they repeat; else None."""
+        source = self._source
+        if (self._args.per_layer or getattr(self._args, "trace_every_layer", False) or source.with_layers is None
+                or (source.layers or 0) <= TRACED_LAYERS):
+            return None
+        try:
+            with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
+                traced = self._trace(checkpointing, batch, self._example, self._lengths,
+                                     source.with_layers(TRACED_LAYERS))
+                return with_layer_copies(traced, source.layers, self._common["device_profile"])
+        except LayerCopyError as e:
+            self._progress(f"the layers of a {TRACED_LAYERS}-layer trace (checkpointing {checkpointing}) do not "
+                           f"repeat as copies need ({e}): tracing all {source.layers}")
+            return None
+
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)
         if key not in self._kept:
@@ -439,14 +460,15 @@ class _Traces:
             self._keep(key, traced)
         return self._kept[key]
 
-    def _trace(self, checkpointing: str, batch: int, seq: int, lengths: tuple[int, int] | None) -> Any:
+    def _trace(self, checkpointing: str, batch: int, seq: int, lengths: tuple[int, int] | None,
+               source: Any = None) -> Any:
         # Traced to its joint graph, the compile stopped there (where the step is one graph; else planned
         # under the cheapest plan, keep everything): each setup plans the joint graph again.
         run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=self._args.per_layer,
                                  optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True,
                                  joints_only=True)
         with _paused_then_frozen():
-            traced = trace_step(self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
+            traced = trace_step(source or self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
                                 Progress(True), lengths=lengths)
         self.traced += 1
         return traced

@@ -128,6 +128,9 @@ class ModelSource:
     # The model built does not depend on the sequence length, only its token ids do: one trace with the
     # length symbolic serves every length (``fxoffload fit``). Not known of a model file's own build.
     symbolic_length: bool = False
+    # The same model with fewer layers (a preset's or a config's), else None: ``fxoffload fit`` traces
+    # four and copies them (``fxoffload.passes.copy_layers``).
+    with_layers: Callable[[int], "ModelSource"] | None = field(default=None, repr=False)
 
 
 def from_preset(name: str, layers: int | None = None) -> ModelSource:
@@ -322,6 +325,10 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     config.use_cache = False
     config._attn_implementation = "sdpa"
     full_layers = config.num_hidden_layers
+    unchanged = dict(fields)
+
+    def with_layers(count: int) -> ModelSource:
+        return _from_transformers_config(name, model_type, dict(unchanged), task, count, default_seq, origin)
 
     def build(batch: int, seq: int, dtype: torch.dtype):
         _check_size(name, config, task, seq)
@@ -333,7 +340,8 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
 
     positions = getattr(config, "max_position_embeddings", None) if task != "image-classification" else None
     return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
-                       vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification")
+                       vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification",
+                       with_layers=with_layers)
 
 
 def _check_size(name: str, config: Any, task: str, seq: int) -> None:

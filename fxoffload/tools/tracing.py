@@ -21,10 +21,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.backend import JointKept, OffloadBackend
+from fxoffload.backend.partition import PartitionMemo
 from fxoffload.backend.partition import with_stack_headroom
 from fxoffload.config import OffloadConfig, OptionError, config_from_options, parse_budget
 from fxoffload.explain import format_bytes, format_stages
-from fxoffload.passes import ADVICE_WARN, BudgetInfeasibleError, optimizer_step, tensor_nbytes
+from fxoffload.passes import (
+    ADVICE_WARN, TRACED_LAYERS, BudgetInfeasibleError, LayerCopyError, copy_layers, optimizer_step, tensor_nbytes,
+)
 from fxoffload.profiles import resolve_profile
 from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line, unpacked_sequences
@@ -178,6 +181,34 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
              f"(fxoffload passes {format_stages(tuple(stages.items()))})")
     return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer,
                    backend.joints or [])
+
+
+def with_layer_copies(traced: "_Traced", layers: int, profile: Any) -> "_Traced":
+    """``traced`` (a step of ``TRACED_LAYERS`` layers traced to its one joint graph, ``joints_only``) as if
+    all ``layers`` had been traced: its joint graph's layers copied (:func:`fxoffload.passes.copy_layers`),
+    and the parameters' and the optimizer's figures counted for them. Raises ``LayerCopyError`` where the
+    layers do not repeat (the caller traces them all)."""
+    if len(traced.joints) != 1 or traced.records:
+        raise LayerCopyError(f"the step traced to {len(traced.joints)} joint graph(s), not one kept whole")
+    joint = traced.joints[0]
+    if joint.inputs.activations:
+        raise LayerCopyError("the step's graph takes activations of an earlier graph")
+    copied = copy_layers(joint.module, layers, joint.context.fake_mode)
+    added = (layers - TRACED_LAYERS) * copied.layer_parameter_bytes
+    kwargs = dict(joint.kwargs)
+    if "static_lifetime_input_indices" in kwargs:
+        kwargs["static_lifetime_input_indices"] = copied.primal_indices(kwargs["static_lifetime_input_indices"])
+    placeholders = list(copied.module.graph.find_nodes(op="placeholder"))
+    joint_inputs = tuple([p.meta["val"] for p in placeholders if p.name.startswith(prefix)]
+                         for prefix in ("primals_", "tangents_"))
+    inputs = joint.inputs._replace(gradient_bytes=joint.inputs.gradient_bytes + added)
+    copy = dataclasses.replace(joint, module=copied.module, joint_inputs=joint_inputs, kwargs=kwargs, inputs=inputs,
+                               graph=f"{joint.graph}, layers copied to {layers}", partition=PartitionMemo())
+    parameter_bytes = traced.optimizer["parameter_bytes"] + added
+    cost = optimizer_step(traced.optimizer["kind"], parameter_bytes, resolve_profile(profile))
+    optimizer = {**traced.optimizer, "parameter_bytes": parameter_bytes, "state_bytes": cost.state_bytes,
+                 "step_time": cost.seconds}
+    return traced._replace(joints=[copy], optimizer=optimizer)
 
 
 # AOTAutograd's functions that print its joint, forward and backward graphs as text for its structured log

@@ -1,0 +1,333 @@
+"""Layer copies: the joint graph of a model of many identical layers, made from a trace of four.
+
+Inputs: the joint forward/backward graph AOTAutograd traced of a model whose layers (one
+``nn.ModuleList`` of one class) were cut to ``TRACED_LAYERS``, and the count of layers wanted.
+Outputs: :class:`CopiedLayers`: the joint graph of that many layers, each of its nodes a copy of a
+traced one, with fresh fake values, and which traced placeholder each of its placeholders copies.
+
+Why: tracing is most of ``fxoffload fit``'s time (an 8B step's joint graph about two seconds a
+layer here), and a model's layers trace alike; a graph of four is traced in a few seconds.
+
+Algorithm. Each traced node belongs to a layer by the outermost numbered module in its module stack
+(``nn_module_stack``, or the forward's for a backward node); the nodes of layer ``i`` form blocks,
+contiguous in the graph's order: its parameters (placeholders only its nodes read), its forward
+(from its first node to the next layer's first) and its backward (from its first backward node to the
+next-lower layer's first, the gradient sums between them included). Layers 1 and 2 both have a layer
+before and after them: the graph is accepted only where layer 2's blocks are layer 1's shifted by one
+layer, node by node (the same op, the same arguments with each node of layer ``i`` read as the same
+node of layer ``i + 1`` and every other node the same, the same sizes, dtypes and checkpoint tags).
+The new graph keeps layer 0 and the nodes outside the layers, copies layer 1 for layers ``1`` to
+``n - 2`` and layer 3 for the last, in the traced order (forward up, backward down): a copy for layer
+``j`` of a node of layer ``s`` reads, for a node of layer ``i``, the same node of layer ``j + i - s``.
+A node outside the layers reads layer 0 and the last layer only. Activation checkpointing's region ids
+(``ac_graph_id``) shift with the layer, so that they still grow along the forward.
+
+Fresh values: every copy of layer 1 but the first gets fake tensors of its own (the planner tells
+storages apart by identity): each storage the traced graph made is made again, as large, by the copy
+of the node that made it, and every view of it becomes the same view of the new one.
+
+Limits: one list of layers; layers that read only their neighbours; nothing outside the layers that
+reads a middle layer; at least ``TRACED_LAYERS`` layers. Node names are FX's own for the new graph
+(a trace of all the layers numbers some of them otherwise). Anything else raises
+:class:`LayerCopyError`, and the caller traces every layer instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .analysis import tensor_nbytes, tensor_storage_key, traced_value
+
+__all__ = ["TRACED_LAYERS", "CopiedLayers", "LayerCopyError", "copy_layers"]
+
+TRACED_LAYERS = 4  # layer 0, two middle layers to compare, the last
+_NUMBERED = re.compile(r"^(.*)\.(\d+)$")
+_KINDS = ("params", "forward", "backward")
+
+
+class LayerCopyError(ValueError):
+    """The traced graph's layers do not repeat as :func:`copy_layers` needs (the reason in words)."""
+
+
+class Place(NamedTuple):
+    """Where a traced node sits: its layer, its block (``_KINDS``) and its position in the block."""
+
+    layer: int
+    kind: str
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiedLayers:
+    """The new joint graph, and for each of its placeholders (in order) the traced one it copies."""
+
+    module: fx.GraphModule
+    sources: tuple[fx.Node, ...]
+    layers: int
+    layer_parameter_bytes: int  # of one copied layer's inputs that get a gradient (its parameters)
+
+    def primal_indices(self, traced: Sequence[int]) -> list[int]:
+        """The positions among the new primal inputs of those that copy the traced primals at ``traced``."""
+        primals = [n for n in self.sources if n.name.startswith("primals_")]
+        wanted = set(traced)  # AOTAutograd names the traced primal inputs primals_1, primals_2, ... in order
+        return [i for i, n in enumerate(primals) if int(n.name.rsplit("_", 1)[1]) - 1 in wanted]
+
+
+def copy_layers(gm: fx.GraphModule, layers: int, fake_mode: Any) -> CopiedLayers:
+    """The joint graph ``gm`` (of ``TRACED_LAYERS`` layers) made again with ``layers`` layers; see the
+    module's docstring. ``fake_mode``: the trace's fake tensor mode (the copies' values are made in it)."""
+    if layers < TRACED_LAYERS:
+        raise LayerCopyError(f"{layers} layers: copies need at least {TRACED_LAYERS}")
+    blocks = _blocks(gm.graph)
+    places = {node: Place(layer, kind, offset) for (layer, kind), nodes in blocks.items()
+              for offset, node in enumerate(nodes)}
+    _check_repeats(blocks, places)
+    return _Copier(gm, blocks, places, layers, fake_mode).run()
+
+
+def _layer_of(node: fx.Node) -> tuple[str, int] | None:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    for path, _ in stack.values():
+        match = _NUMBERED.match(str(path))
+        if match:
+            return match.group(1), int(match.group(2))
+    return None
+
+
+def _blocks(graph: fx.Graph) -> dict[tuple[int, str], list[fx.Node]]:
+    nodes = list(graph.nodes)
+    owners = {n: _layer_of(n) for n in nodes if n.op == "call_function"}
+    lists = {owner[0] for owner in owners.values() if owner}
+    if len(lists) != 1:
+        raise LayerCopyError(f"the graph's nodes sit in {len(lists)} numbered module lists, not one")
+    found = sorted({owner[1] for owner in owners.values() if owner})
+    if found != list(range(TRACED_LAYERS)):
+        raise LayerCopyError(f"the graph's layers are {found}, not 0 to {TRACED_LAYERS - 1}")
+    layer_of = {n: owner[1] for n, owner in owners.items() if owner}
+    forward = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
+    backward = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward"]
+    if len(forward) + len(backward) != len(owners) or nodes.index(backward[0]) < nodes.index(forward[-1]):
+        raise LayerCopyError("the graph's forward and backward nodes are not two runs, one after the other")
+    blocks = {}
+    for kind, section, order in (("forward", forward, range(TRACED_LAYERS)),
+                                 ("backward", backward, reversed(range(TRACED_LAYERS)))):
+        blocks.update(_runs(section, layer_of, list(order), kind))
+    for layer in range(TRACED_LAYERS):
+        blocks[(layer, "params")] = _parameters(graph, layer, blocks)
+    return blocks
+
+
+def _runs(section: list[fx.Node], layer_of: dict, order: list[int], kind: str) -> dict:
+    """Each layer's block of ``section``: from its first node to the next layer's first (the last layer's
+    to its own last node); every node of a layer must fall in its block."""
+    firsts = [next(i for i, n in enumerate(section) if layer_of.get(n) == layer) for layer in order]
+    last = max(i for i, n in enumerate(section) if layer_of.get(n) == order[-1])
+    ends = firsts[1:] + [last + 1]
+    if firsts != sorted(firsts):
+        raise LayerCopyError(f"the layers' {kind} nodes are not in the layers' order")
+    runs = {}
+    for layer, start, end in zip(order, firsts, ends):
+        run = section[start:end]
+        if any(layer_of.get(n, layer) != layer for n in run):
+            raise LayerCopyError(f"layer {layer}'s {kind} nodes interleave with another layer's")
+        runs[(layer, kind)] = run
+    inside = {n for run in runs.values() for n in run}
+    if any(n in layer_of and n not in inside for n in section):
+        raise LayerCopyError(f"some {kind} nodes of the layers fall outside their blocks")
+    return runs
+
+
+def _parameters(graph: fx.Graph, layer: int, blocks: dict) -> list[fx.Node]:
+    own = set(blocks[(layer, "forward")]) | set(blocks[(layer, "backward")])
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    mine = [p for p in placeholders if p.users and all(u in own for u in p.users)]
+    positions = [placeholders.index(p) for p in mine]
+    if not mine or positions != list(range(positions[0], positions[0] + len(mine))):
+        raise LayerCopyError(f"layer {layer}'s parameters are not one run of the graph's inputs")
+    return mine
+
+
+def _signature(node: fx.Node, places: dict, shift: int) -> tuple:
+    """What must match between a node of layer 1 and its shifted twin of layer 2 (``shift`` added to
+    every layer it reads)."""
+
+    def read(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            place = places.get(a)
+            return ("node", a) if place is None else (place.layer + shift, place.kind, place.offset)
+        return a
+
+    flat, _ = tree_flatten(traced_value(node))
+    vals = tuple((tuple(map(str, v.shape)), tuple(map(str, v.stride())), str(v.storage_offset()), v.dtype)
+                 if isinstance(v, torch.Tensor) else str(v) for v in flat)
+    target = None if node.op == "placeholder" else node.target  # a placeholder's is its name
+    return (node.op, target, str(tree_map(read, (node.args, node.kwargs))), vals,
+            node.meta.get("recompute"), node.meta.get("partitioner_tag"))
+
+
+def _check_repeats(blocks: dict, places: dict) -> None:
+    for kind in _KINDS:
+        one, two = blocks[(1, kind)], blocks[(2, kind)]
+        if len(one) != len(two):
+            raise LayerCopyError(f"layers 1 and 2 have {len(one)} and {len(two)} {kind} nodes")
+        for a, b in zip(one, two):
+            if _signature(a, places, 1) != _signature(b, places, 0):
+                raise LayerCopyError(f"layer 2's {kind} node {b.name} is not layer 1's {a.name} one layer on")
+
+
+class _Copier:
+    def __init__(self, gm: fx.GraphModule, blocks: dict, places: dict, layers: int, fake_mode: Any) -> None:
+        self.gm, self.blocks, self.places, self.layers, self.fake_mode = gm, blocks, places, layers, fake_mode
+        self.graph = fx.Graph()
+        self.new: dict[tuple[int, str, int], fx.Node] = {}  # (new layer, kind, offset) -> its node
+        self.shared: dict[fx.Node, fx.Node] = {}  # a traced node outside the layers -> its copy
+        self.sources: list[fx.Node] = []  # per new placeholder, the traced one it copies
+        self.copied_as: list[tuple[int, int] | None] = []  # per new placeholder: (traced layer, new layer)
+        self.made: dict[tuple[int, int], Any] = {}  # (new layer, traced storage) -> the copy's storage
+        self.owners = _storage_owners(gm.graph)
+        self.id_step = _ac_id_step(blocks)
+        self.primals = 0
+
+    def run(self) -> CopiedLayers:
+        last = self.layers - 1
+        for node in self.gm.graph.nodes:
+            place = self.places.get(node)
+            if node.op == "output":
+                self.graph.output(self.outputs(node))
+            elif place is None:
+                self.shared[node] = self.copy_node(node, self.read_from_shared)
+            elif place.offset != 0 or place.layer == 2:
+                continue  # a block is copied whole at its first node; layer 2 only checked the repeat
+            elif place.layer == 1:
+                order = range(1, last) if place.kind != "backward" else range(last - 1, 0, -1)
+                for layer in order:
+                    self.copy_block(place.kind, 1, layer)
+            else:
+                self.copy_block(place.kind, place.layer, 0 if place.layer == 0 else last)
+        self.graph.lint()
+        return CopiedLayers(fx.GraphModule(self.gm, self.graph), tuple(self.sources), self.layers,
+                            self.layer_parameter_bytes())
+
+    def layer_parameter_bytes(self) -> int:
+        primals = [p for p in self.gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
+        flat = list(next(iter(self.gm.graph.find_nodes(op="output"))).args[0])
+        grad_of = dict(zip(primals, flat[len(flat) - len(primals):]))
+        return sum(int(tensor_nbytes(traced_value(p))) for p in self.blocks[(1, "params")]
+                   if isinstance(grad_of.get(p), fx.Node))
+
+    def copy_block(self, kind: str, source: int, layer: int) -> None:
+        for offset, node in enumerate(self.blocks[(source, kind)]):
+            self.new[(layer, kind, offset)] = self.copy_node(
+                node, lambda a: self.read_from(a, source, layer), (source, layer))
+
+    def copy_node(self, node: fx.Node, read: Callable[[fx.Node], fx.Node], layer: tuple | None = None) -> fx.Node:
+        copied = self.placeholder(node, layer) if node.op == "placeholder" else self.graph.node_copy(node, read)
+        if layer is not None:
+            source, new_layer = layer
+            if "ac_graph_id" in node.meta:
+                copied.meta["ac_graph_id"] = node.meta["ac_graph_id"] + (new_layer - source) * self.id_step
+            copied.meta["val"] = tree_map(lambda v: self.value_for(v, node, source, new_layer), traced_value(node))
+        return copied
+
+    def placeholder(self, node: fx.Node, layer: tuple | None) -> fx.Node:
+        desc = node.meta.get("desc")
+        name = node.name
+        if name.startswith("primals_"):
+            self.primals += 1
+            name = f"primals_{self.primals}"
+            if dataclasses.is_dataclass(desc) and hasattr(desc, "idx"):
+                desc = dataclasses.replace(desc, idx=self.primals - 1)
+        copied = self.graph.placeholder(name)
+        copied.meta = {**node.meta, **({"desc": desc} if desc is not None else {})}
+        self.sources.append(node)
+        self.copied_as.append(layer)
+        return copied
+
+    def read_from(self, a: fx.Node, source: int, layer: int) -> fx.Node:
+        place = self.places.get(a)
+        if place is None:
+            return self.shared[a]
+        target = layer + place.layer - source
+        if abs(place.layer - source) > 1 or not 0 <= target < self.layers:
+            raise LayerCopyError(f"layer {source}'s node reads layer {place.layer}'s {a.name}: not a neighbour")
+        return self.new[(target, place.kind, place.offset)]
+
+    def read_from_shared(self, a: fx.Node) -> fx.Node:
+        place = self.places.get(a)
+        if place is None:
+            return self.shared[a]
+        if place.layer not in (0, TRACED_LAYERS - 1):
+            raise LayerCopyError(f"a node outside the layers reads layer {place.layer}'s {a.name}")
+        target = 0 if place.layer == 0 else self.layers - 1
+        return self.new[(target, place.kind, place.offset)]
+
+    def outputs(self, node: fx.Node) -> Any:
+        """The joint graph's outputs: the forward's, then one gradient per primal input, in its order."""
+        flat = list(node.args[0])
+        primals = [p for p in self.gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
+        head = len(flat) - len(primals)
+        grad_of = dict(zip(primals, flat[head:]))
+        out = [self.read_from_shared(a) if isinstance(a, fx.Node) else a for a in flat[:head]]
+        for traced, layer in zip(self.sources, self.copied_as):
+            if not traced.name.startswith("primals_"):
+                continue
+            grad = grad_of[traced]
+            if not isinstance(grad, fx.Node):
+                out.append(grad)
+            else:
+                out.append(self.read_from_shared(grad) if layer is None else self.read_from(grad, *layer))
+        return type(node.args[0])(out)
+
+    def value_for(self, value: Any, node: fx.Node, source: int, layer: int) -> Any:
+        """The fake value of ``node``'s copy for ``layer``: ``value`` itself where its storage is the one
+        the new graph holds there, else the same view of the storage that stands for it (made anew by the
+        copy of the node that made it)."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        key = tensor_storage_key(value)
+        owner, leaf = self.owners.get(key, (None, 0))
+        place = self.places.get(owner) if owner is not None else None
+        if place is None:
+            return value  # made outside the layers (or a graph input's)
+        target = layer + place.layer - source
+        if owner is node:
+            if source != 1 or layer == 1:
+                return value  # the traced node itself stands here (layer 0, 1 or the last)
+            storage = self.made.get((target, key))
+            if storage is None:  # made on the meta device: a fake tensor's own dispatch costs ten times more
+                storage = self.made[(target, key)] = torch.empty(
+                    (value.untyped_storage().nbytes(),), dtype=torch.uint8, device="meta").untyped_storage()
+        else:
+            stands = tree_flatten(self.new[(target, place.kind, place.offset)].meta["val"])[0][leaf]
+            if tensor_storage_key(stands) == key:
+                return value
+            storage = stands.untyped_storage()
+        elem = torch.empty((0,), dtype=value.dtype, device="meta").set_(
+            storage, value.storage_offset(), value.shape, value.stride())
+        return FakeTensor(self.fake_mode, elem, value.device)
+
+
+def _storage_owners(graph: fx.Graph) -> dict[int, tuple[fx.Node, int]]:
+    """Each traced storage's key -> the first node whose value holds it, and which of its values does."""
+    owners: dict[int, tuple[fx.Node, int]] = {}
+    for node in graph.nodes:
+        flat, _ = tree_flatten(traced_value(node))
+        for i, v in enumerate(flat):
+            if isinstance(v, torch.Tensor):
+                owners.setdefault(tensor_storage_key(v), (node, i))
+    return owners
+
+
+def _ac_id_step(blocks: dict) -> int:
+    ids = [next((n.meta["ac_graph_id"] for n in blocks[(layer, "forward")] if "ac_graph_id" in n.meta), None)
+           for layer in (1, 2)]
+    return ids[1] - ids[0] if None not in ids else 0
+

@@ -1,0 +1,192 @@
+"""``fxoffload.passes.copy_layers`` and fit's use of it: the joint graph of six layers made from a trace of
+four is, node for node, the graph a trace of six gives (ops, arguments, sizes, which values share a
+storage, checkpointing's tags); the figures beside the graph (parameters, optimizer) are the six-layer
+trace's; fit's rows are those of tracing every layer; layers that do not repeat are refused, and fit then
+traces them all."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxoffload.passes import TRACED_LAYERS, LayerCopyError, copy_layers, tensor_storage_key
+from fxoffload.tools.fit import Grid
+from fxoffload.tools.fit_command import _common_options, _Traces
+from fxoffload.tools.models import from_config_file, layer_list
+from fxoffload.tools.tracing import with_layer_copies
+
+LAYERS = 6
+SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
+               "intermediate_size": 256, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5}
+
+
+def canonical(gm: fx.GraphModule) -> list:
+    """The graph as a trace of it would compare: per node in order, its op and target, its arguments (a
+    node by its position), its values' sizes, strides, offsets and dtypes, which of the earlier values
+    share a storage with each, checkpointing's tags (region ids by their order) and the input descriptors."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    storages: dict = {}
+    regions: dict = {}
+    found = []
+    for n in nodes:
+        values = []
+        for v in tree_flatten(n.meta.get("val"))[0]:
+            if isinstance(v, torch.Tensor):
+                values.append((tuple(map(str, v.shape)), tuple(map(str, v.stride())), str(v.storage_offset()),
+                               v.dtype, storages.setdefault(tensor_storage_key(v), len(storages))))
+            else:
+                values.append(str(v))
+        arguments = tree_map(lambda a: ("node", position[a]) if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+        region = regions.setdefault(n.meta["ac_graph_id"], len(regions)) if "ac_graph_id" in n.meta else None
+        found.append((n.op, n.name.rsplit("_", 1)[0] if n.op == "placeholder" else str(n.target), repr(arguments),
+                      tuple(values), n.meta.get("recompute"), region, n.meta.get("partitioner_tag"),
+                      str(n.meta.get("desc"))))
+    return found
+
+
+def fit_args(**flags) -> argparse.Namespace:
+    return argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="adamw",
+                              traceback=True, per_layer=False, **flags)
+
+
+def traces_of(source, said=None, **flags) -> _Traces:
+    args = fit_args(**flags)
+    return _Traces(args, source, torch.float32, _common_options(args), Grid(False, 16, 64, 512),
+                   said.append if said is not None else lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    (folder / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    return from_config_file(folder)
+
+
+@pytest.fixture(scope="module")
+def traced_every_layer(small_llama):
+    """Per checkpointing mode: the symbolic trace of all six layers (``--trace-every-layer``)."""
+    traces = traces_of(small_llama, trace_every_layer=True)
+    return {mode: traces._symbolic_trace(mode, 1).traced for mode in ("none", "full")}
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_four_traced_layers_copied_to_six_are_the_graph_a_trace_of_six_gives(small_llama, traced_every_layer,
+                                                                            checkpointing):
+    traces = traces_of(small_llama)
+    copied = traces._symbolic_trace(checkpointing, 1).traced
+    assert traces.traced == 1  # the four layers' trace, copied
+    (six,) = traced_every_layer[checkpointing].joints
+    assert canonical(copied.joints[0].module) == canonical(six.module)
+    assert len([n for n in six.module.graph.nodes if n.op == "placeholder"]) > 50  # six layers' parameters
+
+
+def test_the_figures_beside_the_copied_graph_are_the_six_layer_trace_s(small_llama, traced_every_layer):
+    copied = traces_of(small_llama)._symbolic_trace("none", 1).traced
+    traced = traced_every_layer["none"]
+    (joint,), (six,) = copied.joints, traced.joints
+    assert copied.optimizer == traced.optimizer and copied.optimizer["state_bytes"] > 0  # AdamW's, of six layers
+    assert joint.inputs == six.inputs
+    assert joint.kwargs == six.kwargs
+    shapes = [[tuple(map(str, v.shape)) if isinstance(v, torch.Tensor) else str(v) for v in part]
+              for part in joint.joint_inputs]
+    assert shapes == [[tuple(map(str, v.shape)) if isinstance(v, torch.Tensor) else str(v) for v in part]
+                      for part in six.joint_inputs]
+
+
+@pytest.mark.slow
+def test_fit_s_rows_from_copied_layers_are_the_rows_of_every_layer_traced(small_llama, tmp_path):
+    from fxoffload.tools.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+
+    def rows(*flags):
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["fit", "--config", str(config), "--dtype", "fp32", "--device-memory", "20MB",
+                         "--reserved", "2MB", "--optimizer", "adamw", "--granularity", "16", "--max-seq", "512",
+                         "--jobs", "1",
+                         "--quiet", "--json", "--no-plot", *flags]) == 0
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in json.loads(out.getvalue())["rows"]]
+
+    copied, every = rows(), rows("--trace-every-layer")
+    assert copied == every
+    assert len({row["max_seq"] for row in copied}) > 1  # the rows differ: the comparison sees several answers
+
+
+def in_layer(graph: fx.Graph, layer: int) -> list[fx.Node]:
+    return [n for n in graph.nodes
+            if n.op == "call_function" and f".layers.{layer}." in str(n.meta.get("nn_module_stack"))]
+
+
+@pytest.fixture(scope="module")
+def four_layers(small_llama):
+    """The small Llama's step traced with four layers (nothing copied)."""
+    four = dataclasses.replace(small_llama.with_layers(TRACED_LAYERS), with_layers=None)
+    return traces_of(four)._symbolic_trace("none", 1).traced
+
+
+def test_a_layer_that_is_not_its_neighbour_s_copy_is_refused(four_layers):
+    (joint,) = four_layers.joints
+    copied = copy_layers(joint.module, LAYERS, joint.context.fake_mode)  # as traced: accepted
+    assert copied.layers == LAYERS
+    graph = joint.module.graph
+    changed = next(n for n in in_layer(graph, 2) if n.target == torch.ops.aten.mul.Tensor)
+    changed.target = torch.ops.aten.add.Tensor  # layer 2 no longer does what layer 1 does
+    try:
+        with pytest.raises(LayerCopyError, match="is not layer 1's"):
+            copy_layers(joint.module, LAYERS, joint.context.fake_mode)
+    finally:
+        changed.target = torch.ops.aten.mul.Tensor
+
+
+def test_a_node_outside_the_layers_that_reads_a_middle_layer_is_refused(four_layers):
+    (joint,) = four_layers.joints
+    graph = joint.module.graph
+    middle = in_layer(graph, 1)[-1]
+    with graph.inserting_before(next(iter(graph.find_nodes(op="output")))):  # after the backward, in no layer
+        extra = graph.call_function(torch.ops.aten.clone.default, (middle,))
+    extra.meta = {"val": middle.meta["val"], "partitioner_tag": "is_backward"}
+    try:
+        with pytest.raises(LayerCopyError, match="outside the layers reads layer 1"):
+            copy_layers(joint.module, LAYERS, joint.context.fake_mode)
+    finally:
+        graph.erase_node(extra)
+
+
+def test_fewer_layers_than_traced_are_refused(four_layers):
+    (joint,) = four_layers.joints
+    with pytest.raises(LayerCopyError, match="at least"):
+        copy_layers(joint.module, TRACED_LAYERS - 1, joint.context.fake_mode)
+
+
+def test_fit_traces_every_layer_where_the_four_traced_do_not_repeat(small_llama, traced_every_layer):
+    """A model whose third layer differs from the second (its MLP's activation): the copies are refused,
+    fit says so and traces all six layers, and gets their graph."""
+    four = small_llama.with_layers(TRACED_LAYERS)
+
+    def build(batch, seq, dtype):
+        step, inputs, kwargs = four.build(batch, seq, dtype)
+        layer_list(step)[2].mlp.act_fn = torch.nn.GELU()
+        return step, inputs, kwargs
+
+    source = dataclasses.replace(small_llama, with_layers=lambda count: dataclasses.replace(four, build=build))
+    said: list[str] = []
+    traces = traces_of(source, said)
+    traced = traces._symbolic_trace("none", 1).traced
+    assert traces.traced == 2 and any("do not repeat" in s and f"tracing all {LAYERS}" in s for s in said), said
+    assert canonical(traced.joints[0].module) == canonical(traced_every_layer["none"].joints[0].module)
+
+
+def test_with_layer_copies_refuses_a_step_of_several_graphs(four_layers):
+    with pytest.raises(LayerCopyError, match="2 joint graph"):
+        with_layer_copies(four_layers._replace(joints=four_layers.joints * 2), LAYERS, "h100-pcie5")
