@@ -27,9 +27,11 @@ storages apart by identity): each storage the traced graph made is made again, a
 of the node that made it, and every view of it becomes the same view of the new one.
 
 Limits: one list of layers; layers that read only their neighbours; nothing outside the layers that
-reads a middle layer; at least ``TRACED_LAYERS`` layers. Node names are FX's own for the new graph
-(a trace of all the layers numbers some of them otherwise). Anything else raises
-:class:`LayerCopyError`, and the caller traces every layer instead.
+reads a middle layer; at least ``TRACED_LAYERS`` layers. The layers past the four traced are not seen
+here: the caller first checks that the model builds them all alike (``fxoffload fit``:
+``fxoffload.tools.models.unlike_layers``; a sliding window every sixth layer repeats within four).
+Node names are FX's own for the new graph (a trace of all the layers numbers some of them otherwise).
+Anything else raises :class:`LayerCopyError`, and the caller traces every layer instead.
 """
 
 from __future__ import annotations

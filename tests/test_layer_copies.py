@@ -190,3 +190,38 @@ def test_fit_traces_every_layer_where_the_four_traced_do_not_repeat(small_llama,
 def test_with_layer_copies_refuses_a_step_of_several_graphs(four_layers):
     with pytest.raises(LayerCopyError, match="2 joint graph"):
         with_layer_copies(four_layers._replace(joints=four_layers.joints * 2), LAYERS, "h100-pcie5")
+
+
+def test_fit_traces_every_layer_where_a_layer_beyond_the_four_is_built_otherwise(small_llama, traced_every_layer):
+    """Layer 5 differs (its MLP's activation) while the four traced repeat: the graph's own check cannot
+    see it, the layers' modules can. Fit says so and traces all six, and gets that model's graph."""
+
+    def build(batch, seq, dtype):
+        step, inputs, kwargs = small_llama.build(batch, seq, dtype)
+        layer_list(step)[5].mlp.act_fn = torch.nn.GELU()
+        return step, inputs, kwargs
+
+    source = dataclasses.replace(small_llama, build=build)
+    said: list[str] = []
+    traces = traces_of(source, said)
+    traced = traces._symbolic_trace("none", 1).traced
+    assert traces.traced == 1 and any("not all alike" in s and "layer 5" in s for s in said), said
+    every = traces_of(source, trace_every_layer=True)._symbolic_trace("none", 1).traced
+    assert canonical(traced.joints[0].module) == canonical(every.joints[0].module)
+    assert canonical(traced.joints[0].module) != canonical(traced_every_layer["none"].joints[0].module)
+
+
+def test_layers_are_alike_but_for_their_index_and_differ_by_any_other_attribute(small_llama):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxoffload.tools.models import unlike_layers
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layers = list(layer_list(small_llama.build(1, 16, torch.float32)[0]))
+    assert {layer.self_attn.layer_idx for layer in layers} == set(range(LAYERS))  # an index: alike
+    assert unlike_layers(layers) is None
+    layers[4].self_attn.sliding_window = 64  # every other layer has none
+    assert unlike_layers(layers) == "layer 4's self_attn.sliding_window is 64, layer 1's '(none)'"
+    del layers[4].self_attn.sliding_window
+    layers[3].self_attn.layer_idx = 2  # no longer each layer's own position
+    assert "self_attn.layer_idx" in unlike_layers(layers)

@@ -75,7 +75,9 @@ from fxoffload.tools.fit import (
 )
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tools.layer_step import EagerParts, LayerStepError, layer_step_peak, measure_eager_parts
-from fxoffload.tools.models import DTYPES, PRESETS, ModelError, layer_list, one_line, unpacked_sequences
+from fxoffload.tools.models import (
+    DTYPES, PRESETS, ModelError, layer_list, one_line, unlike_layers, unpacked_sequences,
+)
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
     Progress, UsageError, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
@@ -440,6 +442,10 @@ class _Traces:
         if (self._args.per_layer or getattr(self._args, "trace_every_layer", False) or source.with_layers is None
                 or (source.layers or 0) <= TRACED_LAYERS):
             return None
+        unlike = self._unlike_layers(batch)
+        if unlike is not None:
+            self._progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
+            return None
         try:
             with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
                 traced = self._trace(checkpointing, batch, self._example, self._lengths,
@@ -449,6 +455,14 @@ class _Traces:
             self._progress(f"the layers of a {TRACED_LAYERS}-layer trace (checkpointing {checkpointing}) do not "
                            f"repeat as copies need ({e}): tracing all {source.layers}")
             return None
+
+    def _unlike_layers(self, batch: int) -> str | None:
+        """Why the model's layers are not all alike (``models.unlike_layers``: the graph's own check sees only
+        the four traced), built with fake tensors; None where they are."""
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step, _, _ = self._source.build(batch, self._example, self._dtype)
+            layers = layer_list(step)
+            return "no list of layers of one class" if layers is None else unlike_layers(list(layers))
 
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)

@@ -419,6 +419,40 @@ def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return best
 
 
+def unlike_layers(layers: "list[torch.nn.Module]") -> str | None:
+    """Why the layers after the first are not all alike, else None: each one's modules (types, names),
+    parameter and buffer shapes and dtypes, and plain attributes against layer 1's (an attribute whose
+    value is each layer's own position, ``layer_idx``, is an index and may differ). ``fxoffload fit``
+    copies a traced layer only into layers alike (``fxoffload.passes.layer_copies``): a layer that
+    attends over a sliding window every sixth layer, or a dense layer among experts, differs here."""
+    later = layers[1:]
+    shapes = [_structure(layer) for layer in later]
+    for position, shape in enumerate(shapes[1:], start=2):
+        if shape != shapes[0]:
+            return f"layer {position}'s modules or tensors are not layer 1's"
+    attributes = [_attributes(layer) for layer in later]
+    positions = list(range(1, len(layers)))
+    for key in dict.fromkeys(key for found in attributes for key in found):  # every layer's, in order
+        values = [found.get(key, "(none)") for found in attributes]
+        if len(set(map(repr, values))) > 1 and values != positions:
+            where = next(i for i, v in enumerate(values) if repr(v) != repr(values[0])) + 1
+            return f"layer {where}'s {'.'.join(p for p in key if p)} is {values[where - 1]!r}, layer 1's {values[0]!r}"
+    return None
+
+
+def _structure(layer: torch.nn.Module) -> tuple:
+    return tuple((name, type(module).__qualname__,
+                  tuple((key, tuple(t.shape), t.dtype) for key, t in [*module.named_parameters(recurse=False),
+                                                                      *module.named_buffers(recurse=False)]))
+                 for name, module in layer.named_modules())
+
+
+def _attributes(layer: torch.nn.Module) -> dict:
+    return {(name, key): value for name, module in layer.named_modules() for key, value in vars(module).items()
+            if not key.startswith("_") and key != "training"
+            and isinstance(value, (int, float, str, bool, tuple, type(None)))}
+
+
 def _selective_ops() -> frozenset:
     """The ops whose outputs selective checkpointing saves: matmuls and attention, as in torchtitan's
     save list; everything else (norms, activations, elementwise) is recomputed."""
