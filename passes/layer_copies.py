@@ -197,6 +197,10 @@ class _Copier:
         self.owners = _storage_owners(gm.graph)
         self.id_step = _ac_id_step(blocks)
         self.primals = 0
+        primals = [p for p in gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
+        flat = list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+        self.head = len(flat) - len(primals)  # the forward's outputs; then one gradient per primal input
+        self.grad_of = dict(zip(primals, flat[self.head:]))
 
     def run(self) -> CopiedLayers:
         last = self.layers - 1
@@ -219,11 +223,8 @@ class _Copier:
                             self.layer_parameter_bytes())
 
     def layer_parameter_bytes(self) -> int:
-        primals = [p for p in self.gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
-        flat = list(next(iter(self.gm.graph.find_nodes(op="output"))).args[0])
-        grad_of = dict(zip(primals, flat[len(flat) - len(primals):]))
         return sum(int(tensor_nbytes(traced_value(p))) for p in self.blocks[(1, "params")]
-                   if isinstance(grad_of.get(p), fx.Node))
+                   if isinstance(self.grad_of.get(p), fx.Node))
 
     def copy_block(self, kind: str, source: int, layer: int) -> None:
         for offset, node in enumerate(self.blocks[(source, kind)]):
@@ -273,15 +274,11 @@ class _Copier:
 
     def outputs(self, node: fx.Node) -> Any:
         """The joint graph's outputs: the forward's, then one gradient per primal input, in its order."""
-        flat = list(node.args[0])
-        primals = [p for p in self.gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
-        head = len(flat) - len(primals)
-        grad_of = dict(zip(primals, flat[head:]))
-        out = [self.read_from_shared(a) if isinstance(a, fx.Node) else a for a in flat[:head]]
+        out = [self.read_from_shared(a) if isinstance(a, fx.Node) else a for a in node.args[0][:self.head]]
         for traced, layer in zip(self.sources, self.copied_as):
             if not traced.name.startswith("primals_"):
                 continue
-            grad = grad_of[traced]
+            grad = self.grad_of[traced]
             if not isinstance(grad, fx.Node):
                 out.append(grad)
             else:
