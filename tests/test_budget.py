@@ -41,6 +41,7 @@ def copy_ops(plan) -> int:
     return 4 * len(plan.transfers) + (last_schedule.ahead_bytes > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_budgets_hold_when_measured(name):
     model, ids = build(name)
@@ -71,6 +72,7 @@ def test_budgets_hold_when_measured(name):
     assert plan.offloaded_bytes > 0
 
 
+@pytest.mark.slow
 def test_budget_as_bytes_string_and_int_agree():
     model, ids = build("llama")
     plan_frac, _, _ = compiled_run(model, ids, memory_budget=0.5)
@@ -124,6 +126,7 @@ def test_an_infeasible_budget_names_the_tensors_that_set_its_floor():
     assert sum(int(n) for _, n, _ in named) + (int(more.group(1)) if more else 0) == int(floor.group(1)), message
 
 
+@pytest.mark.slow
 def test_infeasible_budget_can_warn_and_plan_for_the_smallest_peak():
     model, ids = build("llama")
     torch._dynamo.reset()
@@ -154,6 +157,7 @@ def test_each_solver_meets_the_budget(solver):
     assert measured.activation_peak <= plan.budget_bytes
 
 
+@pytest.mark.slow
 def test_explain_reports_budget_peaks_and_solver():
     model, ids = build("llama")
     plan, _, _ = compiled_run(model, ids, memory_budget=0.5)
@@ -175,6 +179,7 @@ def test_measure_peak_sees_compiled_offload_ops_and_host_buffers():
     assert measured.backward_started is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_without_a_budget_the_plan_reaches_the_smallest_peak_and_makes_no_needless_copy(name):
     model, ids = build(name)

@@ -31,6 +31,7 @@ def test_slices_cover_every_preset():
     assert set(SLICES) == set(PRESETS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list(SLICES))
 def test_every_preset_plans_a_slice_within_the_budget(capsys, tmp_path, preset):
     layers, size = SLICES[preset]
@@ -69,6 +70,7 @@ def test_llama_2_7b_preset_has_the_published_parameter_count(capsys):
     assert report["graphs"][0]["input_bytes"] == (layer + rest) * 2 + ids + inv_freq  # bf16 parameters
 
 
+@pytest.mark.slow
 def test_a_config_file_and_its_folder_are_accepted(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     for source in (tmp_path / "config.json", tmp_path):
@@ -121,6 +123,7 @@ def test_the_table_and_summary_are_printed(capsys, tmp_path):
     assert "tracing and planning" in captured.err  # progress on stderr
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_command():
     out = subprocess.run([sys.executable, "-m", "fxoffload", "plan", "--help"],
                          capture_output=True, text=True, check=True)
@@ -290,6 +293,7 @@ def test_torch_nn_layers_that_compile_to_nothing_get_advice():
     assert "put each layer in a module class of your own" in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_length_range_plans_one_dynamic_graph_with_figures_at_both_ends(capsys):
     common = ("--preset", "llama-2-7b", "--layers", "1", "--budget", "0.5", "--no-plot")
     report = run_json(capsys, *common, "--seq", "256:1024")
@@ -311,6 +315,7 @@ def test_a_length_range_plans_one_dynamic_graph_with_figures_at_both_ends(capsys
     assert "planned and timed at" in text and "(the largest the guards allow)" in text
 
 
+@pytest.mark.slow
 def test_a_device_budget_less_reserved_bounds_the_device_peak(capsys):
     """--device-budget plans for the device peak (graph inputs and every tensor the step creates)
     within the budget less --reserved; the report gives both and the peak against what is left.
@@ -331,6 +336,7 @@ def test_a_device_budget_less_reserved_bounds_the_device_peak(capsys):
     assert plain["device_budget_bytes"] is None and plain["graphs"][0]["device_peak_after"] is None
 
 
+@pytest.mark.slow
 def test_the_optimizer_s_state_is_reserved_and_its_step_added_to_the_step_time(capsys):
     """--optimizer adamw reserves two moments per parameter under --device-budget and adds a memory-bound
     step (7 bytes moved per parameter byte) to the step's predicted time; sgd keeps no state (3 bytes)."""

@@ -46,6 +46,7 @@ def test_an_mlp_under_compiled_autograd_is_refused_with_the_option_to_turn_off(c
     assert "torch._dynamo.config.compiled_autograd" in str(error.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_a_transformers_llama_under_compiled_autograd_is_refused(compiler):
     torch.manual_seed(0)
@@ -57,6 +58,7 @@ def test_a_transformers_llama_under_compiled_autograd_is_refused(compiler):
     assert REFUSED_RETRACE in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_plan_that_moves_nothing_trains_under_compiled_autograd_as_eager():
     """The refusal is the copies' alone: recompute-only, the graphs hold no fxoffload op."""
     torch.manual_seed(0)
@@ -131,6 +133,7 @@ def test_a_step_under_compiled_autograd_whose_plan_copies_is_refused_before_its_
     assert not torch._dynamo.utils.counters["compiled_autograd"]["captures"]  # no backward was traced
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["_enable", "flag"])
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("options", [{}, {"strategy": "recompute", "min_bytes": 0}], ids=["default", "recompute"])

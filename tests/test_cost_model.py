@@ -7,6 +7,7 @@ priced at the fp32 rate whatever its dtype.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fxoffload.passes.cost_model import DeviceProfile, node_work, roofline
@@ -114,6 +115,7 @@ def test_a_pointwise_chain_reads_what_enters_it_and_writes_what_leaves_it():
             assert fused[n] == node_work(n)
 
 
+@pytest.mark.slow
 def test_graphs_inductor_compiles_are_priced_fused_and_eager_ones_op_by_op():
     import fxoffload
 

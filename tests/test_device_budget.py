@@ -43,6 +43,7 @@ def compiled_run(model, batch, **options):
     return record.plan, measured, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])
 def test_the_measured_device_peak_stays_within_each_budget_and_never_rises_as_it_tightens(name):
     model, batch = build(name)
@@ -64,6 +65,7 @@ def test_the_measured_device_peak_stays_within_each_budget_and_never_rises_as_it
     assert peaks == sorted(peaks, reverse=True), peaks  # tighter budgets never raise the measured peak
 
 
+@pytest.mark.slow
 def test_reserved_bytes_count_against_the_budget_and_an_unreachable_one_says_by_how_much():
     model, batch = build("llama")
     plan, _, _ = compiled_run(model, batch)

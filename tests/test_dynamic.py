@@ -128,6 +128,7 @@ TINY_MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]
     ("llama", dict(strategy="offload", all_eligible=True)),
     ("mistral", dict(device_budget=1, on_infeasible="warn")),  # the smallest peak: it recomputes too
 ], ids=["llama-offload", "mistral-smallest-peak"])
+@pytest.mark.slow
 def test_a_size_read_off_a_moved_tensor_waits_for_neither_its_copy_nor_its_recomputation(tmp_path, model, options):
     """A symbolic graph's backward reads sizes off saved tensors (``sym_size``: the logits' length, for
     the loss fxoffload's tools compute apart from the model; Mistral's sliding-window mask): for one

@@ -497,6 +497,7 @@ def test_device_memory_is_required_and_checked(capsys):
     assert "--device-memory: got '80 apples'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_optimizer_s_state_counts_in_every_row_s_peak_and_its_step_in_the_time(tmp_path):
     import argparse
     import json
@@ -545,6 +546,7 @@ def test_a_device_smaller_than_the_parameters_fits_no_row_and_says_why(tmp_path,
         assert row["device_peak"] is None and row["command"] is None and row["tokens_per_second"] is None
 
 
+@pytest.mark.slow
 def test_every_setup_planned_on_one_kept_trace_gets_the_plan_a_trace_of_its_own_gets(tmp_path):
     """fit traces each checkpointing mode and size once and plans every setup on that joint graph
     (``plan_again``): each setup's probe and answer get the plan, device peak and step time that tracing
@@ -594,6 +596,7 @@ def test_every_setup_planned_on_one_kept_trace_gets_the_plan_a_trace_of_its_own_
     assert len(compared) >= 4  # the setups plan differently: the comparison sees more than one plan
 
 
+@pytest.mark.slow
 def test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_breaks(capsys):
     """fit keeps the joint graph of each compile of a probe's trace: a step with a graph break (the loss a
     region of its own) compiles two, and fit, which needs the step's device peak in one graph, says so."""
@@ -608,6 +611,7 @@ def test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_brea
     assert code != 0 and "the step compiled to" in err and "graph breaks" in err, err
 
 
+@pytest.mark.slow
 def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_trace_at_that_length_gets(
         tmp_path):
     """fit traces each checkpointing mode of a model it builds once, with the length symbolic, and plans
@@ -744,6 +748,7 @@ def test_a_search_in_the_caller_s_process_leaves_the_garbage_collector_as_it_fou
     assert {row.limit.code for row in rows} == {LimitCode.LARGEST_TRIED}  # --max-seq, below its positions
 
 
+@pytest.mark.slow
 def test_the_first_mode_asks_for_the_other_s_answers_only_at_a_row_they_answer(tmp_path, capsys):
     """fit searches the first checkpointing mode (none) while the other runs in a process of its own, and
     asks for the other's answers (its floors) only at the first row that has a setup there: plain's search
@@ -774,6 +779,7 @@ def test_the_first_mode_asks_for_the_other_s_answers_only_at_a_row_they_answer(t
     assert {row.limit.code for row in rows} == {LimitCode.POSITIONS}  # the answers reach the model's positions
 
 
+@pytest.mark.slow
 def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, monkeypatch):
     """``trace_step`` traces under ``tracing.unlogged_graphs``: AOTAutograd prints none of its graphs as text
     (it did for every compile, log or no log: 1.2 s of an 8B step's trace). The plan is the same as a trace
@@ -814,6 +820,7 @@ def test_a_trace_prints_no_graph_and_plans_as_one_that_prints_them(tmp_path, mon
     assert plan_digest(quiet.plan, quiet.schedule) == plan_digest(loud.plan, loud.schedule)
 
 
+@pytest.mark.slow
 def test_the_first_trace_s_garbage_is_frozen_with_it_and_a_later_trace_collects_what_the_earlier_left():
     """``_paused_then_frozen``: the first trace's cyclic garbage is frozen with what it keeps, not collected
     (2 s of an 8B step's trace); the next trace collects it (and a trace dropped since) before freezing its
@@ -912,6 +919,7 @@ def test_a_trace_stopped_at_its_joint_graph_plans_again_as_a_whole_compile_s_joi
         assert stopped.plan.step_peak_after == whole.plan.step_peak_after
 
 
+@pytest.mark.slow
 def test_a_plan_that_moves_tensors_first_at_a_length_leaves_the_next_setup_s_partition_as_it_was(tmp_path):
     """Setups planned at one length of the symbolic trace share its default partition (``PartitionMemo``):
     each is handed a copy, which its rewrite changes in place. A setup that moves tensors, planned first

@@ -31,6 +31,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_host_budget_below_the_uncapped_plans_host_memory_gives_a_plan_within_it(mode):
     model, ids = build()
@@ -51,6 +52,7 @@ def test_a_host_budget_below_the_uncapped_plans_host_memory_gives_a_plan_within_
     assert "host_budget left this graph" in fxoffload.explain(record)
 
 
+@pytest.mark.slow
 def test_the_host_budget_keeps_the_copies_and_recomputes_the_rest_under_strategy_auto():
     model, ids = build()
     free, _, _ = measured_run(model, ids)  # the smallest peak, strategy auto
@@ -67,6 +69,7 @@ def test_a_memory_budget_out_of_reach_within_the_host_budget_raises_naming_it():
         measured_run(model, ids, memory_budget=0.5, strategy="offload", host_budget=4096)
 
 
+@pytest.mark.slow
 def test_one_graph_serving_several_layers_holds_the_host_budget_over_its_runs():
     ids = torch.randint(0, 256, (2, 32))
     _, model, backend = per_layer_llama(layers=4, runs_per_step=4)  # every eligible copy, in each of 4 runs
@@ -165,6 +168,7 @@ def test_on_cuda_a_step_whose_copies_exceed_the_free_host_memory_warns_once(monk
         measured_run(model, ids, all_eligible=True, host_budget=1000)
 
 
+@pytest.mark.slow
 def test_on_cuda_the_free_host_memory_is_shared_by_the_node_s_processes(monkeypatch):
     """Eight ranks on one node each see the whole node's free memory; each may take an eighth of it.
     Free memory four times this rank's need: alone it fits, one of eight it does not."""

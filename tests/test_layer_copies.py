@@ -75,7 +75,8 @@ def traced_every_layer(small_llama):
     return {mode: traces._symbolic_trace(mode, 1).traced for mode in ("none", "full")}
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+# "full" (its graph the smaller) runs on every release: the copies lean on FakeTensor internals.
+@pytest.mark.parametrize("checkpointing", [pytest.param("none", marks=pytest.mark.slow), "full"])
 def test_four_traced_layers_copied_to_six_are_the_graph_a_trace_of_six_gives(small_llama, traced_every_layer,
                                                                             checkpointing):
     traces = traces_of(small_llama)
@@ -86,6 +87,7 @@ def test_four_traced_layers_copied_to_six_are_the_graph_a_trace_of_six_gives(sma
     assert len([n for n in six.module.graph.nodes if n.op == "placeholder"]) > 50  # six layers' parameters
 
 
+@pytest.mark.slow
 def test_the_figures_beside_the_copied_graph_are_the_six_layer_trace_s(small_llama, traced_every_layer):
     copied = traces_of(small_llama)._symbolic_trace("none", 1).traced
     traced = traced_every_layer["none"]
@@ -169,6 +171,7 @@ def test_fewer_layers_than_traced_are_refused(four_layers):
         copy_layers(joint.module, TRACED_LAYERS - 1, joint.context.fake_mode)
 
 
+@pytest.mark.slow
 def test_fit_traces_every_layer_where_the_four_traced_do_not_repeat(small_llama, traced_every_layer):
     """A model whose third layer differs from the second (its MLP's activation): the copies are refused,
     fit says so and traces all six layers, and gets their graph."""
@@ -192,6 +195,7 @@ def test_with_layer_copies_refuses_a_step_of_several_graphs(four_layers):
         with_layer_copies(four_layers._replace(joints=four_layers.joints * 2), LAYERS, "h100-pcie5")
 
 
+@pytest.mark.slow
 def test_fit_traces_every_layer_where_a_layer_beyond_the_four_is_built_otherwise(small_llama, traced_every_layer):
     """Layer 5 differs (its MLP's activation) while the four traced repeat: the graph's own check cannot
     see it, the layers' modules can. Fit says so and traces all six, and gets that model's graph."""

@@ -76,6 +76,7 @@ def test_the_command_names_its_flag(capsys, plain_file):
 # --------------------------------------------------------------------------- without a budget
 
 
+@pytest.mark.slow
 def test_without_a_budget_the_plan_is_the_smallest_peak_within_max_overhead(capsys, plain_file):
     argv = ("--model", plain_file, *ARGV, "--budget", "none", "--strategy", "offload")
     unbounded, bounded = run_json(capsys, *argv), run_json(capsys, *argv, "--max-overhead", "1%")
@@ -109,6 +110,7 @@ def test_under_transformers_checkpointing_it_offloads_the_layer_inputs_and_keeps
 # --------------------------------------------------------------------------- with a budget
 
 
+@pytest.mark.slow
 def test_with_a_budget_a_plan_over_max_overhead_is_refused_naming_both(capsys):
     argv = ("--model", ONE_REGION, *ARGV, "--budget", "0.5", "--strategy", "offload")
     over = run_json(capsys, *argv)["graphs"][0]["overhead"]

@@ -28,6 +28,7 @@ def model_file(tmp_path: Path, arch: str, checkpointing: bool) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "bert"])
 def test_a_transformers_model_file_plans_with_and_without_its_gradient_checkpointing(capsys, tmp_path, arch):
     argv = ("--seq", "256", "--min-bytes", "0")
@@ -84,6 +85,7 @@ def test_a_model_file_that_raises_gets_one_line_and_exit_status_2(capsys, tmp_pa
 LAYER_INPUT_ARGS = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "256", "--strategy", "offload", "--no-plot")
 
 
+@pytest.mark.slow
 def test_checkpointing_modes_order_the_activation_peak(capsys):
     peaks = {}
     for mode in ("none", "selective", "full"):

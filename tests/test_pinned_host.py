@@ -47,6 +47,7 @@ def made_between_copies(fake: FakeCuda) -> list[int]:
     return [queued for queued in fake.host_blocks_made if queued > 0]
 
 
+@pytest.mark.slow
 def test_the_first_step_of_one_graph_makes_no_pinned_block_between_its_copies():
     model, compiled, backend = one_graph_llama()
     ids = torch.randint(0, 256, (2, 32))
@@ -74,6 +75,7 @@ def test_a_graph_serving_every_layer_reserves_the_runs_it_is_told_of():
         assert fake.violations == []
 
 
+@pytest.mark.slow
 def test_release_host_memory_gives_back_the_blocks_no_step_holds():
     model, compiled, backend = one_graph_llama()
     ids = torch.randint(0, 256, (2, 32))

@@ -15,6 +15,7 @@ def record():
     return backend.records[0]
 
 
+@pytest.mark.slow
 def test_png_and_svg_are_written(record, tmp_path):
     sim = fxoffload.plot(record, tmp_path / "plan.png")
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -140,6 +140,7 @@ class ConvNet(torch.nn.Module):
         return (t.sin() * t).sum()
 
 
+@pytest.mark.slow
 def test_channels_last_and_transposed_tensors():
     torch.manual_seed(0)
     model = ConvNet().to(memory_format=torch.channels_last)

@@ -53,6 +53,7 @@ def assert_same_training(eager, plain, compiled) -> None:
     assert different == []
 
 
+@pytest.mark.slow
 def test_hf_trainer_on_a_model_compiled_with_fxoffload_matches_eager_within_its_budget():
     recipe = example("hf_trainer")
     options = {"memory_budget": 0.5, "strategy": "offload", "inner": "eager", "min_bytes": 0}
@@ -93,6 +94,7 @@ def test_torchtitan_style_checkpointed_blocks_offload_their_inputs_and_match_pla
     assert compiled.activation_peak < 0.75 * plain.activation_peak
 
 
+@pytest.mark.slow
 def test_trl_sft_with_fxoffload_instead_of_activation_offloading_matches_plain_compile():
     recipe = example("trl_sft")
     options = {"strategy": "offload", "inner": "eager"}  # no budget: the smallest peak, with the copies that lower it

@@ -105,6 +105,7 @@ def _kept(backend) -> fxoffload.GraphRecord:
     return kept[0]
 
 
+@pytest.mark.slow
 def test_slow_copies_make_the_measurement_keep_what_the_prediction_ranked_below():
     with runtime.copy_delay(0.02):
         predicted = _train("predicted", steps=2)
@@ -127,6 +128,7 @@ def test_slow_copies_make_the_measurement_keep_what_the_prediction_ranked_below(
     assert "measured selection" in text and "<- kept" in text
 
 
+@pytest.mark.slow
 def test_over_the_fake_cuda_the_events_time_the_copies_compute_waits_for():
     with cuda_engine_on_cpu() as fake:
         fake.copy_seconds = 0.05
@@ -156,6 +158,7 @@ def test_measured_selection_refuses_a_job_of_several_ranks(monkeypatch):
         _refuse_several_ranks()
 
 
+@pytest.mark.slow
 def test_a_kept_candidate_timed_earlier_runs_again_exactly(monkeypatch):
     """The swap back: when the first candidate wins (made so here: the measurement's own choice is
     tested above), its graph, compiled before the others ran, runs every later step, exact."""

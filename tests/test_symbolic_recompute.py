@@ -55,6 +55,7 @@ def dynamic_records(backend):
                                               if isinstance(v := n.meta.get("val"), torch.Tensor) for s in v.shape)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["recompute", "auto"])
 def test_the_graph_of_every_length_recomputes_and_matches_eager(strategy):
     """The tiny Llama at four lengths: a static graph for the first, one dynamic graph for the others.

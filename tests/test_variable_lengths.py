@@ -31,6 +31,7 @@ def symbolic_prefetches(record) -> list:
             if n.target is PREFETCH and any(isinstance(s, torch.fx.Node) for s in n.args[2])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["offload", "auto"])
 @pytest.mark.parametrize("build", [llama, gpt2])
 def test_the_dynamic_graph_offloads_and_matches_eager_at_every_length(build, strategy):
@@ -123,6 +124,7 @@ def test_the_fraction_holds_measured_at_every_length(build, strategy, setup):
     assert all(share <= 0.5 for share in shares.values()), (shares, fxoffload.explain(record))
 
 
+@pytest.mark.slow
 def test_a_bounded_plan_holds_the_fraction_predicted_at_every_length_of_its_range():
     """Held at the ends of the range, the plan holds at every length between (predicted by the
     memory model, which the measured test above checks at a few lengths)."""
