@@ -91,6 +91,27 @@ def assert_same_step(expected, actual, rtol=1e-4, atol=1e-5) -> None:
         torch.testing.assert_close(grads_a[name], grad, rtol=rtol, atol=scaled, msg=lambda m: f"{name}: {m}")
 
 
+# A test that takes this long here is marked slow (DEVELOPING.md, "CI's time"): the compat runs skip it.
+SLOW_SECONDS = 7.0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Name the tests not marked slow that took SLOW_SECONDS or more (setup and call), so that the next
+    one is marked before it lengthens the compat runs. A report, never a failure: times vary by machine."""
+    seconds: dict[str, float] = {}
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        if "slow" not in report.keywords and "compat" not in report.keywords:
+            seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+    for report in terminalreporter.getreports(""):
+        if report.when == "setup" and report.nodeid in seconds:
+            seconds[report.nodeid] += report.duration
+    over = sorted(((t, name) for name, t in seconds.items() if t >= SLOW_SECONDS), reverse=True)
+    if over:
+        terminalreporter.section(f"tests of {SLOW_SECONDS:g} s or more not marked slow")
+        for t, name in over:
+            terminalreporter.write_line(f"{t:6.1f} s  {name}")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     import fxoffload

@@ -188,6 +188,7 @@ def test_impossible_budget(capsys, tmp_path):
      "--optimizer adamw: its state (574137600 B, 547.5 MiB) and --reserved (0) take 574137600 B, nothing left of "
      "--device-budget 500MB"),
 ])
+@pytest.mark.compat  # release-sensitive, kept in the compat runs though 7 s or more here
 def test_bad_options_are_named(capsys, argv, message):
     argv = ["--preset", "gpt2-xl", *argv]
     if "--output" in argv:  # the only check that needs a plot

@@ -76,7 +76,8 @@ def traced_every_layer(small_llama):
 
 
 # "full" (its graph the smaller) runs on every release: the copies lean on FakeTensor internals.
-@pytest.mark.parametrize("checkpointing", [pytest.param("none", marks=pytest.mark.slow), "full"])
+@pytest.mark.parametrize("checkpointing", [pytest.param("none", marks=pytest.mark.slow),
+                                           pytest.param("full", marks=pytest.mark.compat)])
 def test_four_traced_layers_copied_to_six_are_the_graph_a_trace_of_six_gives(small_llama, traced_every_layer,
                                                                             checkpointing):
     traces = traces_of(small_llama)

@@ -39,6 +39,7 @@ def test_the_wheel_installs_the_passes_under_fxoffload_only(tmp_path):
     assert ours == rooms, f"missing from the wheel: {sorted(rooms - ours)}; not ours: {sorted(ours - rooms)}"
 
 
+@pytest.mark.compat  # release-sensitive, kept in the compat runs though 7 s or more here
 @pytest.mark.parametrize("editable", [False, True], ids=["nothing-installed", "beside-an-editable-install"])
 def test_a_checkout_serves_its_own_passes_folder_as_fxoffload_passes(tmp_path, editable):
     """Run from a checkout, fxoffload.passes is the passes/ folder beside that checkout's fxoffload/:
