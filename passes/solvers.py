@@ -51,7 +51,9 @@ the forward's end backwards, by their births (offloads).
   cheaper feasible answer is kept, so the answer is never worse than greedy. When
   greedy misses the budget, the exact program runs too unless a point stays
   above the budget under every item's largest saving there (proven
-  infeasible). ``"milp"`` always runs the exact program.
+  infeasible). ``"milp"`` always runs the exact program. A caller may accept
+  another gap than 1% (``accepted_gap``): the probes of max_overhead's bisection
+  accept 5% (``fxoffload.passes.planning``).
 
 Limits. Greedy may miss a feasible answer when options add memory or
 conflict, or under a host budget (it spends the host bytes on the first
@@ -570,9 +572,10 @@ def min_peak(length, base, items) -> int:
 
 
 def solve(problem: SolverInput, *, solver: str = "auto", node_limit: int = NODE_LIMIT,
-          time_limit: float = TIME_GUARD) -> Solution:
+          time_limit: float = TIME_GUARD, accepted_gap: float = ACCEPTED_GAP) -> Solution:
     """Options so the curve stays within the problem's budget, and the options' host bytes within its
-    host budget (None: unbounded), at least cost (see the module docstring)."""
+    host budget (None: unbounded), at least cost (see the module docstring). ``accepted_gap``: how close
+    to the LP bound "auto" accepts an answer (greedy's, or branch and bound's, which stops there)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver: got {solver!r}; accepted: {', '.join(map(repr, SOLVERS))}")
     greedy = solve_greedy(problem) if solver in ("auto", "greedy") else None
@@ -585,14 +588,14 @@ def solve(problem: SolverInput, *, solver: str = "auto", node_limit: int = NODE_
         # greedy is optimal and the (slower) branch and bound is not needed.
         bound = lower_bound(problem)
         gap = max((greedy.cost - bound) / greedy.cost, 0.0)
-        if gap <= ACCEPTED_GAP:
+        if gap <= accepted_gap:
             return dataclasses.replace(greedy, solver="greedy, LP-bounded", optimal=gap <= OPTIMALITY_GAP, gap=gap)
     elif greedy is not None and greedy.feasible:
         return dataclasses.replace(greedy, optimal=True, gap=0.0)  # zero cost cannot be beaten
     # "auto" stops the exact search within the gap it accepts of greedy: on the 7B graph, branch
     # and bound had not closed the last 0.5% after 30 s (measured); the answer it had by then cost
     # 0.07% less than the one within 1%.
-    exact = solve_milp(problem, gap=ACCEPTED_GAP if greedy else OPTIMALITY_GAP, node_limit=node_limit,
+    exact = solve_milp(problem, gap=accepted_gap if greedy else OPTIMALITY_GAP, node_limit=node_limit,
                        time_limit=time_limit)
     if greedy is None:
         return exact if exact is not None else solve_greedy(problem)

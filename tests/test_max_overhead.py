@@ -183,3 +183,44 @@ def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal
         assert plans[-1] == plan_offloads(choosable, options, peak_within=PeakWithin(peak))
     assert len({p.step_peak_after for p in plans}) == 3  # three plans, each holding back what the smallest moves
     assert all(any(d.why is Why.OVERHEAD for d in p.decisions) for p in plans)
+
+
+def test_the_bisection_s_probes_stop_within_the_probe_gap_and_other_solves_within_the_usual_one(monkeypatch):
+    """A plan under max_overhead's ``peak_within`` (one probe of the driver's bisection) accepts an answer
+    within ``PROBE_GAP`` of the LP bound; the smallest peak's solves, and every plan without it, 1%."""
+    from fxoffload.passes import planning
+    from fxoffload.passes.pipeline import AnalysisSettings, Stopwatch, analyse_pair
+    from fxoffload.passes.plan import PlanOptions
+    from fxoffload.passes.planning import PROBE_GAP, Choosable, PeakWithin, plan_offloads
+    from fxoffload.passes.solvers import ACCEPTED_GAP
+    from fxoffload.profiles import PROFILES
+    from tests.conftest import partitioned_pair
+
+    def deep(x, *weights):
+        for w in weights:
+            x = torch.tanh(x @ w)
+        return x.sum()
+
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
+    fw, bw, n = partitioned_pair(deep, torch.randn(256, 64, requires_grad=True), *weights)
+    a = analyse_pair(fw, bw, n, AnalysisSettings(1, PROFILES["h100-pcie5"], frozenset(), False),
+                     with_recomputes=True, watch=Stopwatch())
+    choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, a.costs, a.recomputes)
+    options = PlanOptions(min_bytes=0, max_overhead=0.01)
+    gaps = []
+    solve = planning.solve
+
+    def spied(*args, **kwargs):
+        gaps.append(kwargs.get("accepted_gap", ACCEPTED_GAP))
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "solve", spied)
+    smallest = plan_offloads(choosable, options)
+    assert gaps and set(gaps) == {ACCEPTED_GAP}
+    gaps.clear()
+    middle = (smallest.step_peak_after + smallest.step_peak_before) // 2
+    probe = plan_offloads(choosable, options, peak_within=PeakWithin(middle))
+    # The smallest peak's cheapest choice first (what the probe names as held back), then the probe's own.
+    assert gaps == [ACCEPTED_GAP, PROBE_GAP]
+    assert smallest.step_peak_after < probe.step_peak_after <= middle

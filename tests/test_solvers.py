@@ -55,6 +55,19 @@ def test_exact_beats_greedy_where_cost_per_byte_misleads():
     assert choose_offloads(length, fixed, cands, 170).chosen == (1,)
 
 
+def test_auto_keeps_greedy_within_the_gap_its_caller_accepts():
+    """``accepted_gap``: "auto" keeps greedy's answer when it is that close to the LP bound (max_overhead's
+    probes accept 5%); within the usual 1% only, the exact answer replaces it."""
+    from tests.offload_only import _general, solve
+
+    length, fixed, cands = three_layer()
+    base, items = _general(fixed, cands)
+    usual = solve(length, base, items, 170)
+    assert usual.cost == 0.5 and usual.solver.startswith("milp")  # greedy's 1.0 is 50% above the bound
+    loose = solve(length, base, items, 170, accepted_gap=0.6)
+    assert loose.cost == 1.0 and loose.solver == "greedy, LP-bounded" and 0.5 <= loose.gap <= 0.6
+
+
 def test_only_one_choice_meets_a_tight_budget():
     length, fixed, cands = three_layer()
     # At position 1 only the first can save, and 160 - 100 = 60 <= 110; with it, 2..7 are at 110.
