@@ -102,6 +102,15 @@ def table(results: list[tuple[str, str, dict, float | None, bool]]) -> str:
     return "\n".join(lines)
 
 
+# Rows that changed from one run to the next other than by the machine's speed, and why (newest last).
+CHANGES = (
+    "2026-12-02: llama-2-7b's `fxoffload, at most +1%` row on a100-pcie4, 4,205 -> 4,204 tokens/s (its step "
+    "0.974 s both times, its length and peak the same): each probe of max_overhead's bisection stops within 5% "
+    "of its LP bound (`fxoffload.passes.planning.PROBE_GAP`), not 1%, so its plans differ a little; that "
+    "preset's fit took 56 s instead of 81 s the same day.",
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite this script's section of RESULTS.md")
@@ -145,7 +154,7 @@ def main() -> None:
         "(`--device-budget 80GB --reserved 16GB` at its length), run alone in a process at the lowest priority "
         "beside the next preset's fit: "
         + ", ".join(f"{p} on {f} {'within' if w else '**over**'} its budget" for p, f, _, _, w in results)
-        + ".\n\n" + table(results))
+        + ". Rows changed other than by the machine's speed: " + " ".join(CHANGES) + "\n\n" + table(results))
     print(body)
     if args.write:
         print(f"wrote {write_section('Will it fit: the longest sequence per strategy (predicted)', body)}",
