@@ -72,10 +72,11 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   :class:`PeakWithin`): the budget is that peak, and a candidate the smallest peak moves but this plan
   keeps says so (``Why.OVERHEAD``). The smallest peak and the cheapest choice that reaches it are the
   same for every peak the driver tries on one pair: found once, by the first plan that needs them.
-  Each such plan's solve accepts an answer within ``PROBE_GAP`` (5%) of its LP bound, not 1%: the
-  driver judges a probe by its simulated step, not by the solver's price, and on the 7B graph's `+1%`
-  plan branch and bound spent 1.6-3.4 s per probe near the answer at its node limit, leaving the cost
-  its root node had found in five probes of eight and lowering it by at most 0.4% in the others.
+  Under solver "auto" each such plan's solve accepts an answer within ``PROBE_GAP`` (5%) of its LP
+  bound, not 1%: the driver judges a probe by its simulated step, not by the solver's price, and on
+  the 7B graph's `+1%` plan branch and bound spent 1.6-3.4 s per probe near the answer up to its node
+  limit; of five such probes solved again, it left three at the cost their root node found and
+  lowered the others' by 0.1% and 0.4%.
 * If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
   raises ``plan.BudgetInfeasibleError`` with the smallest achievable peak;
   ``"warn"`` plans the cheapest choice at that smallest peak and says so.
