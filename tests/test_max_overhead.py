@@ -152,13 +152,10 @@ def test_a_bounded_plan_trains_like_eager():
         assert_same_step(lm_step(eager, ids), lm_step(model, ids))
 
 
-def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal_plans_made_alone():
-    """max_overhead's driver plans one pair under a dozen peaks (a bisection), each plan sharing the
-    smallest peak and the cheapest choice reaching it (``PeakWithin.found``, found by the first): each
-    equals the plan made alone, what it holds back for the bound (``Why.OVERHEAD``) included."""
+def deep_tanh_choosable():
+    """Six tanh layers of 64 x 64 on 256 rows, partitioned and analysed: what the planner chooses among."""
     from fxoffload.passes.pipeline import AnalysisSettings, Stopwatch, analyse_pair
-    from fxoffload.passes.plan import PlanOptions, Why
-    from fxoffload.passes.planning import Choosable, PeakWithin, SmallestPeak, plan_offloads
+    from fxoffload.passes.planning import Choosable
     from fxoffload.profiles import PROFILES
     from tests.conftest import partitioned_pair
 
@@ -172,7 +169,17 @@ def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal
     fw, bw, n = partitioned_pair(deep, torch.randn(256, 64, requires_grad=True), *weights)
     settings = AnalysisSettings(1, PROFILES["h100-pcie5"], frozenset(), False)
     a = analyse_pair(fw, bw, n, settings, with_recomputes=True, watch=Stopwatch())
-    choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, a.costs, a.recomputes)
+    return Choosable(a.interface, a.activations, a.timeline, a.moves, a.costs, a.recomputes)
+
+
+def test_plans_of_one_pair_under_raised_peaks_sharing_what_the_first_found_equal_plans_made_alone():
+    """max_overhead's driver plans one pair under a dozen peaks (a bisection), each plan sharing the
+    smallest peak and the cheapest choice reaching it (``PeakWithin.found``, found by the first): each
+    equals the plan made alone, what it holds back for the bound (``Why.OVERHEAD``) included."""
+    from fxoffload.passes.plan import PlanOptions, Why
+    from fxoffload.passes.planning import PeakWithin, SmallestPeak, plan_offloads
+
+    choosable = deep_tanh_choosable()
     options = PlanOptions(min_bytes=0, max_overhead=0.01)
     smallest = plan_offloads(choosable, options)
     low, high = smallest.step_peak_after, smallest.step_peak_before
@@ -189,24 +196,11 @@ def test_the_bisection_s_probes_stop_within_the_probe_gap_and_other_solves_withi
     """A plan under max_overhead's ``peak_within`` (one probe of the driver's bisection) accepts an answer
     within ``PROBE_GAP`` of the LP bound; the smallest peak's solves, and every plan without it, 1%."""
     from fxoffload.passes import planning
-    from fxoffload.passes.pipeline import AnalysisSettings, Stopwatch, analyse_pair
     from fxoffload.passes.plan import PlanOptions
-    from fxoffload.passes.planning import PROBE_GAP, Choosable, PeakWithin, plan_offloads
+    from fxoffload.passes.planning import PROBE_GAP, PeakWithin, plan_offloads
     from fxoffload.passes.solvers import ACCEPTED_GAP
-    from fxoffload.profiles import PROFILES
-    from tests.conftest import partitioned_pair
 
-    def deep(x, *weights):
-        for w in weights:
-            x = torch.tanh(x @ w)
-        return x.sum()
-
-    torch.manual_seed(0)
-    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
-    fw, bw, n = partitioned_pair(deep, torch.randn(256, 64, requires_grad=True), *weights)
-    a = analyse_pair(fw, bw, n, AnalysisSettings(1, PROFILES["h100-pcie5"], frozenset(), False),
-                     with_recomputes=True, watch=Stopwatch())
-    choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, a.costs, a.recomputes)
+    choosable = deep_tanh_choosable()
     options = PlanOptions(min_bytes=0, max_overhead=0.01)
     gaps = []
     solve = planning.solve
