@@ -96,8 +96,9 @@ SLOW_SECONDS = 7.0
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Name the tests not marked slow that took SLOW_SECONDS or more (setup and call), so that the next
-    one is marked before it lengthens the compat runs. A report, never a failure: times vary by machine."""
+    """Name the tests marked neither slow nor compat that took SLOW_SECONDS or more (setup and call), so
+    that the next one is marked before it lengthens the compat runs. A report, never a failure: times
+    vary by machine."""
     seconds: dict[str, float] = {}
     for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
         if "slow" not in report.keywords and "compat" not in report.keywords:
@@ -107,7 +108,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             seconds[report.nodeid] += report.duration
     over = sorted(((t, name) for name, t in seconds.items() if t >= SLOW_SECONDS), reverse=True)
     if over:
-        terminalreporter.section(f"tests of {SLOW_SECONDS:g} s or more not marked slow")
+        terminalreporter.section(f"tests of {SLOW_SECONDS:g} s or more marked neither slow nor compat")
         for t, name in over:
             terminalreporter.write_line(f"{t:6.1f} s  {name}")
 
