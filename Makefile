@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-compat test-torch-2.11.0 test-torch-2.14.1 clean
+.PHONY: demo test test-compat compat-venvs test-torch-2.11.0 test-torch-2.14.1 clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,9 @@ COMPAT_TESTS := -m "not slow or compat" -p no:cacheprovider
 
 # The two releases are independent: `make -j2 -O test-compat` (as .ci/run does) runs them side by side.
 test-compat: test-torch-2.11.0 test-torch-2.14.1
+
+# Their venvs alone: .ci/run installs them while the full suite runs.
+compat-venvs: .venv-torch-2.11.0/.installed .venv-torch-2.14.1/.installed
 
 test-torch-2.11.0: .venv-torch-2.11.0/.installed
 	PYTHONPATH=. .venv-torch-2.11.0/bin/python -m pytest -q $(COMPAT_TESTS)
