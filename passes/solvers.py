@@ -72,6 +72,8 @@ import functools
 import math
 import os
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -508,23 +510,46 @@ def _mip_options() -> dict:
     return {} if any(issubclass(w.category, OptimizeWarning) for w in caught) else dict(MIP_OPTIONS)
 
 
+# What HiGHS 1.12 (SciPy 1.17) prints on descriptor 1 when it repairs an integer solution, whatever its
+# output options (ERGO-Code/HiGHS#2783): a developer's trace, four times in one 7B plan, nothing a user
+# can act on.
+HIGHS_DEBUG_LINES = frozenset({b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"})
+_DESCRIPTOR_1 = threading.Lock()  # one solve at a time moves descriptor 1, so each restores the real one
+
+
 @contextlib.contextmanager
 def _stdout_to_stderr():
-    """Send what C code writes to file descriptor 1 to 2 instead: HiGHS (SciPy 1.17) prints a debug
-    line there on some programs despite ``disp=False``, into the JSON that ``fxoffload plan --json``
-    writes on stdout. (Other threads' prints during a solve go to stderr too.)"""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no descriptor 1 (an embedding without one): nothing to protect
-        yield
-        return
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+    """Hold what C code writes to file descriptor 1 and hand it to descriptor 2 afterwards, less
+    HIGHS_DEBUG_LINES: HiGHS prints there despite ``disp=False``, into the JSON that ``fxoffload plan
+    --json`` writes on stdout. (Other threads' prints to descriptor 1 during a solve reach stderr too,
+    when the solve ends.)"""
+    with _DESCRIPTOR_1:
+        sys.stdout.flush()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no descriptor 1 (an embedding without one): nothing to protect
+            yield
+            return
+        with tempfile.TemporaryFile() as held:
+            try:
+                os.dup2(held.fileno(), 1)
+                yield
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                held.seek(0)
+                _write_to_stderr(_without_highs_debug_lines(held.read()))
+
+
+def _without_highs_debug_lines(printed: bytes) -> bytes:
+    return b"".join(line for line in printed.splitlines(keepends=True)
+                    if line.rstrip(b"\r\n") not in HIGHS_DEBUG_LINES)
+
+
+def _write_to_stderr(data: bytes) -> None:
+    sys.stderr.flush()  # after what Python wrote there before
+    while data:
+        data = data[os.write(2, data):]
 
 
 def lower_bound(problem: SolverInput) -> float:

@@ -50,12 +50,16 @@ def test_every_preset_plans_a_slice_within_the_budget(capsys, tmp_path, preset):
 
 
 @pytest.mark.slow
-def test_the_full_llama_2_7b_at_half_budget(capsys):
-    # The whole model, as a user runs it: all 32 layers at sequence 4096 (about 30 s here).
-    report = run_json(capsys, "--preset", "llama-2-7b", "--seq", "4096", "--batch", "1", "--dtype", "bf16",
-                      "--profile", "h100-pcie5", "--budget", "0.5", "--no-plot")
+def test_the_full_llama_2_7b_at_half_budget(capfd):
+    # The whole model, as a user runs it: all 32 layers at sequence 4096 (about 30 s here). Its joint
+    # program makes HiGHS 1.12 print a debug line four times (measured 2026-12-02): none reaches the user.
+    assert main(["plan", "--preset", "llama-2-7b", "--seq", "4096", "--batch", "1", "--dtype", "bf16",
+                 "--profile", "h100-pcie5", "--budget", "0.5", "--no-plot", "--json", "--quiet"]) == 0
+    captured = capfd.readouterr()
+    report = json.loads(captured.out)
     assert report["layers"] == 32 and len(report["graphs"]) == 1
     check_budget_held(report, 0.5)
+    assert "Highs" not in captured.err, captured.err
 
 
 def test_llama_2_7b_preset_has_the_published_parameter_count(capsys):
