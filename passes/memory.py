@@ -15,7 +15,8 @@ there when the caller says so: what the graph hands to the rest of the step,
 see ``fxoffload.passes.pipeline.counts_outputs``), gradients to the end of
 the step, tangents (made by autograd, including the zeros AOTAutograd
 materialises for unused outputs) from the start of the backward to their last
-use; a saved tensor (*residual*) lives from its forward birth to its last
+use (to the backward's end on torch releases whose runtime holds them there:
+``TANGENTS_HELD_TO_BACKWARD_END``); a saved tensor (*residual*) lives from its forward birth to its last
 backward use. A graph input that is an activation of an earlier compiled graph
 of the step (a hidden state passed from one compiled layer to the next, told
 by the caller) and that the forward saves is a residual from position 0: the
@@ -184,8 +185,17 @@ class _Walker:
                 self.death.append(i)
 
 
+# Whether AOTAutograd's backward holds the tangents autograd hands it until it returns. On torch 2.11
+# its ``backward(ctx, *flat_args)`` keeps them to the end; on 2.13 and 2.14 each is freed at its last
+# use (measured on 2026-12-02: a tiny Llama's layer graph, its incoming gradient held through the
+# attention's backward on 2.11 only; ``tests/test_layer_step.py``). 2.12 is not measured and is taken
+# as 2.11: the longer lifetime can only over-predict.
+TANGENTS_HELD_TO_BACKWARD_END = torch.__version__ < (2, 13)
+
+
 def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
-                   input_activations: Sequence[fx.Node] = (), outputs_counted: bool = False) -> Timeline:
+                   input_activations: Sequence[fx.Node] = (), outputs_counted: bool = False,
+                   tangents_held: bool = TANGENTS_HELD_TO_BACKWARD_END) -> Timeline:
     """Lifetimes of every storage the pair creates; see the module docstring.
 
     ``input_activations``: forward placeholders that are activations of an earlier graph of the
@@ -194,6 +204,8 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
     ``outputs_counted``: the user outputs' storages (but 0-dim ones: a loss) are activations too,
     until the forward returns (the logits a loss graph of its own saves: counted by the graph that
     makes them, not by the one that saves them; see ``fxoffload.passes.pipeline.counts_outputs``).
+    ``tangents_held``: the tangents live to the backward's end, not to their last use (the torch
+    release's runtime decides; see TANGENTS_HELD_TO_BACKWARD_END).
     """
     fw_nodes, bw_nodes = tuple(fw.nodes), tuple(bw.nodes)
     forward_end, end = len(fw_nodes) - 1, len(fw_nodes) + len(bw_nodes) - 1
@@ -223,13 +235,18 @@ def build_timeline(fw: fx.Graph, bw: fx.Graph, interface: SavedInterface,
         if kf in walker.current
     }
     saved_inputs = set(interface.bw_saved)
+    tangents = []
     for node in bw_nodes:  # tangents: made by autograd as the backward starts
         if node.op == "placeholder" and node not in saved_inputs:
             for key, val in zip(walker.node_keys(node), _vals(node)):
                 carried[key] = len(walker.birth)
+                tangents.append(len(walker.birth))
                 walker.birth.append((len(fw_nodes), node, val, key))
                 walker.death.append(len(fw_nodes))
     walker.walk(bw_nodes, len(fw_nodes), carried)
+    if tangents_held:
+        for lifetime in tangents:
+            walker.death[lifetime] = end
     for value in bw.output_node().all_input_nodes:  # gradients outlive the step
         for lifetime in walker.lifetimes_of(value):
             walker.death[lifetime] = end

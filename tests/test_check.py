@@ -10,6 +10,7 @@ import pytest
 from fxoffload import runtime
 from fxoffload.tools.check import CheckConfig, run_check
 from fxoffload.tools.cli import main
+from tests.conftest import UNPLACED_BYTES
 
 
 def test_check_runs_on_the_cpu_engine_and_prints_every_figure_predicted_and_measured(capsys):
@@ -28,9 +29,9 @@ def test_the_json_report_gives_each_figure_its_prediction_and_measurement(capsys
     rows = {f["name"]: f for f in report["figures"]}
     assert all({"predicted", "measured", "verdict"} <= f.keys() for f in report["figures"])
     # On the CPU engine with the eager inner compiler the memory model holds to the byte, but for the
-    # 8 B the memory tests call UNPLACED_BYTES (tests/test_budget.py); host copies exactly.
+    # bytes the memory tests call UNPLACED_BYTES (tests/conftest.py); host copies exactly.
     assert rows["peak of the step's tensors, with fxoffload"]["measured"] - rows[
-        "peak of the step's tensors, with fxoffload"]["predicted"] == 8
+        "peak of the step's tensors, with fxoffload"]["predicted"] == UNPLACED_BYTES
     assert rows["host copies alive at once"]["measured"] == rows["host copies alive at once"]["predicted"] > 0
     assert rows["step time, with fxoffload (median)"]["verdict"] == "not comparable"
 

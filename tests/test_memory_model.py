@@ -32,6 +32,30 @@ def test_lifetimes_of_viewed_relu():
     assert peak(act) == 450 and act[forward_end] == 450
 
 
+def test_tangents_live_to_their_last_use_or_where_the_release_holds_them_to_the_backward_s_end():
+    """A tangent (the gradient autograd hands the backward) dies at its last use, unless the torch
+    release's runtime holds it to the backward's end (2.11: ``TANGENTS_HELD_TO_BACKWARD_END``; the
+    layer-step test measures which one a release does)."""
+    def tanh_mm(x, w1, w2):
+        return torch.tanh(x @ w1) @ w2  # not summed: its gradient is a tangent of the backward
+
+    inputs = [torch.randn(8, 32, requires_grad=True), torch.randn(32, 64, requires_grad=True),
+              torch.randn(64, 16, requires_grad=True)]
+    fw, bw, n = partitioned_pair(tanh_mm, *inputs)
+    interface = saved_interface(fw.graph, bw.graph, n)
+    freed, held = (build_timeline(fw.graph, bw.graph, interface, tangents_held=flag) for flag in (False, True))
+    (tangent,) = [node for node in bw.graph.nodes if node.name.startswith("tangents")]
+    uses = [freed.positions[user] for user in tangent.users]
+    end = freed.length - 1
+    (freed_tangent,) = [lt for lt in freed.lifetimes if lt.name == tangent.name]
+    (held_tangent,) = [lt for lt in held.lifetimes if lt.name == tangent.name]
+    assert freed_tangent.nbytes == held_tangent.nbytes == 8 * 16 * 4
+    assert freed_tangent.death == max(uses) < end and held_tangent.death == end
+    # Nothing else moves.
+    assert [lt for lt in freed.lifetimes if lt.name != tangent.name] == \
+        [lt for lt in held.lifetimes if lt.name != tangent.name]
+
+
 def deep_tanh(x, w1, w2, w3):
     h1 = torch.tanh(x @ w1)
     h2 = torch.tanh(h1 @ w2)

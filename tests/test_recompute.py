@@ -72,7 +72,7 @@ def test_recomputed_storages_leave_the_saved_tensors_and_are_rebuilt_before_thei
         assert measured.activation_peak <= plan.budget_bytes
     assert measured.activation_peak == plan.activation_peak_after  # to the byte, recomputed storages included
     # The prediction of the total matches the measurement (chains' temporaries included).
-    # To the byte but for the 8 bytes the model never places (tests/test_budget.py, UNPLACED_BYTES).
+    # To the byte but for the bytes the model never places (UNPLACED_BYTES, tests/conftest.py).
     assert measured.total_peak - plan.total_peak_after == UNPLACED_BYTES, (plan.total_peak_after, measured.total_peak)
 
 
