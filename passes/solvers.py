@@ -522,21 +522,26 @@ def _stdout_to_stderr():
     """Hold what C code writes to file descriptor 1 and hand it to descriptor 2 afterwards, less
     HIGHS_DEBUG_LINES: HiGHS prints there despite ``disp=False``, into the JSON that ``fxoffload plan
     --json`` writes on stdout. (Other threads' prints to descriptor 1 during a solve reach stderr too,
-    when the solve ends.)"""
-    with _DESCRIPTOR_1:
+    when the solve ends.) Without a writable temporary directory, descriptor 1 points at descriptor 2
+    during the solve instead: stdout stays clean, and HiGHS's lines reach stderr unfiltered."""
+    with _DESCRIPTOR_1, contextlib.ExitStack() as stack:
+        try:
+            held = stack.enter_context(tempfile.TemporaryFile())
+        except OSError:  # no writable temporary directory: stderr itself takes what is printed
+            held = None
         sys.stdout.flush()
         try:
             saved = os.dup(1)
         except OSError:  # no descriptor 1 (an embedding without one): nothing to protect
             yield
             return
-        with tempfile.TemporaryFile() as held:
-            try:
-                os.dup2(held.fileno(), 1)
-                yield
-            finally:
-                os.dup2(saved, 1)
-                os.close(saved)
+        try:
+            os.dup2(held.fileno() if held is not None else 2, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            if held is not None:
                 held.seek(0)
                 _write_to_stderr(_without_highs_debug_lines(held.read()))
 

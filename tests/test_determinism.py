@@ -136,6 +136,27 @@ def test_what_the_solver_library_prints_does_not_reach_stdout_and_its_debug_line
     assert captured.err == "from C code\nmore from C code\n"
 
 
+def test_without_a_writable_temporary_directory_the_solver_still_keeps_stdout_clean(capfd, monkeypatch, tmp_path):
+    """Where no temporary file can be made, descriptor 1 points at stderr during the solve: the
+    JSON on stdout stays clean (HiGHS's lines reach stderr unfiltered), no descriptor is left open,
+    and the solve is not refused."""
+    import tempfile
+
+    from fxoffload.passes.solvers import _stdout_to_stderr
+
+    open_before = sorted(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    print("before", flush=True)
+    with monkeypatch.context() as patch:  # only here: pytest's own capture makes temporary files
+        patch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+        with _stdout_to_stderr():
+            os.write(1, b"from C code\n")
+    print("after", flush=True)
+    captured = capfd.readouterr()
+    assert (captured.out, captured.err) == ("before\nafter\n", "from C code\n")
+    if open_before is not None:
+        assert sorted(os.listdir("/proc/self/fd")) == open_before
+
+
 def test_the_mismatch_error_groups_the_ranks_by_the_plan_they_made():
     """What a job of four ranks, one of them planning differently, is told (the 2-process gloo test
     in test_distributed.py raises it for real)."""
