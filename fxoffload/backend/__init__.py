@@ -433,6 +433,7 @@ class OffloadBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], patches: dict) -> Callable:
         region = self._region_key()
+        self._callers.dynamo_traced()
         inputs = input_facts(example_inputs)
         measured = self.config.select == "measured"
         if measured:

@@ -16,6 +16,13 @@ caller kept half its runs' inputs or more (logs it otherwise), and
 ``fxoffload.passes.step.simulate_step`` counts the bytes still held when the backward began from
 the input's release to the step's end (one dropped before is not an activation).
 
+A step during which dynamo traced a frame (the first, and any that recompiles) tells nothing: while
+it traces a frame that builds an object and breaks the graph, dynamo's own records of that frame
+(its ``SideEffects``) hold the object, and through it the tensors in it, past the step's backward
+begin. Torch 2.13 held a Hugging Face model's output, logits included, so at the first step the
+loss region's input looked kept by the model's code, which drops it at its return. The watch says
+nothing kept for such a step (:meth:`CallerWatch.dynamo_traced`); the next step's watch decides.
+
 Limits: the check watches the tensor object the graph was handed. A caller that keeps only a view
 of it (another object on the same storage) is not seen, nor is one behind a wrapper that hands
 the layer new objects: FSDP2's pre-forward hook does (``RegisterPostBackwardFunction``), and so
@@ -90,6 +97,11 @@ class CallerWatch:
     """Weak references to the inputs the step's forwards offloaded, until the step's backward begins."""
 
     _watched: list[_Watched] = field(default_factory=list)
+    _traced: bool = False  # dynamo traced a frame since the last backward began
+
+    def dynamo_traced(self) -> None:
+        """Dynamo traced a frame for this step: its records may hold the step's objects (see the module)."""
+        self._traced = True
 
     def after_forward(self, run: int, inputs: Sequence[OffloadedInput], args: Sequence[Any]) -> None:
         """Watch ``args``' offloaded ``inputs`` from forward invocation ``run``, which just returned."""
@@ -107,7 +119,8 @@ class CallerWatch:
         self._watched = still
 
     def backward_begins(self) -> list[KeptInput]:
-        """The step's backward begins: every input kept in the forward, or still alive now."""
+        """The step's backward begins: every input kept in the forward, or still alive now; none in a
+        step dynamo traced a frame for."""
         kept = [KeptInput(w.run, w.input, alive) for w in self._watched if (alive := w.ref() is not None) or w.kept]
-        self._watched = []
-        return kept
+        traced, self._watched, self._traced = self._traced, [], False
+        return [] if traced else kept
