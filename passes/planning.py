@@ -475,7 +475,8 @@ def plan_offloads(
     held = _held(problem) if limit is not None else []
     choice, goal = _select(problem, free, forced, limit, held, peak_within)
     transfers, rebuilt, decisions = _decide(problem, groups, reasons, choice, goal)
-    decisions = _host_reasons(problem, decisions, groups, choice)
+    if not _budget_met(problem, choice, goal, limit, held):
+        decisions = _host_reasons(problem, decisions, groups, choice)
     budget_bytes = None if problem.device or options.budget is None else limit
     return Plan(
         decisions=decisions,
@@ -530,9 +531,20 @@ def _check_forced_host(problem: Problem, forced: Sequence[fx.Node]) -> None:
     warnings.warn(BudgetInfeasibleWarning(message + "; offloading them anyway, and nothing else"), stacklevel=3)
 
 
+def _budget_met(problem: Problem, choice: _Choice, goal: Goal | None, limit: int | None,
+                held: Sequence[SizeTarget]) -> bool:
+    """Whether ``choice`` meets the budget it was made for: then a candidate it keeps was not needed, whatever
+    the host budget (plain's ``memory_budget=1.0`` keeps every one; none is the host budget's)."""
+    if goal is not Goal.MEET_BUDGET or limit is None:
+        return False
+    moved = (choice.offloaded, choice.recomputed)
+    return problem.bounded_peak(*moved) <= limit and all(at.bounded_peak(*moved) <= n for _, at, n in held)
+
+
 def _host_reasons(problem: Problem, decisions: tuple[Decision, ...], groups, choice: _Choice) -> tuple[Decision, ...]:
     """Under a host budget, a kept candidate whose copy would not fit what the plan's copies leave of it
-    says so: the host budget, not the device budget, kept it."""
+    says so, where the plan misses its goal or aims at the smallest peak: the host budget, not the device
+    budget, kept it."""
     cap = problem.options.host_bytes
     if cap is None:
         return decisions

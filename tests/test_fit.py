@@ -451,13 +451,20 @@ def test_the_table_and_the_plot_say_the_same_rows_and_that_they_are_predictions(
 
 @pytest.mark.slow
 def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_path, tiny_fit):
+    """A row's limit is the host budget exactly where the host budget cut its answer: the next size up,
+    planned without it, fits. (Before, a row whose plan kept a tensor for the host budget was said to be
+    limited by it where saved activations were the largest share at its peak: plain, which copies
+    nothing, on torch 2.13; and not where the logits were, though the fxoffload row's answer fell from
+    672 to 512 tokens, on 2.11.)"""
     unbounded = {row["name"]: row for row in tiny_fit[0]["rows"]}
     report, _ = fit_json(tmp_path, "--host-budget", "64KiB", "--no-plot")
     rows = {row["name"]: row for row in report["rows"]}
     for name in ("plain", "checkpointing"):  # nothing copied: the host budget changes nothing
         assert rows[name]["max_seq"] == unbounded[name]["max_seq"]
-    assert rows["fxoffload"]["max_seq"] <= unbounded["fxoffload"]["max_seq"]
-    assert any(rows[name]["limit"] == "host-budget" for name in ("checkpointing+offload", "fxoffload")), rows
+    assert rows["fxoffload"]["max_seq"] < unbounded["fxoffload"]["max_seq"]
+    for name, row in rows.items():
+        cut = row["max_seq"] < unbounded[name]["max_seq"]
+        assert (row["limit"] == "host-budget") == cut, (name, row["limit"], row["max_seq"], unbounded[name]["max_seq"])
     assert all("--host-budget 64KiB" in rows[name]["command"] for name in rows)
 
 

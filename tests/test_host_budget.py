@@ -62,6 +62,19 @@ def test_the_host_budget_keeps_the_copies_and_recomputes_the_rest_under_strategy
     assert record.plan.recomputes  # the host budget moved work from copies to recomputation
 
 
+@pytest.mark.parametrize("options", [{"memory_budget": 1.0}, {"memory_budget": 0.9}])
+def test_a_plan_that_meets_its_budget_keeps_the_rest_as_not_needed_whatever_the_host_budget(options):
+    """A candidate kept by a plan that meets its memory budget was not needed there, however small the host
+    budget: plain's memory_budget=1.0 keeps every one, and none is the host budget's (``fxoffload fit``
+    read such a plan's kept tensors as limited by host_budget)."""
+    model, ids = build()
+    record, _, _ = measured_run(model, ids, host_budget=4096, **options)
+    plan = record.plan
+    assert plan.feasible and plan.activation_peak_after <= plan.budget_bytes
+    kept = [d for d in plan.decisions if d.action == "keep" and d.why is not Why.INELIGIBLE]
+    assert kept and all(d.why is Why.NOT_NEEDED for d in kept), [(d.name, d.why) for d in kept]
+
+
 def test_a_memory_budget_out_of_reach_within_the_host_budget_raises_naming_it():
     model, ids = build()
     with pytest.raises(Exception, match=r"memory_budget: the lowest activation peak is \d+ B \(.*, as far as "

@@ -46,7 +46,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from fxoffload.passes import Why, curve, on_device, scheduled_moves, staging_temporaries
+from fxoffload.passes import curve, on_device, scheduled_moves, staging_temporaries
 
 
 __all__ = ["FitError", "Grid", "Limit", "LimitCode", "Point", "Probe", "Row", "Search", "Setup", "SETUPS",
@@ -364,8 +364,8 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     """What fills the device at the step's predicted device peak under ``record``'s plan: the bytes
     ``fixed`` (graph inputs and what is reserved), the logits (tensors whose last dimension is
     ``vocab``), the saved activations kept, and everything else alive there; the code names the
-    fixed bytes when they alone reach ``memory``, else the largest share, except that saved
-    activations when the host budget held a copy back are the host budget's limit."""
+    fixed bytes when they alone reach ``memory``, else the largest share. (Whether the host budget is
+    the limit takes another plan: ``fxoffload fit`` plans the size again without it.)"""
 
     plan, timeline, schedule = record.plan, record.timeline, record.schedule
     moved = scheduled_moves(plan, timeline, schedule)
@@ -388,8 +388,6 @@ def limit_at_peak(record: Any, fixed: int, memory: int, vocab: int | None, check
     if fixed >= memory:
         return Limit(LimitCode.FIXED_BYTES, figures)
     largest = max(("logits", "saved", "other"), key=shares.__getitem__)
-    if largest == "saved" and any(d.why is Why.HOST_BUDGET for d in plan.decisions):
-        return Limit(LimitCode.HOST_BUDGET, figures)  # saved tensors the host had no room for
     code = {"logits": LimitCode.LOGITS, "other": LimitCode.TEMPORARIES,
             "saved": LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED_ACTIVATIONS}[largest]
     return Limit(code, figures)

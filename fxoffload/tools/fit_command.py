@@ -563,6 +563,21 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
             return planned(setup, size, traced, answer, parts)
 
     def planned(setup: Setup, size: int, traced: Any, answer: bool, parts: EagerParts | None) -> Point:
+        point, record = planned_point(setup, size, traced, answer, parts)
+        host = {**common, **setup.options}.get("host_budget")
+        if host is None or point.device_peak <= memory or not any(d.why is Why.HOST_BUDGET
+                                                                 for d in record.plan.decisions):
+            return point
+        # Its plan kept tensors whose copies host_budget had no room for: the host budget is the limit
+        # where the same setup, planned without it, fits.
+        unbounded, _ = planned_point(dataclasses.replace(setup, options={**setup.options, "host_budget": None}),
+                                     size, traced, answer, parts)
+        if unbounded.device_peak > memory:
+            return point
+        return dataclasses.replace(point, limit=Limit(LimitCode.HOST_BUDGET, point.limit.figures))
+
+    def planned_point(setup: Setup, size: int, traced: Any, answer: bool, parts: EagerParts | None) -> tuple:
+        """The point ``setup`` plans at ``size``, and the record of its plan."""
         options = {**common, **setup.options}
         if parts is not None:
             options["runs_per_step"] = len(parts.forwards)
@@ -581,13 +596,14 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
         optimizer = optimizer_step(args.optimizer, traced.optimizer["parameter_bytes"],
                                    resolve_profile(options["device_profile"]))
         if parts is not None:
-            return _layer_step_point(size, record, parts, reserved, optimizer, memory, setup.checkpointing != "none")
+            checkpointed = setup.checkpointing != "none"
+            return _layer_step_point(size, record, parts, reserved, optimizer, memory, checkpointed), record
         fixed = reserved + optimizer.state_bytes
         limit = limit_at_peak(record, record.plan.input_bytes + fixed, memory, source.vocab,
                               setup.checkpointing != "none")
         peak = record.plan.device_peak_after + fixed
         return Point(size, peak, simulate(record).step_time + optimizer.seconds, limit,
-                     _estimate(record, peak, *_neighbour(setup, size)))
+                     _estimate(record, peak, *_neighbour(setup, size))), record
 
     def _neighbour(setup: Setup, size: int) -> tuple[int, _Symbolic | None]:
         """The next length up on the grid (down, at the largest), and the symbolic trace where it serves
@@ -631,8 +647,6 @@ def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, 
         code = LimitCode.FIXED_BYTES
     elif largest == "eager":  # between the forwards and the backwards, the head's: the logits
         code = LimitCode.LOGITS if peak.phase == "between" else LimitCode.TEMPORARIES
-    elif largest == "held" and any(d.why is Why.HOST_BUDGET for d in record.plan.decisions):
-        code = LimitCode.HOST_BUDGET  # saved tensors the host had no room for
     elif largest == "held":
         code = LimitCode.LAYER_INPUTS if checkpointed else LimitCode.SAVED_ACTIVATIONS
     else:
