@@ -16,7 +16,15 @@ MODELS = ("llama-2-7b", "gpt2-xl")  # two of compare.QUICK, to keep CI under 20 
 
 @pytest.mark.slow
 def test_quick_comparison_table(tmp_path, capsys):
-    assert compare.main(["--quick", "--models", ",".join(MODELS), "--out", str(tmp_path)]) == 0
+    args = ["--quick", "--models", ",".join(MODELS), "--out", str(tmp_path)]
+    import torch._functorch._activation_offloading.activation_offloading  # noqa: F401 (registers its ops)
+
+    if not hasattr(torch.ops.ao, "offload"):  # torch 2.11: PyTorch's pass inserts other ops, which it names
+        with pytest.raises(RuntimeError, match=r"not the ao.offload/reload/wait_tensor ops .* run the comparison "
+                                               r"on a later torch \(this is "):
+            compare.main(args)
+        return
+    assert compare.main(args) == 0
     report = json.loads((tmp_path / "compare.json").read_text())
     rows = report["rows"]
     groups = {}
