@@ -335,10 +335,11 @@ def test_a_budget_the_step_cannot_meet_names_its_regions():
 
 @pytest.mark.slow
 def test_a_step_out_of_reach_is_refused_with_its_floor_and_the_logits_its_loss_is_handed_are_not_taken_as_kept():
-    """GPT-2 (hidden 64) with Hugging Face checkpointing at 0.5, min_bytes=0: the loss region is handed
-    the logits (64 KiB), on the device from its start until its copy frees them, and 0.5 is out of reach.
+    """GPT-2 (hidden 64) with Hugging Face checkpointing at 0.45, min_bytes=0: the loss region is handed
+    the logits (64 KiB), on the device from its start until its copy frees them, and 0.45 is out of reach.
     The refusal gives the step's floor as planned: above the budget, and within 5% of what the plans made
-    under on_infeasible="warn" measure (75904 B against 75904 B, on torch 2.11 and 2.13).
+    under on_infeasible="warn" measure (84608 B against 84608 B on torch 2.11 and 2.13; 74496 B on 2.14,
+    whose partition differs: there 0.5 is met, measured 66368 B, as predicted).
 
     The model's code drops the logits when its forward returns, before the backward. At the first step,
     dynamo's records of the frame it traced held them past the backward's begin on torch 2.13 (not on
@@ -348,7 +349,7 @@ def test_a_step_out_of_reach_is_refused_with_its_floor_and_the_logits_its_loss_i
     torch.manual_seed(0)
     model, batch = GPT2WithLoss(hidden=64, checkpointing=True), torch.randint(0, 256, (2, 32))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=fxoffload.offload_backend(inner="eager", memory_budget=0.5, min_bytes=0))
+    compiled = torch.compile(model, backend=fxoffload.offload_backend(inner="eager", memory_budget=0.45, min_bytes=0))
     with pytest.raises(fxoffload.BudgetInfeasibleError) as info:
         steps(compiled, batch, 4)
     message = str(info.value)
@@ -357,9 +358,9 @@ def test_a_step_out_of_reach_is_refused_with_its_floor_and_the_logits_its_loss_i
     floor = re.search(r"the step's activation peak is at least (\d+) B \((0\.\d\d) of it without offloading\)",
                       message)
     assert floor is not None, message
-    assert float(floor.group(2)) > 0.5
+    assert float(floor.group(2)) > 0.45
     torch._dynamo.reset()
-    backend = fxoffload.offload_backend(inner="eager", memory_budget=0.5, min_bytes=0, on_infeasible="warn")
+    backend = fxoffload.offload_backend(inner="eager", memory_budget=0.45, min_bytes=0, on_infeasible="warn")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)
         measured = steps(torch.compile(model, backend=backend), batch, 4)[-1]
