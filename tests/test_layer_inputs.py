@@ -242,7 +242,7 @@ def test_an_input_the_caller_keeps_is_counted_as_held_and_the_prediction_matches
 
 def test_a_step_dynamo_traced_a_frame_for_reports_no_input_kept_and_the_next_step_does():
     """Dynamo's records of a frame it traced hold objects the frame made past the step's backward begin
-    (torch 2.13): what the watch sees alive in such a step is not the caller's. The next step's is."""
+    (torch 2.13 and 2.14): what the watch sees alive in such a step is not the caller's. The next step's is."""
     from fxoffload.backend.callers import CallerWatch, KeptInput, OffloadedInput
 
     watch, offloaded = CallerWatch(), OffloadedInput(position=0, transfer=0, name="primals_1", nbytes=64)

@@ -342,9 +342,9 @@ def test_a_step_out_of_reach_is_refused_with_its_floor_and_the_logits_its_loss_i
     whose partition differs: there 0.5 is met, measured 66368 B, as predicted).
 
     The model's code drops the logits when its forward returns, before the backward. At the first step,
-    dynamo's records of the frame it traced held them past the backward's begin on torch 2.13 (not on
+    dynamo's records of the frame it traced held them past the backward's begin on torch 2.13 and 2.14 (not on
     2.11), and the caller watch took that for the model keeping them: the loss region then kept the logits
-    to its backward (77508 B held after its forward, against 10948 B), and the refusal named them as a
+    to its backward (at 0.5, 77508 B held after its forward, against 10948 B), and the refusal named them as a
     "layer input its caller keeps". A step dynamo traced a frame for now says nothing kept."""
     torch.manual_seed(0)
     model, batch = GPT2WithLoss(hidden=64, checkpointing=True), torch.randint(0, 256, (2, 32))

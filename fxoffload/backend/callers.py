@@ -19,7 +19,7 @@ the input's release to the step's end (one dropped before is not an activation).
 A step during which dynamo traced a frame (the first, and any that recompiles) tells nothing: while
 it traces a frame that builds an object and breaks the graph, dynamo's own records of that frame
 (its ``SideEffects``) hold the object, and through it the tensors in it, past the step's backward
-begin. Torch 2.13 held a Hugging Face model's output, logits included, so at the first step the
+begin. Torch 2.13 and 2.14 held a Hugging Face model's output, logits included, so at the first step the
 loss region's input looked kept by the model's code, which drops it at its return. The watch says
 nothing kept for such a step (:meth:`CallerWatch.dynamo_traced`); the next step's watch decides.
 
