@@ -537,8 +537,15 @@ def _budget_met(problem: Problem, choice: _Choice, goal: Goal | None, limit: int
     the host budget (plain's ``memory_budget=1.0`` keeps every one; none is the host budget's)."""
     if goal is not Goal.MEET_BUDGET or limit is None:
         return False
-    moved = (choice.offloaded, choice.recomputed)
-    return problem.bounded_peak(*moved) <= limit and all(at.bounded_peak(*moved) <= n for _, at, n in held)
+    return _within(problem, choice.offloaded, choice.recomputed, limit, held)
+
+
+def _within(problem: Problem, offloaded: Sequence[fx.Node], recomputed: Sequence[fx.Node], limit: int,
+            held: Sequence[SizeTarget]) -> bool:
+    """Whether moving ``offloaded`` and ``recomputed`` keeps the bounded peak within ``limit`` at the plan's
+    size and within each of ``held``'s budgets at its sizes."""
+    return problem.bounded_peak(offloaded, recomputed) <= limit and all(
+        at.bounded_peak(offloaded, recomputed) <= n for _, at, n in held)
 
 
 def _host_reasons(problem: Problem, decisions: tuple[Decision, ...], groups, choice: _Choice) -> tuple[Decision, ...]:
@@ -587,8 +594,7 @@ def _select(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         goal = Goal.MEET_BUDGET
     cap = problem.options.held_cap
     under_cap = cap is None or problem.held(forced, ()) <= cap
-    if problem.bounded_peak(forced, ()) <= limit and all(at.bounded_peak(forced, ()) <= n for _, at, n in held) \
-            and under_cap:
+    if _within(problem, forced, (), limit, held) and under_cap:
         choice = _Choice(tuple(forced))
     else:
         choice = _choose(problem, free, forced, limit, held, accepted_gap)
