@@ -52,10 +52,14 @@ class BudgetInfeasibleError(ValueError):
 
     ``reason``: what cannot be met, with its numbers; ``smallest``: the smallest achievable peak
     (bytes, of what the budget bounds); ``budget``: the bytes it bounds it to; ``advice``: what the
-    caller may change, each a phrase (``ADVICE_WARN`` among them where it applies)."""
+    caller may change, each a phrase (``ADVICE_WARN`` among them where it applies); ``least_held``: what
+    the runs leave for the backward with every candidate moved, the least any plan leaves (``Plan.held_least``;
+    None where not planned)."""
 
-    def __init__(self, reason: str, smallest: int, budget: int, advice: Sequence[str] = ()) -> None:
+    def __init__(self, reason: str, smallest: int, budget: int, advice: Sequence[str] = (), *,
+                 least_held: int | None = None) -> None:
         self.reason, self.smallest, self.budget, self.advice = reason, smallest, budget, tuple(advice)
+        self.least_held = least_held
         super().__init__(self.explained(self.advice))
 
     def explained(self, advice: Sequence[str]) -> str:
@@ -67,7 +71,8 @@ class BudgetInfeasibleError(ValueError):
 
     def within(self, context: str) -> "BudgetInfeasibleError":
         """The same error, its reason prefixed by where it arose."""
-        return BudgetInfeasibleError(f"{context}{self.reason}", self.smallest, self.budget, self.advice)
+        return BudgetInfeasibleError(f"{context}{self.reason}", self.smallest, self.budget, self.advice,
+                                     least_held=self.least_held)
 
 
 class OverheadExceededError(BudgetInfeasibleError):
@@ -340,6 +345,9 @@ class Plan:
     # Predicted: what the runs leave for the backward (the activation curve at the forward's end, over the runs).
     held_before: int = 0
     held_after: int = 0
+    # Infeasible plans only (else None): what the runs leave for the backward with every candidate moved, which
+    # also reaches the smallest peak: the least any plan of the graph leaves (the cheapest may leave more).
+    held_least: int | None = None
     # PlanOptions.max_overhead, and the seconds per run it allows (set by the driver, which knows the
     # graph's compute time: ``fxoffload.passes.pipeline``).
     max_overhead: float | None = None

@@ -77,9 +77,17 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   the 7B graph's `+1%` plan branch and bound spent 1.6-3.4 s per probe near the answer up to its node
   limit; of five such probes solved again, it left three at the cost their root node found and
   lowered the others' by 0.1% and 0.4%.
+* A held cap (``PlanOptions.held_cap``, a region's share of a step's budget) bounds what the
+  runs leave for the backward: the budget at the forward's end, a fixed interval there that
+  fills the difference (:func:`_held_cap_at`).
 * If no choice meets the budget, ``on_infeasible`` decides: ``"error"``
   raises ``plan.BudgetInfeasibleError`` with the smallest achievable peak;
-  ``"warn"`` plans the cheapest choice at that smallest peak and says so.
+  ``"warn"`` plans the cheapest choice at that smallest peak and says so. Both
+  give the least the runs can leave for the backward (every candidate moved,
+  which reaches that peak too: ``Plan.held_least``, the error's ``least_held``),
+  and under a held cap the choice leaves no more than the cap, or that least
+  where it is more. Where the budget holds but the cap cannot, the error names
+  the cap (``"held_cap: ..."``) and ``"warn"`` plans within the budget at that least.
 
 The result is an immutable ``Plan``; nothing here edits a graph.
 Limits: queue lateness lets a prefetch start wherever compute allows,
@@ -152,6 +160,7 @@ class _Choice:
     note: str = ""
     shortfall: tuple[int, int] | None = None
     held_back: frozenset[fx.Node] = frozenset()  # candidates the smallest peak moves that max_overhead keeps
+    least_held: int | None = None  # infeasible: what the runs leave for the backward with every candidate moved
 
 
 _ALL = {OFFLOAD: "offloading every eligible activation", RECOMPUTE: "recomputing every recomputable activation",
@@ -174,8 +183,10 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         parts.append(first_run)  # (a device budget: no other sizes are held)
     length = problem.timeline.length
     base, items, _ = stacked(length, parts)
-    if (cap_interval := _held_cap_interval(problem, forced, budget)) is not None:
-        base.append(cap_interval)
+    bare = list(base)  # without the held cap
+    cap_at = _held_cap_at(problem, forced)
+    if cap_at is not None and cap_at[1] < budget:  # (else the budget implies it)
+        base.append((cap_at[0], cap_at[0], budget - cap_at[1]))
     total = length * len(parts)
     host_left = problem.host_left(forced)
     asked = SolverInput(total, base, items, budget, queues, conflicts, host_left)
@@ -194,8 +205,13 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         # falls back on acting on every candidate, which reaches it by construction.
         offloaded, recomputed = split_choice(owners, everything)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, False, math.nan)
-    reached = curve_with(total, base, items, everything)
+    reached = curve_with(total, bare, items, everything)
     smallest = int(reached.max(initial=0))
+    every_offloaded, every_recomputed = split_choice(owners, everything)
+    least = problem.held(tuple(forced) + every_offloaded, every_recomputed)
+    if smallest <= budget:  # the budget holds: only the held cap does not
+        return _over_cap(problem, asked, _raised_cap(asked, bare, cap_at, reached, budget), forced, owners,
+                         least)
     worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
     acting, smallest_words = _ALL[options.strategy], "smallest achievable"
@@ -229,22 +245,53 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     if options.on_infeasible == "error":
         other = () if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)
         advice = ("raise the budget", "lower min_bytes", *other, ADVICE_WARN)
-        raise BudgetInfeasibleError(message, *shortfall, advice)
-    # The cheapest plan that reaches the smallest peak (not just "everything").
-    lowest = solve(asked.within(smallest), solver=options.solver, node_limit=options.node_limit,
-                   time_limit=options.time_limit)
+        raise BudgetInfeasibleError(message, *shortfall, advice, least_held=least)
+    # The cheapest plan that reaches the smallest peak (not just "everything"), within the held cap where
+    # moving every candidate does (a region of a step: the regions after it run on top of what it holds).
+    lowest = solve(_raised_cap(asked, bare, cap_at, reached, smallest), solver=options.solver,
+                   node_limit=options.node_limit, time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
     offloaded, recomputed = split_choice(owners, chosen)
-    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall)
+    return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall,
+                   least_held=least)
 
 
-def _held_cap_interval(problem: Problem, forced: Sequence[fx.Node], budget: int) -> tuple[int, int, int] | None:
-    """``PlanOptions.held_cap`` as the budget at one position: a fixed interval at the forward's end that
-    fills the difference, so that what the runs leave for the backward stays within the cap (None: no
-    cap, or one the budget already implies). Under a device budget the solver's curve there also holds
-    the tensors that are not activations (a forward output, a gradient already made): fixed whatever is
-    chosen, they are left out of the difference."""
+def _raised_cap(asked: SolverInput, bare: list, cap_at: tuple[int, int] | None, reached, bound: int) -> SolverInput:
+    """``asked`` on the curve ``bare`` (without the held cap) under ``bound``, with the held cap (``cap_at``:
+    the forward's end and the cap there, see ``_held_cap_at``) raised to what moving every candidate leaves
+    there (``reached`` at that position), where that is more: the least a plan can leave. A cap the budget
+    implied is not implied by a bound above it."""
+    if cap_at is None:
+        return dataclasses.replace(asked, base=bare, budget=bound)
+    end, cap = cap_at
+    hold = max(cap, int(reached[end]))
+    return dataclasses.replace(asked, base=[*bare, (end, end, max(bound - hold, 0))], budget=bound)
+
+
+def _over_cap(problem: Problem, asked: SolverInput, raised: SolverInput, forced: Sequence[fx.Node], owners,
+              least: int) -> _Choice:
+    """The choice where the budget holds but ``PlanOptions.held_cap`` cannot: moving every candidate leaves
+    ``least`` for the backward. The cheapest plan within the budget that leaves no more (``raised``)."""
+    options = problem.options
+    message = (f"held_cap: the least the runs can leave for the backward is {least} B (moving every candidate), "
+               f"above the cap of {options.held_cap} B")
+    shortfall = (least, options.held_cap)
+    if options.on_infeasible == "error":
+        raise BudgetInfeasibleError(message, *shortfall, (ADVICE_WARN,), least_held=least)
+    found = solve(raised, solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
+    warnings.warn(BudgetInfeasibleWarning(message + "; planning for that instead"), stacklevel=3)
+    offloaded, recomputed = split_choice(owners, found.chosen if found.feasible else _reachable(asked))
+    return _Choice(tuple(forced) + offloaded, recomputed, found.solver, False, math.nan, False, message, shortfall,
+                   least_held=least)
+
+
+def _held_cap_at(problem: Problem, forced: Sequence[fx.Node]) -> tuple[int, int] | None:
+    """``PlanOptions.held_cap`` on the solver's curve: the forward's end and the cap there, so that what the
+    runs leave for the backward stays within it (None: no cap). The solver holds it as the budget at that
+    position: a fixed interval there that fills the difference. Under a device budget the curve there also
+    holds the tensors that are not activations (a forward output, a gradient already made): fixed
+    whatever is chosen, they are added to the cap."""
     cap = problem.options.held_cap
     if cap is None:
         return None
@@ -252,7 +299,7 @@ def _held_cap_interval(problem: Problem, forced: Sequence[fx.Node], budget: int)
     if problem.device:
         cap += sum(lt.nbytes for lt in problem.timeline.lifetimes if not lt.activation and lt.birth <= end <= lt.death)
         cap += sum(n for b in forced for start, stop, n in staging_spans(problem, b) if start <= end <= stop)
-    return (end, end, budget - cap) if cap < budget else None
+    return end, cap
 
 
 FLOOR_NAMED = 4  # the largest tensors an infeasible budget's message names
@@ -513,6 +560,7 @@ def plan_offloads(
         run_gradients=options.run_gradients,
         held_before=problem.held((), ()),
         held_after=problem.held(choice.offloaded, choice.recomputed),
+        held_least=choice.least_held,
         max_overhead=options.max_overhead,
     )
 

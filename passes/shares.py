@@ -4,8 +4,8 @@ Inputs: a step's regions (the compiled graphs it ran) in the order their forward
 :class:`RegionDemand` (bytes over all its runs in the step, predicted: ``held``, what its forwards
 leave on the device for the backward without offloading; ``peak``, its own activation peak without
 offloading, every earlier run's ``held`` included; ``floor_held`` and ``floor_peak``, the least it is
-known to reach, 0 where not known), the step's budget (bytes) and what the regions before the first
-of them hold (as planned).
+known to reach, 0 where not known: a plan that moves every candidate reaches both at once), the
+step's budget (bytes) and what the regions before the first of them hold (as planned).
 Output: a :class:`Share` for the first of those regions: the budget its plan bounds its peak by (the
 step's budget less what earlier regions hold) and the cap on what its forwards may leave for the
 backward (None for the step's last region: nothing runs on top of what it holds).

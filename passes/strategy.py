@@ -131,7 +131,8 @@ def plan_best_partition(
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
         if options.on_infeasible == "error":
             raise BudgetInfeasibleError(message, *best.plan.shortfall,
-                                        ("raise the budget", "lower min_bytes", ADVICE_WARN))
+                                        ("raise the budget", "lower min_bytes", ADVICE_WARN),
+                                        least_held=best.plan.held_least)
         warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=3)
     elif options.max_overhead is not None:  # the fastest predicted is over max_overhead: so is every other
         best = check_overhead(best, _predicted_step(best, profile, watch), plain, options)

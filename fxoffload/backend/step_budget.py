@@ -13,7 +13,11 @@ Rounds. A region's first plan saw only itself and counted what it hands on (unde
 the least it reaches in the step's accounting (an activation one region hands the next counted where
 it is saved) is known only once it has been planned with a share. A region short of its share in
 the first round runs at its smallest peak for one step (:meth:`StepBudget.fell_short`), and a second
-round shares the budget with that floor known; the last round's shortfall is the step's error.
+round shares the budget with that floor known; the last round's shortfall is the step's error. A floor
+is a region's smallest peak and the least it can leave for its backward (``Plan.held_least``: every
+candidate moved, which reaches that peak too), not what its cheapest plan at that peak leaves (it keeps
+what is born after the peak); and a region short of its own share still keeps to its held cap, raised
+to that least where it must (:func:`plan_within_cap`): the regions after it run on top of it.
 
 A moved budget. Under a fraction, the step's budget in bytes is a fraction of the step's figures, and
 they change once the regions are planned with shares: a first plan counts what its region hands the next
@@ -105,9 +109,11 @@ def run_figures(plan: Plan, largest_saved_input: int = 0, gradients: int = 0, de
     peak = peak_of("before", held)
     if plan.feasible:
         return RunFigures(held, peak, 0, largest_saved_input, inputs, gradients)
-    floor_held = plan.held_after // runs
-    floor_peak = peak_of("after", floor_held)
-    return RunFigures(held, peak, floor_held, max(floor_peak, largest_saved_input), inputs, gradients)
+    floor_peak = peak_of("after", plan.held_after // runs)
+    # The least a run leaves (every candidate moved, at the smallest peak too), not the cheapest plan's hold:
+    # the regions after it run on top of it, and a budget out of reach asks each region for its floors.
+    least = plan.held_least if plan.held_least is not None else plan.held_after
+    return RunFigures(held, peak, least // runs, max(floor_peak, largest_saved_input), inputs, gradients)
 
 
 @dataclass(frozen=True)
@@ -315,8 +321,11 @@ class StepBudget:
 
 
 def plan_within_cap(plan: Callable[[PlanOptions], tuple], options: PlanOptions) -> tuple:
-    """``plan(options)``; under a held cap (a share of the step's budget) that the region cannot keep
-    to, planned without it: it takes what it needs, and the regions after it get less."""
+    """``plan(options)``; under a held cap (a share of the step's budget) that the region cannot keep to,
+    planned with the cap raised to the least it can leave for the backward (every candidate moved: the
+    error's ``least_held``): it takes what it needs, and the regions after it get less. Where its own
+    budget is out of reach too, the plan (under ``options.on_infeasible="warn"``) is at its smallest peak
+    and leaves no more than that raised cap: the regions after it run on top of what it leaves."""
     if options.held_cap is None:
         return plan(options)
     strict = dataclasses.replace(options, on_infeasible="error")
@@ -325,17 +334,11 @@ def plan_within_cap(plan: Callable[[PlanOptions], tuple], options: PlanOptions) 
             warnings.simplefilter("ignore", BudgetInfeasibleWarning)
             return plan(strict)
     except BudgetInfeasibleError as error:
-        # The cap is the budget at the forward's end, so the smallest peak there, less the budget, is
-        # how far above the cap the least the region can leave lies: try that cap, then none.
-        least = options.held_cap + max(error.smallest - error.budget, 0)
+        least = error.least_held
+    if least is None:  # (not a plan's error: the forced copies over the host budget)
+        return plan(dataclasses.replace(options, held_cap=None))
+    raised = max(options.held_cap, least)
+    if raised > options.held_cap:
         log.info("fxoffload: a region cannot keep what it leaves for the backward to its share of the step's "
-                 "budget (%d B): planned for %d B", options.held_cap, least)
-    limit = options.device_bytes if options.device_bytes is not None else options.budget.nbytes
-    if least < limit:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-                return plan(dataclasses.replace(strict, held_cap=least))
-        except BudgetInfeasibleError:
-            pass
-    return plan(dataclasses.replace(options, held_cap=None))
+                 "budget (%d B): planned for %d B", options.held_cap, raised)
+    return plan(dataclasses.replace(options, held_cap=raised))
