@@ -257,6 +257,32 @@ def test_a_step_dynamo_traced_a_frame_for_reports_no_input_kept_and_the_next_ste
         assert kept == ([] if traced else [KeptInput(0, offloaded, into_backward=True)])
 
 
+def test_an_input_whose_storage_another_object_holds_is_kept_once_the_copy_threads_let_go():
+    """Another object on the input's storage (an earlier region's saved tensor: AOTAutograd saves an output so;
+    here a detached alias) holds it after the object is gone: kept into the backward. (A view the caller keeps
+    holds the object itself, as its ``_base``.) The copy threads are asked to let go first (``settle``), only
+    where a storage outlives its object; a fake tensor is watched by its object only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxoffload.backend.callers import CallerWatch, KeptInput, OffloadedInput
+
+    offloaded = OffloadedInput(position=0, transfer=0, name="primals_1", nbytes=64)
+
+    def watched(keep_alias: bool) -> tuple[list, list]:
+        watch, settled = CallerWatch(), []
+        tensor = torch.ones(16)  # (made here: an argument stays referenced by the caller's frame)
+        alias = tensor.detach() if keep_alias else None
+        watch.after_forward(0, [offloaded], [tensor])
+        del tensor
+        kept = watch.backward_begins(lambda: settled.append(alias is not None))
+        return kept, settled
+
+    assert watched(keep_alias=True) == ([KeptInput(0, offloaded, into_backward=True)], [True])
+    assert watched(keep_alias=False) == ([], [])
+    with FakeTensorMode():
+        assert watched(keep_alias=True) == ([], [])
+
+
 class Window(list):
     """Holds the last two layer inputs: each is alive when the next layer's forward begins."""
 

@@ -23,17 +23,32 @@ begin. Torch 2.13 and 2.14 held a Hugging Face model's output, logits included, 
 loss region's input looked kept by the model's code, which drops it at its return. The watch says
 nothing kept for such a step (:meth:`CallerWatch.dynamo_traced`); the next step's watch decides.
 
-Limits: the check watches the tensor object the graph was handed. A caller that keeps only a view
-of it (another object on the same storage) is not seen, nor is one behind a wrapper that hands
-the layer new objects: FSDP2's pre-forward hook does (``RegisterPostBackwardFunction``), and so
-would a mixed-precision cast of the input. The plan itself is not changed by what the check finds.
+The storage too. When the backward begins, an input whose tensor object is gone but whose storage
+lives is kept as well: another object on that storage holds it, which frees nothing either. An
+earlier compiled region that saves the tensor for its own backward does so (a graph break right after
+a sigmoid, a tanh, an ``exp``: AOTAutograd saves an output under another object on the same storage),
+and so does a caller keeping a view. The copy engines hold no source by then
+(``fxoffload.runtime.backward_begins`` completes the deferred copies first), so only at the backward's
+begin is a live storage a holder's, not the next forward's. Fake tensors (``fxoffload plan`` traces its
+steps on them) and tensor subclasses are watched by their object only: a fake mode's caches hold their
+storages.
+
+Limits: a wrapper that hands the layer a copy on another storage is not seen (a mixed-precision cast
+of the input); FSDP2's pre-forward hook hands the layer new objects on the same storage (not tested
+under FSDP2). A holder seen only during the forward is one the object check finds. Under a step's shared
+budget, what the check finds is counted in the region's next plan (``PlanOptions.kept_inputs``: kept,
+never moved); otherwise the copies still run, and the warning and ``simulate_step`` say so.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxoffload.passes import Plan, input_position
 
@@ -81,7 +96,9 @@ def kept_warning(region: int, kept: Sequence[KeptInput], runs: int) -> str:
         "holds those bytes on top of the plan's prediction (fxoffload.passes.step.simulate_step("
         "backend.step_invocations(), caller_kept=backend.step_caller_kept()) counts them). Callers that keep it: "
         "output_hidden_states=True, a model holding its embedding output, torch.utils.checkpoint around the "
-        "compiled layer (put the checkpoint inside it), a variable of yours")
+        "compiled layer (put the checkpoint inside it), a variable of yours (or a view of it), an earlier compiled "
+        "region that saves it for its own backward (a graph break right after a sigmoid, a tanh or an exp); "
+        "the region's next plan keeps it")
 
 
 @dataclass
@@ -89,7 +106,19 @@ class _Watched:
     run: int
     input: OffloadedInput
     ref: weakref.ref
+    storage: StorageWeakRef | None  # None: watched by its object only (a fake tensor, a subclass)
     kept: bool = False  # alive when the next forward began
+
+    def held_into_backward(self) -> bool:
+        """Whether the object, or (the copies done) its storage, is alive as the backward begins."""
+        return self.ref() is not None or (self.storage is not None and not self.storage.expired())
+
+
+def _storage_ref(tensor: Any) -> StorageWeakRef | None:
+    """A weak reference to a plain tensor's storage; None for a fake tensor or a subclass."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or isinstance(tensor, FakeTensor):
+        return None
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 @dataclass
@@ -106,7 +135,8 @@ class CallerWatch:
     def after_forward(self, run: int, inputs: Sequence[OffloadedInput], args: Sequence[Any]) -> None:
         """Watch ``args``' offloaded ``inputs`` from forward invocation ``run``, which just returned."""
         for offloaded in inputs:
-            self._watched.append(_Watched(run, offloaded, weakref.ref(args[offloaded.position])))
+            tensor = args[offloaded.position]
+            self._watched.append(_Watched(run, offloaded, weakref.ref(tensor), _storage_ref(tensor)))
 
     def next_forward(self) -> None:
         """A forward of the step begins: the inputs of those before it that are alive are kept (and
@@ -118,9 +148,13 @@ class CallerWatch:
                 still.append(w)
         self._watched = still
 
-    def backward_begins(self) -> list[KeptInput]:
-        """The step's backward begins: every input kept in the forward, or still alive now; none in a
-        step dynamo traced a frame for."""
-        kept = [KeptInput(w.run, w.input, alive) for w in self._watched if (alive := w.ref() is not None) or w.kept]
+    def backward_begins(self, settle: Callable[[], None] = lambda: None) -> list[KeptInput]:
+        """The step's backward begins (its deferred copies completed): every input kept in the forward, or
+        whose object or storage is still alive now; none in a step dynamo traced a frame for. ``settle``:
+        returns once the copy engines hold no source of a retired copy (``fxoffload.runtime.settle``),
+        called only where a storage outlives its object."""
+        if any(w.ref() is None and w.held_into_backward() for w in self._watched):
+            settle()
+        kept = [KeptInput(w.run, w.input, alive) for w in self._watched if (alive := w.held_into_backward()) or w.kept]
         traced, self._watched, self._traced = self._traced, [], False
         return [] if traced else kept

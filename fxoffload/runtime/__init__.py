@@ -39,7 +39,9 @@ runs every compiled forward inside :func:`forward_invocation` and tells
 :func:`backward_begins` when autograd is about to run that invocation's
 backward. The runtime keeps, per forward invocation of the step, its offloads
 (weak references to the host buffers, with the order their graph prefetches
-them in) until its backward begins.
+them in) until its backward begins. :func:`settle` returns once the engines
+hold nothing for retired copies (the CPU engine's threads drop a job a moment
+after its wait returns): then a source still alive is held by someone else.
 
 * ``defer(host, source)`` marks the offload's record deferred and returns: the
   record keeps ``source`` until the copy is known to be done, and goes (with
@@ -103,7 +105,7 @@ __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
     "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_invocation", "pending_transfers",
     "release_host_memory",
-    "reserve_host", "reset", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
+    "reserve_host", "reset", "settle", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
 ]
 
 
@@ -267,6 +269,15 @@ def backward_begins(invocation: Invocation) -> None:
         deferred = list(STATE.deferred)
     for transfer in deferred:
         _retire(transfer, complete=True)
+
+
+def settle() -> None:
+    """Return once the copy engines hold nothing for copies already retired: the CPU engine's threads drop
+    a copy's work a moment after its wait returns (a CUDA engine's records are all it holds). Then a source
+    still alive is held by something else (``fxoffload.backend.callers``)."""
+    for engine in list(_engines.values()):
+        if (settled := getattr(engine, "settle", None)) is not None:
+            settled()
 
 
 def _note_offload(host: torch.Tensor, x: torch.Tensor, order: int) -> None:

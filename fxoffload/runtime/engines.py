@@ -39,6 +39,10 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).min)
 
 
+def _nothing() -> None:
+    """A job for a copy thread that does nothing (``CpuEngine.settle``)."""
+
+
 class CpuEngine:
     """Copies on one background thread per direction; ``wait`` joins the future."""
 
@@ -82,6 +86,13 @@ class CpuEngine:
 
         future.add_done_callback(landed)
         return transfer
+
+    def settle(self) -> None:
+        """Return once each copy thread has let go of what it held for the copies before: a wait returns
+        when a copy's future completes, and the thread drops its work a moment later (a source may
+        outlive its retired record that long). A no-op job queued behind them and waited for."""
+        for worker in self._workers.values():
+            worker.submit(_nothing).result()
 
     def timing_mark(self, device: torch.device) -> float:
         """Now, for timing a graph (``fxoffload.backend.selection``): compute runs on the calling thread, and a
