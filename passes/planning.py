@@ -209,7 +209,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     smallest = int(reached.max(initial=0))
     every_offloaded, every_recomputed = split_choice(owners, everything)
     least = problem.held(tuple(forced) + every_offloaded, every_recomputed)
-    if smallest <= budget:  # the budget holds: only the held cap does not
+    if cap_at is not None and smallest <= budget and least > options.held_cap:  # only the held cap cannot hold
         return _over_cap(problem, asked, _raised_cap(asked, bare, cap_at, reached, budget), forced, owners,
                          least)
     worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
