@@ -27,8 +27,9 @@ The storage too. When the backward begins, an input whose tensor object is gone 
 lives is kept as well: another object on that storage holds it, which frees nothing either. An
 earlier compiled region that saves the tensor for its own backward does so (a graph break right after
 a sigmoid, a tanh, an ``exp``: AOTAutograd saves an output under another object on the same storage),
-and so does a caller keeping a view. The copy engines hold no source by then
-(``fxoffload.runtime.backward_begins`` completes the deferred copies first), so only at the backward's
+and so does a caller keeping a detached alias (a view keeps the object itself, as its ``_base``). The
+copy engines hold no source by then (``fxoffload.runtime.backward_begins`` completes the deferred copies,
+and ``fxoffload.runtime.settle`` waits for the copy threads to drop their jobs), so only at the backward's
 begin is a live storage a holder's, not the next forward's. Fake tensors (``fxoffload plan`` traces its
 steps on them) and tensor subclasses are watched by their object only: a fake mode's caches hold their
 storages.
@@ -96,7 +97,7 @@ def kept_warning(region: int, kept: Sequence[KeptInput], runs: int) -> str:
         "holds those bytes on top of the plan's prediction (fxoffload.passes.step.simulate_step("
         "backend.step_invocations(), caller_kept=backend.step_caller_kept()) counts them). Callers that keep it: "
         "output_hidden_states=True, a model holding its embedding output, torch.utils.checkpoint around the "
-        "compiled layer (put the checkpoint inside it), a variable of yours (or a view of it), an earlier compiled "
+        "compiled layer (put the checkpoint inside it), a variable of yours (or an alias of it), an earlier compiled "
         "region that saves it for its own backward (a graph break right after a sigmoid, a tanh or an exp); "
         "the region's next plan keeps it")
 
