@@ -210,7 +210,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     every_offloaded, every_recomputed = split_choice(owners, everything)
     least = problem.held(tuple(forced) + every_offloaded, every_recomputed)
     if cap_at is not None and smallest <= budget and least > options.held_cap:  # only the held cap cannot hold
-        return _over_cap(problem, asked, _raised_cap(asked, bare, cap_at, reached, budget), forced, owners,
+        return _over_cap(problem, _raised_cap(asked, bare, cap_at, reached, budget), forced, owners, everything,
                          least)
     worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
@@ -269,10 +269,11 @@ def _raised_cap(asked: SolverInput, bare: list, cap_at: tuple[int, int] | None, 
     return dataclasses.replace(asked, base=[*bare, (end, end, max(bound - hold, 0))], budget=bound)
 
 
-def _over_cap(problem: Problem, asked: SolverInput, raised: SolverInput, forced: Sequence[fx.Node], owners,
+def _over_cap(problem: Problem, raised: SolverInput, forced: Sequence[fx.Node], owners, everything,
               least: int) -> _Choice:
-    """The choice where the budget holds but ``PlanOptions.held_cap`` cannot: moving every candidate leaves
-    ``least`` for the backward. The cheapest plan within the budget that leaves no more (``raised``)."""
+    """The choice where the budget holds but ``PlanOptions.held_cap`` cannot: moving every candidate
+    (``everything``) leaves ``least`` for the backward. The cheapest plan within the budget that leaves no
+    more (``raised``), else ``everything``."""
     options = problem.options
     message = (f"held_cap: the least the runs can leave for the backward is {least} B (moving every candidate), "
                f"above the cap of {options.held_cap} B")
@@ -281,7 +282,7 @@ def _over_cap(problem: Problem, asked: SolverInput, raised: SolverInput, forced:
         raise BudgetInfeasibleError(message, *shortfall, (ADVICE_WARN,), least_held=least)
     found = solve(raised, solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
     warnings.warn(BudgetInfeasibleWarning(message + "; planning for that instead"), stacklevel=3)
-    offloaded, recomputed = split_choice(owners, found.chosen if found.feasible else _reachable(asked))
+    offloaded, recomputed = split_choice(owners, found.chosen if found.feasible else everything)
     return _Choice(tuple(forced) + offloaded, recomputed, found.solver, False, math.nan, False, message, shortfall,
                    least_held=least)
 

@@ -334,10 +334,12 @@ def plan_within_cap(plan: Callable[[PlanOptions], tuple], options: PlanOptions) 
             warnings.simplefilter("ignore", BudgetInfeasibleWarning)
             return plan(strict)
     except BudgetInfeasibleError as error:
-        least = error.least_held
+        refused, least = error, error.least_held
     if least is None:  # (not a plan's error: the forced copies over the host budget)
         return plan(dataclasses.replace(options, held_cap=None))
     raised = max(options.held_cap, least)
+    if raised == options.held_cap and strict == options:
+        raise refused  # (the cap holds, the budget does not: the same plan would refuse the same way)
     if raised > options.held_cap:
         log.info("fxoffload: a region cannot keep what it leaves for the backward to its share of the step's "
                  "budget (%d B): planned for %d B", options.held_cap, raised)
