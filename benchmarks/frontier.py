@@ -203,12 +203,15 @@ class StackThenLoss(nn.Module):
         return self.head_and_loss(self.stack.hidden(tokens[:, :-1]), tokens[:, 1:])
 
 
-def build_step(setup: Setup, way: Way, backend: Any, device: torch.device) -> nn.Module:
-    """A fresh stack (seeded weights) on ``device``, compiled with ``backend`` as ``setup`` says."""
+def build_step(setup: Setup, way: Way, backend: Any, device: torch.device,
+               stack: LlamaStack | None = None) -> nn.Module:
+    """A fresh stack (seeded weights) on ``device``, or ``stack`` as it is (one made under fake tensors),
+    compiled with ``backend`` as ``setup`` says."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    torch.manual_seed(0)
-    stack = LlamaStack(setup.shape).to(device=device, dtype=getattr(torch, setup.dtype))
+    if stack is None:
+        torch.manual_seed(0)
+        stack = LlamaStack(setup.shape).to(device=device, dtype=getattr(torch, setup.dtype))
     for i, block in enumerate(stack.blocks):
         if way.checkpointed:
             block = checkpoint_wrapper(block)

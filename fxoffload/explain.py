@@ -247,7 +247,8 @@ def explain(record: Any) -> str:
             t = plan.transfers[p.transfer]
             place_rows.append([
                 t.base_name, format_bytes(t.nbytes), p.offload_after.name,
-                p.free_after.name + (" (deferred)" if p.deferred else ""),
+                p.free_after.name + (" (deferred)" if p.deferred else " (deferred before the last run)"
+                                     if p.deferred_before_last else ""),
                 p.prefetch_before.name, p.wait_before.name, str(p.ops_ahead),
                 f"{p.d2h_seconds * 1e6:.1f}", f"{p.h2d_seconds * 1e6:.1f}",
                 f"{p.forward_stall * 1e6:.1f}", f"{p.backward_stall * 1e6:.1f}",
@@ -268,6 +269,10 @@ def _crossing(plan: Any, schedule: Any) -> str:
         "deferred releases (the forward returns with these copies in flight; freed once landed, at the latest "
         "when a backward begins): " + (", ".join(deferred) or "none"),
     ]
+    if before_last := [plan.transfers[p.transfer].base_name for p in schedule.placements if p.deferred_before_last]:
+        lines.append(f"deferred before the last run (in each of the graph's {plan.runs} runs but the step's last, "
+                     "the release does not wait: the copy lands while the forward goes on, and is waited for "
+                     "at the forward's end at the latest; fw stall is the last run's): " + ", ".join(before_last))
     if schedule.ahead_bytes:
         names = ", ".join(plan.transfers[k].base_name for k in schedule.ahead)
         lines.append(

@@ -64,6 +64,9 @@ class Placement:
     forward_stall: float = 0.0  # predicted compute stall at the release
     backward_stall: float = 0.0  # predicted compute stall at the wait
     deferred: bool = False  # the release does not wait: the graph returns with the copy in flight
+    # In every run of the graph but the step's last, the release does not wait either: the source stays
+    # until its copy lands (held to the forward's end in the plan's curves of those runs)
+    deferred_before_last: bool = False
 
 
 @dataclass(frozen=True)

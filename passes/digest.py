@@ -30,7 +30,8 @@ def plan_digest(plan: Plan, schedule: Schedule) -> str:
         [(t.base_name, str(t.nbytes), t.members) for t in plan.transfers],
         [(r.base_name, r.at, r.release, [name(n) for n in r.cost.chain]) for r in plan.recomputes],
         [(p.transfer, name(p.offload_after), name(p.free_after), name(p.prefetch_before), name(p.wait_before),
-          p.deferred) for p in schedule.placements],
+          # (a release deferred before the last run counted only where there is one: digests stand)
+          (p.deferred, "before last") if p.deferred_before_last else p.deferred) for p in schedule.placements],
         schedule.prefetch_order, name(schedule.ahead_before), schedule.ahead,
     ]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

@@ -6,12 +6,16 @@ free of any engine while letting it trace and type the nodes it creates.
 
     offload(Tensor x, int order=-1) -> Tensor                    contiguous host buffer
     prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor
-    wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)             returns t once its copy is done
+    wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False) -> Tensor(a)
+                                                                 returns t once its copy is done
     defer(Tensor(a) host, Tensor source) -> Tensor(a)            returns host at once; see below
     prefetch_ahead(Tensor after, int nbytes) -> Tensor           see below; returns an empty tensor
 
 ``wait`` aliases its first argument, so consumers read the waited value through
-a data edge from the wait itself.
+a data edge from the wait itself. A forward's release with ``defer_before_last``
+acts as ``defer`` (below) in every run of its graph but the step's last, and as
+a wait in that one (one graph serving several layers: the runs before the last
+hold less for their backwards, so the source may stay until its copy lands).
 
 Copies that cross graph boundaries (one compiled graph per layer):
 
@@ -57,7 +61,7 @@ LIB = torch.library.Library("fxoffload", "DEF")
 # strides; one already fixed is handed over as it is).
 LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_UNSAFE)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)
-LIB.define("wait(Tensor(a) t, Tensor keepalive) -> Tensor(a)", tags=_TAGS)
+LIB.define("wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False) -> Tensor(a)", tags=_TAGS)
 LIB.define("defer(Tensor(a) host, Tensor source) -> Tensor(a)", tags=_TAGS)
 LIB.define("prefetch_ahead(Tensor after, int nbytes) -> Tensor", tags=_UNSAFE)
 
@@ -77,7 +81,7 @@ def _prefetch_fake(host, device, size, stride):
 
 
 @torch.library.register_fake("fxoffload::wait", lib=LIB)
-def _wait_fake(t, keepalive):
+def _wait_fake(t, keepalive, defer_before_last=False):
     return t
 
 

@@ -319,7 +319,9 @@ class Plan:
     runs: int = 1  # PlanOptions.runs: the graph's runs per step
     interleaved: bool = False  # PlanOptions.interleaved: forwards run between the step's backwards
     # The step's activation peak over ``runs`` runs (each run's curve on top of what the earlier
-    # ones hold for their backward); equal to the activation peaks for one run. The budget bounds it.
+    # ones hold for their backward; the runs before the last with their releases deferred, where the
+    # schedule defers them: ``Placement.deferred_before_last``); equal to the activation peaks for one
+    # run. The budget bounds it.
     step_peak_before: int = 0
     step_peak_after: int = 0
     # Under a device budget (PlanOptions.device_bytes): the graph's input bytes, the budget, and the

@@ -100,7 +100,9 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     for k, (transfer, place) in enumerate(zip(plan.transfers, schedule.placements)):
         host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k]))
         release = DEFER if place.deferred else WAIT
-        hosts.append(inserter.after(place.free_after, release, (host, transfer.base)))
+        # A release deferred in the runs before the step's last waits in that one (``passes.ops``).
+        flag = (True,) if place.deferred_before_last and not place.deferred else ()
+        hosts.append(inserter.after(place.free_after, release, (host, transfer.base, *flag)))
         _unpadded(transfer.base, host, hosts[-1])
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.fw_saved):

@@ -37,7 +37,13 @@ Algorithm.
   instead: the graph returns with the copy in flight, and the runtime drops the
   device copy once it has landed, at the latest when a backward begins (so
   the memory model's curve, which holds it to the forward's end, stays true
-  within the graph). Under ``horizon="auto"``, the transfers whose latest start
+  within the graph). Where one graph runs several times per step under a
+  budget, every run but the step's last runs on top of one run's held bytes
+  less: a release inside the forward defers in those runs
+  (``Placement.deferred_before_last``; the runtime completes the copy at the
+  latest when that forward returns) while its source, counted to the
+  forward's end, fits that larger room; the last run waits where the bound
+  put the release. Under ``horizon="auto"``, the transfers whose latest start
   lies before the backward's first op (their copies cannot be hidden inside
   this graph) are started ahead by the backward that runs before this one (the
   next layer's, when one graph serves every layer): one ``prefetch_ahead`` of
@@ -297,7 +303,8 @@ def schedule_transfers(
     releases, late = _place_releases(timeline, chosen, room(), d2h, starts, pos)
     for k, r in enumerate(releases):
         moves[lives[k]] = (r, moves[lives[k]][1])
-    deferred = _deferrable(late, plan.runs, sizes, starts, len(timeline.fw_nodes), room()) if cross_graphs else set()
+    spilled = room()  # the rest of the forward, with deferred sources held into it
+    deferred = _deferrable(late, plan.runs, sizes, starts, len(timeline.fw_nodes), spilled) if cross_graphs else set()
     # Under a held cap (a share of a step of several graphs), a deferred source stays on into the next
     # graph's forward, and copies started ahead land during the next graph's backward: each on top of
     # what this graph holds, so each within what the cap leaves of it (smallest deferrals first).
@@ -305,6 +312,7 @@ def schedule_transfers(
     if spill is not None:
         deferred = _fitting(sorted(deferred, key=lambda k: (sizes[k], k)), sizes, spill)
     deferred = [k in deferred for k in range(len(chosen))]
+    early = _deferred_before_last(plan, timeline, moves, releases, deferred, spilled) if cross_graphs else set()
     ahead: tuple[int, int, list[int]] | None = None
     if horizon == AUTO_HORIZON:
         for k, p in enumerate(chosen):  # start from the least memory: every prefetch at its consumer
@@ -314,7 +322,7 @@ def schedule_transfers(
                                               _AheadRoom(spill, forward))
     else:
         prefetches = [pos[p.prefetch_before] for p in chosen]
-    placed = [_Placed(releases[k], deferred[k], prefetches[k], d2h[k], h2d[k]) for k in range(len(chosen))]
+    placed = [_Placed(releases[k], deferred[k], prefetches[k], d2h[k], h2d[k], k in early) for k in range(len(chosen))]
     schedule = _with_stalls(timeline, chosen, placed, times, horizon, op_seconds=profile.op_seconds)
     if ahead is None:
         return schedule
@@ -399,6 +407,34 @@ def _deferrable(late, runs, sizes, starts, forward, room: _Room) -> set[int]:
         if room.fits_over(until, [k]):
             chosen.add(k)
             room.hold(0, until, [k])
+    return chosen
+
+
+def _deferred_before_last(plan: Plan, timeline: Timeline, moves: Mapping[int, tuple[int, int]],
+                          releases: Sequence[int], deferred: Sequence[bool], room: _Room) -> set[int]:
+    """The releases inside the forward (not ``deferred`` at its end already) that may defer in every run
+    but the step's last (one graph serving several layers under a budget). Run ``j`` runs on top of what
+    ``j`` earlier runs hold, so every run before the last has one run's ``held`` more room than the last,
+    whose bound ``room`` holds. The runtime completes such a copy at the latest when its forward returns,
+    so each source is counted to the forward's end, on top of ``room`` (which holds the sources deferred
+    from the run before), while it fits that looser bound: the largest first, then by release. Every
+    release inside the forward is a candidate, not only those the bound held back before their copy
+    lands: the others keep the runs before the last from stalling on a copy slower than predicted.
+    None without a budget, under a device budget, at several sizes, or where forwards run between
+    backwards (``Plan.interleaved``: the run order is a pipeline's)."""
+    if (plan.runs < 2 or plan.budget_bytes is None or plan.device_bytes is not None or plan.sizes
+            or plan.interleaved):
+        return set()
+    held = _earlier(plan, timeline, moves) // (plan.runs - 1)
+    loose = dataclasses.replace(room, bounds=[b + held for b in room.bounds])
+    forward_end = len(timeline.fw_nodes) - 2  # the last node before the output
+    inside = [k for k, r in enumerate(releases) if r < forward_end and not deferred[k]]
+    chosen = set()
+    for k in sorted(inside, key=lambda k: (-room.sizes[0][k], releases[k], k)):
+        span = range(releases[k] + 1, forward_end + 1)
+        if all(loose.fits(i, k) for i in span):
+            loose.hold(span.start, span.stop, [k])
+            chosen.add(k)
     return chosen
 
 
@@ -499,6 +535,7 @@ class _Placed:
     prefetch: int
     d2h: float
     h2d: float
+    before_last: bool = False  # deferred in every run but the step's last (``Placement.deferred_before_last``)
 
 
 def _with_stalls(timeline, chosen, placed: Sequence[_Placed], times, horizon, *, op_seconds: float) -> Schedule:
@@ -527,6 +564,7 @@ def _with_stalls(timeline, chosen, placed: Sequence[_Placed], times, horizon, *,
             forward_stall=run.stalls[k],
             backward_stall=backward_stall[k],
             deferred=placed[k].deferred,
+            deferred_before_last=placed[k].before_last,
         ))
     return Schedule(horizon, tuple(result), tuple(order))
 
@@ -587,9 +625,18 @@ def run_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> RunPeaks:
                     activations[forward - 1] if activations and forward else 0)
 
 
-def _run_curves(plan: Plan, timeline: Timeline, schedule: Schedule) -> tuple[list[int], list[int]]:
-    """One run's activation curve and total curve (every tensor it creates) at the schedule's placements."""
+def _run_curves(plan: Plan, timeline: Timeline, schedule: Schedule,
+                before_last: bool = False) -> tuple[list[int], list[int]]:
+    """One run's activation curve and total curve (every tensor it creates) at the schedule's placements;
+    with ``before_last``, of a run before the step's last (``Placement.deferred_before_last``: those
+    sources held to the forward's end)."""
     moved = scheduled_moves(plan, timeline, schedule)
+    if before_last:
+        forward_end = len(timeline.fw_nodes) - 2
+        for p in schedule.placements:
+            if p.deferred_before_last:
+                life = plan.transfers[p.transfer].lifetime
+                moved[life] = (forward_end, moved[life][1])
     ahead = started_ahead(timeline, schedule) if plan.runs > 1 else []  # one run: the next backward is another graph's
     activations = curve(timeline.length, intervals(timeline, moved, True) + ahead)
     temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule) + ahead
@@ -609,15 +656,28 @@ def with_scheduled_peaks(plan: Plan, timeline: Timeline, schedule: Schedule) -> 
                                                                               dict(size.values))[1])
                   for size in plan.sizes)
     through = _held_through_forward(plan, ahead, forward, held)
+    step, device = _before_last_peaks(plan, timeline, schedule, held)
     return dataclasses.replace(
         plan,
         sizes=sizes,
         activation_peak_after=peak(activations),
-        step_peak_after=max(step_peak(activations, forward, plan.runs), through(activations)),
+        step_peak_after=max(step_peak(activations, forward, plan.runs), through(activations), step),
         device_peak_after=plan.input_bytes + max(
-            device_peak_of_runs(totals, forward, held, plan.runs, plan.run_gradients), through(totals)),
+            device_peak_of_runs(totals, forward, held, plan.runs, plan.run_gradients), through(totals), device),
         total_peak_after=total,
     )
+
+
+def _before_last_peaks(plan: Plan, timeline: Timeline, schedule: Schedule, held: int) -> tuple[int, int]:
+    """The step's activation and device peaks (less the inputs) over the runs before its last, where
+    releases deferred before the last run hold their sources to the forward's end (0, 0 where none
+    does): the run before the last, on top of what the others before it hold, is the highest of them."""
+    if not any(p.deferred_before_last for p in schedule.placements):
+        return 0, 0
+    activations, totals = _run_curves(plan, timeline, schedule, before_last=True)
+    forward = len(timeline.fw_nodes)
+    return (peak(activations) + (plan.runs - 2) * held,
+            device_peak_of_runs(totals, forward, held, plan.runs - 1, plan.run_gradients))
 
 
 def _held_through_forward(plan: Plan, ahead: Sequence[tuple[int, int, int]], forward: int,

@@ -17,7 +17,10 @@ in the order the invocations ran:
   deferred device-to-host copy (``Placement.deferred``) runs under the next
   invocation's forward. The runtime completes it when the forward after
   next begins, or the first backward (whichever comes first): compute waits
-  there for a copy still in flight.
+  there for a copy still in flight. A release deferred before the last run
+  (``Placement.deferred_before_last``) defers in every run of its graph but
+  the step's last (the last invocation of its record) and waits there; the
+  runtime completes such a copy at its own forward's end.
   Host-to-device copies start at their own prefetch, except those a
   backward starts ahead for the backward that runs after it
   (``Schedule.ahead_bytes``): the runtime starts the next invocation's
@@ -110,6 +113,7 @@ class _Move:
     deferred: bool
     transfer: int = -1  # index into Plan.transfers
     death: int = 0  # the source's last use (timeline position), where the graph's own hold ends
+    before_last: bool = False  # deferred in every run of the graph but the step's last (at ``release``)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,8 @@ def _graph(record: Any, profile: DeviceProfile) -> _Graph:
         p = schedule.placements[k]
         transfers.append(_Move(pos[p.offload_after] + 1, pos[p.free_after] + 1, pos[p.prefetch_before],
                                pos[p.wait_before], int(plan.transfers[k].nbytes), p.d2h_seconds, p.h2d_seconds,
-                               p.deferred, p.transfer, timeline.lifetimes[plan.transfers[k].lifetime].death))
+                               p.deferred, p.transfer, timeline.lifetimes[plan.transfers[k].lifetime].death,
+                               p.deferred_before_last and not p.deferred))
     moved = recompute_moves(plan.recomputes)
     moved.update({plan.transfers[p.transfer].lifetime: (pos[p.free_after], pos[p.prefetch_before])
                   for p in schedule.placements})
@@ -177,6 +182,8 @@ class _Issued:
     nbytes: int
     deferred: bool = False
     transfer: int = -1  # index into the invocation's Plan.transfers
+    held_from: int = 0  # a deferred copy: the step position from which the step's curve holds its source
+    within: bool = False  # deferred before the last run: completed at its own forward's end (crosses nothing)
 
 
 def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = None,
@@ -212,8 +219,9 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
             for q in range(c.copy.issue, bw_off[c.invocation]):
                 act[q] += c.nbytes
         elif c.deferred and (c.invocation, c.transfer) not in held_anyway:
-            # The own curve holds it to the forward's end; then until it lands (a kept source: counted above).
-            q = fw_off[c.invocation] + graphs[c.invocation].forward
+            # The own curve holds it to its release (the forward's end, or where the step's last run releases
+            # it); then until it lands (a kept source: counted above).
+            q = c.held_from
             while q < c.copy.wait and run.starts[q] < finish:
                 act[q] += c.nbytes
                 q += 1
@@ -227,7 +235,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
         activations=tuple(zip(run.starts[:-1], act)),
         baseline_activations=tuple(zip(op_starts(base_times), base)),
         stall=sum(run.stalls),
-        crossing=sum(1 for c in issued if c.rank == 2 or c.deferred),
+        crossing=sum(1 for c in issued if c.rank == 2 or (c.deferred and not c.within)),
         ops=tuple(zip(run.starts[:-1], times)),
         copies=tuple(
             SimulatedCopy(f"run {c.invocation}", "forward" if c.rank == 0 else "backward", c.copy.engine,
@@ -279,13 +287,17 @@ def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
             for i in _ahead_of(graphs[j], later.ahead_bytes):
                 ahead[(j, i)] = bw(j + 1, later.ahead_at)
     issued = []
+    last_run = {id(g): j for j, g in enumerate(graphs)}  # each graph's last run of the step
     for j, g in enumerate(graphs):
         # A deferred copy is completed when the forward after next begins, or the first backward.
         deadline = fw_off[j + 2] if j + 2 < len(graphs) else first_backward
         for m in sorted(g.transfers, key=lambda m: m.offload):
-            release = deadline if m.deferred else fw_off[j] + m.release
-            issued.append(_Issued(Copy(fw_off[j] + m.offload, release, m.d2h, engines[0]), 0, j, m.nbytes, m.deferred,
-                                  m.transfer))
+            early = m.before_last and last_run[id(g)] != j  # completed at its own forward's end
+            deferred = m.deferred or early
+            release = fw_off[j] + g.forward if early else deadline if deferred else fw_off[j] + m.release
+            held_from = fw_off[j] + (m.release if early else g.forward)
+            issued.append(_Issued(Copy(fw_off[j] + m.offload, release, m.d2h, engines[0]), 0, j, m.nbytes, deferred,
+                                  m.transfer, held_from, early))
         for i, m in enumerate(g.transfers):
             start = ahead.get((j, i), bw(j, m.prefetch))
             rank = 2 if (j, i) in ahead else 1

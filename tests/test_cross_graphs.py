@@ -330,3 +330,49 @@ def test_a_smallest_peak_plan_under_1f1b_starts_ahead_only_what_its_own_peak_hol
     record = backend.records[-1]
     assert record.plan.interleaved and record.schedule.ahead_bytes == 0
     assert measured == record.plan.step_peak_after + 3 * 32 * 8 * 4, (measured, record.plan.step_peak_after)
+
+
+# --------------------------------------------------------------------------- releases deferred before the last run
+
+# Compute priced slow against the copies: each layer's releases land inside its forward, where the
+# budget puts them, and every run before the last has the room to defer them.
+COMPUTE_BOUND = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),), 1e11, 1e10, 1e10, True, 0.0)
+
+
+def test_a_protocol_wait_marked_defer_before_last_defers_only_inside_a_forward_that_is_not_the_last():
+    x = torch.randn(64, 64)
+    for before_last, deferred in ((True, True), (False, False)):
+        with runtime.trace() as events, runtime.forward_invocation(before_last), runtime.copy_delay(0.05):
+            host = ops.wait(ops.offload(x), x, True)
+        assert (("defer", 0) in events) is deferred, events
+        # Deferred or not, the source is not held past the forward: completed when it returned.
+        assert runtime.pending_transfers() == 0 and torch.equal(host, x)
+        runtime.reset()
+    with runtime.copy_delay(0.05):  # outside any forward (ops called by hand): a wait
+        host = ops.wait(ops.offload(x), x, True)
+    assert torch.equal(host, x) and runtime.pending_transfers() == 0
+
+
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.compat])])
+def test_one_graph_per_layer_defers_its_releases_in_every_run_but_the_last_and_matches_eager(inner):
+    ids = torch.randint(0, 256, (2, 32))
+    eager, model, backend = per_layer_llama(layers=4, inner=inner, memory_budget=0.5, device_profile=COMPUTE_BOUND)
+    expected = lm_step(eager, ids)
+    with runtime.copy_delay(0.002), runtime.trace() as events:  # every copy lands late
+        for _ in range(2):  # the first step counts the layers; the graph is re-planned for four runs
+            assert_same_step(expected, lm_step(model, ids))
+    record = backend.records[-1]
+    placements = record.schedule.placements
+    assert record.plan.runs == 4 and placements and all(p.deferred_before_last for p in placements)
+    assert not any(p.deferred for p in placements)  # none crosses a boundary: every copy ends in its forward
+    # Under Inductor each op sits in a control_deps subgraph of its own (fxoffload.backend.ordering).
+    graphs = [m.graph for m in record.forward.modules() if isinstance(m, torch.fx.GraphModule)]
+    releases = [n for g in graphs for n in g.nodes if n.target is ops.wait.default and n.args[2:] == (True,)]
+    assert len(releases) == len(placements)
+    assert "deferred before the last run (in each of the graph's 4 runs" in fxoffload.explain(record)
+    step = events[max(i for i, e in enumerate(events) if e == ("forward_begin", 0)):]
+    deferred = [e[1] for e in step if e[0] == "defer"]
+    assert sorted(set(deferred)) == [0, 1, 2] and len(deferred) == 3 * len(placements)  # the last run waits
+    # Each run completes what it deferred before it returns: no copy of it is still in flight then.
+    assert [e[2] for e in step if e[0] == "forward_end"] == [0, 0, 0, 0], step
+    assert runtime.pending_transfers() == 0

@@ -294,6 +294,25 @@ def test_per_layer_copies_crossing_graphs_through_the_cuda_engine_match_eager(in
     assert bool(returned_in_flight(events)) != complete_on_query, events
 
 
+@pytest.mark.parametrize("complete_on_query", [False, True])
+def test_releases_deferred_before_the_last_run_through_the_cuda_engine_match_eager(complete_on_query):
+    # Compute priced slow against the copies: every release inside a layer's forward defers in the runs
+    # before the last (tests/test_cross_graphs.py); here the CUDA engine's events and streams carry them.
+    compute_bound = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),), 1e11, 1e10, 1e10, True, 0.0)
+    eager, model, backend = per_layer_llama(layers=4, inner="eager", memory_budget=0.5, device_profile=compute_bound)
+    ids = torch.randint(0, 256, (2, 32))
+    expected = lm_step(eager, ids)
+    with cuda_engine_on_cpu(runtime.CudaEngine, complete_on_query) as fake, runtime.trace() as events:
+        matched = [same_step(expected, lm_step(model, ids)) for _ in range(2)]
+        left = runtime.pending_transfers(), fake.pending()
+    assert matched == [True, True] and fake.violations == [] and left == (0, 0)
+    assert all(p.deferred_before_last for p in backend.records[-1].schedule.placements)
+    step = events[max(i for i, e in enumerate(events) if e == ("forward_begin", 0)):]
+    assert sorted({e[1] for e in step if e[0] == "defer"}) == [0, 1, 2]
+    # Compute waits at each forward's end for what it deferred and the link has not run yet.
+    assert [e[2] for e in step if e[0] == "forward_end"] == [0, 0, 0, 0], step
+
+
 def test_a_cuda_engine_that_drops_a_deferred_source_early_is_caught_by_the_fake():
     fake, matched, _, _, _ = per_layer_steps(SourceDroppedEarly, steps=1)
     runtime.reset()

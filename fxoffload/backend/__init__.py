@@ -250,8 +250,23 @@ class _Compilation:
         is_backward = kwargs.get("is_backward", False)
         if not kwargs.get("is_inference", False):
             self.capture(gm, is_backward)
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        with _no_buffer_reuse(self.record if not is_backward else None):
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         return _run_backward(compiled, self.backend.config.debug, self) if is_backward else compiled
+
+
+def _no_buffer_reuse(record: GraphRecord | None) -> contextlib.AbstractContextManager:
+    """Inductor's buffer reuse off for a forward whose releases defer before the last run: Inductor takes
+    a source as dead after its release and may hand its memory to a later kernel of the graph (no
+    allocator call, so the runtime's reference cannot stop it) while a deferred copy still reads it. The
+    ordering pass keeps every kernel before a release deferred at the forward's end; one inside the
+    forward has kernels after it. Off, a dead buffer goes back to the caching allocator, which the
+    runtime's reference holds until the copy has landed (Inductor's reuse saves the allocator calls)."""
+    if record is None or not any(p.deferred_before_last for p in record.schedule.placements):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(allow_buffer_reuse=False)
 
 
 def _run_backward(compiled: Callable, debug: bool, compilation: _Compilation) -> Callable:
@@ -481,8 +496,9 @@ class OffloadBackend:
             if step_forward:
                 self._callers.next_forward()
                 if state.step != self._steps:  # the region's first forward of this step
-                    state.step = self._steps
+                    state.step, state.runs = self._steps, 0
                     self._select_step(region, state)
+                state.runs += 1
             # Compiled autograd re-traces the backward: copies cannot be re-traced (refused before the
             # forward runs), and the backward hook below trips its pre-hook reordering where an output's
             # gradient goes unused (transformers' KV cache), so the step goes untracked under it.
@@ -493,7 +509,9 @@ class OffloadBackend:
             if record is not None and not record.host_reserved:
                 self._reserve_host(record, args)
             timer = state.compiled.compilation.timer if step_forward else None
-            with _timed(timer, args), fxoffload.runtime.forward_invocation() as invocation, \
+            # Not the graph's last run of the step: releases planned so (``defer_before_last``) defer.
+            before_last = step_forward and record is not None and state.runs < record.plan.runs
+            with _timed(timer, args), fxoffload.runtime.forward_invocation(before_last) as invocation, \
                     fxoffload.runtime.debugging(self.config.debug):
                 out = state.compiled.run(*args)
             record = state.compiled.compilation.record
@@ -714,6 +732,7 @@ class _RegionRun:
     source: _Replan | None  # select="measured": to compile each candidate plan
     trials: _Trials | None = None  # measured selection under way
     step: int = -1  # the backend's step in which it last ran a forward
+    runs: int = 0  # its forwards in that step so far
     selected: bool = False  # measured selection is over (or off: no source; or nothing to choose)
 
 

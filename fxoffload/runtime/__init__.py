@@ -51,6 +51,15 @@ after its wait returns): then a source still alive is held by someone else.
   first backward, completes it (compute waits for it there), so sources do
   not pile up behind a link that cannot keep up. A ``prefetch`` of ``host``
   completes it first.
+* ``wait(host, source, defer_before_last=True)`` (a release inside the forward
+  of a graph that serves several layers) is ``defer`` where the backend ran the
+  forward as ``forward_invocation(before_last=True)`` (not its graph's last run
+  of the step: the scheduler planned the source held to that forward's end,
+  within what the runs before the last leave of the budget), and a wait
+  otherwise (the last run, a forward recomputed inside a backward, or ops called
+  outside the backend). Such a copy still running when its forward returns is
+  completed there (compute waits for it), so its source never outlives the
+  forward, however slow the link.
 * ``prefetch_ahead(after, nbytes)`` starts the first copies (by that order, while
   they fit in ``nbytes``) of the forward invocation whose backward runs next.
   Which one that is, the previous step's order of backwards says, where this
@@ -175,8 +184,10 @@ def _drop_ahead(orphans_only: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def forward_invocation() -> Iterator[Invocation]:
-    """Group the offloads of one compiled forward (the backend runs each forward inside this)."""
+def forward_invocation(before_last: bool = False) -> Iterator[Invocation]:
+    """Group the offloads of one compiled forward (the backend runs each forward inside this).
+    ``before_last``: this is not its graph's last run of the step (its releases marked
+    ``defer_before_last`` then defer instead of waiting); a forward run inside a backward never is."""
     outer = _in_backward()  # a forward recomputed inside a backward (checkpointing) is not the step's
     if not outer and not STATE.open:
         _drop_ahead(orphans_only=bool(STATE.waiting))  # copies ahead for a forward still waiting stay
@@ -184,7 +195,7 @@ def forward_invocation() -> Iterator[Invocation]:
             STATE.counter = itertools.count()
             if STATE.backwards:
                 STATE.backwards, STATE.last_backwards = [], STATE.backwards
-    invocation = Invocation(next(STATE.counter) if not outer else -1)
+    invocation = Invocation(next(STATE.counter), before_last) if not outer else Invocation(-1)
     _event("forward_begin", invocation.index)
     if not outer:
         _complete_deferred_before(invocation.index - 1)
@@ -199,6 +210,8 @@ def forward_invocation() -> Iterator[Invocation]:
     finally:
         STATE.open.remove(invocation)
     _reap()
+    if not outer:
+        _complete_within(invocation.index)
     if STATE.trace is not None:
         in_flight = sum(1 for t in list(STATE.pending.values())
                         if t.direction == "d2h" and t.invocation == invocation.index and not t.done())
@@ -254,6 +267,16 @@ def _complete_deferred_before(index: int) -> None:
     boundary at most, so a link that cannot keep up stalls compute instead of piling up sources."""
     with STATE.lock:
         due = [t for t in STATE.deferred if t.invocation is not None and 0 <= t.invocation < index]
+    for transfer in due:
+        _retire(transfer, complete=True)
+
+
+def _complete_within(index: int) -> None:
+    """Complete the copies forward invocation ``index`` deferred inside its forward
+    (``defer_before_last``) that have not landed: the plan holds their sources to the forward's end,
+    and not past it, however slow the link."""
+    with STATE.lock:
+        due = [t for t in STATE.deferred if t.within_forward and t.invocation == index]
     for transfer in due:
         _retire(transfer, complete=True)
 
@@ -427,7 +450,11 @@ def _prefetch(host, device, size, stride) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "wait", "CompositeExplicitAutograd")
-def _wait(t: torch.Tensor, keepalive: torch.Tensor) -> torch.Tensor:
+def _wait(t: torch.Tensor, keepalive: torch.Tensor, defer_before_last: bool = False) -> torch.Tensor:
+    if defer_before_last and STATE.open and STATE.open[-1].before_last:
+        if (transfer := STATE.pending.get(t.data_ptr())) is not None:
+            transfer.within_forward = True  # completed, at the latest, when this forward returns
+        return _defer(t, keepalive)
     _reap()
     transfer = _pop(t)
     if transfer is None:

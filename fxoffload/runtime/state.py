@@ -43,6 +43,7 @@ class CopyRecord:
     done: Callable[[], bool] = lambda: True  # whether the copy has landed (without waiting)
     failed: Callable[[], bool] = lambda: False  # whether it raised (finish() raises it then)
     deferred: bool = False  # a d2h copy the forward returned without waiting for
+    within_forward: bool = False  # deferred by a release inside the forward: completed at the forward's end
     invocation: int | None = None  # the forward invocation it belongs to (a prefetch's: while tracing)
     key: int = 0  # its key in the registry: the data pointer of the tensor the op returned
     serial: int = 0  # registered after every transfer with a smaller one
@@ -76,9 +77,11 @@ class Offloaded:
 
 @dataclass(eq=False)
 class Invocation:
-    """One run of a compiled forward; ``index`` counts the forwards of the step from 0."""
+    """One run of a compiled forward; ``index`` counts the forwards of the step from 0. ``before_last``: the
+    backend says this is not its graph's last run of the step (a release with ``defer_before_last`` defers)."""
 
     index: int
+    before_last: bool = False
     offloads: list[Offloaded] = field(default_factory=list)
 
 

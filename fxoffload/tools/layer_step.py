@@ -33,7 +33,9 @@ On a tiny Llama (2 layers, fp32, CPU) the prediction is within 0.1% of ``measure
 checkpointed, offloaded and smallest-peak plans (``tests/test_fit.py``).
 
 Limits: every run of the layer graph is taken to have the same curve (the plan's one run, as the plan
-itself composes its runs); copies that cross run boundaries are in that curve as the plan counts
+itself composes its runs: a plan under ``memory_budget`` whose releases defer before the last run has
+higher curves in the runs before it, counted in its ``step_peak_after`` but not here; ``fit`` plans under
+``device_budget``, where none does); copies that cross run boundaries are in that curve as the plan counts
 them; a layer's other tensor arguments are kept until its backward whether or not its graph saves
 them (an upper bound: position embeddings and masks are small beside the activations); the layers
 must take the hidden state as their first tensor argument and return it, alone or first in a tuple.

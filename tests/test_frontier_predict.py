@@ -1,0 +1,65 @@
+"""benchmarks/frontier_predict.py: today's plans for a kept GPU run's frontier ways, predicted on this CPU from
+that run's calibration, and its section of RESULTS.md kept current."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import frontier_predict  # noqa: E402
+from results import RESULTS  # noqa: E402
+
+RUN5 = ROOT / "benchmarks" / "measured" / "frontier-h200-run5.json"
+
+
+def table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ")]
+
+
+def section(heading: str) -> str:
+    text = RESULTS.read_text()
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_a_dry_run_or_a_run_without_its_profile_is_refused(tmp_path):
+    figures = json.loads(RUN5.read_text())
+    for name, changed in (("dry", {"dry_run": True}), ("old", {"device_profile": {}})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**figures, **changed}))
+        with pytest.raises(SystemExit, match="a GPU run's frontier.json is needed"):
+            frontier_predict.main([str(path)])
+
+
+def test_a_small_run_is_predicted_with_its_own_profile_and_the_plan_it_makes(tmp_path, capsys):
+    # The kept run's figures, its model made small: every column filled from a fresh plan of this shape.
+    figures = json.loads(RUN5.read_text())
+    figures["setup"] = {**figures["setup"], "seq": 512, "shape": {**figures["setup"]["shape"], "layers": 3,
+                                                                   "hidden": 512, "ffn": 1024, "vocab": 1024}}
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(figures))
+    assert frontier_predict.main([str(path), "--ways", "memory_budget=0.5"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert len(rows) == 2  # the header, the one way
+    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    assert cells[0] == "fxoffload memory_budget=0.5, strategy=auto"
+    assert cells[1].startswith("plan ") and "copies" in cells[1]
+    assert cells[8] == "227.2 ms"  # the run's measured step of that way, read back from the JSON
+    # A profile that is not the run's plans differently: the figures come from the run's calibration.
+    profile = frontier_predict.profile_from(figures["device_profile"])
+    assert profile.name == "calibrated:NVIDIA H200" and profile.d2h_bandwidth == pytest.approx(55.08e9, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_the_results_section_is_what_the_script_predicts_today(capsys):
+    # A change that alters the frontier's plans re-writes the section (python benchmarks/frontier_predict.py
+    # benchmarks/measured/frontier-h200-run5.json --write), with its reason in the commit.
+    assert frontier_predict.main([str(RUN5.relative_to(ROOT))]) == 0
+    assert table_rows(capsys.readouterr().out) == table_rows(section(frontier_predict.HEADING))
