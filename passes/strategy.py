@@ -9,7 +9,9 @@ Algorithm (:func:`plan_best_partition`): plan the min-cut pair jointly (keep,
 offload or recompute per storage); when that plan misses the budget or has a
 predicted cost, also plan the same pair offload-only and recompute-only (from
 the driver's one analysis), and the pair PyTorch's recompute-only partitioner
-makes at the budget; simulate each (``fxoffload.passes.simulator``) and keep
+makes at the budget; simulate each (``fxoffload.passes.simulator``; a graph that
+runs several times a step, one graph per layer: the step of its runs, per run,
+``fxoffload.passes.step``, since its runs differ) and keep
 the fastest predicted that meets the budget without a total peak above the
 min-cut pair's (under ``max_overhead``, checked against it: the overhead is the predicted step less
 the min-cut pair's compute, so PyTorch's recomputation counts). The result lists those that qualify
@@ -42,6 +44,7 @@ from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWa
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .digest import plan_digest
 from .simulator import simulate
+from .step import simulate_step
 
 __all__ = ["CANDIDATE_KEYS", "CandidatePlan", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",
            "plan_best_partition"]
@@ -64,8 +67,17 @@ class CandidatePlan:
 
 
 def _predicted_step(result: PassResult, profile: DeviceProfile, watch: Stopwatch) -> float:
+    """One run's predicted time: the graph replayed alone, or, where it runs several times a step (one
+    graph per layer), the step of its runs replayed (``fxoffload.passes.step``) over their number: the
+    runs differ (copies cross from one run to the next; releases deferred before the last run stall
+    only in the last), and the graph alone is its last run. Not where forwards run between the
+    backwards (``Plan.interleaved``), which the step simulator does not order so."""
     watch.restart()
-    step = simulate(result, profile).step_time
+    runs = result.plan.runs
+    if runs > 1 and not result.plan.interleaved:
+        step = simulate_step([result] * runs, profile).step_time / runs
+    else:
+        step = simulate(result, profile).step_time
     watch.stamp("simulate")
     return step
 

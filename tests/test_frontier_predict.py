@@ -63,3 +63,25 @@ def test_the_results_section_is_what_the_script_predicts_today(capsys):
     # benchmarks/measured/frontier-h200-run5.json --write), with its reason in the commit.
     assert frontier_predict.main([str(RUN5.relative_to(ROOT))]) == 0
     assert table_rows(capsys.readouterr().out) == table_rows(section(frontier_predict.HEADING))
+
+
+@pytest.mark.slow
+def test_strategy_auto_ranks_a_graph_serving_every_layer_by_the_step_of_its_runs():
+    # Run 5's model and calibration at 0.7: the plan that copies stalls only in the last of the eight
+    # runs (its releases defer in the others), so ranked on the graph alone (its last run) the plan
+    # would carry that stall eight times, and PyTorch's recompute-only partition would win.
+    from fxoffload.passes.simulator import simulate
+    from fxoffload.passes.step import simulate_step
+    from frontier import Way
+
+    figures = json.loads(RUN5.read_text())
+    setup = frontier_predict.setup_from(figures["setup"])
+    profile = frontier_predict.profile_from(figures["device_profile"])
+    _, backend = frontier_predict.predict_way(setup, Way("fxoffload", 0.7, "auto"), profile)
+    invocations = backend.step_invocations()
+    record, step = invocations[-1], simulate_step(invocations)
+    assert len(invocations) == 8 and record.plan.runs == 8 and record.plan.transfers
+    # The prediction the plan was chosen by is the step simulator's over its runs, per run, which is
+    # below the graph's alone: the chosen plan copies, and its last run stalls where the others do not.
+    assert record.candidates[0].predicted_step == pytest.approx(step.step_time / 8, rel=1e-9)
+    assert simulate(record).step_time > 1.001 * step.step_time / 8
