@@ -220,16 +220,30 @@ def _against_line(run_figures: dict, rows: list[Predicted]) -> dict[str, str]:
             for v in verdicts(runs) if v["way"] in moved}
 
 
+def read_run(path: Path) -> dict:
+    """A GPU run's ``frontier.json``; a clear refusal of anything else."""
+    needed = ("a GPU run's frontier.json is needed (benchmarks/measured/frontier-<device>-runN.json, run 4 on: "
+              "the runs before kept no device profile)")
+    try:
+        figures = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"frontier_predict: {path}: {error}; {needed}") from None
+    keys = ("setup", "runs", "device_profile", "device", "started")
+    if not isinstance(figures, dict) or any(k not in figures for k in keys):
+        raise SystemExit(f"frontier_predict: {path} is not a frontier run (it lacks one of {', '.join(keys)}); "
+                         + needed)
+    if figures.get("dry_run") or not figures["device_profile"]:
+        raise SystemExit(f"frontier_predict: {path} is a dry run, or keeps no device profile: " + needed)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a GPU run's frontier.json (benchmarks/measured/frontier-*.json)")
     parser.add_argument("--ways", help="only the ways whose name contains one of these comma-separated words")
     parser.add_argument("--write", action="store_true", help="write its section of benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    run_figures = json.loads(args.run.read_text())
-    if run_figures.get("dry_run") or not run_figures.get("device_profile"):
-        raise SystemExit(f"frontier_predict: {args.run} is a dry run, or keeps no device profile: a GPU run's "
-                         "frontier.json is needed (benchmarks/measured/frontier-<device>-runN.json, run 3 on)")
+    run_figures = read_run(args.run)
     profile = profile_from(run_figures["device_profile"])
     start = time.monotonic()
     rows = [predicted(run_figures, way, profile) for way in chosen_ways(ways_of(run_figures), args.ways)]

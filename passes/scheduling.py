@@ -629,14 +629,12 @@ def _run_curves(plan: Plan, timeline: Timeline, schedule: Schedule,
                 before_last: bool = False) -> tuple[list[int], list[int]]:
     """One run's activation curve and total curve (every tensor it creates) at the schedule's placements;
     with ``before_last``, of a run before the step's last (``Placement.deferred_before_last``: those
-    sources held to the forward's end)."""
-    moved = scheduled_moves(plan, timeline, schedule)
+    sources, and a staged one's buffer, held to the forward's end)."""
     if before_last:
-        forward_end = len(timeline.fw_nodes) - 2
-        for p in schedule.placements:
-            if p.deferred_before_last:
-                life = plan.transfers[p.transfer].lifetime
-                moved[life] = (forward_end, moved[life][1])
+        end = timeline.nodes[len(timeline.fw_nodes) - 2]  # the last node before the output
+        schedule = dataclasses.replace(schedule, placements=tuple(
+            dataclasses.replace(p, free_after=end) if p.deferred_before_last else p for p in schedule.placements))
+    moved = scheduled_moves(plan, timeline, schedule)
     ahead = started_ahead(timeline, schedule) if plan.runs > 1 else []  # one run: the next backward is another graph's
     activations = curve(timeline.length, intervals(timeline, moved, True) + ahead)
     temporaries = plan.recompute_temporaries() + staging_temporaries(plan, timeline, schedule) + ahead

@@ -29,13 +29,17 @@ def section(heading: str) -> str:
     return text[start:] if end < 0 else text[start:end]
 
 
-def test_a_dry_run_or_a_run_without_its_profile_is_refused(tmp_path):
+def test_a_dry_run_a_run_without_its_profile_or_not_a_run_is_refused(tmp_path):
     figures = json.loads(RUN5.read_text())
-    for name, changed in (("dry", {"dry_run": True}), ("old", {"device_profile": {}})):
+    texts = {"dry": json.dumps({**figures, "dry_run": True}), "old": json.dumps({**figures, "device_profile": {}}),
+             "other": json.dumps({"setup": {}}), "broken": "{"}
+    for name, text in texts.items():
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({**figures, **changed}))
+        path.write_text(text)
         with pytest.raises(SystemExit, match="a GPU run's frontier.json is needed"):
             frontier_predict.main([str(path)])
+    with pytest.raises(SystemExit, match="missing.json.*No such file"):
+        frontier_predict.main([str(tmp_path / "missing.json")])
 
 
 def test_a_small_run_is_predicted_with_its_own_profile_and_the_plan_it_makes(tmp_path, capsys):
