@@ -283,7 +283,9 @@ def plan_notes(backend: Any) -> list[str]:
         if digest not in seen:
             seen.add(digest)
             recomputed = sum(1 for d in record.plan.decisions if d.action == "recompute")
-            notes.append(f"plan {digest}: {len(record.plan.transfers)} copies, {recomputed} recomputed, "
+            early = sum(p.deferred_before_last for p in record.schedule.placements)
+            deferred = f" ({early} released without a wait in the runs before the last)" if early else ""
+            notes.append(f"plan {digest}: {len(record.plan.transfers)} copies{deferred}, {recomputed} recomputed, "
                          f"partition {record.plan.partition}")
     return notes
 

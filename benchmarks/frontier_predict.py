@@ -16,9 +16,10 @@ the run's inner compiler priced them (under ``inductor``, pointwise chains as fu
 the first counts the blocks, the second runs the graph re-planned for all of them. Then the step simulator
 (``fxoffload.passes.step.simulate_step``) replays the second step.
 
-Per way: the plan (its digest, copies, recomputations, releases deferred before the last run), the predicted
-step of the compiled graphs, its baseline (the same graphs without offloading or recomputing), the overhead
-and the stall; the bytes predicted held when the backward begins; and from the run: its measured step, its
+Per way: the plan (its digest, copies and those released without a wait in the runs before the last,
+recomputations), the predicted step of the compiled graphs, its baseline (the same graphs without
+offloading or recomputing), the overhead and the stall; the bytes predicted held when the backward begins;
+and from the run: its measured step, its
 prediction then (of the plan it ran, whose digest the JSON keeps), and its measured baseline (plain; full
 checkpointing for the checkpointed way) plus today's predicted overhead: what the run would measure if the
 prediction holds (the eager embedding, head and loss are in the measured step, not in the simulated graphs),
@@ -62,8 +63,7 @@ class Predicted:
     """One way's predictions, with what the GPU run measured of it (seconds, bytes)."""
 
     way: str
-    plan: str  # digest, copies, recomputations, partition (``frontier.plan_notes``)
-    deferred_before_last: int  # releases deferred in every run but the step's last
+    plan: str  # digest, copies (those deferred before the last run), recomputations (``frontier.plan_notes``)
     step_seconds: float
     compute_seconds: float
     stall_seconds: float
@@ -157,7 +157,6 @@ def predicted(run_figures: dict, way: Way, profile: fxoffload.DeviceProfile) -> 
     return Predicted(
         way=way.name,
         plan="; ".join(plan_notes(backend)),
-        deferred_before_last=sum(p.deferred_before_last for p in records[-1].schedule.placements),
         step_seconds=run.predicted_step_seconds,
         compute_seconds=run.predicted_compute_seconds,
         stall_seconds=_stall(records),
@@ -190,16 +189,16 @@ def render(path: Path, run_figures: dict, rows: list[Predicted], seconds: float)
         f"{s['compile']}) on its calibrated profile ({run_figures['device_profile']['name']}), traced with fake "
         f"tensors on this CPU and priced as {s['inner']} prices them. Predicted: every column but the run's "
         f"measured step (on {run_figures['device']}, {run_figures['started']}) and its prediction then.", "",
-        "| way | plan now | deferred before the last run | predicted step (graphs) | baseline (graphs) | "
+        "| way | plan now | predicted step (graphs) | baseline (graphs) | "
         "overhead | stall | held at backward | measured step then | predicted then | plan then | measured "
         "baseline + overhead now | against PyTorch's line |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     against = _against_line(run_figures, rows)
     for r in rows:
         held = "-" if r.held_at_backward is None else f"{r.held_at_backward / 2 ** 30:.2f} GiB"
         lines.append(
-            f"| {r.way} | {r.plan} | {r.deferred_before_last} | {_ms(r.step_seconds)} | {_ms(r.compute_seconds)} | "
+            f"| {r.way} | {r.plan} | {_ms(r.step_seconds)} | {_ms(r.compute_seconds)} | "
             f"{_ms(r.step_seconds - r.compute_seconds)} | {_ms(r.stall_seconds)} | {held} | "
             f"{_ms(r.measured_step_seconds)} | {_ms(r.predicted_then)} | {(r.plan_then or '-').removeprefix('plan ')} "
             f"| {_ms(r.expected_seconds)} | {against.get(r.way, '-')} |")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def test_the_dry_run_measures_every_way_the_gpu_run_does(dry_run):
         run = ways[way.name]
         assert run["predicted_step_seconds"] > 0 and run["transfers"], way.name
         assert "fxoffload::offload" in result["profiles"][way.name]["fxoffload_host"], way.name
-        assert any(n.startswith("plan ") and " copies, " in n for n in run["notes"]), run["notes"]
+        assert any(re.match(r"plan [0-9a-f]{16}: \d+ copies[ ,]", n) for n in run["notes"]), run["notes"]
     measured = [w for w in frontier.default_ways() if w.select == "measured"]
     assert measured and all(any("measured selection kept" in n for n in ways[w.name]["notes"]) for w in measured)
     assert "dry run on a CPU (not a GPU measurement)" in markdown
