@@ -10,7 +10,7 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, size_ranges, smallest_sizes,
+    Why, activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, simulate_step, size_ranges, smallest_sizes,
 )
 
 __all__ = ["explain", "format_bytes", "format_stages"]
@@ -62,7 +62,7 @@ def _summary(record: Any) -> str:
         + (f" (copies placed under plain compile's {format_bytes(plan.total_cap)}: the CPU-offload marks make "
            "the partition save more)" if plan.total_cap is not None and plan.total_cap < plan.total_peak_before
            else ""),
-        f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us "
+        f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us{_step_stall(record)} "
         "(copies served in order per direction; see the placements)",
         f"predicted host memory:     {format_bytes(plan.host_bytes * plan.runs)} of host copies when the forward "
         f"ends{_runs(plan)}; {format_bytes(plan.pinned_host_bytes * plan.runs)} pinned on CUDA (the caching host "
@@ -133,6 +133,17 @@ def _summary(record: Any) -> str:
     if plan.note:
         lines.append(f"note: {plan.note}")
     return "\n".join(lines)
+
+
+def _step_stall(record: Any) -> str:
+    """Where the graph runs several times a step: its runs differ (copies cross from one to the next,
+    releases deferred before the last run stall in the last only), so the step simulator's stall too."""
+    plan = record.plan
+    if plan.runs < 2 or plan.interleaved or not record.schedule.placements:
+        return ""
+    stall = simulate_step([record] * plan.runs, record.profile).stall
+    return (f" in its last run alone; {stall / plan.runs * 1e6:.1f} us a run over the step's {plan.runs} runs "
+            "(fxoffload.passes.step, what strategy auto ranks by)")
 
 
 def _runs(plan: Any) -> str:
