@@ -50,6 +50,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 
 import fxoffload  # noqa: E402
 from fxoffload.config import OffloadConfig  # noqa: E402
+from fxoffload.passes.step import simulate_step  # noqa: E402
 from frontier import Setup, Way, backend_for, build_step, chosen_ways, default_ways, plan_notes, verdicts  # noqa: E402
 from gpu_session import Run, predict  # noqa: E402
 from llama_layers import LlamaShape, LlamaStack  # noqa: E402
@@ -159,7 +160,7 @@ def predicted(run_figures: dict, way: Way, profile: fxoffload.DeviceProfile) -> 
         plan="; ".join(plan_notes(backend)),
         step_seconds=run.predicted_step_seconds,
         compute_seconds=run.predicted_compute_seconds,
-        stall_seconds=_stall(records),
+        stall_seconds=simulate_step(records).stall,
         held_at_backward=run.predicted_held_at_backward,
         measured_step_seconds=then["step_seconds"],
         measured_baseline_seconds=measured["step_seconds"] if measured else None,
@@ -168,12 +169,6 @@ def predicted(run_figures: dict, way: Way, profile: fxoffload.DeviceProfile) -> 
         peak_then=then["peak_bytes"],
         held_then=then["predicted_held_at_backward"],
     )
-
-
-def _stall(records: list) -> float:
-    from fxoffload.passes.step import simulate_step
-
-    return simulate_step(records).stall
 
 
 def _ms(seconds: float | None) -> str:

@@ -10,7 +10,7 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, simulate_step, size_ranges, smallest_sizes,
+    Why, activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, simulate_runs, size_ranges, smallest_sizes,
 )
 
 __all__ = ["explain", "format_bytes", "format_stages"]
@@ -138,11 +138,11 @@ def _summary(record: Any) -> str:
 def _step_stall(record: Any) -> str:
     """Where the graph runs several times a step: its runs differ (copies cross from one to the next,
     releases deferred before the last run stall in the last only), so the step simulator's stall too."""
-    plan = record.plan
-    if plan.runs < 2 or plan.interleaved or not record.schedule.placements:
+    runs = simulate_runs(record) if record.schedule.placements else None
+    if runs is None:
         return ""
-    stall = simulate_step([record] * plan.runs, record.profile).stall
-    return (f" in its last run alone; {stall / plan.runs * 1e6:.1f} us a run over the step's {plan.runs} runs "
+    plan = record.plan
+    return (f" in its last run alone; {runs.stall / plan.runs * 1e6:.1f} us a run over the step's {plan.runs} runs "
             "(fxoffload.passes.step, what strategy auto ranks by)")
 
 

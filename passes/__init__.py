@@ -45,7 +45,7 @@ from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
 from .sizes import fixed_sizes, plan_sizes, size_ranges, smallest_sizes, symbol_value, timeline_at
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
-from .step import KeptSource, StepSimulation, simulate_step
+from .step import KeptSource, StepSimulation, simulate_runs, simulate_step
 from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
     "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "save_offload_marks",
     "scheduled_moves", "share_for",
-    "simulate", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
+    "simulate", "simulate_runs", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
     "storage_key", "symbol_value", "tensor_nbytes", "tensor_storage_key", "timeline_at", "unbounded_size_warning",
     "unoffloaded_total_peak",
 ]

@@ -54,7 +54,7 @@ from .replay import Copy, op_starts, replay
 from .scheduling import held_after_forward
 from .simulator import SimulatedCopy
 
-__all__ = ["KeptSource", "StepSimulation", "simulate_step"]
+__all__ = ["KeptSource", "StepSimulation", "simulate_runs", "simulate_step"]
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,18 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
         pinned_host_bytes=sum(r.plan.pinned_host_bytes for r in invocations),
         host_wait=run.host_wait,
     )
+
+
+def simulate_runs(record: Any, profile: DeviceProfile | None = None) -> StepSimulation | None:
+    """The step of ``record``'s graph alone, run as many times as its plan counts (``Plan.runs``): its runs
+    differ (copies cross from one run to the next, releases deferred before the last run stall only in
+    the last), so this, per run, is its prediction rather than the graph replayed once. None for a graph
+    that runs once, or whose forwards run between the step's backwards (``Plan.interleaved``: a pipeline's
+    order, which this replay does not follow)."""
+    plan = record.plan
+    if plan.runs < 2 or plan.interleaved:
+        return None
+    return simulate_step([record] * plan.runs, profile)
 
 
 def _offsets(graphs: Sequence[_Graph]) -> tuple[list[int], list[int], int]:

@@ -44,7 +44,7 @@ from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWa
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .digest import plan_digest
 from .simulator import simulate
-from .step import simulate_step
+from .step import simulate_runs
 
 __all__ = ["CANDIDATE_KEYS", "CandidatePlan", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",
            "plan_best_partition"]
@@ -73,11 +73,8 @@ def _predicted_step(result: PassResult, profile: DeviceProfile, watch: Stopwatch
     only in the last), and the graph alone is its last run. Not where forwards run between the
     backwards (``Plan.interleaved``), which the step simulator does not order so."""
     watch.restart()
-    runs = result.plan.runs
-    if runs > 1 and not result.plan.interleaved:
-        step = simulate_step([result] * runs, profile).step_time / runs
-    else:
-        step = simulate(result, profile).step_time
+    runs = simulate_runs(result, profile)
+    step = simulate(result, profile).step_time if runs is None else runs.step_time / result.plan.runs
     watch.stamp("simulate")
     return step
 
