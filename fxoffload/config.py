@@ -168,7 +168,8 @@ class OffloadConfig:
 
     check_ranks_timeout: float = 300.0
     """Seconds a rank waits, at its second step's start, for the first plans of its peers (``check_ranks``),
-    before it raises ``RankCheckTimeoutError`` naming the ranks that never published theirs."""
+    and under ``select="measured"`` for their timings, before it raises ``RankCheckTimeoutError`` naming
+    the ranks that never published theirs."""
 
     debug: bool = dataclasses.field(default_factory=lambda: os.environ.get("FXOFFLOAD_DEBUG", "") not in ("", "0"))
     """Debug mode for the runtime (``fxoffload.runtime.debugging``): the CUDA engine fills each copy's
@@ -196,9 +197,10 @@ class OffloadConfig:
     ``"measured"``, the fastest measured: the first steps run each candidate (one warm-up step, then
     ``select_steps`` timed steps; CUDA events around each graph) and the fastest median is kept for
     good, and ``explain`` reports every candidate's figures. Under ``"measured"`` the alternatives are
-    planned even when the first plan predicts no cost. One process only (ranks would time apart and
-    plan apart); needs ``strategy="auto"`` and a memory budget to have a choice, and graphs without
-    symbolic sizes (they are compiled again per candidate)."""
+    planned even when the first plan predicts no cost. Over several ranks (``check_ranks`` on) the
+    ranks choose together: the candidate whose slowest rank's median is least, on every rank
+    (``fxoffload.backend.selection``). Needs ``strategy="auto"`` and a memory budget to have a
+    choice, and graphs without symbolic sizes (they are compiled again per candidate)."""
 
     select_steps: int = 3
     """Timed steps per candidate under ``select="measured"``, after its warm-up step (the median counts)."""

@@ -202,13 +202,18 @@ def _selection(record: Any) -> list[str]:
         key = getattr(record, "candidate_key", None)
         return [] if key is None else [
             f"compiled to be timed by measured selection (candidate {key!r}); see the record it kept"]
+    ranks = getattr(selection, "ranks", 1)
     figures = "; ".join(
         f"{t.label}: predicted {t.predicted_step * 1e3:.3f} ms, measured "
         + ("not timed" if t.median is None else f"{t.median * 1e3:.3f} ms (median of {len(t.seconds)} steps)")
+        + ("" if ranks == 1 else ", slowest rank " + ("untimed on one" if t.slowest is None
+                                                     else f"{t.slowest * 1e3:.3f} ms"))
         + (" <- kept" if t is selection.kept else "")
         for t in selection.candidates)
+    kept = ("the fastest median is kept for good" if ranks == 1 else
+            f"over {ranks} ranks, the one whose slowest rank's median is least is kept for good, on every rank")
     return [f"measured selection (select='measured'): each plan of strategy auto that met the budget ran its steps, "
-            f"timed on the device; the fastest median is kept for good: {figures}"]
+            f"timed on the device; {kept}: {figures}"]
 
 
 def _layer_inputs(record: Any) -> list[str]:

@@ -99,3 +99,30 @@ def test_the_graph_key_is_the_graph_and_its_inputs_shapes():
     assert graph_key(*traced(8)) != graph_key(*traced(16))
     module, inputs = traced(8)
     assert graph_key(module, inputs) != graph_key(module, [inputs[0].double()])
+
+
+def test_measured_selection_reads_the_timings_of_the_peers_that_joined_and_waits_for_them():
+    zero, one = two_ranks(timeout=0.3)
+    zero.joins_selection("g")
+    assert zero.peer_timings("g") == []  # rank 1 has not joined: nothing to wait for
+    one.joins_selection("g")
+    zero.publish_timings("g", {"a": (1.5, 2.0), "b": [3.0]})
+    assert one.peer_timings("g") == [{"a": [1.5, 2.0], "b": [3.0]}]
+    assert one.peer_timings("h") == []  # another graph's selection
+    start = time.monotonic()
+    with pytest.raises(RankCheckTimeoutError, match=r"rank 1 published no timings of measured selection within "
+                       r"check_ranks_timeout=0.3 s") as raised:
+        zero.peer_timings("g")  # rank 1 joined and never published
+    assert raised.value.missing == [1] and time.monotonic() - start >= 0.3
+
+
+def test_measured_selection_waits_for_a_peer_that_publishes_within_the_timeout():
+    import threading
+
+    zero, one = two_ranks(timeout=30.0)
+    for check in (zero, one):
+        check.joins_selection("g")
+    late = threading.Timer(0.2, lambda: one.publish_timings("g", {"a": [1.0]}))
+    late.start()
+    assert zero.peer_timings("g") == [{"a": [1.0]}]
+    late.join()

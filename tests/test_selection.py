@@ -19,7 +19,7 @@ import torch
 import fxoffload
 from fxoffload import runtime
 from fxoffload.passes import plan_digest
-from fxoffload.backend.selection import Mark, RegionSelection, fastest
+from fxoffload.backend.selection import Mark, RegionSelection, fastest, slowest_medians
 from tests.conftest import assert_same_step, cuda_engine_on_cpu, lm_step, tiny_llama
 
 
@@ -145,17 +145,55 @@ def test_without_a_choice_nothing_is_timed_or_compiled_again():
     assert len(backend.records) == 1 and backend.records[0].selection is None
 
 
-def test_measured_selection_refuses_a_job_of_several_ranks(monkeypatch):
+def test_measured_selection_refuses_a_job_of_several_ranks_without_the_rank_check(monkeypatch):
     import torch.distributed as dist
 
-    from fxoffload.backend import _refuse_several_ranks
+    from fxoffload.backend import _refuse_unchecked_ranks
+    from fxoffload.backend.ranks import RankCheck
 
-    _refuse_several_ranks()  # one process: fine
+    _refuse_unchecked_ranks(None)  # one process: fine
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(fxoffload.OptionError, match="select='measured' in a job of 2 ranks.*accepted: 'measured' in "
-                       "one process"):
-        _refuse_several_ranks()
+    _refuse_unchecked_ranks(RankCheck(dist.HashStore(), 0, [0, 1], 1.0))  # the ranks agree through its store
+    with pytest.raises(fxoffload.OptionError, match="select='measured' in a job of 2 ranks without check_ranks.*"
+                       "accepted: 'measured' with check_ranks=True"):
+        _refuse_unchecked_ranks(None)
+
+
+def _timed(steps: dict[str, list[float]]) -> RegionSelection:
+    """A schedule whose candidates (keys of ``steps``) each ran one step per second given."""
+    schedule = RegionSelection(tuple(steps), steps=len(next(iter(steps.values()))))
+    for seconds in steps.values():
+        schedule.begin_step()  # warm-up
+        for value in seconds:
+            schedule.begin_step()
+            schedule.note(Mark("cpu", 0.0, value))
+    schedule.begin_step()
+    return schedule
+
+
+def test_over_ranks_every_rank_keeps_the_candidate_whose_slowest_rank_is_fastest():
+    """Rank 0 alone would keep "a", rank 1 alone "b"; a data-parallel step waits for its slowest rank,
+    and "c" is the least of the slowest (2.0 against 3.0 and 4.0): both ranks keep it."""
+    candidates = [fxoffload.passes.CandidatePlan(k, k, p) for k, p in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
+    zero = _timed({"a": [1.0, 1.0, 9.0], "b": [4.0, 4.0, 4.0], "c": [2.0, 2.0, 2.0]})
+    one = _timed({"a": [3.0, 3.0, 3.0], "b": [0.5, 0.5, 0.5], "c": [1.5, 2.0, 1.0]})
+    read = lambda m: m.end - m.start  # noqa: E731
+    assert zero.decide(candidates, read).kept.key == "a" and one.decide(candidates, read).kept.key == "b"
+    by_zero = zero.decide(candidates, read, [one.seconds(read)])
+    by_one = one.decide(candidates, read, [zero.seconds(read)])
+    assert by_zero.kept.key == by_one.kept.key == "c"
+    assert [t.slowest for t in by_zero.candidates] == [t.slowest for t in by_one.candidates] == [3.0, 4.0, 2.0]
+    assert by_zero.ranks == by_one.ranks == 2
+    assert by_zero.candidates[0].seconds == (1.0, 1.0, 9.0)  # each rank keeps its own steps beside them
+
+
+def test_a_candidate_one_rank_could_not_time_never_wins_over_ranks():
+    assert slowest_medians([[(1.0,), (5.0,)], [(), (6.0,)]]) == [None, 6.0]
+    assert slowest_medians([[(1.0,), (2.0,)], [(1.0,)]]) == [1.0, None]  # a peer without the second
+    candidates = [fxoffload.passes.CandidatePlan(k, k, 1.0) for k in ("a", "b")]
+    schedule = _timed({"a": [1.0], "b": [5.0]})
+    assert schedule.decide(candidates, lambda m: m.end - m.start, [{"b": [6.0]}]).kept.key == "b"
 
 
 @pytest.mark.slow
@@ -169,3 +207,20 @@ def test_a_kept_candidate_timed_earlier_runs_again_exactly(monkeypatch):
     kept = _kept(backend)
     assert kept is backend.records[0] and kept.selection.kept.key == "min-cut" and kept.plan.transfers
     assert backend.step_invocations()[-1] is kept
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_one_candidate_by_their_timings_together():
+    """Two processes (``tests/distributed/select_ranks.py``): copies dear on rank 1 and paid back on rank 0,
+    so each alone would keep another plan; both keep PyTorch's recompute-only partition, whose slowest
+    rank is fastest, every step equal to eager. Without the rank check the backend refuses."""
+    from tests.test_distributed import run_distributed
+
+    lines = run_distributed("select_ranks.py")
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], lines
+    for line in lines:
+        assert "kept pytorch over 2 ranks" in line and "explain: True" in line, line
+    assert len({line.split("; slowest ")[1] for line in lines}) == 1, lines  # the same figures on each
+    refused = run_distributed("select_ranks.py", "unchecked")
+    assert all("OptionError: select: select='measured' in a job of 2 ranks without check_ranks" in line
+               for line in refused) and len(refused) == 2, refused

@@ -303,6 +303,7 @@ class OffloadBackend:
         self._callers = CallerWatch()
         self._steps = 0  # steps begun (a new one at the first forward after a backward began)
         self._compared_graph: dict[tuple, str] = {}  # each region's first key for the rank check
+        self._compared_latest: dict[tuple, str] = {}  # each region's latest key (measured selection's, across ranks)
 
     @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
@@ -406,8 +407,8 @@ class OffloadBackend:
         if log.isEnabledFor(logging.DEBUG):  # explain walks the plan's sizes: seconds on a symbolic 8B graph
             log.debug("fxoffload graph %d\n%s", record.index, explain(record))
         if (check := self._rank_check) is not None:
-            check.planned(self._compared_as(region, graph, input_activations, options), record.index,
-                          plan_digest(record.plan, record.schedule))
+            self._compared_latest[region] = self._compared_as(region, graph, input_activations, options)
+            check.planned(self._compared_latest[region], record.index, plan_digest(record.plan, record.schedule))
         if self.config.inner == "inductor" and not compilation.read_only:
             for module in (fw, bw):
                 pin_offload_order(module)
@@ -452,7 +453,7 @@ class OffloadBackend:
         inputs = input_facts(example_inputs)
         measured = self.config.select == "measured"
         if measured:
-            _refuse_several_ranks()
+            _refuse_unchecked_ranks(self._rank_check)
         source = (_Replan.of(gm, example_inputs, inputs, patches)
                   if self.config.runs_per_step == "auto" or measured else None)
         replan = source if self.config.runs_per_step == "auto" else None
@@ -540,7 +541,7 @@ class OffloadBackend:
                 return
             keys = tuple(c.key for c in candidates)
             state.trials = _Trials(RegionSelection(keys, self.config.select_steps), candidates,
-                                   {keys[0]: state.compiled})
+                                   {keys[0]: state.compiled}, self._selection_key(region))
         schedule = state.trials.schedule
         state.compiled.compilation.timer = None
         schedule.begin_step()
@@ -549,7 +550,22 @@ class OffloadBackend:
                 state.compiled = compiled
                 compiled.compilation.timer = schedule.note if schedule.timing else None
                 return
+        if state.trials.key is not None and not state.trials.published:
+            # Several ranks: publish, run the last candidate one more step, and decide at the next, together.
+            self._rank_check.publish_timings(state.trials.key, schedule.seconds(_elapsed))
+            state.trials.published = True
+            return
         self._keep_fastest(region, state)
+
+    def _selection_key(self, region: tuple) -> str | None:
+        """The key ranks agree on ``region``'s measured selection under (its plan's key in the rank check),
+        this rank joined to it; None in one process."""
+        check = self._rank_check
+        if check is None or region not in self._compared_latest:
+            return None
+        key = self._compared_latest[region]
+        check.joins_selection(key)
+        return key
 
     def _trial(self, region: tuple, source: "_Replan", trials: "_Trials") -> "_Compiled | None":
         """The compiled candidate whose steps these are, compiled at its first; None when it cannot be
@@ -575,8 +591,8 @@ class OffloadBackend:
     def _keep_fastest(self, region: tuple, state: "_RegionRun") -> None:
         """Read the timed steps, keep the candidate with the least median for good, and tell the ledger its figures."""
         trials = state.trials
-        selection = trials.schedule.decide(
-            trials.candidates, lambda m: fxoffload.runtime.elapsed_seconds(m.device, m.start, m.end))
+        peers = self._rank_check.peer_timings(trials.key) if trials.key is not None else []
+        selection = trials.schedule.decide(trials.candidates, _elapsed, peers)
         kept = trials.compiled[selection.kept.key]
         record = kept.compilation.record
         record.selection, record.candidate_key = selection, None
@@ -721,6 +737,8 @@ class _Trials:
     schedule: RegionSelection
     candidates: list[CandidatePlan]  # in predicted order, as the schedule's keys
     compiled: dict[str, _Compiled]  # by candidate key
+    key: str | None = None  # the region's key across ranks (None: one rank, nothing to agree)
+    published: bool = False  # this rank's timings are in the store; it decides at the next step
 
 
 @dataclass
@@ -756,14 +774,20 @@ def _device_of(args: Sequence[Any]) -> torch.device | None:
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
 
 
-def _refuse_several_ranks() -> None:
-    """select="measured" in one process only: ranks would time apart and plan apart."""
+def _elapsed(mark: Mark) -> float:
+    return fxoffload.runtime.elapsed_seconds(mark.device, mark.start, mark.end)
+
+
+def _refuse_unchecked_ranks(check: RankCheck | None) -> None:
+    """select="measured" over several ranks only where they agree through the rank check's store
+    (``check``): without it each rank would keep the candidate it timed fastest, and ranks must plan alike."""
     import torch.distributed as dist  # here: select="measured" alone needs it
 
-    if dist.is_available() and dist.is_initialized() and (ranks := dist.get_world_size()) > 1:
-        raise OptionError("select", f"select='measured' in a job of {ranks} ranks: each rank would time its own "
-                          "candidates and keep its own plan, and ranks must plan alike; accepted: 'measured' in "
-                          "one process, or 'predicted' (the default)")
+    if check is None and dist.is_available() and dist.is_initialized() and (ranks := dist.get_world_size()) > 1:
+        raise OptionError("select", f"select='measured' in a job of {ranks} ranks without check_ranks (or on a rank "
+                          "outside its group): each rank would keep the candidate it timed fastest, and ranks must "
+                          "plan alike; accepted: 'measured' with check_ranks=True or a ProcessGroup holding this "
+                          "rank (the ranks then keep one candidate, by their timings together), or 'predicted'")
 
 
 def _largest_saved_input(fw: fx.GraphModule, plan: Plan, input_activations: frozenset[int]) -> int:

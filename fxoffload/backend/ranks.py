@@ -43,6 +43,16 @@ in the gather, rank 1 waiting for rank 0's activations), and so did waiting for
 the peers' lists at the second microbatch (rank 0 waiting for its sends to
 complete, rank 1 waiting for rank 0's lists before receiving them).
 
+Measured selection (``select="measured"``, ``fxoffload.backend.selection``) is the one place a rank
+waits: every rank that times a graph's candidates marks itself joined under the graph's key, publishes
+its timings when its last candidate's timed steps end, and reads those of the joined peers at its next
+step's start, waiting for a peer's that is not there yet (:meth:`RankCheck.peer_timings`). That wait
+cannot close a cycle among ranks coupled by their backwards' collectives (data-parallel replicas,
+FSDP, tensor-parallel shards): a rank there has finished the step in which each peer published, at the
+graph's first forward of that step, and so each peer's part in that step's backward collectives came
+after its publication. A peer that has not joined when the rank decides is not waited for (and would decide
+from other timings): ranks that never communicate in a step are not kept in step by it.
+
 Limits: checked in training steps (a backward must begin). A rank blocked
 elsewhere (in a collective with a peer that raised) does not reach its next
 check: it stops at the process group's timeout. Timeouts are read on the
@@ -60,7 +70,7 @@ import itertools
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,10 +97,19 @@ class PlanMismatchError(RuntimeError):
 
 
 class RankCheckTimeoutError(RuntimeError):
-    """Peers did not publish their plans within ``check_ranks_timeout``. ``missing``: their global ranks."""
+    """Peers did not publish their plans (or their measured selection's timings) within
+    ``check_ranks_timeout``. ``missing``: their global ranks."""
 
-    def __init__(self, missing: list[int], timeout: float) -> None:
+    def __init__(self, missing: list[int], timeout: float, timings: bool = False) -> None:
         self.missing = list(missing)
+        if timings:
+            super().__init__(
+                f"fxoffload: {_ranks(missing)} published no timings of measured selection within "
+                f"check_ranks_timeout={timeout:g} s of this rank's asking (select='measured': each rank publishes "
+                "them when its last candidate's timed steps end, and every rank waits for them a step later). A "
+                "peer that stopped, or runs the graph for steps this rank does not wait for, never does: raise "
+                "check_ranks_timeout for a slow peer, or use select='predicted'.")
+            return
         super().__init__(
             f"fxoffload: {_ranks(missing)} published no plans within check_ranks_timeout={timeout:g} s of this "
             "rank's (check_ranks: every rank publishes when a backward begins after it planned). A rank that "
@@ -201,6 +220,33 @@ class RankCheck:
                 raise PlanMismatchError(seen)
         if self._missing and time.monotonic() - self._published_at > self.timeout:
             raise RankCheckTimeoutError(self._missing, self.timeout)
+
+
+    def joins_selection(self, key: str) -> None:
+        """This rank times the candidates of the graph keyed ``key`` (measured selection): its peers wait
+        for its timings (:meth:`peer_timings`)."""
+        self.store.set(f"select/{key}/joined/{self.rank}", "1")
+
+    def publish_timings(self, key: str, seconds: Mapping[str, Sequence[float]]) -> None:
+        """This rank's timed steps of each candidate of the graph keyed ``key``, by candidate key."""
+        self.store.set(f"select/{key}/timings/{self.rank}", json.dumps({k: list(v) for k, v in seconds.items()}))
+
+    def peer_timings(self, key: str) -> list[dict[str, list[float]]]:
+        """The timings of every peer that joined the selection of ``key``, in rank order, waiting up to
+        the timeout for those not published yet (see ``fxoffload.backend.selection``: asked a step after
+        this rank published its own, when a peer coupled to it by the step's collectives has published
+        too). Raises :class:`RankCheckTimeoutError` naming the peers still missing."""
+        joined = [p for p in self.peers if self.store.check([f"select/{key}/joined/{p}"])]
+        names = [f"select/{key}/timings/{p}" for p in joined]
+        if not names:
+            return []
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check(names):
+            if time.monotonic() > deadline:
+                missing = [p for p, n in zip(joined, names) if not self.store.check([n])]
+                raise RankCheckTimeoutError(missing, self.timeout, timings=True)
+            time.sleep(0.01)
+        return [json.loads(self.store.get(n)) for n in names]
 
 
 def _differ(seen: dict[int, tuple[int, str]]) -> bool:

@@ -14,19 +14,25 @@ waits for copies included. The kept candidate has the least median step time; a 
 faster predicted (:func:`fastest`). The marks are read once, when every candidate has run (reading
 waits for the device), and the choice is final: the one place a plan depends on a measurement.
 
+Several ranks (:func:`slowest_medians`): ranks that compile one graph must keep one plan of it, and
+each measures its own. Each publishes its timed steps through the job's store when its last candidate's
+steps end (``fxoffload.backend.ranks.RankCheck.publish_timings``), runs that candidate one more step,
+and at the next step's start reads its peers' (waiting for any not yet there) and keeps the candidate
+whose slowest rank's median is least: a data-parallel step waits for its slowest rank. Every rank
+decides from the same figures, so every rank keeps the same plan, in the same step.
+
 Limits: a region's time is its own graphs': a copy of this region's that makes another region's
 graph wait is charged to that one. Several regions are timed in the same steps, each against its own
-candidates, so one region's candidate can shift another's time. Ranks would measure differently and
-plan differently, so the backend refuses measured selection in a job of several ranks.
+candidates, so one region's candidate can shift another's time.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["WARMUP_STEPS", "Mark", "RegionSelection", "Selection", "Timed", "fastest"]
+__all__ = ["WARMUP_STEPS", "Mark", "RegionSelection", "Selection", "Timed", "fastest", "slowest_medians"]
 
 WARMUP_STEPS = 1  # per candidate, before its timed steps
 
@@ -38,7 +44,8 @@ class Timed:
     key: str
     label: str
     predicted_step: float
-    seconds: tuple[float, ...]
+    seconds: tuple[float, ...]  # this rank's
+    slowest: float | None = None  # over several ranks: the slowest rank's median (None: one rank, or untimed on one)
 
     @property
     def median(self) -> float | None:
@@ -51,6 +58,7 @@ class Selection:
 
     candidates: tuple[Timed, ...]
     chosen: int  # index into candidates
+    ranks: int = 1  # the ranks whose timings chose it
 
     @property
     def kept(self) -> Timed:
@@ -71,6 +79,17 @@ def fastest(seconds: Sequence[Sequence[float]]) -> int:
     (faster predicted). Candidates with no timed step never win; with none timed, the first."""
     medians = [(statistics.median(s), i) for i, s in enumerate(seconds) if s]
     return min(medians)[1] if medians else 0
+
+
+def slowest_medians(ranks: Sequence[Sequence[Sequence[float]]]) -> list[float | None]:
+    """Per candidate, the greatest of the ranks' medians (``ranks[r][i]``: rank ``r``'s timed steps of
+    candidate ``i``); None where some rank has none (it could not compile it, or never timed it)."""
+    count = max((len(r) for r in ranks), default=0)
+    slowest: list[float | None] = []
+    for i in range(count):
+        steps = [r[i] if i < len(r) else () for r in ranks]
+        slowest.append(max(statistics.median(s) for s in steps) if all(steps) else None)
+    return slowest
 
 
 @dataclass
@@ -120,11 +139,23 @@ class RegionSelection:
             raise ValueError(f"candidate {index} can only be dropped at its first step, before any timing")
         self.keys = self.keys[:index] + self.keys[index + 1:]
 
-    def decide(self, candidates: Sequence[Any], read: Callable[[Mark], float]) -> Selection:
-        """The selection, from the marks read with ``read`` (seconds between a mark's ends);
+    def seconds(self, read: Callable[[Mark], float]) -> dict[str, tuple[float, ...]]:
+        """Each candidate's timed steps (the sum of its runs' seconds, each mark read with ``read``), by key."""
+        return {key: tuple(sum(read(m) for m in marks) for marks in self.marks.get(i, []) if marks)
+                for i, key in enumerate(self.keys)}
+
+    def decide(self, candidates: Sequence[Any], read: Callable[[Mark], float],
+               peers: Sequence[Mapping[str, Sequence[float]]] = ()) -> Selection:
+        """The selection, from the marks read with ``read`` (seconds between a mark's ends) and, over
+        several ranks, the ``peers``' timed steps by candidate key (:meth:`seconds` on each):
         ``candidates``: what the keys stand for (``fxoffload.passes.CandidatePlan``, same order)."""
-        timed = []
-        for i, candidate in enumerate(candidates):
-            steps = tuple(sum(read(m) for m in marks) for marks in self.marks.get(i, []) if marks)
-            timed.append(Timed(candidate.key, candidate.label, candidate.predicted_step, steps))
-        return Selection(tuple(timed), fastest([t.seconds for t in timed]))
+        own = self.seconds(read)
+        steps = [own[c.key] for c in candidates]
+        slowest: list[float | None] = [None] * len(candidates)
+        if peers:
+            slowest = slowest_medians([steps, *([tuple(p.get(c.key, ())) for c in candidates] for p in peers)])
+            chosen = fastest([[s] if s is not None else [] for s in slowest])
+        else:
+            chosen = fastest(steps)
+        timed = tuple(Timed(c.key, c.label, c.predicted_step, s, w) for c, s, w in zip(candidates, steps, slowest))
+        return Selection(timed, chosen, 1 + len(peers))
