@@ -75,3 +75,40 @@ def test_the_rewrite_adds_no_kernel(plain_kernels, budget):
         f"{forward} forward and {backward} backward kernels against plain's {plain_kernels}")
     for got, expected in zip(grads, eager_grads()):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))
+
+
+# Compute priced slow against the copies, as a GPU's fused kernels are against its link at the sizes the
+# frontier runs: strategy auto then offloads under its min-cut partition (0.7, 0.5) and under PyTorch's
+# recompute-only one (0.3, the gate projection), as the defaults do there.
+COMPUTE_BOUND = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),), 1e11, 1e10, 1e10, True, 0.0)
+
+
+@pytest.fixture(scope="module")
+def pytorch_kernels():
+    """PyTorch's own kernels at each recompute budget (its ``activation_memory_budget``)."""
+    counts = {}
+    for budget in (0.7, 0.5, 0.3):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            counts[budget] = compile_block("inductor")[:2]
+    return counts
+
+
+@pytest.mark.parametrize("budget", [0.7, 0.5, 0.3])
+def test_default_options_add_no_kernel_to_the_partition_they_run(plain_kernels, pytorch_kernels, budget):
+    """With default options (strategy auto, min_bytes) the copies add no kernel to the partition the plan
+    runs: plain compile's for the min-cut pair, PyTorch's own at the budget for its recompute-only
+    partition. Before a release followed a fusible reader of what it frees through what that reader's
+    fused kernel writes out (``fxoffload.backend.ordering._follow_fused_readers``), at 0.3 the release of
+    the offloaded gate projection made Inductor write SwiGLU's ``silu`` out apart from its ``mul``: one
+    forward kernel more than PyTorch's partition."""
+    backend = fxoffload.offload_backend(inner="inductor", memory_budget=budget, device_profile=COMPUTE_BOUND)
+    forward, backward, grads = compile_block(backend)
+    plan = backend.records[0].plan
+    assert plan.transfers, "nothing offloaded: the count would say nothing"
+    recompute_only = plan.partition.startswith(f"recompute-only (activation_memory_budget={budget})")
+    assert recompute_only == (budget == 0.3), plan.partition
+    baseline = pytorch_kernels[budget] if recompute_only else plain_kernels
+    assert forward <= baseline[0] and backward <= baseline[1], (
+        f"{forward} forward and {backward} backward kernels against {baseline} ({plan.partition})")
+    for got, expected in zip(grads, eager_grads()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))

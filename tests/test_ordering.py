@@ -1,6 +1,6 @@
 """Ordering edges for Inductor (``fxoffload.backend.ordering``), checked on graphs without compiling them (fast)."""
 
-from fxoffload.backend.ordering import _ordering_edges
+from fxoffload.backend.ordering import _fusion_ends, _ordering_edges, _Reach
 from fxoffload.passes.analysis import is_anchored_compute, storage_key
 from fxoffload.passes.ops import RELEASES
 
@@ -12,16 +12,24 @@ def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees(off
     the device copy could be freed under it."""
     graph = offloaded_llama_record.forward.graph
     edges = _ordering_edges(graph)
-    seen, several = [], 0
+    reach = _Reach(graph)
+    seen, several, through_ends = [], 0, 0
     for node in graph.nodes:
         if node.op == "call_function" and node.target in RELEASES:
             freed = storage_key(node.args[1])
             readers = {n for n in seen if any(storage_key(a) == freed for a in n.all_input_nodes)}
             several += len(readers) > 1
-            assert readers <= set(edges.get(node, ())) | set(node.all_input_nodes), node.name
+            deps = set(edges.get(node, ())) | set(node.all_input_nodes)
+            for reader in readers - deps:
+                # A fusible reader is followed through what its fused kernel writes out, which it reaches.
+                ends = _fusion_ends(reader, reach)
+                assert reach.fusible(reader) and ends and set(ends) <= deps, (node.name, reader.name)
+                assert all(reach.reaches(reader, end) for end in ends), (node.name, reader.name)
+                through_ends += 1
         elif is_anchored_compute(node):
             seen.append(node)
     assert several, "no release frees a storage with several readers: the test would prove nothing"
+    assert through_ends, "no reader followed through its fused kernel's outputs: the test would prove less"
 
 
 def test_the_graphs_handed_to_inductor_carry_the_ordering_edges(monkeypatch):

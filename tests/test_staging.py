@@ -244,9 +244,13 @@ def test_inductor_leaves_an_offloaded_source_unpadded_so_no_copy_is_staged_unpla
     with inductor_config.patch(comprehensive_padding=True, disable_padding_cpu=False), \
             cuda_engine_on_cpu() as fake, runtime.debugging():
         runtime.debug_counts(reset=True)
-        got, (fw_code, _) = run_and_get_code(lambda: step(compiled, model))
+        got, (fw_code, bw_code) = run_and_get_code(lambda: step(compiled, model))
         counts = runtime.debug_counts(reset=True)
-    assert ", 1120)" not in fw_code and "(1120, 1)" in fw_code  # padding is on: the tensors not offloaded get it
+    # Padding is on: the backward's gradient buffers of 1100 columns get it. (The forward writes out the
+    # two offloaded sources alone: tanh, sin and the scaling fuse into one kernel since the release of
+    # the first matmul's output follows that kernel's output, not tanh: fxoffload.backend.ordering.)
+    assert "(1120, 1)" in bw_code
+    assert "1120" not in fw_code and fw_code.count("(1100, 1)") >= 2  # the offloaded sources are not padded
     transfers = backend.records[0].plan.transfers
     assert len(transfers) == 2 and counts.filled == 4  # two round trips, each copy made
     assert counts.staged == 2 * sum(1 for t in transfers if t.staging) == 0

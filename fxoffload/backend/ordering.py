@@ -43,6 +43,24 @@ kernel more: ``benchmarks/fusions.py`` counts kernels.) A neighbour's
 partners are searched up to ``_CANDIDATES`` anchors away; past that the op has
 no anchor on that side.
 
+A release's readers. A dependency on a pointwise reader makes Inductor write
+that reader's value out, the end of a kernel: SwiGLU's ``silu`` of an offloaded
+gate projection landed in a kernel of its own, apart from its ``mul``, under a
+partition that recomputes the ``silu`` (one forward kernel more than PyTorch's
+own partition at 0.3). So a release follows a fusible reader through what the
+kernel it fuses into writes out (:func:`_fusion_ends`: walking the reader's
+users through fusible ops and views, each value read by a barrier, one of our
+ops or the output, and each reduction), moving to right after the last of
+those where no barrier, fxoffload op or user of the release lies between
+(:func:`_follow_fused_readers`): the storage is then freed after the fused
+kernel that reads it last, as plain compile reads it, instead of the reader's
+value being written out and read again (the same bytes held, one kernel and
+two passes over them less). A reader whose kernel is written out past such a
+node is followed itself, as before. Limits: an offloaded reduction result
+(RMSNorm's ``rsqrt``, below ``min_bytes`` at a GPU's sizes) still ends its
+kernel before the epilogue that reads it (Inductor's own choice, seen on the
+CPU with ``min_bytes=0``).
+
 Anchors are compute ops that read a value computed in the graph: an op of
 graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
 top by Inductor and would drag the pinned op with it.
@@ -111,6 +129,7 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     (a release) the readers of what it frees, (a defer) the graph's last kernels; its sink anchor after
     it. Anchors are chosen so that no fusion splits (see the module docstring)."""
     edges: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    fused_readers = _follow_fused_readers(graph)
     reach = _Reach(graph)
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target in FXOFFLOAD_OPS]
     anchors = [n for n in graph.nodes if is_anchored_compute(n)]
@@ -129,8 +148,9 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         previous_op = op
         if op.target in RELEASES:
             # A release must follow every reader of the storage it frees, even one Inductor fuses or
-            # moves earlier.
-            deps.update(readers[op])
+            # moves earlier: a fusible reader through the values its kernel writes out (a dependency
+            # on the reader itself would make Inductor write it out, a kernel more).
+            deps.update(d for r in readers[op] for d in fused_readers.get((op, r), (r,)))
         if op.target is DEFER:
             deps.update(k for k in last_kernels if reach.index[k] < reach.index[op])
         deps = OrderedSet(d for d in deps if d not in op.all_input_nodes)
@@ -142,6 +162,83 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         if sink is not None and op not in sink.all_input_nodes:
             edges.setdefault(sink, OrderedSet()).add(op)
     return edges
+
+
+def _follow_fused_readers(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], list[fx.Node]]:
+    """For each release and each fusible reader of the storage it frees, what the release follows in
+    the reader's stead: the values Inductor writes out of the kernel the reader fuses into
+    (:func:`_fusion_ends`). A release before some of them moves to right after the last, where no
+    kernel of its own (a barrier), fxoffload op or user of it lies between: it then frees the storage
+    after the fused kernel that reads it last, instead of that kernel's first part being written out
+    apart to be read again (SwiGLU's ``silu`` of an offloaded gate projection, split from its ``mul``
+    under a partition that recomputes the ``silu``). A reader whose values are written out past such
+    a node stays what the release follows."""
+    reach = _Reach(graph)
+    follow: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
+    for op, readers in _readers_before(graph).items():
+        if op.target is not WAIT:
+            continue
+        for reader in readers:
+            if not reach.fusible(reader):
+                continue
+            ends = _fusion_ends(reader, reach)
+            if ends and _move_after(op, max(ends, key=reach.index.__getitem__), reach):
+                reach = _Reach(graph)  # positions changed
+                follow[(op, reader)] = ends
+            elif ends and all(reach.index[e] < reach.index[op] for e in ends):
+                follow[(op, reader)] = ends
+    return follow
+
+
+def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
+    """The nodes through which the kernel ``reader`` fuses into is written out: walking its users
+    through fusible ops and views, each node read by something that is not (a barrier, an fxoffload
+    op, the graph's output), and each reduction past ``reader`` (Inductor writes a reduction out)."""
+    ends, seen, stack = [], {reader}, [reader]
+    while stack:
+        node = stack.pop()
+        if node is not reader and _reduces(node):
+            ends.append(node)
+            continue
+        written = False
+        for user in node.users:
+            if not reach._within_kernel(user):
+                written = True
+            elif user not in seen:
+                seen.add(user)
+                stack.append(user)
+        if written:
+            ends.append(node)
+    return ends
+
+
+def _reduces(node: fx.Node) -> bool:
+    """A compute op whose result has fewer elements than one of its inputs (a reduction, an index),
+    or whose sizes are not all known numbers: where a fused kernel may end."""
+    if not is_compute(node):
+        return False
+    value = node.meta.get("val")
+    inputs = [a.meta.get("val") for a in node.all_input_nodes]
+    if not isinstance(value, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in inputs):
+        return True
+    sizes = [value.numel(), *(v.numel() for v in inputs)]
+    if not all(isinstance(n, int) for n in sizes):
+        return True
+    return any(n > sizes[0] for n in sizes[1:])
+
+
+def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
+    """Move ``op`` to right after ``last`` if ``last`` comes after it with no barrier, fxoffload op or
+    user of ``op`` between them; whether it moved."""
+    start, end = reach.index[op], reach.index[last]
+    if end <= start:
+        return False
+    between = [n for n in op.graph.nodes if start < reach.index[n] <= end]
+    if any(n in op.users or n.target in FXOFFLOAD_OPS or (is_compute(n) and is_fusion_barrier(n))
+           for n in between if n.op == "call_function" or n in op.users):
+        return False
+    last.append(op)
+    return True
 
 
 def is_fusion_barrier(node: fx.Node) -> bool:
