@@ -192,7 +192,8 @@ class OffloadConfig:
 
     select: Select = "predicted"
     """How strategy auto picks among its plans of a graph that meet the budget (the min-cut pair's
-    joint plan, offload-only, recompute-only, and PyTorch's recompute-only partition): ``"predicted"``,
+    joint plan, offload-only, recompute-only, PyTorch's recompute-only partition, and for a graph of
+    several runs the joint plan with room under the budget): ``"predicted"``,
     the fastest the cost model predicts (plans depend on the graph and the options alone); or
     ``"measured"``, the fastest measured: the first steps run each candidate (one warm-up step, then
     ``select_steps`` timed steps; CUDA events around each graph) and the fastest median is kept for

@@ -162,16 +162,18 @@ def priced_staging(costs: Mapping[fx.Node, TransferCost], options: PlanOptions,
 
 
 def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
-                  policies: Mapping[str, str] | None, watch: Stopwatch) -> PassResult:
+                  policies: Mapping[str, str] | None, watch: Stopwatch, chosen_under: int = 0) -> PassResult:
     """Plan and schedule an analysed pair under ``options``; the graphs are not changed. Under
     ``max_overhead``: without a budget, the smallest peak whose simulated overhead is within it
     (:func:`_within_overhead`); with one, the plan that meets the budget, checked against it
-    (:func:`check_overhead`)."""
+    (:func:`check_overhead`). ``chosen_under``: under a budget in bytes, the copies are chosen for that
+    many bytes less, and the releases placed at the budget itself (strategy auto's alternative that
+    leaves the schedule room: ``fxoffload.passes.strategy``)."""
     found = SmallestPeak()  # shared by this pair's plans under raised peaks
 
     def planned(peak_within: int | None) -> PassResult:
         within = None if peak_within is None else PeakWithin(peak_within, found)
-        return _plan_and_schedule(analysis, options, horizon, profile, policies, watch, within)
+        return _plan_and_schedule(analysis, options, horizon, profile, policies, watch, _Choice(within, chosen_under))
 
     if options.max_overhead is None:
         return planned(None)
@@ -185,13 +187,28 @@ def plan_analysed(analysis: Analysis, *, options: PlanOptions, horizon: int | st
     return _within_overhead(planned, plain, options.max_overhead * plain, profile, watch)
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """How a plan's copies are chosen: under ``peak_within`` (see :class:`PeakWithin`), and for a budget
+    ``under`` bytes below the one in bytes that its releases are then placed at (``plan_analysed``)."""
+
+    peak_within: PeakWithin | None = None
+    under: int = 0
+
+
 def _plan_and_schedule(a: Analysis, options: PlanOptions, horizon: int | str, profile: DeviceProfile,
-                       policies: Mapping[str, str] | None, watch: Stopwatch,
-                       peak_within: PeakWithin | None) -> PassResult:
+                       policies: Mapping[str, str] | None, watch: Stopwatch, choice: _Choice) -> PassResult:
     recomputes = {} if options.strategy == "offload" else a.recomputes
     choosable = Choosable(a.interface, a.activations, a.timeline, a.moves, priced_staging(a.costs, options, profile),
                           recomputes)
-    plan = plan_offloads(choosable, options, policies, queued=horizon == AUTO_HORIZON, peak_within=peak_within)
+    queued = horizon == AUTO_HORIZON
+    if choice.under and options.budget is not None and options.budget.nbytes is not None:
+        tighter = dataclasses.replace(options.budget, nbytes=options.budget.nbytes - choice.under)
+        plan = plan_offloads(choosable, dataclasses.replace(options, budget=tighter), policies, queued=queued,
+                             peak_within=choice.peak_within)
+        plan = dataclasses.replace(plan, budget=str(options.budget), budget_bytes=options.budget.nbytes)
+    else:
+        plan = plan_offloads(choosable, options, policies, queued=queued, peak_within=choice.peak_within)
     watch.stamp("plan")
     schedule = schedule_transfers(plan, a.placements, horizon, timeline=a.timeline, times=list(a.times),
                                   profile=profile, cross_graphs=options.cross_graphs)
