@@ -3,6 +3,7 @@ that run's calibration, and its section of RESULTS.md kept current."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -69,6 +70,19 @@ def test_the_results_section_is_what_the_script_predicts_today(capsys):
     assert table_rows(capsys.readouterr().out) == table_rows(section(frontier_predict.HEADING))
 
 
+@functools.cache
+def run5_invocations(budget: float) -> list:
+    """The step's graph records of fxoffload auto at ``budget`` on run 5's model and calibration, as
+    ``frontier_predict`` plans them (fake tensors)."""
+    from frontier import Way
+
+    figures = json.loads(RUN5.read_text())
+    setup = frontier_predict.setup_from(figures["setup"])
+    profile = frontier_predict.profile_from(figures["device_profile"])
+    _, backend = frontier_predict.predict_way(setup, Way("fxoffload", budget, "auto"), profile)
+    return backend.step_invocations()
+
+
 @pytest.mark.slow
 def test_strategy_auto_ranks_a_graph_serving_every_layer_by_the_step_of_its_runs():
     # Run 5's model and calibration at 0.7: the plan that copies stalls only in the last of the eight
@@ -76,20 +90,14 @@ def test_strategy_auto_ranks_a_graph_serving_every_layer_by_the_step_of_its_runs
     # would carry that stall eight times, and PyTorch's recompute-only partition would win.
     from fxoffload.passes.simulator import simulate
     from fxoffload.passes.step import simulate_step
-    from frontier import Way
 
-    figures = json.loads(RUN5.read_text())
-    setup = frontier_predict.setup_from(figures["setup"])
-    profile = frontier_predict.profile_from(figures["device_profile"])
-    _, backend = frontier_predict.predict_way(setup, Way("fxoffload", 0.7, "auto"), profile)
-    invocations = backend.step_invocations()
+    invocations = run5_invocations(0.7)
     record, step = invocations[-1], simulate_step(invocations)
     assert len(invocations) == 8 and record.plan.runs == 8 and record.plan.transfers
     # The prediction the plan was chosen by is the step simulator's over its runs, per run.
     assert record.candidates[0].predicted_step == pytest.approx(step.step_time / 8, rel=1e-9)
     # At 0.3 the last run stalls where the others do not: the graph alone (its last run) is slower.
-    _, backend = frontier_predict.predict_way(setup, Way("fxoffload", 0.3, "auto"), profile)
-    invocations = backend.step_invocations()
+    invocations = run5_invocations(0.3)
     step = simulate_step(invocations)
     assert simulate(invocations[-1]).step_time > 1.001 * step.step_time / 8 and step.stall > 1e-3
 
@@ -101,13 +109,8 @@ def test_strategy_auto_leaves_the_last_run_room_to_wait_for_its_copy():
     copies chosen for a budget one copy lower (64 MiB) and its releases placed at the budget itself,
     the wait goes. That plan is kept, within the user's budget."""
     from fxoffload.passes.step import simulate_step
-    from frontier import Way
 
-    figures = json.loads(RUN5.read_text())
-    setup = frontier_predict.setup_from(figures["setup"])
-    profile = frontier_predict.profile_from(figures["device_profile"])
-    _, backend = frontier_predict.predict_way(setup, Way("fxoffload", 0.7, "auto"), profile)
-    invocations = backend.step_invocations()
+    invocations = run5_invocations(0.7)
     record, step = invocations[-1], simulate_step(invocations)
     keys = [c.key for c in record.candidates]
     assert keys[0] == "min-cut-room-1" and "min-cut" in keys, keys

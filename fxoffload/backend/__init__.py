@@ -541,7 +541,7 @@ class OffloadBackend:
                 return
             keys = tuple(c.key for c in candidates)
             state.trials = _Trials(RegionSelection(keys, self.config.select_steps), candidates,
-                                   {keys[0]: state.compiled}, self._selection_key(region))
+                                   {keys[0]: state.compiled}, self._join_selection(region))
         schedule = state.trials.schedule
         state.compiled.compilation.timer = None
         schedule.begin_step()
@@ -557,9 +557,9 @@ class OffloadBackend:
             return
         self._keep_fastest(region, state)
 
-    def _selection_key(self, region: tuple) -> str | None:
-        """The key ranks agree on ``region``'s measured selection under (its plan's key in the rank check),
-        this rank joined to it; None in one process."""
+    def _join_selection(self, region: tuple) -> str | None:
+        """Join this rank to ``region``'s measured selection across ranks; the key the ranks agree under
+        (its plan's key in the rank check), or None in one process."""
         check = self._rank_check
         if check is None or region not in self._compared_latest:
             return None

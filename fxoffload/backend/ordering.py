@@ -234,8 +234,7 @@ def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
     if end <= start:
         return False
     between = [n for n in op.graph.nodes if start < reach.index[n] <= end]
-    if any(n in op.users or n.target in FXOFFLOAD_OPS or (is_compute(n) and is_fusion_barrier(n))
-           for n in between if n.op == "call_function" or n in op.users):
+    if any(n in op.users or n.target in FXOFFLOAD_OPS or (is_compute(n) and is_fusion_barrier(n)) for n in between):
         return False
     last.append(op)
     return True
