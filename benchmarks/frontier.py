@@ -5,6 +5,7 @@ and full checkpointing, every way in one process on one GPU.
     python benchmarks/frontier.py --out DIR --profile     # and a torch.profiler summary of one step per way
     python benchmarks/frontier.py --dry-run --out DIR     # every way on this CPU, small sizes (CI runs it)
     python benchmarks/frontier.py --from-json F [F2 ...] --write   # GPU runs' figures into benchmarks/RESULTS.md
+    python benchmarks/frontier.py --summarize-again F TRACES       # F's profiles again, from its kept raw traces
 
 The model (``examples/llama_layers.py``) defaults to 8 decoder layers shaped like Llama-3-8B's at 1 x 8192
 tokens in bf16, each block compiled on its own (torchtitan style; the embedding, head and loss eager);
@@ -26,9 +27,14 @@ verdicts place each fxoffload way on PyTorch's frontier: the straight line betwe
 
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
 torch): kernel time by kind and the kernels added against plain, each stream's busy time and the compute
-stream's idle time within the step (and how much of it passed with a copy in flight, or with the host
-inside one of fxoffload's op calls: a late prefetch, or the ops' host time holding the device back), copy
-bytes and throughput by direction, and the host time of fxoffload's ops.
+stream's idle time within the step, told apart by cause from the launch of the work after each gap
+(``idle_causes``: the device waiting for the host, and of it for the host inside fxoffload's op calls;
+queued work waiting on the device, a copy's event most likely, by the kernel held back; the device moving
+between queued kernels), copy bytes and throughput by direction, and the host time of fxoffload's ops;
+then each fxoffload way against issue 50's profile bar (``profile_bar``). ``--keep-traces`` keeps the raw
+traces, and ``--summarize-again F TRACES`` summarises a kept run's profiles again from them with today's
+code (runs 3, 5 and 6 were, on 2026-12-03). Limits: a copy the host issued late (a slow op call) reads as
+the device's wait for it; the trace's host and device clocks are taken as one (Kineto aligns them).
 
 ``--dry-run`` runs every way on this CPU with the eager inner compiler (``aot_eager_decomp_partition``
 for PyTorch's ways): its figures are not a GPU's and are never written to RESULTS.md.
@@ -266,12 +272,39 @@ def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.de
             predict(fx_backend, run)
             run.notes += selection_notes(fx_backend) + plan_notes(fx_backend)
         if with_profile:
-            keep = traces / (re.sub(r"[^A-Za-z0-9.]+", "_", way.name) + ".json.gz") if traces else None
+            keep = traces / trace_name(way.name) if traces else None
             frontier.profiles[way.name] = profile_step(step, tokens, cuda, keep)
     except Exception as error:  # noqa: BLE001 -- one failing way must not cost the others' figures
         run.error = one_line(error)
         run.notes.append(traceback.format_exc(limit=4)[-1500:])
     return run
+
+
+def trace_name(way_name: str) -> str:
+    """The file a way's raw trace is kept in (``--keep-traces``)."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", way_name) + ".json.gz"
+
+
+def summarize_again(path: Path, traces: Path) -> list[str]:
+    """Summarise the profiles of the run at ``path`` (a ``frontier.json``) again from its kept raw traces
+    with today's ``summarize_trace``, and note so among its remarks; the ways whose trace is there."""
+    figures = json.loads(path.read_text())
+    done = []
+    for way in figures["profiles"]:
+        trace = traces / trace_name(way)
+        if trace.exists():
+            events = json.loads(gzip.decompress(trace.read_bytes())).get("traceEvents", [])
+            figures["profiles"][way] = summarize_trace(events)
+            done.append(way)
+    if not done:
+        raise SystemExit(f"frontier: no trace of {path}'s profiled ways in {traces} "
+                         "(named as --keep-traces names them)")
+    remark = (f"Profiles summarised again from the raw traces in `{traces.as_posix()}` by `python "
+              f"benchmarks/frontier.py --summarize-again {path.as_posix()} {traces.as_posix()}` (the compute "
+              "stream's idle time by cause).")
+    figures["remarks"] = [r for r in figures.get("remarks", []) if r != remark] + [remark]
+    path.write_text(json.dumps(figures, indent=1, default=str))  # as save_run writes it
+    return done
 
 
 def plan_notes(backend: Any) -> list[str]:
@@ -384,6 +417,71 @@ def _overlap(a: Intervals, b: Intervals) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A CUDA API call on the host (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaMemcpyAsync``...), found
+    by the correlation id its device work carries."""
+
+    start: float
+    thread: Any
+
+
+@dataclass(frozen=True)
+class DeviceOp:
+    """A kernel, copy or memset on one stream, with the correlation id of its launch."""
+
+    start: float
+    end: float
+    correlation: Any
+    name: str
+
+
+@dataclass
+class IdleCauses:
+    """A stream's idle time by cause, in microseconds (:func:`idle_causes`)."""
+
+    host_bound: float = 0.0
+    in_fxoffload: float = 0.0  # of host_bound: the launching thread inside an fxoffload op call
+    device_bound: float = 0.0
+    switching: float = 0.0  # queued work's gaps under SWITCH_US: the device moving to the next kernel
+    before: dict[str, float] = field(default_factory=dict)  # device_bound, by the kernel it held back
+
+    def waits_before(self, most: int = 3) -> dict[str, float]:
+        """The kernels held back longest by device-bound idle time, longest first."""
+        return dict(sorted(self.before.items(), key=lambda item: -item[1])[:most])
+
+
+SWITCH_US = 10.0  # a gap of queued work shorter than this is the device moving to its next kernel
+
+
+def idle_causes(ops: list[DeviceOp], span: tuple[float, float], launches: dict[Any, Launch],
+                fxoffload_calls: dict[Any, Intervals]) -> IdleCauses:
+    """Each gap of ``ops`` (one stream's work) within ``span``, by the launch of the work that ends it.
+    Launched after the gap began: the device had nothing queued and waited for the host; the part of
+    the gap up to the launch that the launching thread spent inside an fxoffload op call is that op's
+    host time holding the device back. Launched before (queued work that did not start: a stream waiting
+    on an event), or with no launch to be found, or with no work after it: waiting on the device, unless
+    the gap is shorter than ``SWITCH_US`` (about 1-2 us between any two queued kernels on an H200: plain's
+    400 kernels switch for about 1 ms a step)."""
+    causes, at = IdleCauses(), span[0]
+    for op in sorted(ops, key=lambda o: o.start) + [DeviceOp(span[1], span[1], None, "")]:
+        gap = op.start - at
+        if gap > 0:
+            launch = launches.get(op.correlation) if op.correlation is not None else None
+            if launch is not None and launch.start > at:
+                causes.host_bound += gap
+                waited = [(at, min(launch.start, op.start))]
+                causes.in_fxoffload += _overlap(waited, fxoffload_calls.get(launch.thread, []))
+            elif gap < SWITCH_US:
+                causes.switching += gap
+            else:
+                causes.device_bound += gap
+                if op.name:
+                    causes.before[op.name] = causes.before.get(op.name, 0.0) + gap
+        at = max(at, op.end)
+    return causes
+
+
 def _direction(name: str) -> str | None:
     if "HtoD" in name or "Host to Device" in name:
         return "host_to_device"
@@ -395,10 +493,17 @@ def _direction(name: str) -> str | None:
 def summarize_trace(events: list[dict]) -> dict:
     """A Chrome trace's events (torch.profiler's export) as the step's device timeline, in microseconds:
     kernels by kind, each stream's busy time, the compute stream's (the one with the most kernel time)
-    idle time within the step's span, copies by direction and the host time of fxoffload's ops. The idle
-    time is told apart: while a copy was in flight (a prefetch landing late, most likely), and while the
-    host was inside an fxoffload op call (the op's host time holding the device back). Pinned blocks made
-    within the step (``cudaHostAlloc``: a steady step makes none) are counted with their host time."""
+    idle time within the step's span, copies by direction and the host time of fxoffload's ops. Pinned
+    blocks made within the step (``cudaHostAlloc``: a steady step makes none) are counted with their host
+    time.
+
+    The idle time is told apart by its cause (:func:`idle_causes`), from the launch of the work that ends
+    each gap: waiting for the host (that work was launched after the gap began: the device had run out of
+    work), and of it the part the launching thread spent inside an fxoffload op call (the ops' host time
+    holding the device back); else waiting on the device (the work was queued and waited: for a copy's
+    event, most likely), and by the kernel it held back. Also the idle time that passed with a copy in
+    flight, and (``idle_in_fxoffload_host_us``, kept for older summaries) with the host inside an
+    fxoffload op call at the same moment, which says nothing of cause: the host runs ahead of the device."""
     kernels: dict[str, dict] = {}
     streams: dict[str, list[tuple[float, float]]] = {}
     kernel_time: dict[str, float] = {}
@@ -406,6 +511,9 @@ def summarize_trace(events: list[dict]) -> dict:
     copies: dict[str, dict] = {}
     host_ops: dict[str, dict] = {}
     host_calls: Intervals = []
+    host_calls_by_thread: dict[Any, Intervals] = {}
+    launches: dict[Any, Launch] = {}
+    device_ops: dict[str, list[DeviceOp]] = {}
     in_flight: Intervals = []
     host_alloc = {"calls": 0, "us": 0.0}
     span = [float("inf"), float("-inf")]
@@ -419,6 +527,9 @@ def summarize_trace(events: list[dict]) -> dict:
             op["calls"] += 1
             op["us"] += dur
             host_calls.append((start, start + dur))
+            host_calls_by_thread.setdefault(e.get("tid"), []).append((start, start + dur))
+        if cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:  # a launch, or another API call
+            launches[args["correlation"]] = Launch(start, e.get("tid"))
         if cat == "cuda_runtime" and name == "cudaHostAlloc":  # a pinned block made within the step
             host_alloc["calls"] += 1
             host_alloc["us"] += dur
@@ -426,6 +537,7 @@ def summarize_trace(events: list[dict]) -> dict:
             continue
         stream = str(args.get("stream", "?"))
         streams.setdefault(stream, []).append((start, start + dur))
+        device_ops.setdefault(stream, []).append(DeviceOp(start, start + dur, args.get("correlation"), name))
         span = [min(span[0], start), max(span[1], start + dur)]
         if cat == "kernel":
             kind = kernels.setdefault(kernel_kind(name), {"count": 0, "us": 0.0})
@@ -445,12 +557,16 @@ def summarize_trace(events: list[dict]) -> dict:
     compute = max(kernel_time, key=kernel_time.get) if kernel_time else None
     step_us = span[1] - span[0] if compute is not None else 0.0
     idle = _gaps(streams[compute], (span[0], span[1])) if compute is not None else []
+    causes = idle_causes(device_ops.get(compute, []), (span[0], span[1]), launches, host_calls_by_thread)
     return {"kernels": kernels, "kernel_count": sum(k["count"] for k in kernels.values()),
             "compute_kernels": kernel_count.get(compute, 0),
             "stream_busy_us": busy, "compute_stream": compute, "step_us": step_us,
             "compute_idle_us": step_us - busy[compute] if compute is not None else 0.0,
             "idle_copy_in_flight_us": _overlap(idle, in_flight),
             "idle_in_fxoffload_host_us": _overlap(idle, host_calls),
+            "idle_host_bound_us": causes.host_bound, "idle_host_bound_in_fxoffload_us": causes.in_fxoffload,
+            "idle_device_bound_us": causes.device_bound, "idle_switching_us": causes.switching,
+            "idle_waits_before": causes.waits_before(),
             "copies": copies, "fxoffload_host": host_ops, "host_alloc": host_alloc}
 
 
@@ -599,10 +715,16 @@ def _profile_lines(frontier: dict) -> list[str]:
         return []
     plain = profiles.get(Way("plain").name)
     lines = ["", "Profile of one step per way (torch.profiler): kernels on all streams, those added against plain, "
-             "the compute stream's busy and idle time within the step, copies each way, fxoffload's host time.", "",
-             "| way | kernels | added | compute busy | compute idle | idle, a copy in flight | idle, in our op calls | "
+             "the compute stream's busy and idle time within the step, copies each way, fxoffload's host time. "
+             "The compute stream's idle time by cause (`summarize_trace`), from the launch of the work after each "
+             "gap: waiting for the host (launched after the gap began; in brackets, while the launching thread was "
+             "in one of fxoffload's op calls), waiting on the device (queued, held back: by a copy's event, most "
+             "likely; the kernel held back longest beside it), and the device moving between queued kernels (gaps "
+             f"under {SWITCH_US:.0f} us). Idle while a copy was in flight: at the same moment, whatever the cause.",
+             "", "| way | kernels | added | compute busy | compute idle | waiting for the host (in our ops) | "
+             "waiting on the device | held back longest | between kernels | idle, a copy in flight | "
              "step span | to host | to device | fxoffload host time | pinned blocks made |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for way, p in profiles.items():
         added = "-" if plain is None else f"{p['compute_kernels'] - plain['compute_kernels']:+d}"
         busy = p["stream_busy_us"].get(p["compute_stream"], 0.0) if p["compute_stream"] else 0.0
@@ -617,9 +739,68 @@ def _profile_lines(frontier: dict) -> list[str]:
         host = ", ".join(f"{name.split('::')[1]} {o['calls']} x {o['us'] / o['calls']:.0f} us"
                          for name, o in p["fxoffload_host"].items()) or "-"
         lines.append(f"| {way} | {p['kernel_count']} | {added} | {busy / 1e3:.1f} ms | "
-                     f"{p['compute_idle_us'] / 1e3:.1f} ms | {p['idle_copy_in_flight_us'] / 1e3:.1f} ms | "
-                     f"{p['idle_in_fxoffload_host_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | "
+                     f"{p['compute_idle_us'] / 1e3:.1f} ms | {_causes(p)} | "
+                     f"{p['idle_copy_in_flight_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | "
                      f"{copy('device_to_host')} | {copy('host_to_device')} | {host} | {_made(p)} |")
+    return lines + _profile_bar_lines(frontier)
+
+
+HELD_BACK_SHOWN_US = 100.0  # the kernel held back longest is named from this much of its waiting on
+
+
+def _causes(profile: dict) -> str:
+    """The idle time's causes, as four cells (absent from summaries made before they were told apart)."""
+    if "idle_host_bound_us" not in profile:
+        return "- | - | - | -"
+    longest = next(iter(profile["idle_waits_before"].items()), None)
+    held = "-"
+    if longest is not None and longest[1] >= HELD_BACK_SHOWN_US:
+        held = f"`{longest[0][:60]}` {longest[1] / 1e3:.1f} ms"
+    ms = {key: f"{profile[key] / 1e3:.1f} ms" for key in ("idle_host_bound_us", "idle_host_bound_in_fxoffload_us",
+                                                          "idle_device_bound_us", "idle_switching_us")}
+    return (f"{ms['idle_host_bound_us']} ({ms['idle_host_bound_in_fxoffload_us']}) | {ms['idle_device_bound_us']} | "
+            f"{held} | {ms['idle_switching_us']}")
+
+
+KERNELS_PER_TRANSFER = 0.1  # issue 50's profile bar: plain's kernels plus one per ten transfers at most
+IDLE_SHARE = 0.01  # and the compute stream idle at most 1% of the step, for fxoffload's copies and op calls
+
+
+def profile_bar(frontier: dict) -> list[dict]:
+    """Each fxoffload way's profile against issue 50's bar: the compute stream's kernels against its
+    set-up's baseline's (plain; full checkpointing for the checkpointed way) plus one per ten transfers,
+    and its idle time caused by fxoffload (waiting on the device, and for the host inside fxoffload's op
+    calls) against 1% of the step. The idle time plain has too (the host at the step's start, the device
+    between kernels) is no copy's and no op's."""
+    profiles = frontier["profiles"]
+    out = []
+    for r in frontier["runs"]:
+        kind = _kind(r["way"])
+        p = profiles.get(r["way"])
+        base = profiles.get(Way("checkpoint" if kind == "checkpoint+fxoffload" else "plain").name)
+        if base is None or p is None or r["error"] or kind not in ("fxoffload", "checkpoint+fxoffload") \
+                or "idle_host_bound_us" not in p:
+            continue
+        caused = p["idle_device_bound_us"] + p["idle_host_bound_in_fxoffload_us"]
+        out.append({"way": r["way"], "added": p["compute_kernels"] - base["compute_kernels"],
+                    "allowed": (r["transfers"] or 0) * KERNELS_PER_TRANSFER, "transfers": r["transfers"],
+                    "idle_share": caused / p["step_us"] if p["step_us"] else None})
+    return out
+
+
+def _profile_bar_lines(frontier: dict) -> list[str]:
+    found = profile_bar(frontier)
+    if not found:
+        return []
+    lines = ["", f"Against the profile bar (issue 50, at 0.7): kernels on the compute stream at most plain's plus one "
+             f"per ten transfers; idle time for fxoffload's copies and op calls at most {IDLE_SHARE:.0%} of the step. "
+             "The checkpointed way's kernels are put against full checkpointing's.", "",
+             "| way | kernels added | allowed | idle for copies and op calls | within |", "|---|---|---|---|---|"]
+    for v in found:
+        within = v["added"] <= v["allowed"] and v["idle_share"] is not None and v["idle_share"] <= IDLE_SHARE
+        share = "-" if v["idle_share"] is None else f"{v['idle_share']:.2%}"
+        lines.append(f"| {v['way']} | {v['added']:+d} | {v['allowed']:.1f} ({v['transfers']} transfers) | {share} | "
+                     f"{'yes' if within else 'no'} |")
     return lines
 
 
@@ -684,6 +865,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--from-json", type=Path, nargs="+", help="render GPU runs' frontier.json instead of "
                         "running (several: each under its own heading, a run and its repeat)")
     parser.add_argument("--write", action="store_true", help="with --from-json: write its RESULTS.md section")
+    parser.add_argument("--summarize-again", type=Path, nargs=2, metavar=("JSON", "TRACES"), help="summarise a "
+                        "GPU run's profiles again from the raw traces kept with --keep-traces (today's "
+                        "summarize_trace), in place")
     args = parser.parse_args(argv)
     for flag, budgets in (("--budgets", args.budgets), ("--measured-budgets", args.measured_budgets)):
         if any(not 0 < b <= 1 for b in budgets):
@@ -705,6 +889,10 @@ def setup_from(args: argparse.Namespace, dry_run: bool) -> Setup:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.summarize_again:
+        done = summarize_again(*args.summarize_again)
+        print(f"summarised again: {', '.join(done)}")
+        return 0
     if args.from_json:
         show_measured("frontier", HEADING, args.from_json, args.write, render)
         return 0

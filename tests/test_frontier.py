@@ -55,6 +55,65 @@ def test_the_trace_summary_counts_busy_time_once_where_kernels_overlap():
     assert summary["host_alloc"] == {"calls": 1, "us": 30.0}
 
 
+def launched(e: dict, correlation: int, at: float, thread: int = 1, api: str = "cudaLaunchKernel") -> list[dict]:
+    """``e`` (a kernel, copy or memset) with its launch: the host API call that queued it at ``at``."""
+    e["args"]["correlation"] = correlation
+    return [e, {"ph": "X", "cat": "cuda_runtime", "name": api, "ts": at, "dur": 2, "tid": thread,
+                "args": {"correlation": correlation}}]
+
+
+def test_idle_time_is_told_apart_by_the_launch_of_the_work_after_each_gap():
+    events = [
+        *launched(kernel("triton_red_fused_rsqrt_0", 0, 10), 1, -5),
+        # 10..40: the next kernel was launched at 30, after the gap began: the device waited for the host,
+        # whose launching thread was inside an offload call over 12..25 (13 us of it); another thread's
+        # offload call (2..39) is not the launching thread's.
+        *launched(kernel("triton_poi_fused_mul_1", 40, 10), 2, 30),
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 12, "dur": 13, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::wait", "ts": 2, "dur": 37, "tid": 3},
+        # 50..80: queued since 20 (launched before the gap), held back by the copy's event: the device.
+        *launched(kernel("triton_poi_fused_silu_2", 80, 10), 3, 20),
+        *launched({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 45, "dur": 34,
+                   "args": {"stream": 20, "bytes": 1}}, 4, 19, api="cudaMemcpyAsync"),
+        # 90..94: queued, 4 us: the device moving to its next kernel.
+        *launched(kernel("sm90_xmma_gemm_bf16", 94, 6), 5, 21),
+        # 100..112: a kernel whose launch is not in the trace counts as the device's wait, not the host's.
+        kernel("triton_poi_fused_add_3", 112, 8),
+    ]
+    summary = frontier.summarize_trace(events)
+    assert summary["compute_idle_us"] == 30 + 30 + 4 + 12
+    assert summary["idle_host_bound_us"] == 30.0
+    assert summary["idle_host_bound_in_fxoffload_us"] == 13.0
+    assert summary["idle_device_bound_us"] == 30.0 + 12.0
+    assert summary["idle_switching_us"] == 4.0
+    assert summary["idle_waits_before"] == {"triton_poi_fused_silu_2": 30.0, "triton_poi_fused_add_3": 12.0}
+    # At the same moments, whatever the cause: 10..40 overlaps offload calls on two threads.
+    assert summary["idle_in_fxoffload_host_us"] == 29.0
+
+
+def test_the_profile_bar_counts_kernels_against_the_baseline_and_idle_time_fxoffload_caused():
+    def profile(kernels: int, step: float, device: float = 0.0, in_ours: float = 0.0) -> dict:
+        return {"compute_kernels": kernels, "step_us": step, "idle_host_bound_us": 500.0 + in_ours,
+                "idle_host_bound_in_fxoffload_us": in_ours, "idle_device_bound_us": device}
+
+    auto, ahead = "fxoffload memory_budget=0.7, strategy=auto", "checkpointing per block, layer inputs offloaded"
+    runs = [{"way": w, "error": None, "transfers": n} for w, n in (("plain", None), (auto, 72), (ahead, 8))]
+    profiles = {"plain": profile(425, 200_000), auto: profile(432, 200_000, device=1_000, in_ours=900),
+                "full checkpointing per block": profile(521, 260_000), ahead: profile(521, 261_000, device=2_610)}
+    bar = {v["way"]: v for v in frontier.profile_bar({"runs": runs, "profiles": profiles})}
+    # +7 kernels against 7.2 allowed; 1.9 ms of 200 ms idle for copies and op calls, not the host's 0.5 ms.
+    assert bar[auto]["added"] == 7 and bar[auto]["allowed"] == pytest.approx(7.2)
+    assert bar[auto]["idle_share"] == pytest.approx(0.0095)
+    assert bar[ahead]["added"] == 0  # against full checkpointing's kernels, not plain's
+    assert bar[ahead]["idle_share"] == pytest.approx(0.01)
+    lines = frontier._profile_bar_lines({"runs": runs, "profiles": profiles})
+    assert [line.rsplit("|", 2)[-2].strip() for line in lines if line.startswith("| fx") or "layer inputs" in line] \
+        == ["yes", "yes"]
+    profiles[auto]["compute_kernels"] = 433  # one kernel more than one per ten transfers allows
+    lines = frontier._profile_bar_lines({"runs": runs, "profiles": profiles})
+    assert any(line.startswith(f"| {auto} | +8 |") and line.endswith("| no |") for line in lines)
+
+
 def test_ways_are_chosen_by_words_of_their_names():
     ways = frontier.default_ways()
     chosen = frontier.chosen_ways(ways, "plain,fxoffload memory_budget=0.7")
@@ -107,6 +166,42 @@ def test_bad_sizes_and_budgets_are_refused(capsys):
     args = frontier.parse_args(["--heads", "5", "--hidden", "64"])
     with pytest.raises(SystemExit, match="must split into 5 heads"):
         frontier.setup_from(args, dry_run=True)
+
+
+def test_a_run_is_summarised_again_from_its_kept_traces(tmp_path):
+    import gzip
+
+    way = "fxoffload memory_budget=0.5, strategy=auto"
+    run = tmp_path / "frontier.json"
+    run.write_text(json.dumps({"profiles": {way: {"compute_idle_us": -1.0}, "plain": {"old": True}}, "remarks": []}))
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    events = [*launched(kernel("a", 0, 10), 1, -5), *launched(kernel("b", 40, 10), 2, 30)]
+    (traces / frontier.trace_name(way)).write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    assert frontier.summarize_again(run, traces) == [way]
+    figures = json.loads(run.read_text())
+    assert figures["profiles"][way] == frontier.summarize_trace(events)
+    assert figures["profiles"][way]["idle_host_bound_us"] == 30.0
+    assert figures["profiles"]["plain"] == {"old": True}  # no trace of it: as it was
+    assert len(figures["remarks"]) == 1 and "--summarize-again" in figures["remarks"][0]
+    frontier.summarize_again(run, traces)  # again: one remark still
+    assert len(json.loads(run.read_text())["remarks"]) == 1
+    with pytest.raises(SystemExit, match="no trace of"):
+        frontier.summarize_again(run, tmp_path)
+
+
+def test_the_results_hold_what_the_script_renders_of_every_kept_run():
+    """Each kept GPU run, rendered by today's code (``--from-json ... --write``): RESULTS says what the
+    figures say, with the summaries of the raw traces kept beside some of them."""
+    section = (ROOT / "benchmarks" / "RESULTS.md").read_text().split(f"## {frontier.HEADING}\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    kept = sorted((ROOT / "benchmarks" / "measured").glob("frontier-*-run*.json"))
+    assert kept
+    for path in kept:
+        figures = json.loads(path.read_text())
+        assert not figures["dry_run"] and figures["device"].startswith("NVIDIA")
+        assert frontier.render(figures).strip() in section, \
+            f"benchmarks/RESULTS.md is stale for {path.name}: run frontier.py --from-json ... --write"
 
 
 @pytest.fixture(scope="module")
