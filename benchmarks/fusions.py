@@ -1,6 +1,6 @@
 """Inductor's fused kernels with and without fxoffload, read from the generated code on this CPU.
 
-    python benchmarks/fusions.py            # print the table
+    python benchmarks/fusions.py            # print the tables
     python benchmarks/fusions.py --write    # and write its section of benchmarks/RESULTS.md
 
 One Llama-style block (``examples/llama_layers.py``: hidden 256, 4 heads, 2 KV heads, FFN 704, 512 tokens,
@@ -11,6 +11,10 @@ transfer's ops must not split a kernel Inductor fuses without them, nor make it 
 count. A kernel here is one of Inductor's fused kernels: the C++ backend writes the kernels that run between
 two extern calls (a matmul, one of our ops) into one ``cpp_fused_*`` function, where Triton launches each on
 its own, so :func:`one_function_per_kernel` has it write a function per kernel, and the calls are counted.
+A second table offloads each saved value of the block alone (:func:`one_at_a_time`: a selective-checkpoint
+policy saves every op's result and marks one op ``MUST_CPU_OFFLOAD``, under fxoffload at budget 1.0)
+against the same partition with nothing marked, so that no copy's ops split a fusion unseen because no plan
+happened to offload that value; ``tests/test_fusions.py`` holds every row to the partition's count.
 Measured on this machine's CPU backend: the counts are Inductor's, not a GPU's.
 """
 
@@ -19,12 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import re
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch._inductor.utils import run_fw_bw_and_get_code
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
@@ -74,6 +82,98 @@ def count_kernels(backend) -> tuple[int, int, int]:
     return len(FUSED_KERNEL.findall(codes[0])), len(FUSED_KERNEL.findall(codes[-1])), transfers
 
 
+# ----------------------------------------------------------------------------- one saved value at a time
+
+class OneMarked:
+    """A selective-checkpoint policy that saves every op's result (a view's: as a preference, so that a
+    storage's mark is its op's) and marks the ``target``-th op of each trace ``MUST_CPU_OFFLOAD``: the
+    partition is then the same whichever op is marked, and only the marked storage moves. AOTAutograd
+    traces the forward twice, so the ops are counted modulo ``period`` (the ops of one trace)."""
+
+    def __init__(self) -> None:
+        self.target, self.calls, self.seen, self.period = -1, 0, [], None
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if ctx.is_recompute:
+            return CheckpointPolicy.MUST_SAVE
+        index, self.calls = self.calls, self.calls + 1
+        self.seen.append(op)
+        if self.period is not None and index % self.period == self.target:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.PREFER_SAVE if op.is_view else CheckpointPolicy.MUST_SAVE
+
+
+ONE_MARKED = OneMarked()
+_MARKED_CONTEXT = functools.partial(create_selective_checkpoint_contexts, ONE_MARKED)  # one object: Dynamo guards it
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False, context_fn=_MARKED_CONTEXT)
+
+
+def block_and_inputs() -> tuple[LlamaBlock, tuple[torch.Tensor, ...]]:
+    """The block and its inputs, each made from seed 0 (the same in every way and in eager)."""
+    torch.manual_seed(0)
+    block = LlamaBlock(SHAPE)
+    torch.manual_seed(0)
+    x = torch.randn(1, TOKENS, SHAPE.hidden, requires_grad=True)
+    return block, (x, *rotary(TOKENS, SHAPE.hidden // SHAPE.heads))
+
+
+@dataclass(frozen=True)
+class Marked:
+    """One step of the block with one op marked: its kernels, what moved, its gradients."""
+
+    op: str
+    forward: int
+    backward: int
+    offloaded: tuple[str, ...]
+    grads: tuple[torch.Tensor, ...]
+
+
+def count_marked(target: int) -> Marked:
+    """One step of the checkpointed block under fxoffload (budget 1.0: only marks move, ``min_bytes=0``)
+    with the ``target``-th op of a trace marked ``MUST_CPU_OFFLOAD`` (-1: none)."""
+    torch._dynamo.reset()
+    block, (x, cos, sin) = block_and_inputs()
+    ONE_MARKED.target, ONE_MARKED.calls, ONE_MARKED.seen = target, 0, []
+    backend = fxoffload.offload_backend(inner="inductor", memory_budget=1.0, min_bytes=0)
+    compiled = torch.compile(_Checkpointed(block), backend=backend)
+    with one_function_per_kernel(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a mark on a view's op: "stays on the device", as the plan says
+        _, codes = run_fw_bw_and_get_code(lambda: compiled(x, cos, sin).square().sum())
+    offloaded = tuple(d.name for d in backend.records[0].plan.decisions if d.action == "offload")
+    op = str(ONE_MARKED.seen[target]) if target >= 0 else "-"
+    return Marked(op, len(FUSED_KERNEL.findall(codes[0])), len(FUSED_KERNEL.findall(codes[-1])), offloaded,
+                  tuple([x.grad] + [p.grad for p in block.parameters()]))
+
+
+def one_at_a_time() -> tuple[Marked, list[Marked]]:
+    """The block with nothing marked, and with each op that is no view marked in turn, where the mark moved
+    something (a saved value): each against the first, the same partition."""
+    ONE_MARKED.period = None
+    baseline = count_marked(-1)
+    ops = list(ONE_MARKED.seen)
+    ONE_MARKED.period = len(ops) // 2
+    if ops[:ONE_MARKED.period] != ops[ONE_MARKED.period:]:
+        raise RuntimeError("the forward's two traces saw different ops: the marks cannot be counted")
+    marked = (count_marked(target) for target, op in enumerate(ops[:ONE_MARKED.period]) if not op.is_view)
+    return baseline, [m for m in marked if m.offloaded]
+
+
+def one_at_a_time_table() -> str:
+    baseline, rows = one_at_a_time()
+    lines = ["| value offloaded alone | its op | forward kernels | backward kernels |", "|---|---|---|---|",
+             f"| none (the partition: every result saved) | - | {baseline.forward} | {baseline.backward} |"]
+    lines += [f"| {', '.join(m.offloaded)} | `{m.op}` | {m.forward} | {m.backward} |" for m in rows]
+    return "\n".join(lines)
+
+
 def table() -> str:
     lines = ["| way | forward kernels | backward kernels | transfers |", "|---|---|---|---|"]
     for name, setting in WAYS:
@@ -90,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     rows = table()
+    print("one saved value at a time:", flush=True)
+    marked = one_at_a_time_table()
+    print(marked)
     if args.write:
         today = datetime.date.today().isoformat()
         body = (f"`python benchmarks/fusions.py --write` ({today}, torch {torch.__version__}, this machine's CPU). "
@@ -101,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
                 "functions then); before the offload's source took its traced layout, the forward had one more at "
                 "0.7 and 0.5 (the attention's transposed clone kept a transposed layout, and the output projection "
                 "copied it). Strategy auto offloads nothing here at either budget: its extra backward kernels are the "
-                "recomputations' own.\n\n" + rows)
+                "recomputations' own.\n\n" + rows + "\n\nEach saved value offloaded alone (`one_at_a_time`): the "
+                "block checkpointed with a selective-checkpoint policy that saves every op's result and marks one op "
+                "`MUST_CPU_OFFLOAD`, under fxoffload at budget 1.0, against the same partition with nothing marked. "
+                "Before horizontal fusion partners were counted (`ordering._Reach.group`) and a copy started ahead "
+                "read a value written out anyway (`ordering._ahead_after_written`), each of the FFN's four saved "
+                "values (`mm_4`, `div`, `mm_5`, `view_18`) cost one backward kernel: SwiGLU's backward kernel split "
+                "around the up projection's gradient matmuls.\n\n" + marked)
         print(f"wrote {write_section(HEADING, body)}")
     return 0
 

@@ -17,7 +17,7 @@ from fxoffload.passes.plan import OFFLOAD
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
-from fusions import one_function_per_kernel  # noqa: E402
+from fusions import one_at_a_time, one_function_per_kernel  # noqa: E402
 from llama_layers import LlamaBlock, LlamaShape, rotary  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -112,3 +112,26 @@ def test_default_options_add_no_kernel_to_the_partition_they_run(plain_kernels, 
         f"{forward} forward and {backward} backward kernels against {baseline} ({plan.partition})")
     for got, expected in zip(grads, eager_grads()):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))
+
+
+# --------------------------------------------------------------------------- one saved value at a time
+
+def test_offloading_any_one_saved_value_adds_no_kernel():
+    """Every saved value of the block offloaded alone (``fusions.one_at_a_time``: a ``MUST_CPU_OFFLOAD``
+    mark on its op, every other op's result saved): Inductor writes no kernel more than with the same
+    partition and nothing offloaded, and the gradients are eager's. Before horizontal fusion partners
+    were counted (``ordering._Reach.group``: ops reading what a partner reads, a consumer's other
+    producers), the wait of the FFN's gate projection was pinned after the up projection's gradient
+    matmuls, and SwiGLU's backward kernel split in two around them; before a copy started ahead read
+    a value written out anyway (``ordering._ahead_after_written``), it read a value inside that kernel
+    (the up projection's, its ``silu``'s, their product's offloaded): one backward kernel more each."""
+    baseline, rows = one_at_a_time()
+    assert not baseline.offloaded
+    assert len(rows) >= 10, f"too few values offloaded for the count to say anything: {rows}"
+    expected = eager_grads()
+    more = [f"{m.op} ({', '.join(m.offloaded)}): {m.forward} forward and {m.backward} backward kernels"
+            for m in rows if m.forward > baseline.forward or m.backward > baseline.backward]
+    assert not more, f"against {baseline.forward} forward and {baseline.backward} backward kernels: {more}"
+    for marked in rows:
+        for got, want in zip(marked.grads, expected):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max().clamp(min=1)))

@@ -26,22 +26,32 @@ it never fuses would make a cycle): pinned to its nearest compute neighbours,
 each transfer cost a kernel (SwiGLU's ``silu`` and ``mul`` apart, RoPE's two
 halves apart; 48 more Triton kernels in 8 layers on an H200). So anchors are
 fusion barriers (``is_fusion_barrier``: matmuls, attention, convolutions,
-fallbacks), the nearest on each side such that no fusion partner of the op's
-fusible neighbours (``_Reach.partners``: ops reachable through fusible ops and
-views) lies beyond it, unless the barrier is already on a path between them.
+fallbacks), the nearest on each side such that no member of a fusible
+neighbour's group (``_Reach.group``: the ops joined to it through fusible ops
+and views, along the data edges either way, and those nearby reading what one
+of them reads, which Inductor fuses side by side) lies beyond it and on a path
+to (from) it, unless the barrier is already on a path between the two. SwiGLU's
+backward is one kernel that reads the down projection's input gradient twice:
+once for the up projection's gradient, which the up projection's gradient
+matmuls read, and once, beside the gate projection, for the gate's; the wait
+of a prefetched gate projection, pinned after those matmuls, split it.
 A prefetch whose nearest barrier lies past its own wait (a stretch of
 pointwise ops only), and the wait of such a prefetch, are anchored on a
 fusible op that starts (or ends) a fusion of its own, so that the two keep
 their distance. An offload's source whose layout Inductor has not fixed yet takes its traced
 strides (:func:`constrain_offload_sources`): were the offload its first reader,
 Inductor would freeze it in the order its own reads are cheapest, and a later
-matmul would need a copy kernel of it. Limits: partners are vertical (data
-edges); Inductor's horizontal fusions of ops sharing inputs are not modelled.
-(The C++ backend writes the kernels between two extern calls into one function,
-so one of our ops between two kernels makes one function more there, not a
-kernel more: ``benchmarks/fusions.py`` counts kernels.) A neighbour's
-partners are searched up to ``_CANDIDATES`` anchors away; past that the op has
-no anchor on that side.
+matmul would need a copy kernel of it. A ``prefetch_ahead`` reads a value for
+its place only (its edges keep it there), so it reads one Inductor writes out
+anyway (:func:`_ahead_after_written`): the fusible value it read had to be
+written out, and its kernel split there. Limits: side-by-side partners are
+looked for within ``_SIBLING_WINDOW`` positions, one step from the vertical
+ones; a group is an over-estimate of what Inductor fuses, so an op may be
+pinned farther from its planned place than it needs to be. (The C++ backend
+writes the kernels between two extern calls into one function, so one of our
+ops between two kernels makes one function more there, not a kernel more:
+``benchmarks/fusions.py`` counts kernels.) Anchors are searched up to
+``_CANDIDATES`` away; past that the op has no anchor on that side.
 
 A release's readers. A dependency on a pointwise reader makes Inductor write
 that reader's value out, the end of a kernel: SwiGLU's ``silu`` of an offloaded
@@ -90,7 +100,7 @@ from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.backend.compat import ensure_control_deps
 from fxoffload.passes import (
-    DEFER, FXOFFLOAD_OPS, PREFETCH, RELEASES, WAIT, is_anchored_compute, is_compute, storage_key,
+    DEFER, FXOFFLOAD_OPS, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, is_anchored_compute, is_compute, storage_key,
 )
 
 __all__ = ["constrain_offload_sources", "pin_offload_order"]
@@ -291,6 +301,8 @@ def _splits_any(reach: "_Reach", anchor: fx.Node, op: fx.Node, neighbours: set[f
 
 
 _CANDIDATES = 16  # anchors tried on each side of an op; none harmless among them: no anchor on that side
+_SIBLING_WINDOW = 64  # graph positions within which a horizontal fusion partner is looked for (Inductor
+# does not fuse nodes far apart: its scheduler's proximity check)
 
 
 def _readers_before(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
@@ -341,6 +353,7 @@ class _Reach:
         self.index = {n: i for i, n in enumerate(graph.nodes)}
         self._reaches: dict[tuple[fx.Node, fx.Node], bool] = {}
         self._partners: dict[tuple[fx.Node, bool], list[fx.Node]] = {}
+        self._groups: dict[fx.Node, list[fx.Node]] = {}
 
     def fusible(self, node: fx.Node) -> bool:
         return is_compute(node) and not is_fusion_barrier(node)
@@ -389,6 +402,55 @@ class _Reach:
             self._partners[key] = found
         return self._partners[key]
 
+    def group(self, node: fx.Node) -> list[fx.Node]:
+        """The fusible compute ops that may share a kernel with ``node``: those joined to it through
+        fusible ops and views, either way along the data edges (a consumer's other producers too), and
+        those within ``_SIBLING_WINDOW`` positions that read what one of them reads (:meth:`_siblings`)."""
+        if node not in self._groups:
+            members, seen, stack = [], {node}, [node]
+            while stack:
+                current = stack.pop()
+                if is_compute(current):
+                    members.append(current)
+                for nxt in (*current.users, *current.all_input_nodes):
+                    if nxt not in seen and self._within_kernel(nxt):
+                        seen.add(nxt)
+                        stack.append(nxt)
+            at = self.index[node]
+            for member in list(members):
+                for sibling in self._siblings(member):
+                    if sibling not in seen and abs(self.index[sibling] - at) <= _SIBLING_WINDOW:
+                        seen.add(sibling)
+                        members.append(sibling)
+            self._groups[node] = members
+        return self._groups[node]
+
+    def _siblings(self, node: fx.Node) -> list[fx.Node]:
+        """The fusible compute ops that read what ``node`` reads (through views): Inductor fuses two
+        such ops side by side (a horizontal fusion) where no path between them forbids it."""
+        if not self.fusible(node):
+            return []
+        sources, stack = set(), list(node.all_input_nodes)
+        while stack:  # up through views to what holds the memory
+            source = stack.pop()
+            if source in sources:
+                continue
+            sources.add(source)
+            if source.op == "call_function" and not is_compute(source) and source.target not in FXOFFLOAD_OPS:
+                stack.extend(source.all_input_nodes)
+        found, seen, stack = [], set(sources), list(sources)
+        while stack:  # down through views to the fusible ops that read it
+            for user in stack.pop().users:
+                if user in seen or user is node:
+                    continue
+                seen.add(user)
+                if is_compute(user):
+                    if self.fusible(user):
+                        found.append(user)
+                elif user.op == "call_function" and user.target not in FXOFFLOAD_OPS:
+                    stack.append(user)
+        return found
+
     def splits(self, anchor: fx.Node, neighbour: fx.Node, op: fx.Node, after: bool) -> bool:
         """Whether ordering ``op`` (ours: Inductor never fuses it) between ``neighbour`` (a fusible op it
         follows, or one that follows it) and ``anchor`` (a compute op ``after`` it, or before it) would
@@ -402,9 +464,9 @@ class _Reach:
         elif self.reaches(first, then):
             return False
         if after:
-            return any(k is then or self.reaches(then, k) for k in self.partners(first, after=True)
+            return any(k is then or self.reaches(then, k) for k in self.group(first)
                        if self.index[k] >= self.index[then])
-        return any(k is first or self.reaches(k, first) for k in self.partners(then, after=False)
+        return any(k is first or self.reaches(k, first) for k in self.group(then)
                    if self.index[k] <= self.index[first])
 
     def _partners_on_own_side(self, anchor: fx.Node, op: fx.Node, after: bool) -> bool:
@@ -473,8 +535,42 @@ def _on_tensors(edges: dict[fx.Node, OrderedSet[fx.Node]]) -> dict[fx.Node, Orde
     return {node: OrderedSet(tensor_of(d) for d in deps) for node, deps in edges.items()}
 
 
+def _ahead_after_written(graph: fx.Graph) -> None:
+    """Give each ``prefetch_ahead`` that reads a value Inductor may keep inside a fused kernel (a
+    fusible op's result, or a view of one) the latest value before it that Inductor writes out anyway
+    instead (a graph input, a barrier's or one of our ops' result, a view of one). The op reads its
+    argument for its place only, which its ordering edges now keep; a fusible value read by it had to be
+    written out, and the kernel it was part of split there (SwiGLU's backward, around the up projection's
+    gradient matmuls, when the up projection's output was prefetched). None such before it: as it is."""
+    reach = _Reach(graph)
+    for op in [n for n in graph.nodes if n.op == "call_function" and n.target is PREFETCH_AHEAD]:
+        after = op.args[0]
+        if not isinstance(after, fx.Node) or _written_anyway(after, reach):
+            continue
+        node = op.prev
+        while node.op != "root" and not (isinstance(node.meta.get("val"), torch.Tensor)
+                                          and _written_anyway(node, reach)):
+            node = node.prev
+        if node.op != "root":
+            op.update_arg(0, node)
+
+
+def _written_anyway(node: fx.Node, reach: "_Reach") -> bool:
+    """Whether Inductor writes ``node``'s value out whatever reads it: a graph input, the result of a
+    barrier or of one of our ops, or a view (a getitem) of one."""
+    while node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS:
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    if node.op == "placeholder" or (node.op == "call_function" and node.target in FXOFFLOAD_OPS):
+        return True
+    return node.op == "call_function" and is_compute(node) and not reach.fusible(node)
+
+
 def pin_offload_order(module: fx.GraphModule) -> int:
     """Add control dependencies around every fxoffload op; return how many nodes were wrapped."""
+    _ahead_after_written(module.graph)
     edges = _on_tensors(_ordering_edges(module.graph))
     preserve_node_ordering(module.graph, edges)
     module.recompile()
