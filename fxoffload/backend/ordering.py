@@ -11,7 +11,11 @@ PyTorch's ``control_deps`` higher-order op
   reader moved later, or a view's reader, must not outlive the release);
 * an anchor after it depends on the op (it cannot sink);
 * it depends on the fxoffload op before it, so ours keep their planned order
-  even when Inductor moves an anchor earlier (a fused reduction, say);
+  even when Inductor moves an anchor earlier (a fused reduction, say), except
+  where that splits a kernel: an offload whose unwritten source's kernel the op
+  before reads (Inductor writes the source out while lowering the offload, and
+  gives that kernel the offload's edges: :func:`_reads_kernel_of`), and an op
+  whose neighbours' fusion the op before's rise anchor would split;
 * a ``defer`` also depends on every last kernel of the graph (a compute op no
   other compute op reads, even through views), so that every kernel runs
   before it. Inductor takes a source as dead after its ``defer`` and may hand
@@ -100,7 +104,8 @@ from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.backend.compat import ensure_control_deps
 from fxoffload.passes import (
-    DEFER, FXOFFLOAD_OPS, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, is_anchored_compute, is_compute, storage_key,
+    DEFER, FXOFFLOAD_OPS, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, is_anchored_compute, is_compute,
+    storage_key,
 )
 
 __all__ = ["constrain_offload_sources", "pin_offload_order"]
@@ -149,13 +154,20 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     upstream = _chained(ops, lambda op: _fed_by(op, readers, last_kernels, reach), reach, upstream=True)
     downstream = _chained(ops, reach.feeds, reach, upstream=False)
     previous_op: fx.Node | None = None  # ours keep their planned order
+    previous_rise: fx.Node | None = None
     for op, ups, downs in zip(ops, upstream, downstream):
         rise = _rise_anchor(op, barriers, downs, reach)
         if op.target is WAIT and _crosses(rise, op.args[0], reach, after=False):
             # No barrier between a prefetch and its wait: a fusible op keeps the wait from the prefetch.
             rise = _rise_anchor(op, anchors, downs, reach)
-        deps = OrderedSet(d for d in (rise, previous_op) if d is not None)
-        previous_op = op
+        chained = previous_op
+        if previous_op is not None and (_reads_kernel_of(previous_op, op, reach) or (
+                previous_rise is not None and _splits_any(reach, previous_rise, op, downs, after=False))):
+            # Following the op before, this one would follow its rise anchor too, which its own
+            # anchor keeps clear of: a fusion of its neighbours would split there.
+            chained = None
+        deps = OrderedSet(d for d in (rise, chained) if d is not None)
+        previous_op, previous_rise = op, rise
         if op.target in RELEASES:
             # A release must follow every reader of the storage it frees, even one Inductor fuses or
             # moves earlier: a fusible reader through the values its kernel writes out (a dependency
@@ -172,6 +184,32 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         if sink is not None and op not in sink.all_input_nodes:
             edges.setdefault(sink, OrderedSet()).add(op)
     return edges
+
+
+def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
+    """Whether ``op`` is an offload whose source Inductor has not written yet (a fusible op's result, or
+    a view of one) and ``previous`` (our op before it) reads a value of the kernel that source fuses
+    into. Inductor writes such a source out while lowering the offload, and hands the offload's ordering
+    edges to the kernel that writes it: an edge from ``previous`` would then run that kernel after
+    ``previous``, which reads it, and split it in two (the ``silu`` of SwiGLU apart from its ``mul``,
+    both offloaded). Both read the kernel's values, so both follow it anyway."""
+    if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
+        return False
+    while source.op == "call_function" and not is_compute(source) and source.target not in FXOFFLOAD_OPS \
+            and len(source.all_input_nodes) == 1:
+        source = source.all_input_nodes[0]
+    if not reach.fusible(source):
+        return False
+    kernel = {source, *reach.group(source)}
+    read, stack = set(), list(previous.all_input_nodes)
+    while stack:  # through views to what ``previous`` reads
+        node = stack.pop()
+        if node in read:
+            continue
+        read.add(node)
+        if node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS:
+            stack.extend(node.all_input_nodes)
+    return bool(read & kernel)
 
 
 def _follow_fused_readers(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], list[fx.Node]]:
@@ -538,7 +576,7 @@ def _on_tensors(edges: dict[fx.Node, OrderedSet[fx.Node]]) -> dict[fx.Node, Orde
 def _ahead_after_written(graph: fx.Graph) -> None:
     """Give each ``prefetch_ahead`` that reads a value Inductor may keep inside a fused kernel (a
     fusible op's result, or a view of one) the latest value before it that Inductor writes out anyway
-    instead (a graph input, a barrier's or one of our ops' result, a view of one). The op reads its
+    instead (a graph input, a barrier's result, a view of one). The op reads its
     argument for its place only, which its ordering edges now keep; a fusible value read by it had to be
     written out, and the kernel it was part of split there (SwiGLU's backward, around the up projection's
     gradient matmuls, when the up projection's output was prefetched). None such before it: as it is."""
@@ -557,13 +595,14 @@ def _ahead_after_written(graph: fx.Graph) -> None:
 
 def _written_anyway(node: fx.Node, reach: "_Reach") -> bool:
     """Whether Inductor writes ``node``'s value out whatever reads it: a graph input, the result of a
-    barrier or of one of our ops, or a view (a getitem) of one."""
+    barrier, or a view (a getitem) of one. Not one of our ops' results: a prefetch read by it would take
+    it for its wait, and its anchors would be chosen to keep the two apart."""
     while node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS:
         inputs = node.all_input_nodes
         if len(inputs) != 1:
             return False
         node = inputs[0]
-    if node.op == "placeholder" or (node.op == "call_function" and node.target in FXOFFLOAD_OPS):
+    if node.op == "placeholder":
         return True
     return node.op == "call_function" and is_compute(node) and not reach.fusible(node)
 
