@@ -195,21 +195,28 @@ def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
     both offloaded). Both read the kernel's values, so both follow it anyway."""
     if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
         return False
-    while source.op == "call_function" and not is_compute(source) and source.target not in FXOFFLOAD_OPS \
-            and len(source.all_input_nodes) == 1:
+    while _is_view(source) and len(source.all_input_nodes) == 1:
         source = source.all_input_nodes[0]
     if not reach.fusible(source):
         return False
-    kernel = {source, *reach.group(source)}
-    read, stack = set(), list(previous.all_input_nodes)
-    while stack:  # through views to what ``previous`` reads
-        node = stack.pop()
-        if node in read:
-            continue
-        read.add(node)
-        if node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS:
-            stack.extend(node.all_input_nodes)
-    return bool(read & kernel)
+    return bool(_read_through_views(previous) & {source, *reach.group(source)})
+
+
+def _is_view(node: fx.Node) -> bool:
+    """A call that computes nothing: a view, a getitem (not one of our ops)."""
+    return node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS
+
+
+def _read_through_views(node: fx.Node) -> set[fx.Node]:
+    """What ``node`` reads, and what each view among those reads, up to what holds the memory."""
+    read, stack = set(), list(node.all_input_nodes)
+    while stack:
+        source = stack.pop()
+        if source not in read:
+            read.add(source)
+            if _is_view(source):
+                stack.extend(source.all_input_nodes)
+    return read
 
 
 def _follow_fused_readers(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], list[fx.Node]]:
@@ -468,14 +475,7 @@ class _Reach:
         such ops side by side (a horizontal fusion) where no path between them forbids it."""
         if not self.fusible(node):
             return []
-        sources, stack = set(), list(node.all_input_nodes)
-        while stack:  # up through views to what holds the memory
-            source = stack.pop()
-            if source in sources:
-                continue
-            sources.add(source)
-            if source.op == "call_function" and not is_compute(source) and source.target not in FXOFFLOAD_OPS:
-                stack.extend(source.all_input_nodes)
+        sources = _read_through_views(node)
         found, seen, stack = [], set(sources), list(sources)
         while stack:  # down through views to the fusible ops that read it
             for user in stack.pop().users:
@@ -485,7 +485,7 @@ class _Reach:
                 if is_compute(user):
                     if self.fusible(user):
                         found.append(user)
-                elif user.op == "call_function" and user.target not in FXOFFLOAD_OPS:
+                elif _is_view(user):
                     stack.append(user)
         return found
 
@@ -597,7 +597,7 @@ def _written_anyway(node: fx.Node, reach: "_Reach") -> bool:
     """Whether Inductor writes ``node``'s value out whatever reads it: a graph input, the result of a
     barrier, or a view (a getitem) of one. Not one of our ops' results: a prefetch read by it would take
     it for its wait, and its anchors would be chosen to keep the two apart."""
-    while node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS:
+    while _is_view(node):
         inputs = node.all_input_nodes
         if len(inputs) != 1:
             return False
