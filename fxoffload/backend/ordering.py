@@ -576,24 +576,22 @@ def _on_tensors(edges: dict[fx.Node, OrderedSet[fx.Node]]) -> dict[fx.Node, Orde
 def _ahead_after_written(graph: fx.Graph) -> None:
     """Give each ``prefetch_ahead`` that reads a value Inductor may keep inside a fused kernel (a
     fusible op's result, or a view of one) the latest value before it that Inductor writes out anyway
-    instead (a graph input, a barrier's result, a view of one). The op reads its
-    argument for its place only, which its ordering edges now keep; a fusible value read by it had to be
-    written out, and the kernel it was part of split there (SwiGLU's backward, around the up projection's
-    gradient matmuls, when the up projection's output was prefetched). None such before it: as it is."""
-    reach = _Reach(graph)
+    instead (a graph input, a barrier's result, a view of one). The op reads its argument for its place
+    only, which its ordering edges now keep; a fusible value read by it had to be written out, and the
+    kernel it was part of split there (SwiGLU's backward, around the up projection's gradient matmuls,
+    when the up projection's output was prefetched). None such before it: as it is."""
     for op in [n for n in graph.nodes if n.op == "call_function" and n.target is PREFETCH_AHEAD]:
         after = op.args[0]
-        if not isinstance(after, fx.Node) or _written_anyway(after, reach):
+        if not isinstance(after, fx.Node) or _written_anyway(after):
             continue
         node = op.prev
-        while node.op != "root" and not (isinstance(node.meta.get("val"), torch.Tensor)
-                                          and _written_anyway(node, reach)):
+        while node.op != "root" and not (isinstance(node.meta.get("val"), torch.Tensor) and _written_anyway(node)):
             node = node.prev
         if node.op != "root":
             op.update_arg(0, node)
 
 
-def _written_anyway(node: fx.Node, reach: "_Reach") -> bool:
+def _written_anyway(node: fx.Node) -> bool:
     """Whether Inductor writes ``node``'s value out whatever reads it: a graph input, the result of a
     barrier, or a view (a getitem) of one. Not one of our ops' results: a prefetch read by it would take
     it for its wait, and its anchors would be chosen to keep the two apart."""
@@ -604,7 +602,7 @@ def _written_anyway(node: fx.Node, reach: "_Reach") -> bool:
         node = inputs[0]
     if node.op == "placeholder":
         return True
-    return node.op == "call_function" and is_compute(node) and not reach.fusible(node)
+    return node.op == "call_function" and is_compute(node) and is_fusion_barrier(node)
 
 
 def pin_offload_order(module: fx.GraphModule) -> int:
