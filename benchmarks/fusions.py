@@ -173,6 +173,11 @@ def two_at_a_time(singles: list[Marked]) -> list[Marked]:
     return [count_marked(a.targets | b.targets) for a, b in itertools.combinations(singles, 2)]
 
 
+def all_at_once(singles: list[Marked]) -> Marked:
+    """Every value ``one_at_a_time`` moved, offloaded together (``ONE_MARKED.period`` set)."""
+    return count_marked(frozenset().union(*(m.targets for m in singles)))
+
+
 def one_at_a_time_table() -> str:
     baseline, rows = one_at_a_time()
     lines = ["| value offloaded alone | its op | forward kernels | backward kernels |", "|---|---|---|---|",
@@ -183,6 +188,9 @@ def one_at_a_time_table() -> str:
     lines += ["", f"Every pair of them offloaded together ({len(pairs)} pairs): {len(more)} cost a kernel more"
               + (":" if more else ".")]
     lines += [f"- {', '.join(m.offloaded)}: {m.forward} forward and {m.backward} backward kernels" for m in more]
+    every = all_at_once(rows)
+    lines += ["", f"All {len(rows)} of them offloaded together: {every.forward} forward and {every.backward} backward "
+              "kernels."]
     return "\n".join(lines)
 
 
@@ -224,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                 "values (`mm_4`, `div`, `mm_5`, `view_18`) cost one backward kernel: SwiGLU's backward kernel split "
                 "around the up projection's gradient matmuls. Before one of our ops stopped following the one before "
                 "it where that split a kernel (`ordering._reads_kernel_of`, and where the op before is anchored past "
-                "a split), 25 of the 91 pairs cost a kernel more (2026-12-03); the pairs left are listed.\n\n"
+                "a split), 25 of the 91 pairs cost a kernel more (2026-12-03); then 3, until a barrier stopped "
+                "following one of our ops where Inductor would hand that edge to a kernel that must run before it "
+                "(`ordering._hands_back`: SwiGLU's backward split once both of its up-projection half's readers "
+                "followed our ops). Any pair left is listed. All of them offloaded together cost one forward "
+                "kernel until an offload stopped following the one before it where that one follows, not only reads, "
+                "its source's kernel (`ordering._reads_kernel_of`: SwiGLU's `silu` and the up projection offloaded "
+                "before their product).\n\n"
                 + marked)
         print(f"wrote {write_section(HEADING, body)}")
     return 0

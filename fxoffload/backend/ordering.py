@@ -39,7 +39,11 @@ backward is one kernel that reads the down projection's input gradient twice:
 once for the up projection's gradient, which the up projection's gradient
 matmuls read, and once, beside the gate projection, for the gate's; the wait
 of a prefetched gate projection, pinned after those matmuls, split it.
-A prefetch whose nearest barrier lies past its own wait (a stretch of
+A sink anchor also keeps clear of the kernels it would take along: Inductor writes a fusible value
+out where it lowers a barrier reading it, and where every barrier reading the value carries edges
+(lowered inside ``control_deps``), it writes it inside the first and hands that barrier's edges to the
+value's kernel (:func:`_hands_back`); the kernel then follows our op, away from a fusion partner that
+must run before it. A prefetch whose nearest barrier lies past its own wait (a stretch of
 pointwise ops only), and the wait of such a prefetch, are anchored on a
 fusible op that starts (or ends) a fusion of its own, so that the two keep
 their distance. An offload's source whose layout Inductor has not fixed yet takes its traced
@@ -161,7 +165,7 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
             # No barrier between a prefetch and its wait: a fusible op keeps the wait from the prefetch.
             rise = _rise_anchor(op, anchors, downs, reach)
         chained = previous_op
-        if previous_op is not None and (_reads_kernel_of(previous_op, op, reach) or (
+        if previous_op is not None and (_reads_kernel_of(previous_op, op, reach, edges) or (
                 previous_rise is not None and _splits_any(reach, previous_rise, op, downs, after=False))):
             # Following the op before, this one would follow its rise anchor too, which its own
             # anchor keeps clear of: a fusion of its neighbours would split there.
@@ -178,28 +182,30 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         deps = OrderedSet(d for d in deps if d not in op.all_input_nodes)
         if deps:
             edges[op] = deps
-        sink = _sink_anchor(op, barriers, ups, reach)
+        sink = _sink_anchor(op, barriers, ups, reach, edges)
         if op.target is PREFETCH and any(_crosses(sink, user, reach, after=True) for user in op.users):
-            sink = _sink_anchor(op, anchors, ups, reach)
+            sink = _sink_anchor(op, anchors, ups, reach, edges)
         if sink is not None and op not in sink.all_input_nodes:
             edges.setdefault(sink, OrderedSet()).add(op)
     return edges
 
 
-def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
+def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach",
+                     edges: dict[fx.Node, OrderedSet[fx.Node]]) -> bool:
     """Whether ``op`` is an offload whose source Inductor has not written yet (a fusible op's result, or
-    a view of one) and ``previous`` (our op before it) reads a value of the kernel that source fuses
-    into. Inductor writes such a source out while lowering the offload, and hands the offload's ordering
+    a view of one) and ``previous`` (our op before it) runs after a value of the kernel that source
+    fuses into: it reads one, or follows (through data or the ordering edges so far) an op that does.
+    Inductor writes such a source out while lowering the offload, and hands the offload's ordering
     edges to the kernel that writes it: an edge from ``previous`` would then run that kernel after
-    ``previous``, which reads it, and split it in two (the ``silu`` of SwiGLU apart from its ``mul``,
-    both offloaded). Both read the kernel's values, so both follow it anyway."""
+    ``previous``, and split it in two (the ``silu`` of SwiGLU apart from its ``mul``: both offloaded, or
+    the ``silu`` and the up projection offloaded before the product, each following the one before)."""
     if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
         return False
     while _is_view(source) and len(source.all_input_nodes) == 1:
         source = source.all_input_nodes[0]
     if not reach.fusible(source):
         return False
-    return bool(_read_through_views(previous) & {source, *reach.group(source)})
+    return any(_follows(previous, k, edges, reach) for k in (source, *reach.group(source)))
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -324,13 +330,53 @@ def _rise_anchor(op: fx.Node, anchors: list[fx.Node], downstream: set[fx.Node], 
     return None
 
 
-def _sink_anchor(op: fx.Node, anchors: list[fx.Node], upstream: set[fx.Node], reach: "_Reach") -> fx.Node | None:
-    """The earliest compute op after ``op`` that can follow it without splitting a fusion."""
+def _sink_anchor(op: fx.Node, anchors: list[fx.Node], upstream: set[fx.Node], reach: "_Reach",
+                 edges: dict[fx.Node, OrderedSet[fx.Node]]) -> fx.Node | None:
+    """The earliest compute op after ``op`` that can follow it without splitting a fusion (``edges``:
+    those chosen so far, ``op``'s own among them)."""
     at = bisect.bisect_right(anchors, reach.index[op], key=reach.index.__getitem__)
     for anchor in anchors[at:at + _CANDIDATES]:
-        if not _splits_any(reach, anchor, op, upstream, after=True):
+        if not _splits_any(reach, anchor, op, upstream, after=True) and not _hands_back(anchor, op, edges, reach):
             return anchor
     return None
+
+
+def _hands_back(anchor: fx.Node, op: fx.Node, edges: dict[fx.Node, OrderedSet[fx.Node]], reach: "_Reach") -> bool:
+    """Whether making ``anchor`` (a barrier) follow ``op`` would make a kernel that must run before ``op``
+    follow it. Inductor writes a fusible value out where it lowers a node one of whose users needs it
+    written (a barrier); where every such user carries ordering edges (lowered inside ``control_deps``),
+    it writes the value out inside the first of them, and hands that one's edges to the value's kernel.
+    That kernel then follows what the barrier follows, and a fusion partner of it that must run before
+    (one ``op`` follows) can no longer share its kernel: SwiGLU's backward split in two, the up
+    projection's half after a prefetch that followed the gate projection's gradient matmul, once both
+    of the half's readers (the up projection's gradient matmuls) followed one of our ops."""
+    if reach.fusible(anchor):
+        return False
+    for source in _read_through_views(anchor):
+        if not reach.fusible(source):
+            continue
+        readers = reach.barrier_readers(source)
+        if any(r is not anchor and r not in edges for r in readers):
+            continue  # an unordered reader: Inductor writes the value out on its own
+        followed = [d for r in (*readers, anchor) for d in edges.get(r, ())] + [op]
+        if any(_follows(f, k, edges, reach) for k in reach.group(source) for f in followed):
+            return True
+    return False
+
+
+def _follows(node: fx.Node, earlier: fx.Node, edges: dict[fx.Node, OrderedSet[fx.Node]], reach: "_Reach") -> bool:
+    """Whether ``node`` runs after ``earlier``: through data edges, or through the ordering edges
+    chosen so far, then data edges."""
+    seen, stack = {node}, [node]
+    while stack:
+        current = stack.pop()
+        if current is earlier or reach.reaches(earlier, current):
+            return True
+        for dep in edges.get(current, ()):
+            if dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return False
 
 
 def _crosses(anchor: fx.Node | None, partner: fx.Node, reach: "_Reach", after: bool) -> bool:
@@ -521,6 +567,20 @@ class _Reach:
 
     def fed_by(self, op: fx.Node) -> set[fx.Node]:
         return self._walk(op, after=False)
+
+    def barrier_readers(self, value: fx.Node) -> list[fx.Node]:
+        """The ops that read ``value`` (through views) and need it written out: barriers, and ours."""
+        found, seen, stack = [], {value}, [value]
+        while stack:
+            for user in stack.pop().users:
+                if user in seen or user.op != "call_function":
+                    continue
+                seen.add(user)
+                if _is_view(user):
+                    stack.append(user)
+                elif user.target in FXOFFLOAD_OPS or (is_compute(user) and not self.fusible(user)):
+                    found.append(user)
+        return found
 
     def feeds(self, op: fx.Node) -> set[fx.Node]:
         return self._walk(op, after=True)
