@@ -26,7 +26,8 @@ verdicts place each fxoffload way on PyTorch's frontier: the straight line betwe
 (plain, its budgets, full checkpointing) whose measured peaks bracket the way's measured peak.
 
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
-torch): kernel time by kind and the kernels added against plain, each stream's busy time and the compute
+torch): kernel time by kind and the kernels added against plain, in all and by name (``kernel_family``:
+which kernel a way adds or splits), each stream's busy time and the compute
 stream's idle time within the step, told apart by cause from the launch of the work after each gap
 (``idle_causes``: the device waiting for the host, and of it for the host inside fxoffload's op calls;
 queued work waiting on the device, a copy's event most likely, by the kernel held back; the device moving
@@ -299,10 +300,10 @@ def summarize_again(path: Path, traces: Path) -> list[str]:
     if not done:
         raise SystemExit(f"frontier: no trace of {path}'s profiled ways in {traces} "
                          "(named as --keep-traces names them)")
-    remark = (f"Profiles summarised again from the raw traces in `{traces.as_posix()}` by `python "
-              f"benchmarks/frontier.py --summarize-again {path.as_posix()} {traces.as_posix()}` (the compute "
-              "stream's idle time by cause).")
-    figures["remarks"] = [r for r in figures.get("remarks", []) if r != remark] + [remark]
+    said = f"Profiles summarised again from the raw traces in `{traces.as_posix()}`"
+    remark = (f"{said} by `python benchmarks/frontier.py --summarize-again {path.as_posix()} {traces.as_posix()}` "
+              "(the compute stream's idle time by cause, its kernels by name).")
+    figures["remarks"] = [r for r in figures.get("remarks", []) if not r.startswith(said)] + [remark]
     path.write_text(json.dumps(figures, indent=1, default=str))  # as save_run writes it
     return done
 
@@ -372,6 +373,24 @@ KERNEL_KINDS = (("triton", ("triton_",)), ("gemm", ("gemm", "cutlass", "xmma", "
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without Inductor's index (``triton_poi_fused_mul_12`` -> ``triton_poi_fused_mul``): a
+    kernel split in two renumbers every kernel after it, so that names compare across ways by what they
+    fuse."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def kernels_added_by_name(profile: dict, base: dict) -> list[tuple[str, int]]:
+    """The compute stream's kernels of ``profile`` against ``base``'s, by family (:func:`kernel_family`):
+    each family whose count differs and by how much, largest first (absent from summaries made before
+    names were kept: none)."""
+    mine, theirs = profile.get("compute_kernel_names"), base.get("compute_kernel_names")
+    if mine is None or theirs is None:
+        return []
+    found = [(name, mine.get(name, 0) - theirs.get(name, 0)) for name in sorted(set(mine) | set(theirs))]
+    return sorted((f for f in found if f[1]), key=lambda f: (-abs(f[1]), f[0]))
 
 
 Intervals = list[tuple[float, float]]
@@ -508,6 +527,7 @@ def summarize_trace(events: list[dict]) -> dict:
     streams: dict[str, list[tuple[float, float]]] = {}
     kernel_time: dict[str, float] = {}
     kernel_count: dict[str, int] = {}
+    kernel_names: dict[str, dict[str, int]] = {}
     copies: dict[str, dict] = {}
     host_ops: dict[str, dict] = {}
     host_calls: Intervals = []
@@ -545,6 +565,8 @@ def summarize_trace(events: list[dict]) -> dict:
             kind["us"] += dur
             kernel_time[stream] = kernel_time.get(stream, 0.0) + dur
             kernel_count[stream] = kernel_count.get(stream, 0) + 1
+            families = kernel_names.setdefault(stream, {})
+            families[kernel_family(name)] = families.get(kernel_family(name), 0) + 1
         elif cat == "gpu_memcpy" and (direction := _direction(name)):
             copy = copies.setdefault(direction, {"count": 0, "bytes": 0, "us": 0.0})
             copy["count"] += 1
@@ -560,6 +582,7 @@ def summarize_trace(events: list[dict]) -> dict:
     causes = idle_causes(device_ops.get(compute, []), (span[0], span[1]), launches, host_calls_by_thread)
     return {"kernels": kernels, "kernel_count": sum(k["count"] for k in kernels.values()),
             "compute_kernels": kernel_count.get(compute, 0),
+            "compute_kernel_names": dict(sorted(kernel_names.get(compute, {}).items())),
             "stream_busy_us": busy, "compute_stream": compute, "step_us": step_us,
             "compute_idle_us": step_us - busy[compute] if compute is not None else 0.0,
             "idle_copy_in_flight_us": _overlap(idle, in_flight),
@@ -742,7 +765,32 @@ def _profile_lines(frontier: dict) -> list[str]:
                      f"{p['compute_idle_us'] / 1e3:.1f} ms | {_causes(p)} | "
                      f"{p['idle_copy_in_flight_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | "
                      f"{copy('device_to_host')} | {copy('host_to_device')} | {host} | {_made(p)} |")
-    return lines + _profile_bar_lines(frontier)
+    return lines + _kernel_name_lines(frontier) + _profile_bar_lines(frontier)
+
+
+NAMES_SHOWN = 6  # kernel families listed per way, the largest differences first
+
+
+def _baseline_of(way: str) -> str:
+    """The way a way's kernels are put against: full checkpointing for the checkpointed way, else plain."""
+    return Way("checkpoint" if _kind(way) == "checkpoint+fxoffload" else "plain").name
+
+
+def _kernel_name_lines(frontier: dict) -> list[str]:
+    profiles = frontier["profiles"]
+    rows = []
+    for way, p in profiles.items():
+        base = profiles.get(_baseline_of(way))
+        if way in (Way("plain").name, Way("checkpoint").name) or base is None or "compute_kernel_names" not in p:
+            continue
+        found = kernels_added_by_name(p, base)
+        shown = ", ".join(f"{n:+d} `{name[:80]}`" for name, n in found[:NAMES_SHOWN]) or "the same"
+        more = f" (and {len(found) - NAMES_SHOWN} more)" if len(found) > NAMES_SHOWN else ""
+        rows.append(f"- {way}: {shown}{more}")
+    if not rows:
+        return []
+    return ["", "The compute stream's kernels by name against plain's (full checkpointing's for the checkpointed "
+            "way), a Triton kernel's index dropped (`kernel_family`): what each way adds or splits.", "", *rows]
 
 
 HELD_BACK_SHOWN_US = 100.0  # the kernel held back longest is named from this much of its waiting on
@@ -777,7 +825,7 @@ def profile_bar(frontier: dict) -> list[dict]:
     for r in frontier["runs"]:
         kind = _kind(r["way"])
         p = profiles.get(r["way"])
-        base = profiles.get(Way("checkpoint" if kind == "checkpoint+fxoffload" else "plain").name)
+        base = profiles.get(_baseline_of(r["way"]))
         if base is None or p is None or r["error"] or kind not in ("fxoffload", "checkpoint+fxoffload") \
                 or "idle_host_bound_us" not in p:
             continue

@@ -91,6 +91,29 @@ def test_idle_time_is_told_apart_by_the_launch_of_the_work_after_each_gap():
     assert summary["idle_in_fxoffload_host_us"] == 29.0
 
 
+def test_kernels_are_compared_by_name_on_the_compute_stream_without_inductors_index():
+    """A way whose SwiGLU kernel split in two (the indices of every kernel after it renumbered): the names say
+    which kernel split, and a kernel on another stream (a copy engine's memset kernel, say) is not counted."""
+    def step(names: list[str]) -> dict:
+        events = [kernel("nvjet_sm90_gemm_TNT", 0, 50)]
+        events += [kernel(name, 100 + 10 * i, 5) for i, name in enumerate(names)]
+        events.append(kernel("triton_poi_fused_fill_0", 5, 1, stream=20))
+        return frontier.summarize_trace(events)
+
+    plain = step(["triton_poi_fused_mul_silu_3", "triton_red_fused_sum_4"] * 2)
+    split = step(["triton_poi_fused_silu_3", "triton_poi_fused_mul_4", "triton_red_fused_sum_5"] * 2)
+    assert split["compute_kernel_names"] == {"nvjet_sm90_gemm_TNT": 1, "triton_poi_fused_mul": 2,
+                                             "triton_poi_fused_silu": 2, "triton_red_fused_sum": 2}
+    assert frontier.kernels_added_by_name(split, plain) == [
+        ("triton_poi_fused_mul", 2), ("triton_poi_fused_mul_silu", -2), ("triton_poi_fused_silu", 2)]
+    assert frontier.kernels_added_by_name(plain, plain) == []
+    assert frontier.kernels_added_by_name(split, {"compute_kernels": 5}) == []  # a summary made before names
+    way = "fxoffload memory_budget=0.5, strategy=auto"
+    lines = frontier._kernel_name_lines({"profiles": {"plain": plain, way: split}})
+    assert lines[-1] == (f"- {way}: +2 `triton_poi_fused_mul`, -2 `triton_poi_fused_mul_silu`, "
+                         "+2 `triton_poi_fused_silu`")
+
+
 def test_the_profile_bar_counts_kernels_against_the_baseline_and_idle_time_fxoffload_caused():
     def profile(kernels: int, step: float, device: float = 0.0, in_ours: float = 0.0) -> dict:
         return {"compute_kernels": kernels, "step_us": step, "idle_host_bound_us": 500.0 + in_ours,
