@@ -213,14 +213,14 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and not is_compute(node) and node.target not in FXOFFLOAD_OPS
 
 
-def _read_through_views(node: fx.Node) -> set[fx.Node]:
+def _read_through_views(node: fx.Node, is_view: Callable[[fx.Node], bool] = _is_view) -> set[fx.Node]:
     """What ``node`` reads, and what each view among those reads, up to what holds the memory."""
     read, stack = set(), list(node.all_input_nodes)
     while stack:
         source = stack.pop()
         if source not in read:
             read.add(source)
-            if _is_view(source):
+            if is_view(source):
                 stack.extend(source.all_input_nodes)
     return read
 
@@ -352,7 +352,7 @@ def _hands_back(anchor: fx.Node, op: fx.Node, edges: dict[fx.Node, OrderedSet[fx
     of the half's readers (the up projection's gradient matmuls) followed one of our ops."""
     if reach.fusible(anchor):
         return False
-    for source in _read_through_views(anchor):
+    for source in _read_through_views(anchor, reach.view):
         if not reach.fusible(source):
             continue
         readers = reach.barrier_readers(source)
@@ -445,15 +445,28 @@ class _Reach:
         self._reaches: dict[tuple[fx.Node, fx.Node], bool] = {}
         self._partners: dict[tuple[fx.Node, bool], list[fx.Node]] = {}
         self._groups: dict[fx.Node, list[fx.Node]] = {}
+        self._computes: dict[fx.Node, bool] = {}  # is_compute, asked of the same nodes many times over
+        self._fusibles: dict[fx.Node, bool] = {}
+
+    def compute(self, node: fx.Node) -> bool:
+        if node not in self._computes:
+            self._computes[node] = is_compute(node)
+        return self._computes[node]
 
     def fusible(self, node: fx.Node) -> bool:
-        return is_compute(node) and not is_fusion_barrier(node)
+        if node not in self._fusibles:
+            self._fusibles[node] = self.compute(node) and not is_fusion_barrier(node)
+        return self._fusibles[node]
+
+    def view(self, node: fx.Node) -> bool:
+        """:func:`_is_view`, with ``compute`` remembered."""
+        return node.op == "call_function" and not self.compute(node) and node.target not in FXOFFLOAD_OPS
 
     def _within_kernel(self, node: fx.Node) -> bool:
         """A fused kernel may extend through ``node``: a fusible op, a view or a getitem."""
         if node.op != "call_function" or node.target in FXOFFLOAD_OPS:
             return False
-        return not is_compute(node) or self.fusible(node)
+        return not self.compute(node) or self.fusible(node)
 
     def reaches(self, a: fx.Node, b: fx.Node) -> bool:
         """Whether a path of data edges leads from ``a`` to ``b``."""
@@ -488,7 +501,7 @@ class _Reach:
                         continue
                     seen.add(nxt)
                     stack.append(nxt)
-                    if is_compute(nxt):
+                    if self.compute(nxt):
                         found.append(nxt)
             self._partners[key] = found
         return self._partners[key]
@@ -501,7 +514,7 @@ class _Reach:
             members, seen, stack = [], {node}, [node]
             while stack:
                 current = stack.pop()
-                if is_compute(current):
+                if self.compute(current):
                     members.append(current)
                 for nxt in (*current.users, *current.all_input_nodes):
                     if nxt not in seen and self._within_kernel(nxt):
@@ -521,17 +534,17 @@ class _Reach:
         such ops side by side (a horizontal fusion) where no path between them forbids it."""
         if not self.fusible(node):
             return []
-        sources = _read_through_views(node)
+        sources = _read_through_views(node, self.view)
         found, seen, stack = [], set(sources), list(sources)
         while stack:  # down through views to the fusible ops that read it
             for user in stack.pop().users:
                 if user in seen or user is node:
                     continue
                 seen.add(user)
-                if is_compute(user):
+                if self.compute(user):
                     if self.fusible(user):
                         found.append(user)
-                elif _is_view(user):
+                elif self.view(user):
                     stack.append(user)
         return found
 
@@ -576,9 +589,9 @@ class _Reach:
                 if user in seen or user.op != "call_function":
                     continue
                 seen.add(user)
-                if _is_view(user):
+                if self.view(user):
                     stack.append(user)
-                elif user.target in FXOFFLOAD_OPS or (is_compute(user) and not self.fusible(user)):
+                elif user.target in FXOFFLOAD_OPS or (self.compute(user) and not self.fusible(user)):
                     found.append(user)
         return found
 
@@ -595,7 +608,7 @@ class _Reach:
                 if nxt in seen or nxt.op != "call_function":
                     continue
                 seen.add(nxt)
-                if is_compute(nxt):
+                if self.compute(nxt):
                     if self.fusible(nxt):
                         found.add(nxt)
                 else:
