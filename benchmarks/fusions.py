@@ -14,7 +14,9 @@ its own, so :func:`one_function_per_kernel` has it write a function per kernel, 
 A second table offloads each saved value of the block alone (:func:`one_at_a_time`: a selective-checkpoint
 policy saves every op's result and marks one op ``MUST_CPU_OFFLOAD``, under fxoffload at budget 1.0)
 against the same partition with nothing marked, so that no copy's ops split a fusion unseen because no plan
-happened to offload that value; ``tests/test_fusions.py`` holds every row to the partition's count.
+happened to offload that value; ``tests/test_fusions.py`` holds every row to the partition's count. Then every
+pair of them, and all of them at once; and the same for transformers' GPT-2 block (``SUBJECTS``: LayerNorms,
+biases, a GELU MLP, one QKV projection), built from a config.
 Measured on this machine's CPU backend: the counts are Inductor's, not a GPU's.
 """
 
@@ -28,6 +30,7 @@ import itertools
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,12 +116,21 @@ class _Checkpointed(torch.nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x, cos, sin):
-        return checkpoint(self.block, x, cos, sin, use_reentrant=False, context_fn=_MARKED_CONTEXT)
+    def forward(self, *inputs):
+        return checkpoint(self.block, *inputs, use_reentrant=False, context_fn=_MARKED_CONTEXT)
 
 
-def block_and_inputs() -> tuple[LlamaBlock, tuple[torch.Tensor, ...]]:
-    """The block and its inputs, each made from seed 0 (the same in every way and in eager)."""
+@dataclass(frozen=True)
+class Subject:
+    """A block whose saved values are offloaded one at a time: what it is, and how to make it and its inputs
+    (the first input: the hidden states, whose gradient is compared), each from seed 0, the same in every
+    way and in eager."""
+
+    name: str
+    make: Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
+
+
+def llama_block() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     block = LlamaBlock(SHAPE)
     torch.manual_seed(0)
@@ -126,9 +138,32 @@ def block_and_inputs() -> tuple[LlamaBlock, tuple[torch.Tensor, ...]]:
     return block, (x, *rotary(TOKENS, SHAPE.hidden // SHAPE.heads))
 
 
+def gpt2_block() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' ``GPT2Block`` from a config (no weights): LayerNorms and linears with biases, a GELU
+    (tanh) MLP, fused QKV projection, SDPA, no dropout."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = GPT2Config(n_embd=SHAPE.hidden, n_head=SHAPE.heads, n_inner=4 * SHAPE.hidden, n_positions=TOKENS,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    block = GPT2Block(config)
+    torch.manual_seed(0)
+    return block, (torch.randn(1, TOKENS, SHAPE.hidden, requires_grad=True),)
+
+
+LLAMA = Subject(f"one Llama-style block (`examples/llama_layers.py`: hidden {SHAPE.hidden}, {SHAPE.heads} heads, "
+                f"{SHAPE.kv_heads} KV heads, FFN {SHAPE.ffn}, {TOKENS} tokens, float32)", llama_block)
+GPT2 = Subject(f"one GPT-2 block (transformers' `GPT2Block`: hidden {SHAPE.hidden}, {SHAPE.heads} heads, MLP "
+               f"{4 * SHAPE.hidden}, {TOKENS} tokens, float32)", gpt2_block)
+SUBJECTS = (LLAMA, GPT2)
+
+
 @dataclass(frozen=True)
 class Marked:
-    """One step of the block with some ops marked: its kernels, what moved, its gradients."""
+    """One step of the block with some ops marked: its kernels, what moved, its gradients; ``period``: the
+    ops of one trace (``OneMarked``), None before it was counted."""
 
     targets: frozenset[int]
     op: str
@@ -136,59 +171,82 @@ class Marked:
     backward: int
     offloaded: tuple[str, ...]
     grads: tuple[torch.Tensor, ...]
+    period: int | None
 
 
-def count_marked(targets: frozenset[int]) -> Marked:
+def count_marked(targets: frozenset[int], subject: Subject = LLAMA, period: int | None = None) -> Marked:
     """One step of the checkpointed block under fxoffload (budget 1.0: only marks move, ``min_bytes=0``)
     with the ops at ``targets`` in a trace marked ``MUST_CPU_OFFLOAD`` (none: nothing marked)."""
     torch._dynamo.reset()
-    block, (x, cos, sin) = block_and_inputs()
-    ONE_MARKED.targets, ONE_MARKED.calls, ONE_MARKED.seen = targets, 0, []
+    block, inputs = subject.make()
+    ONE_MARKED.targets, ONE_MARKED.calls, ONE_MARKED.seen, ONE_MARKED.period = targets, 0, [], period
     backend = fxoffload.offload_backend(inner="inductor", memory_budget=1.0, min_bytes=0)
     compiled = torch.compile(_Checkpointed(block), backend=backend)
     with one_function_per_kernel(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a mark on a view's op: "stays on the device", as the plan says
-        _, codes = run_fw_bw_and_get_code(lambda: compiled(x, cos, sin).square().sum())
+        _, codes = run_fw_bw_and_get_code(lambda: compiled(*inputs).square().sum())
     offloaded = tuple(d.name for d in backend.records[0].plan.decisions if d.action == "offload")
     op = " + ".join(str(ONE_MARKED.seen[t]) for t in sorted(targets)) or "-"
     return Marked(targets, op, len(FUSED_KERNEL.findall(codes[0])), len(FUSED_KERNEL.findall(codes[-1])),
-                  offloaded, tuple([x.grad] + [p.grad for p in block.parameters()]))
+                  offloaded, tuple([inputs[0].grad] + [p.grad for p in block.parameters()]), period)
 
 
-def one_at_a_time() -> tuple[Marked, list[Marked]]:
+def eager_grads(subject: Subject = LLAMA) -> tuple[torch.Tensor, ...]:
+    """The gradients ``count_marked`` compares, from eager PyTorch."""
+    block, inputs = subject.make()
+    block(*inputs).square().sum().backward()
+    return tuple([inputs[0].grad] + [p.grad for p in block.parameters()])
+
+
+def one_at_a_time(subject: Subject = LLAMA) -> tuple[Marked, list[Marked]]:
     """The block with nothing marked, and with each op that is no view marked in turn, where the mark moved
     something (a saved value): each against the first, the same partition."""
-    ONE_MARKED.period = None
-    baseline = count_marked(frozenset())
+    baseline = count_marked(frozenset(), subject)
     ops = list(ONE_MARKED.seen)
-    ONE_MARKED.period = len(ops) // 2
-    if ops[:ONE_MARKED.period] != ops[ONE_MARKED.period:]:
+    period = len(ops) // 2
+    if ops[:period] != ops[period:]:
         raise RuntimeError("the forward's two traces saw different ops: the marks cannot be counted")
-    marked = (count_marked(frozenset({t})) for t, op in enumerate(ops[:ONE_MARKED.period]) if not op.is_view)
+    marked = (count_marked(frozenset({t}), subject, period) for t, op in enumerate(ops[:period]) if not op.is_view)
     return baseline, [m for m in marked if m.offloaded]
 
 
-def two_at_a_time(singles: list[Marked]) -> list[Marked]:
-    """Each pair of the values ``one_at_a_time`` moved, offloaded together (``ONE_MARKED.period`` set)."""
-    return [count_marked(a.targets | b.targets) for a, b in itertools.combinations(singles, 2)]
+def together(rows: list[Marked], subject: Subject = LLAMA) -> Marked:
+    """The values ``rows`` (of ``one_at_a_time``) moved, offloaded together."""
+    return count_marked(frozenset().union(*(m.targets for m in rows)), subject, rows[0].period)
 
 
-def all_at_once(singles: list[Marked]) -> Marked:
-    """Every value ``one_at_a_time`` moved, offloaded together (``ONE_MARKED.period`` set)."""
-    return count_marked(frozenset().union(*(m.targets for m in singles)))
+def two_at_a_time(singles: list[Marked], subject: Subject = LLAMA) -> list[Marked]:
+    """Each pair of the values ``one_at_a_time`` moved, offloaded together."""
+    return [together([a, b], subject) for a, b in itertools.combinations(singles, 2)]
 
 
-def one_at_a_time_table() -> str:
-    baseline, rows = one_at_a_time()
+def three_at_a_time(singles: list[Marked], subject: Subject = LLAMA) -> list[Marked]:
+    """Each three of the values ``one_at_a_time`` moved, offloaded together."""
+    return [together(list(three), subject) for three in itertools.combinations(singles, 3)]
+
+
+def all_at_once(singles: list[Marked], subject: Subject = LLAMA) -> Marked:
+    """Every value ``one_at_a_time`` moved, offloaded together."""
+    return together(singles, subject)
+
+
+def one_at_a_time_table(subject: Subject = LLAMA, threes: bool = False) -> str:
+    baseline, rows = one_at_a_time(subject)
     lines = ["| value offloaded alone | its op | forward kernels | backward kernels |", "|---|---|---|---|",
              f"| none (the partition: every result saved) | - | {baseline.forward} | {baseline.backward} |"]
     lines += [f"| {', '.join(m.offloaded)} | `{m.op}` | {m.forward} | {m.backward} |" for m in rows]
-    pairs = two_at_a_time(rows)
+    pairs = two_at_a_time(rows, subject)
     more = [m for m in pairs if m.forward > baseline.forward or m.backward > baseline.backward]
     lines += ["", f"Every pair of them offloaded together ({len(pairs)} pairs): {len(more)} cost a kernel more"
               + (":" if more else ".")]
     lines += [f"- {', '.join(m.offloaded)}: {m.forward} forward and {m.backward} backward kernels" for m in more]
-    every = all_at_once(rows)
+    if threes:
+        found = three_at_a_time(rows, subject)
+        more = [m for m in found if m.forward > baseline.forward or m.backward > baseline.backward]
+        lines += ["", f"Every three of them offloaded together ({len(found)}): {len(more)} cost a kernel more"
+                  + (":" if more else ".")]
+        lines += [f"- {', '.join(m.offloaded)}: {m.forward} forward and {m.backward} backward kernels" for m in more]
+    every = all_at_once(rows, subject)
     lines += ["", f"All {len(rows)} of them offloaded together: {every.forward} forward and {every.backward} backward "
               "kernels."]
     return "\n".join(lines)
@@ -208,14 +266,22 @@ def table() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
+    parser.add_argument("--threes", action="store_true",
+                        help="also every three of the Llama block's saved values together (364: about 15 minutes)")
     args = parser.parse_args(argv)
     rows = table()
     print("one saved value at a time:", flush=True)
-    marked = one_at_a_time_table()
+    marked = one_at_a_time_table(threes=args.threes)
     print(marked)
+    for subject in SUBJECTS[1:]:
+        print(f"the same for {subject.name}:", flush=True)
+        table_of = one_at_a_time_table(subject)
+        print(table_of)
+        marked += f"\n\nThe same for {subject.name}:\n\n{table_of}"
     if args.write:
         today = datetime.date.today().isoformat()
-        body = (f"`python benchmarks/fusions.py --write` ({today}, torch {torch.__version__}, this machine's CPU). "
+        command = "python benchmarks/fusions.py" + (" --threes" if args.threes else "") + " --write"
+        body = (f"`{command}` ({today}, torch {torch.__version__}, this machine's CPU). "
                 f"One Llama-style block (hidden {SHAPE.hidden}, {SHAPE.heads} heads, {SHAPE.kv_heads} KV heads, FFN "
                 f"{SHAPE.ffn}, {TOKENS} tokens, float32) compiled by Inductor; its fused kernels counted in the "
                 "generated forward and backward (one C++ function per kernel, as Triton launches one per kernel: "

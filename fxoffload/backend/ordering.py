@@ -13,8 +13,9 @@ PyTorch's ``control_deps`` higher-order op
 * it depends on the fxoffload op before it, so ours keep their planned order
   even when Inductor moves an anchor earlier (a fused reduction, say), except
   where that splits a kernel: an offload whose unwritten source's kernel the op
-  before reads (Inductor writes the source out while lowering the offload, and
-  gives that kernel the offload's edges: :func:`_reads_kernel_of`), and an op
+  before reads, or follows an op that reads (Inductor writes the source out while
+  lowering the offload, and gives that kernel the offload's edges:
+  :func:`_reads_kernel_of`), and an op
   whose neighbours' fusion the op before's rise anchor would split;
 * a ``defer`` also depends on every last kernel of the graph (a compute op no
   other compute op reads, even through views), so that every kernel runs
