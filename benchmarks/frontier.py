@@ -781,8 +781,9 @@ def _kernel_name_lines(frontier: dict) -> list[str]:
     rows = []
     for way, p in profiles.items():
         base = profiles.get(_baseline_of(way))
-        if way in (Way("plain").name, Way("checkpoint").name) or base is None or "compute_kernel_names" not in p:
-            continue
+        if way in (Way("plain").name, Way("checkpoint").name) or base is None \
+                or "compute_kernel_names" not in p or "compute_kernel_names" not in base:
+            continue  # a summary made before names were kept says nothing of them
         found = kernels_added_by_name(p, base)
         shown = ", ".join(f"{n:+d} `{name[:80]}`" for name, n in found[:NAMES_SHOWN]) or "the same"
         more = f" (and {len(found) - NAMES_SHOWN} more)" if len(found) > NAMES_SHOWN else ""

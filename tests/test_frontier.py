@@ -112,6 +112,8 @@ def test_kernels_are_compared_by_name_on_the_compute_stream_without_inductors_in
     lines = frontier._kernel_name_lines({"profiles": {"plain": plain, way: split}})
     assert lines[-1] == (f"- {way}: +2 `triton_poi_fused_mul`, -2 `triton_poi_fused_mul_silu`, "
                          "+2 `triton_poi_fused_silu`")
+    # Against a baseline summarised before names were kept: no line (not "the same").
+    assert frontier._kernel_name_lines({"profiles": {"plain": {"compute_kernels": 4}, way: split}}) == []
 
 
 def test_the_profile_bar_counts_kernels_against_the_baseline_and_idle_time_fxoffload_caused():
