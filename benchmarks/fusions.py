@@ -235,21 +235,20 @@ def one_at_a_time_table(subject: Subject = LLAMA, threes: bool = False) -> str:
     lines = ["| value offloaded alone | its op | forward kernels | backward kernels |", "|---|---|---|---|",
              f"| none (the partition: every result saved) | - | {baseline.forward} | {baseline.backward} |"]
     lines += [f"| {', '.join(m.offloaded)} | `{m.op}` | {m.forward} | {m.backward} |" for m in rows]
-    pairs = two_at_a_time(rows, subject)
-    more = [m for m in pairs if m.forward > baseline.forward or m.backward > baseline.backward]
-    lines += ["", f"Every pair of them offloaded together ({len(pairs)} pairs): {len(more)} cost a kernel more"
-              + (":" if more else ".")]
-    lines += [f"- {', '.join(m.offloaded)}: {m.forward} forward and {m.backward} backward kernels" for m in more]
+    lines += _costing_more(baseline, two_at_a_time(rows, subject), "Every pair of them offloaded together ({} pairs)")
     if threes:
-        found = three_at_a_time(rows, subject)
-        more = [m for m in found if m.forward > baseline.forward or m.backward > baseline.backward]
-        lines += ["", f"Every three of them offloaded together ({len(found)}): {len(more)} cost a kernel more"
-                  + (":" if more else ".")]
-        lines += [f"- {', '.join(m.offloaded)}: {m.forward} forward and {m.backward} backward kernels" for m in more]
+        lines += _costing_more(baseline, three_at_a_time(rows, subject), "Every three of them offloaded together ({})")
     every = all_at_once(rows, subject)
     lines += ["", f"All {len(rows)} of them offloaded together: {every.forward} forward and {every.backward} backward "
               "kernels."]
     return "\n".join(lines)
+
+
+def _costing_more(baseline: Marked, found: list[Marked], heading: str) -> list[str]:
+    """``heading`` (its ``{}``: how many were found), how many of ``found`` cost a kernel more, and those."""
+    more = [m for m in found if m.forward > baseline.forward or m.backward > baseline.backward]
+    lines = ["", f"{heading.format(len(found))}: {len(more)} cost a kernel more" + (":" if more else ".")]
+    return lines + [f"- {', '.join(m.offloaded)}: {m.forward} forward and {m.backward} backward kernels" for m in more]
 
 
 def table() -> str:
