@@ -99,3 +99,64 @@ def test_every_ordering_edge_handed_to_inductor_ends_at_a_tensor(monkeypatch):
                     assert isinstance(dep.meta.get("val"), torch.Tensor), (node.name, dep.name)
                     through_outputs += dep.target is operator.getitem
     assert through_outputs > 0, "no edge to a multi-output op: the test would prove nothing"
+
+
+def _residual_then_norm(x, attention, weight):
+    """A Llama block's middle: the residual add, the FFN's RMSNorm (one fused kernel with it), a matmul,
+    and the second residual add, which reads the first after the matmul (a later kernel)."""
+    import torch
+
+    h = x + attention
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return h + (normed.view(-1, normed.shape[-1]) @ weight).view(h.shape)
+
+
+def test_a_reader_s_fused_kernel_ends_before_the_matmul_its_value_feeds():
+    """Fast (graphs only): a release of the layer input follows the residual add that reads it through
+    what the add's fused kernel (the FFN's RMSNorm) writes out: the add itself (a later kernel reads
+    it), the reduction, and the normed value (a matmul reads a view of it). The second residual add runs
+    after the matmul, in another kernel: taken for one of the first kernel's ends, it held the release
+    before the RMSNorm (past a matmul it cannot move), and Inductor wrote the add out in a kernel of its
+    own (one forward kernel more at budgets 0.5 and 0.3 on the frontier's model). An end is the op
+    that computes a value, not a view of it."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = (torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(8, 8))
+    gm = make_fx(_residual_then_norm, tracing_mode="fake")(*inputs)
+    reach = _Reach(gm.graph)
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    matmul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    ends = _fusion_ends(add, reach)
+    assert add in ends and all(reach.index[e] < reach.index[matmul] for e in ends), [e.name for e in ends]
+    assert all(reach.compute(e) for e in ends), [e.name for e in ends]
+    targets = {e.target for e in ends}
+    assert torch.ops.aten.mean.dim in targets and torch.ops.aten.mul.Tensor in targets, [e.name for e in ends]
+
+
+def test_a_prefetch_read_at_once_takes_no_fusible_anchor_past_its_wait():
+    """Fast (fake tensors, graphs only): a checkpointed block's backward starts by bringing its input
+    back, and its recomputed RMSNorm reads it at once (``pow``, then ``mean``). The prefetch's nearest
+    barrier lies past its wait, and so did the nearest fusible op: made to follow the prefetch, the
+    ``pow`` was written out where it followed it, apart from its ``mean`` (one backward kernel more for
+    the layer-input way on the frontier's model). Nothing lies between the two to keep apart: the wait
+    holds the prefetch by data, and no anchor after the wait is made to follow the prefetch."""
+    import copy
+
+    from fxoffload.passes.ops import PREFETCH
+    from tests.test_ahead_lead import checkpointed_step
+
+    backward = copy.deepcopy(checkpointed_step().records[-1].backward)
+    graph = backward.graph
+    reach = _Reach(graph)
+    edges = _ordering_edges(graph)
+    prefetches = [n for n in graph.nodes if n.op == "call_function" and n.target is PREFETCH]
+    read_at_once = 0
+    for prefetch in prefetches:
+        wait = min(prefetch.users, key=reach.index.__getitem__)
+        first = next(n for n in wait.users if reach.compute(n))
+        read_at_once += reach.fusible(first) and not any(
+            reach.compute(n) for n in graph.nodes if reach.index[prefetch] < reach.index[n] < reach.index[wait])
+        following = [n for n, deps in edges.items() if prefetch in deps]
+        assert all(reach.index[n] < reach.index[wait] for n in following), [n.name for n in following]
+    assert read_at_once, "no prefetch read at once by a fusible op: the test would prove nothing"

@@ -47,7 +47,11 @@ value's kernel (:func:`_hands_back`); the kernel then follows our op, away from 
 must run before it. A prefetch whose nearest barrier lies past its own wait (a stretch of
 pointwise ops only), and the wait of such a prefetch, are anchored on a
 fusible op that starts (or ends) a fusion of its own, so that the two keep
-their distance. An offload's source whose layout Inductor has not fixed yet takes its traced
+their distance; where the nearest such op lies past the prefetch's wait too,
+the prefetch takes no sink anchor (the wait holds it by data, and a fusible op
+made to follow the prefetch is written out there: a checkpointed block's
+recomputed RMSNorm, reading its input at once, wrote its ``pow`` apart from its
+``mean``). An offload's source whose layout Inductor has not fixed yet takes its traced
 strides (:func:`constrain_offload_sources`): were the offload its first reader,
 Inductor would freeze it in the order its own reads are cheapest, and a later
 matmul would need a copy kernel of it. A ``prefetch_ahead`` reads a value for
@@ -74,7 +78,12 @@ those where no barrier, fxoffload op or user of the release lies between
 (:func:`_follow_fused_readers`): the storage is then freed after the fused
 kernel that reads it last, as plain compile reads it, instead of the reader's
 value being written out and read again (the same bytes held, one kernel and
-two passes over them less). A reader whose kernel is written out past such a
+two passes over them less). A user past a barrier the reader feeds runs in a
+later kernel and ends the walk there (the second residual add reads the first
+after the FFN: taken for part of the first's kernel, it held a release of the
+layer input between the first residual add and the FFN's RMSNorm, and the add
+got a kernel of its own on the frontier's model at budgets 0.5 and 0.3); an end
+that is a view is its op's value. A reader whose kernel is written out past such a
 node is followed itself, as before. Limits: an offloaded reduction result
 (RMSNorm's ``rsqrt``, below ``min_bytes`` at a GPU's sizes) still ends its
 kernel before the epilogue that reads it (Inductor's own choice, seen on the
@@ -186,6 +195,12 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         sink = _sink_anchor(op, barriers, ups, reach, edges)
         if op.target is PREFETCH and any(_crosses(sink, user, reach, after=True) for user in op.users):
             sink = _sink_anchor(op, anchors, ups, reach, edges)
+            if any(_crosses(sink, user, reach, after=True) for user in op.users):
+                # Nothing to keep between the prefetch and its wait (its first reader): the wait holds
+                # it by data. A fusible anchor past the wait would be written out where it follows the
+                # prefetch, ending its kernel: a checkpointed block's backward, whose recomputed RMSNorm
+                # reads its prefetched input at once, wrote the ``pow`` apart from its ``mean``.
+                sink = None
         if sink is not None and op not in sink.all_input_nodes:
             edges.setdefault(sink, OrderedSet()).add(op)
     return edges
@@ -255,7 +270,9 @@ def _follow_fused_readers(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], list
 def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
     """The nodes through which the kernel ``reader`` fuses into is written out: walking its users
     through fusible ops and views, each node read by something that is not (a barrier, an fxoffload
-    op, the graph's output), and each reduction past ``reader`` (Inductor writes a reduction out)."""
+    op, the graph's output) or by a fusible op past a barrier that ``reader`` feeds (a later kernel:
+    the second residual add, after the FFN, reads the first, which the FFN's RMSNorm kernel writes),
+    and each reduction past ``reader`` (Inductor writes a reduction out)."""
     ends, seen, stack = [], {reader}, [reader]
     while stack:
         node = stack.pop()
@@ -264,14 +281,23 @@ def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
             continue
         written = False
         for user in node.users:
-            if not reach._within_kernel(user):
+            if not reach._within_kernel(user) or reach.past_barrier(reader, user):
                 written = True
             elif user not in seen:
                 seen.add(user)
                 stack.append(user)
         if written:
-            ends.append(node)
-    return ends
+            ends.append(_computed_by(node, reach))
+    return list(dict.fromkeys(ends))
+
+
+def _computed_by(node: fx.Node, reach: "_Reach") -> fx.Node:
+    """The compute op whose result ``node`` views (through views of one input each), or ``node``: what a
+    kernel writes out when a view of it is read. A release placed after the view rather than the op
+    could not move past one of our ops between the two."""
+    while reach.view(node) and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
 
 
 def _reduces(node: fx.Node) -> bool:
@@ -448,6 +474,7 @@ class _Reach:
         self._groups: dict[fx.Node, list[fx.Node]] = {}
         self._computes: dict[fx.Node, bool] = {}  # is_compute, asked of the same nodes many times over
         self._fusibles: dict[fx.Node, bool] = {}
+        self._past: dict[tuple[fx.Node, fx.Node], bool] = {}
 
     def compute(self, node: fx.Node) -> bool:
         if node not in self._computes:
@@ -578,6 +605,26 @@ class _Reach:
         if upstream:
             return any(self.index[k] > at for k in self.partners(node, after=True))
         return any(self.index[k] < at for k in self.partners(node, after=False))
+
+    def past_barrier(self, start: fx.Node, node: fx.Node) -> bool:
+        """Whether a path of data edges from ``start`` to ``node`` passes through something no kernel
+        extends through (a barrier, one of our ops): ``node`` then runs in a later kernel than
+        ``start``. Searched back from ``node`` over the nodes after ``start``."""
+        key = (start, node)
+        if key not in self._past:
+            low, found = self.index[start], False
+            seen, stack = {node}, [node]
+            while stack and not found:
+                for arg in stack.pop().all_input_nodes:
+                    if arg in seen or self.index[arg] <= low:
+                        continue
+                    seen.add(arg)
+                    if not self._within_kernel(arg) and self.reaches(start, arg):
+                        found = True
+                        break
+                    stack.append(arg)
+            self._past[key] = found
+        return self._past[key]
 
     def fed_by(self, op: fx.Node) -> set[fx.Node]:
         return self._walk(op, after=False)

@@ -1,0 +1,70 @@
+"""benchmarks/frontier_kernels.py: Inductor's kernels for the frontier's ways at the size a GPU runs them
+(8 Llama-3-8B layers at 8192 tokens, run 5's calibration), written for this CPU under fake tensors.
+
+Issue 50: a transfer must not split a kernel Inductor fuses without it. The small block of
+``tests/test_fusions.py`` is planned for its own size; these are the plans the GPU runs. Before the fixes of
+2026-12-03 the forward at budgets 0.5 and 0.3 wrote the residual add apart from the FFN's RMSNorm (the
+layer input's release held between them), and the checkpointed blocks' backward wrote the recomputed
+RMSNorm's ``pow`` apart from its ``mean`` (its input's prefetch pinned to the ``pow``)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import frontier_kernels  # noqa: E402
+from frontier import default_ways  # noqa: E402
+from frontier_predict import read_run  # noqa: E402
+from results import RESULTS  # noqa: E402
+
+RUN5 = ROOT / "benchmarks" / "measured" / "frontier-h200-run5.json"
+FXOFFLOAD_WAYS = ("fxoffload memory_budget=0.7, strategy=auto", "fxoffload memory_budget=0.5, strategy=auto",
+                  "fxoffload memory_budget=0.3, strategy=auto",
+                  "checkpointing per block, layer inputs offloaded (fxoffload)")
+
+
+@functools.cache
+def compiled() -> dict[str, frontier_kernels.WayKernels]:
+    """Each fxoffload way of run 5 and its baseline, compiled once for the module (about a minute)."""
+    run_figures = read_run(RUN5)
+    ways = frontier_kernels.with_baselines([w for w in default_ways() if w.name in FXOFFLOAD_WAYS])
+    return {w.name: frontier_kernels.compile_way(run_figures, w) for w in ways}
+
+
+def _against_baseline(name: str) -> tuple[frontier_kernels.Difference, frontier_kernels.Difference, int]:
+    rows = compiled()
+    way = next(w for w in default_ways() if w.name == name)
+    row, base = rows[name], rows[frontier_kernels.baseline_name(way)]
+    return (frontier_kernels.difference(row.forward, base.forward),
+            frontier_kernels.difference(row.backward, base.backward), row.recomputed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FXOFFLOAD_WAYS)
+def test_the_frontier_s_plans_split_no_kernel_of_their_baseline(name):
+    forward, backward, recomputed = _against_baseline(name)
+    # The forward writes the baseline's kernels, no more, no fewer: copies and releases add none.
+    assert not forward.added and not forward.gone, (forward, compiled()[name].plan)
+    # The backward keeps every kernel of the baseline's; one more is a recomputation's (a recomputed
+    # SwiGLU product at 0.5), and only where the plan recomputes.
+    assert not backward.gone, (backward, compiled()[name].plan)
+    assert sum(backward.added.values()) <= recomputed, (backward, compiled()[name].plan)
+
+
+@pytest.mark.slow
+def test_the_results_section_is_what_the_script_renders_today():
+    rows = compiled()
+    ways = [w for w in default_ways() if w.name in rows]
+    text = frontier_kernels.render(RUN5, read_run(RUN5), list(rows.values()), ways, 0.0)
+    kept = RESULTS.read_text()
+    section = kept[kept.index(f"## {frontier_kernels.HEADING}\n"):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    table = [line for line in section.splitlines() if line.startswith("| ")]
+    for line in (line for line in text.splitlines() if line.startswith("| ")):
+        assert line in table, f"RESULTS lacks today's row (run the script with --write): {line}"
