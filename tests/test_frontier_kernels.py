@@ -68,3 +68,34 @@ def test_the_results_section_is_what_the_script_renders_today():
     table = [line for line in section.splitlines() if line.startswith("| ")]
     for line in (line for line in text.splitlines() if line.startswith("| ")):
         assert line in table, f"RESULTS lacks today's row (run the script with --write): {line}"
+
+
+def test_kernels_are_compared_by_family_and_a_split_reads_as_gone_and_added():
+    """Fast: the comparison the two scripts make. Inductor's index is dropped (a split renumbers the kernels
+    after it), each kernel counts as often as the code calls it, and a kernel of the baseline's replaced by
+    two reads as gone and added, one kernel more."""
+    import preset_kernels
+
+    base = frontier_kernels.kernels("    cpp_fused_add_mean_mul_pow_rsqrt_0(a, b)\n    cpp_fused_mul_silu_1(c)\n"
+                                    "    cpp_fused_mul_silu_1(d)\n")
+    split = frontier_kernels.kernels("    cpp_fused_pow_0(a)\n    cpp_fused_add_mean_mul_rsqrt_1(a, b)\n"
+                                     "    cpp_fused_mul_silu_2(c)\n    cpp_fused_mul_silu_2(d)\n")
+    assert base == {"cpp_fused_add_mean_mul_pow_rsqrt": 1, "cpp_fused_mul_silu": 2}
+    found = frontier_kernels.difference(split, base)
+    assert found.split and found.gone == {"cpp_fused_add_mean_mul_pow_rsqrt": 1}
+    assert found.added == {"cpp_fused_add_mean_mul_rsqrt": 1, "cpp_fused_pow": 1}
+    assert not frontier_kernels.difference(base, base).split
+    plain = preset_kernels.Compiled("p", None, base, base, "")
+    assert preset_kernels.more_kernels(preset_kernels.Compiled("p", 0.5, base, split, ""), plain)
+    assert not preset_kernels.more_kernels(preset_kernels.Compiled("p", 0.5, base, base, ""), plain)
+
+
+@pytest.mark.parametrize("argv, says", [(["--budgets", "1.5"], "each a fraction in"),
+                                        (["--only", "gpt2-xl", "--write"], "every preset at the default budgets"),
+                                        (["--only", "gpt-7"], "invalid choice")])
+def test_preset_kernels_refuses_bad_options_before_compiling(argv, says, capsys):
+    import preset_kernels
+
+    with pytest.raises(SystemExit):
+        preset_kernels.main(argv)
+    assert says in capsys.readouterr().err

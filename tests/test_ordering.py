@@ -1,5 +1,7 @@
 """Ordering edges for Inductor (``fxoffload.backend.ordering``), checked on graphs without compiling them (fast)."""
 
+import pytest
+
 from fxoffload.backend.ordering import _fusion_ends, _ordering_edges, _Reach
 from fxoffload.passes.analysis import is_anchored_compute, storage_key
 from fxoffload.passes.ops import RELEASES
@@ -160,3 +162,54 @@ def test_a_prefetch_read_at_once_takes_no_fusible_anchor_past_its_wait():
         following = [n for n, deps in edges.items() if prefetch in deps]
         assert all(reach.index[n] < reach.index[wait] for n in following), [n.name for n in following]
     assert read_at_once, "no prefetch read at once by a fusible op: the test would prove nothing"
+
+
+def _sink_edges_split_nothing(graph) -> None:
+    """Assert that every fusible op made to follow one of our ops (its sink anchor) has its fusion partners
+    before it all after that op."""
+    from fxoffload.passes.ops import FXOFFLOAD_OPS
+
+    reach = _Reach(graph)
+    for node, deps in _ordering_edges(graph).items():
+        ours = [d for d in deps if d.op == "call_function" and d.target in FXOFFLOAD_OPS]
+        if not reach.fusible(node) or not ours:  # a barrier is a kernel of its own: it may follow anything
+            continue
+        for op in ours:
+            across = [k.name for k in reach.partners(node, after=False) if reach.index[k] < reach.index[op]]
+            assert not across, (node.name, op.name, across)
+
+
+@pytest.mark.slow  # about 9 s: GPT-2's widths, traced under fake tensors
+def test_no_sink_anchor_splits_a_fusion_even_for_an_op_with_no_fusible_neighbour():
+    """Fast (fake tensors, graphs only): GPT-2 at its published widths (two layers, 1024 tokens, bf16), strategy
+    offload at 0.5: the backward's first prefetch (the final LayerNorm's output, for the tied head's weight
+    gradient) reads only a host tensor, so it follows no fusible op, and its anchors were checked against none:
+    the log-softmax's ``sub`` was made to follow it while the ``convert`` of the logits it fuses with came before,
+    and the loss's backward kernel split in two (``benchmarks/preset_kernels.py``). A fusible anchor's own
+    partners are now checked whatever the op's neighbours."""
+    import copy
+    import warnings
+
+    import torch
+
+    import fxoffload
+    from fxoffload.passes.ops import PREFETCH
+    from fxoffload.tools.models import from_preset
+
+    backend = fxoffload.offload_backend(memory_budget=0.5, strategy="offload", device_profile="h100-pcie5",
+                                       on_infeasible="warn", inner="eager")
+    with warnings.catch_warnings(), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")
+        step, inputs, kwargs = from_preset("gpt2-xl", layers=2).build(1, 1024, torch.bfloat16)
+        torch.compile(step, backend=backend)(*inputs, **kwargs).backward()
+    record = backend.records[-1]
+    assert record.plan.transfers, fxoffload.explain(record)
+    for graph in (copy.deepcopy(record.forward).graph, copy.deepcopy(record.backward).graph):
+        _sink_edges_split_nothing(graph)
+    # The case: a prefetch whose nearest barrier lies past its wait, so that a fusible anchor is sought.
+    graph = record.backward.graph
+    reach = _Reach(graph)
+    barriers = [reach.index[n] for n in graph.nodes if reach.compute(n) and not reach.fusible(n)]
+    sought = [p for p in graph.nodes if p.op == "call_function" and p.target is PREFETCH
+              and min(reach.index[u] for u in p.users) < min(i for i in barriers if i > reach.index[p])]
+    assert sought, "no prefetch seeks a fusible anchor: the test would prove nothing"

@@ -47,7 +47,10 @@ value's kernel (:func:`_hands_back`); the kernel then follows our op, away from 
 must run before it. A prefetch whose nearest barrier lies past its own wait (a stretch of
 pointwise ops only), and the wait of such a prefetch, are anchored on a
 fusible op that starts (or ends) a fusion of its own, so that the two keep
-their distance; where the nearest such op lies past the prefetch's wait too,
+their distance (checked of the anchor itself, whether or not the op has a
+fusible neighbour on that side: a prefetch reads a host tensor, and pinned to
+the ``sub`` of a GPT-2 loss's log-softmax, whose ``convert`` of the logits came
+before it, it split the loss's backward kernel); where the nearest such op lies past the prefetch's wait too,
 the prefetch takes no sink anchor (the wait holds it by data, and a fusible op
 made to follow the prefetch is written out there: a checkpointed block's
 recomputed RMSNorm, reading its input at once, wrote its ``pow`` apart from its
@@ -415,6 +418,12 @@ def _crosses(anchor: fx.Node | None, partner: fx.Node, reach: "_Reach", after: b
 
 
 def _splits_any(reach: "_Reach", anchor: fx.Node, op: fx.Node, neighbours: set[fx.Node], after: bool) -> bool:
+    """Whether ``anchor`` on that side of ``op`` would split a fusion: one of ``neighbours``' (:meth:`_Reach.splits`),
+    or, a fusible anchor, its own with a partner across ``op``, with or without neighbours (a prefetch follows no
+    fusible op: pinned to the log-softmax's ``sub`` of a GPT-2 loss, whose ``convert`` of the logits came before
+    it, the prefetch split the loss's backward kernel in two)."""
+    if reach.fusible(anchor) and not reach.partners_on_own_side(anchor, op, after):
+        return True
     return any(reach.splits(anchor, n, op, after) for n in neighbours)
 
 
@@ -584,7 +593,7 @@ class _Reach:
         neighbour that, if fusible, starts (ends) a fusion of its own after (before) ``op``."""
         first, then = (neighbour, anchor) if after else (anchor, neighbour)
         if self.fusible(anchor):
-            if not self._partners_on_own_side(anchor, op, after):
+            if not self.partners_on_own_side(anchor, op, after):
                 return True
         elif self.reaches(first, then):
             return False
@@ -594,7 +603,7 @@ class _Reach:
         return any(k is first or self.reaches(k, first) for k in self.group(then)
                    if self.index[k] <= self.index[first])
 
-    def _partners_on_own_side(self, anchor: fx.Node, op: fx.Node, after: bool) -> bool:
+    def partners_on_own_side(self, anchor: fx.Node, op: fx.Node, after: bool) -> bool:
         at = self.index[op]
         if after:
             return all(self.index[k] > at for k in self.partners(anchor, after=False))
