@@ -43,11 +43,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 
-from frontier import Way, backend_for, build_step, chosen_ways, compile_context, default_ways  # noqa: E402
-from frontier import kernel_family, plan_notes  # noqa: E402
-from frontier_predict import priced_as, profile_from, read_run, setup_from  # noqa: E402
+from frontier import Way, backend_for, chosen_ways, default_ways, kernel_family, plan_notes  # noqa: E402
+from frontier_predict import profile_from, read_run, setup_from, two_fake_steps  # noqa: E402
 from fusions import one_function_per_kernel  # noqa: E402
-from llama_layers import LlamaStack  # noqa: E402
 from results import write_section  # noqa: E402
 
 HEADING = "Inductor's kernels for the frontier's ways at full size (measured, CPU)"
@@ -116,21 +114,7 @@ def compile_way(run_figures: dict, way: Way) -> WayKernels:
     backend, fx_backend = backend_for(setup, way, profile_from(run_figures["device_profile"]), cuda=True)
     with code_only() as written, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the budget's own warnings: the run's figures say what it reached
-        # (non-fake inputs: the random-number state a recomputed op replays is a real tensor)
-        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True), priced_as(setup.inner), \
-                compile_context(way)():
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(getattr(torch, setup.dtype))
-            try:
-                stack = LlamaStack(setup.shape)
-            finally:
-                torch.set_default_dtype(default)
-            step = build_step(setup, way, backend, torch.device("cpu"), stack)
-            tokens = torch.randint(0, setup.shape.vocab, (setup.batch, setup.seq + 1))
-            for _ in range(2):
-                step(tokens).backward()
-                for p in step.parameters():
-                    p.grad = None
+        two_fake_steps(setup, way, backend, setup.inner)
     forward = next(w for w in reversed(written) if not w.backward)
     backward = next(w for w in reversed(written) if w.backward)
     if fx_backend is None:

@@ -51,7 +51,8 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 import fxoffload  # noqa: E402
 from fxoffload.config import OffloadConfig  # noqa: E402
 from fxoffload.passes.step import simulate_step  # noqa: E402
-from frontier import Setup, Way, backend_for, build_step, chosen_ways, default_ways, plan_notes, verdicts  # noqa: E402
+from frontier import Setup, Way, backend_for, build_step, chosen_ways, compile_context, default_ways  # noqa: E402
+from frontier import plan_notes, verdicts  # noqa: E402
 from gpu_session import Run, predict  # noqa: E402
 from llama_layers import LlamaShape, LlamaStack  # noqa: E402
 from results import write_section  # noqa: E402
@@ -122,25 +123,32 @@ def ways_of(run: dict) -> list[Way]:
     return [w for w in ways if w.kind in ("fxoffload", "checkpoint+fxoffload") and w.name in names]
 
 
-def predict_way(setup: Setup, way: Way, profile: fxoffload.DeviceProfile) -> tuple[Run, Any]:
-    """Two fake steps of ``way`` and the predictions of the second (``gpu_session.predict``)."""
-    torch._dynamo.reset()
-    traced = dataclasses.replace(setup, inner="eager")
-    backend, fx_backend = backend_for(traced, way, profile, cuda=True)
+def two_fake_steps(setup: Setup, way: Way, backend: Any, priced: str) -> None:
+    """Two steps of ``way`` on ``setup``'s model under fake tensors (shapes only, nothing allocated), compiled
+    with ``backend`` and priced as ``priced`` prices them: the first counts the blocks, the second runs the
+    graph re-planned for all of them."""
     # (non-fake inputs: the random-number state a recomputed op replays is a real tensor)
-    with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True), priced_as(setup.inner):
+    with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True), priced_as(priced), compile_context(way)():
         default = torch.get_default_dtype()
         torch.set_default_dtype(getattr(torch, setup.dtype))
         try:
             stack = LlamaStack(setup.shape)
         finally:
             torch.set_default_dtype(default)
-        step = build_step(traced, way, backend, torch.device("cpu"), stack)
+        step = build_step(setup, way, backend, torch.device("cpu"), stack)
         tokens = torch.randint(0, setup.shape.vocab, (setup.batch, setup.seq + 1))
         for _ in range(2):
             step(tokens).backward()
             for p in step.parameters():
                 p.grad = None
+
+
+def predict_way(setup: Setup, way: Way, profile: fxoffload.DeviceProfile) -> tuple[Run, Any]:
+    """Two fake steps of ``way`` and the predictions of the second (``gpu_session.predict``)."""
+    torch._dynamo.reset()
+    traced = dataclasses.replace(setup, inner="eager")
+    backend, fx_backend = backend_for(traced, way, profile, cuda=True)
+    two_fake_steps(traced, way, backend, setup.inner)
     run = Run(setup.compile, way.name)
     predict(fx_backend, run)
     return run, fx_backend
