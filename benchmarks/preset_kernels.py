@@ -2,7 +2,7 @@
 
     python benchmarks/preset_kernels.py                        # every preset, budgets 0.5 and 0.3
     python benchmarks/preset_kernels.py --only gpt2-xl --budgets 0.5   # prints, writes nothing
-    python benchmarks/preset_kernels.py --write                # its section of benchmarks/RESULTS.md (10 min)
+    python benchmarks/preset_kernels.py --write                # its section of benchmarks/RESULTS.md (about 3 minutes)
 
 Issue 50: a transfer must not split a kernel Inductor fuses without it. ``benchmarks/frontier_kernels.py``
 checks the frontier's Llama at the size a GPU runs it; the models users bring are others. Each of
@@ -58,11 +58,11 @@ class Compiled:
     plans: str
 
 
-def compile_preset(name: str, budget: float | None) -> Compiled:
-    """One fake step of ``name`` (``LAYERS`` layers), compiled whole by Inductor for the CPU: plain
-    (``budget`` None) or under fxoffload at ``budget``."""
+def compile_preset(name: str, budget: float | None, seq: int = SEQ) -> Compiled:
+    """One fake step of ``name`` (``LAYERS`` layers, ``seq`` tokens or fewer), compiled whole by Inductor
+    for the CPU: plain (``budget`` None) or under fxoffload at ``budget``."""
     source = from_preset(name, layers=LAYERS)
-    seq = min(source.default_seq, SEQ)
+    seq = min(source.default_seq, seq)
     torch._dynamo.reset()
     backend = "inductor" if budget is None else fxoffload.offload_backend(
         memory_budget=budget, strategy="offload", device_profile=PROFILE, on_infeasible="warn")

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import frontier_kernels  # noqa: E402
+import preset_kernels  # noqa: E402
 from frontier import default_ways  # noqa: E402
 from frontier_predict import read_run  # noqa: E402
 from results import RESULTS  # noqa: E402
@@ -74,7 +75,6 @@ def test_kernels_are_compared_by_family_and_a_split_reads_as_gone_and_added():
     """Fast: the comparison the two scripts make. Inductor's index is dropped (a split renumbers the kernels
     after it), each kernel counts as often as the code calls it, and a kernel of the baseline's replaced by
     two reads as gone and added, one kernel more."""
-    import preset_kernels
 
     base = frontier_kernels.kernels("    cpp_fused_add_mean_mul_pow_rsqrt_0(a, b)\n    cpp_fused_mul_silu_1(c)\n"
                                     "    cpp_fused_mul_silu_1(d)\n")
@@ -94,8 +94,35 @@ def test_kernels_are_compared_by_family_and_a_split_reads_as_gone_and_added():
                                         (["--only", "gpt2-xl", "--write"], "every preset at the default budgets"),
                                         (["--only", "gpt-7"], "invalid choice")])
 def test_preset_kernels_refuses_bad_options_before_compiling(argv, says, capsys):
-    import preset_kernels
 
     with pytest.raises(SystemExit):
         preset_kernels.main(argv)
     assert says in capsys.readouterr().err
+
+
+@functools.cache
+def _preset(name: str, budget: float | None, seq: int) -> preset_kernels.Compiled:
+    return preset_kernels.compile_preset(name, budget, seq)
+
+
+@pytest.mark.slow  # about 50 s: five whole compiles of two layers at published widths
+@pytest.mark.parametrize("name, budget, seq", [
+    # The wait of the backward's first prefetch rose to the log-softmax's ``exp``, which Inductor computes
+    # inside the softmax backward's kernel: written out for the wait, it split the loss's backward kernel.
+    ("mistral-7b", 0.5, 2048),
+    # A prefetch sank to the ``sum`` of the grouped-query key gradient: made to follow the prefetch, the sum
+    # was written out apart from the ``clone`` that reads it.
+    ("mistral-7b", 0.3, 2048),
+    # A wait rose to an FFN bias gradient's ``sum``, whose horizontal partner (the residual's gradient ``add``,
+    # reading the same gradient in the LayerNorm backward's kernel) came after the wait: summed apart.
+    ("bert-large", 0.3, 512),
+])
+def test_a_fusible_anchor_splits_no_kernel_of_a_preset(name, budget, seq):
+    """benchmarks/preset_kernels.py's rows that had one backward kernel more than plain (2026-12-03): each
+    anchored one of our ops on a fusible op whose kernel went on past it. Compiled whole for the CPU, every
+    graph calls plain's kernels, no more."""
+    plain, compiled = _preset(name, None, seq), _preset(name, budget, seq)
+    assert compiled.plans.split(" copies")[0] != "0", compiled.plans  # something moves, or it proves nothing
+    assert sum(compiled.forward.values()) <= sum(plain.forward.values()), (compiled.forward, plain.forward)
+    assert sum(compiled.backward.values()) <= sum(plain.backward.values()), (
+        frontier_kernels.difference(compiled.backward, plain.backward), compiled.plans)

@@ -44,7 +44,11 @@ A sink anchor also keeps clear of the kernels it would take along: Inductor writ
 out where it lowers a barrier reading it, and where every barrier reading the value carries edges
 (lowered inside ``control_deps``), it writes it inside the first and hands that barrier's edges to the
 value's kernel (:func:`_hands_back`); the kernel then follows our op, away from a fusion partner that
-must run before it. A prefetch whose nearest barrier lies past its own wait (a stretch of
+must run before it. A fusible anchor must keep its own kernel whole: before the op, a value Inductor
+writes out anyway with no side-by-side partner after the op (:func:`_may_precede`; a dependency is
+written out, and a value computed inside its readers' kernel split that kernel); after it, the end of
+its fusion (lowered inside ``control_deps``, its result is written out and its readers' part of the
+kernel goes apart). A prefetch whose nearest barrier lies past its own wait (a stretch of
 pointwise ops only), and the wait of such a prefetch, are anchored on a
 fusible op that starts (or ends) a fusion of its own, so that the two keep
 their distance (checked of the anchor itself, whether or not the op has a
@@ -355,17 +359,40 @@ def _rise_anchor(op: fx.Node, anchors: list[fx.Node], downstream: set[fx.Node], 
     """The latest compute op before ``op`` that can precede it without splitting a fusion."""
     at = bisect.bisect_left(anchors, reach.index[op], key=reach.index.__getitem__)
     for anchor in reversed(anchors[max(0, at - _CANDIDATES):at]):
+        if reach.fusible(anchor) and not _may_precede(anchor, op, reach):
+            continue
         if not _splits_any(reach, anchor, op, downstream, after=False):
             return anchor
     return None
 
 
+def _may_precede(anchor: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
+    """Whether a fusible ``anchor`` can be made a dependency of ``op`` with no kernel split. Inductor
+    writes a dependency out; one it would have computed inside its readers' kernel splits that kernel
+    there (a Mistral loss's backward: the log-softmax's ``exp``, taken by the wait of the backward's
+    first prefetch, was written apart from the softmax backward's ``mul`` and ``sub`` that read it,
+    though both came before the wait). So it must be a value written out anyway (a reduction, or one
+    :func:`_fusion_ends` names), and no op fused beside it (a horizontal partner) may come after ``op``:
+    a BERT FFN's bias gradient (the ``sum`` of its output's gradient), taken by a wait, was summed in a
+    kernel of its own, away from the residual's gradient ``add`` that reads the same gradient after the
+    wait, in the LayerNorm backward's kernel."""
+    if not (_reduces(anchor) or anchor in _fusion_ends(anchor, reach)):
+        return False
+    return all(reach.index[k] < reach.index[op] for k in reach.siblings_near(anchor))
+
+
 def _sink_anchor(op: fx.Node, anchors: list[fx.Node], upstream: set[fx.Node], reach: "_Reach",
                  edges: dict[fx.Node, OrderedSet[fx.Node]]) -> fx.Node | None:
     """The earliest compute op after ``op`` that can follow it without splitting a fusion (``edges``:
-    those chosen so far, ``op``'s own among them)."""
+    those chosen so far, ``op``'s own among them). A fusible candidate must end its fusion (no fusion
+    partner after it): made to follow ``op``, it is lowered inside ``control_deps``, whose result
+    Inductor writes out, and its readers' part of the kernel is written in another (Mistral's
+    grouped-query key gradient: the ``sum`` over each group's heads, made to follow a prefetch,
+    written apart from the ``clone`` that reads it)."""
     at = bisect.bisect_right(anchors, reach.index[op], key=reach.index.__getitem__)
     for anchor in anchors[at:at + _CANDIDATES]:
+        if reach.fusible(anchor) and reach.partners(anchor, after=True):
+            continue
         if not _splits_any(reach, anchor, op, upstream, after=True) and not _hands_back(anchor, op, edges, reach):
             return anchor
     return None
@@ -584,6 +611,11 @@ class _Reach:
                 elif self.view(user):
                     stack.append(user)
         return found
+
+    def siblings_near(self, node: fx.Node) -> list[fx.Node]:
+        """:meth:`_siblings` within ``_SIBLING_WINDOW`` positions of ``node``."""
+        at = self.index[node]
+        return [k for k in self._siblings(node) if abs(self.index[k] - at) <= _SIBLING_WINDOW]
 
     def splits(self, anchor: fx.Node, neighbour: fx.Node, op: fx.Node, after: bool) -> bool:
         """Whether ordering ``op`` (ours: Inductor never fuses it) between ``neighbour`` (a fusible op it
