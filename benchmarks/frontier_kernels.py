@@ -10,7 +10,7 @@ layers at 8192 tokens), and place their copies, releases and recomputations else
 measured (PyTorch's and fxoffload's; measured selection, which chooses by timing, is left out) is traced as
 ``frontier_predict`` traces it: the run's model under fake tensors (shapes only, nothing allocated), with the
 run's options and calibrated ``device_profile``, priced as the run priced it. The compiler is Inductor for the
-CPU, made to write each graph's code and compile its C++ kernels without running them
+CPU, made to write each graph's code without compiling or running its C++ kernels
 (:func:`code_only`): the graphs then run as FX graphs on the fake tensors. The code of a block's last forward
 and backward (fxoffload's second step runs the graph planned for all the blocks) is read for the kernels it
 calls, one function per kernel (``fusions.one_function_per_kernel``), by name with Inductor's index dropped
@@ -62,9 +62,9 @@ class Written:
 
 @contextlib.contextmanager
 def code_only() -> Iterator[list[Written]]:
-    """Inductor writes each graph's code and compiles it, and the compiled graph runs the FX graph it was
-    given instead (a copy taken before Inductor's own passes), so that fake tensors can run it. Yields the
-    code written, in compile order."""
+    """Inductor writes each graph's code, and the compiled graph runs the FX graph it was given instead (a
+    copy taken before Inductor's own passes), so that fake tensors can run it. Yields the code written, in
+    compile order. The C++ kernels are not compiled (:func:`kernels_not_compiled`): the code names them all."""
     import torch._inductor.compile_fx as compile_fx
 
     written: list[Written] = []
@@ -85,10 +85,33 @@ def code_only() -> Iterator[list[Written]]:
 
     compile_fx.fx_codegen_and_compile = codegen
     try:
-        with one_function_per_kernel():
+        with one_function_per_kernel(), kernels_not_compiled():
             yield written
     finally:
         compile_fx.fx_codegen_and_compile = original
+
+
+@contextlib.contextmanager
+def kernels_not_compiled() -> Iterator[None]:
+    """Inductor's generated modules load with a stub for each C++ kernel instead of compiling it (the
+    compiler's time: about 30 s of a cold two-layer compile here); a stub called raises. The modules loaded
+    meanwhile, stubs and all, are dropped from Inductor's in-memory cache on the way out, so that a later
+    compile of the same code in this process loads (and compiles) it afresh."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import PyCodeCache
+
+    def stub(*args, **kwargs):
+        def not_compiled(*call_args, **call_kwargs):
+            raise RuntimeError("a kernel written under frontier_kernels.code_only was not compiled: not run")
+        return not_compiled
+
+    originals = AsyncCompile.cpp, AsyncCompile.cpp_pybinding
+    AsyncCompile.cpp = AsyncCompile.cpp_pybinding = lambda self, *args, **kwargs: stub()
+    try:
+        yield
+    finally:
+        AsyncCompile.cpp, AsyncCompile.cpp_pybinding = originals
+        PyCodeCache.cache_clear()
 
 
 def kernels(source: str) -> Counter:
@@ -169,7 +192,8 @@ def render(path: Path, run_figures: dict, rows: list[WayKernels], ways: list[Way
              f"({shape.layers} layers, hidden {shape.hidden}, FFN {shape.ffn}, {setup.batch} x {setup.seq} "
              f"tokens, {setup.dtype}, compiled {setup.compile}) traced under fake tensors with the run's "
              "calibrated profile, each block's last forward and backward written by Inductor for this CPU "
-             "(compiled, not run). Kernels by family (Inductor's index dropped) against the way's baseline "
+             "(its C++ kernels neither compiled nor run). Kernels by family (Inductor's index dropped) against "
+             "the way's baseline "
              "(plain; full checkpointing for the checkpointed way): a kernel gone with another in its place is "
              "a fusion split; a kernel more with none gone is most likely a recomputation's.")
     lines = [intro, "",
