@@ -21,9 +21,10 @@ demo: $(STAMP)
 	$(PY) examples/train_llama.py
 
 # Two workers (pytest-xdist): the suite's tests are independent, each in a worker process of its own.
+# --durations: each run names its 25 slowest tests, where CI's time goes (DEVELOPING, "CI's time").
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=25
 
 # torch 2.14.1: installed as a user installs the package (pip install -e, its entry point included);
 # pip takes the CUDA build from this machine's disk, and it runs on the CPU.
