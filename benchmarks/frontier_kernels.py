@@ -193,9 +193,9 @@ def render(path: Path, run_figures: dict, rows: list[WayKernels], ways: list[Way
              f"tokens, {setup.dtype}, compiled {setup.compile}) traced under fake tensors with the run's "
              "calibrated profile, each block's last forward and backward written by Inductor for this CPU "
              "(its C++ kernels neither compiled nor run). Kernels by family (Inductor's index dropped) against "
-             "the way's baseline "
-             "(plain; full checkpointing for the checkpointed way): a kernel gone with another in its place is "
-             "a fusion split; a kernel more with none gone is most likely a recomputation's.")
+             "the way's baseline (plain; full checkpointing for the checkpointed way): a kernel gone with "
+             "another in its place is a fusion split; a kernel more with none gone is most likely a "
+             "recomputation's.")
     lines = [intro, "",
              "| way | plan | forward kernels | backward kernels | forward: added / gone | backward: added / gone |",
              "|---|---|---|---|---|---|"]

@@ -10,10 +10,11 @@ checks the frontier's Llama at the size a GPU runs it; the models users bring ar
 published configs, nothing downloaded) is built with two layers at its published widths under fake tensors,
 one step (its own cross-entropy loss, batch 1, ``SEQ`` tokens or the preset's images), compiled whole by
 Inductor for the CPU (``frontier_kernels.code_only``: the code written, its kernels neither compiled nor
-run), plain and under fxoffload at each budget (strategy offload: the partition is plain's, so that every difference is
-the copies'; the ``h100-pcie5`` profile; a budget out of reach planned at the lowest peak it reaches). Every
-graph's kernels are counted by name with Inductor's index dropped, against plain's: a kernel gone with others
-in its place is a fusion split; one more with none gone, a kernel the copies made Inductor write.
+run), plain and under fxoffload at each budget (strategy offload: the partition is plain's, so that every
+difference is the copies'; the ``h100-pcie5`` profile; a budget out of reach planned at the lowest peak it
+reaches). Every graph's kernels are counted by name with Inductor's index dropped, against plain's: a kernel
+gone with others in its place is a fusion split; one more with none gone, a kernel the copies made Inductor
+write.
 
 Measured on this machine's CPU backend: Inductor's scheduler is the same for Triton, its kernels are not always.
 """
@@ -103,9 +104,8 @@ def render(rows: list[str], more: list[str], seconds: float) -> str:
     intro = (f"Written by `python benchmarks/preset_kernels.py --write` on {datetime.date.today().isoformat()}, "
              f"torch {torch.__version__}, {seconds:.0f} s: each preset built with {LAYERS} layers at its published "
              f"widths under fake tensors, batch 1, {SEQ} tokens (or its images), bfloat16, one step compiled whole "
-             f"by Inductor for this CPU (its C++ kernels neither compiled nor run), plain and under fxoffload "
-             f"(strategy offload: plain's "
-             f"partition, {PROFILE}). "
+             "by Inductor for this CPU (its C++ kernels neither compiled nor run), plain and under fxoffload "
+             f"(strategy offload: plain's partition, {PROFILE}). "
              "Kernels of every graph by name (Inductor's index dropped), plain's count in brackets; added / gone "
              "against plain. A kernel gone with others in its place is a fusion split; one more with none gone, a "
              "kernel the copies made Inductor write.")

@@ -75,7 +75,6 @@ def test_kernels_are_compared_by_family_and_a_split_reads_as_gone_and_added():
     """Fast: the comparison the two scripts make. Inductor's index is dropped (a split renumbers the kernels
     after it), each kernel counts as often as the code calls it, and a kernel of the baseline's replaced by
     two reads as gone and added, one kernel more."""
-
     base = frontier_kernels.kernels("    cpp_fused_add_mean_mul_pow_rsqrt_0(a, b)\n    cpp_fused_mul_silu_1(c)\n"
                                     "    cpp_fused_mul_silu_1(d)\n")
     split = frontier_kernels.kernels("    cpp_fused_pow_0(a)\n    cpp_fused_add_mean_mul_rsqrt_1(a, b)\n"
@@ -94,7 +93,6 @@ def test_kernels_are_compared_by_family_and_a_split_reads_as_gone_and_added():
                                         (["--only", "gpt2-xl", "--write"], "every preset at the default budgets"),
                                         (["--only", "gpt-7"], "invalid choice")])
 def test_preset_kernels_refuses_bad_options_before_compiling(argv, says, capsys):
-
     with pytest.raises(SystemExit):
         preset_kernels.main(argv)
     assert says in capsys.readouterr().err
