@@ -100,13 +100,11 @@ def kernels_not_compiled() -> Iterator[None]:
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import PyCodeCache
 
-    def stub(*args, **kwargs):
-        def not_compiled(*call_args, **call_kwargs):
-            raise RuntimeError("a kernel written under frontier_kernels.code_only was not compiled: not run")
-        return not_compiled
+    def not_compiled(*args, **kwargs):
+        raise RuntimeError("a kernel written under frontier_kernels.code_only was not compiled: not run")
 
     originals = AsyncCompile.cpp, AsyncCompile.cpp_pybinding
-    AsyncCompile.cpp = AsyncCompile.cpp_pybinding = lambda self, *args, **kwargs: stub()
+    AsyncCompile.cpp = AsyncCompile.cpp_pybinding = lambda self, *args, **kwargs: not_compiled
     try:
         yield
     finally:
