@@ -66,6 +66,10 @@ def shard(model: torch.nn.Module, backend=None, checkpoint: bool = False) -> tor
     under ``checkpoint`` wrapped in ``checkpoint_wrapper`` (non-reentrant) first, inside the compiled region."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    if checkpoint:
+        # transformers 5.25's layers change Python state in their forward; without this Dynamo runs each
+        # checkpointed layer eagerly, and nothing in it is offloaded (README, "Limits").
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = model.model.layers
     for i, layer in enumerate(layers):
         if checkpoint:

@@ -10,6 +10,8 @@ hints the plan may override, and its reasons say when it did.
 """
 
 import functools
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +282,48 @@ def test_must_cpu_offload_beyond_the_host_budget_raises_or_warns_naming_it():
     with pytest.warns(UserWarning, match="alone take 2048 B .* offloading them anyway, and nothing else"):
         record = run(model, x, host_budget=1500, on_infeasible="warn", min_bytes=0)
     assert {t.base_name for t in record.plan.transfers} == {"tanh", "tanh_1"}
+
+
+SIDE_EFFECT_LAYERS = Path(__file__).parent / "model_files" / "side_effect_layers.py"
+
+
+def side_effect_model() -> tuple[torch.nn.Module, torch.Tensor]:
+    """``tests/model_files/side_effect_layers.py``'s model (its layers set and restore a module-level value,
+    as transformers 5.25's do), each layer in ``checkpoint_wrapper``, and its input."""
+    import importlib.util
+    import sys
+
+    from fxoffload.tools.models import checkpoint_layers
+
+    spec = importlib.util.spec_from_file_location("side_effect_layers", SIDE_EFFECT_LAYERS)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # Dynamo reads globals by module name
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.Model()
+    checkpoint_layers(model, "full", "side_effect_layers")
+    return model, torch.randn(1, 64, 64)
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["dynamo-default", "skipped-in-recompute"])
+def test_checkpointed_layers_that_change_python_state_are_compiled_once_dynamo_skips_it_in_the_recompute(
+        skipped):
+    """transformers 5.25's layers set and reset the `kernels` package's active functions in their forward.
+    By default Dynamo refuses that inside a checkpointed region and runs the layers eagerly: nothing in them
+    reaches the backend (here its one graph is the head's), which says so and names Dynamo's flag. With the
+    flag the change is skipped in the recompute, and the layers are one graph with the rest; either way the
+    step is eager's."""
+    model, x = side_effect_model()
+    expected = loss_and_grads(model, x)
+    backend = fxoffload.offload_backend(inner="eager", memory_budget=None, min_bytes=0)
+    with (torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=skipped),
+          warnings.catch_warnings(record=True) as caught):
+        warnings.simplefilter("always")
+        assert_same_step(expected, loss_and_grads(torch.compile(model, backend=backend), x))
+    said = [str(w.message) for w in caught if "Dynamo broke the graph" in str(w.message)]
+    assert len(backend.records) == 1
+    matmuls = sum(n.target in (aten.mm.default, aten.addmm.default) for n in backend.records[0].forward.graph.nodes)
+    if skipped:
+        assert not said and matmuls == 2 + 2 * len(model.body.layers)  # the embedding, the head, two per layer
+    else:
+        assert len(said) == 1 and "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in said[0]
+        assert matmuls == 1  # the head's

@@ -131,3 +131,25 @@ def test_full_checkpointing_without_a_budget_offloads_the_layer_inputs_of_llama_
     layer_inputs = 32 * 1 * 4096 * 4096 * 2
     assert layer_inputs <= graph["offloaded_bytes"] <= 1.05 * layer_inputs, graph["offloaded_bytes"] / layer_inputs
     assert graph["activation_peak_after"] < graph["activation_peak_before"] / 4
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["whole", "per-layer"])
+def test_checkpointed_layers_that_change_python_state_are_traced_and_planned(capsys, per_layer):
+    """transformers 5.25's layers set and reset the `kernels` package's active functions in their forward; the
+    model file's layers set and restore a module-level value. Inside a checkpointed region Dynamo refused that
+    and ran the layers eagerly: ``--checkpointing full`` found nothing to plan, and with ``--per-layer`` no
+    layer graph. The tracer lets the change stand in the forward and skips it in the recompute (it only
+    plans), and leaves Dynamo's flag as it found it."""
+    import torch
+
+    model = str(Path(__file__).parent / "model_files" / "side_effect_layers.py")
+    flags = ["--per-layer"] if per_layer else []
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):  # Dynamo's default
+        report = run_json(capsys, "--model", model, "--checkpointing", "full", "--seq", "64", "--min-bytes", "0",
+                          "--budget", "none", "--no-plot", *flags)
+        assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
+    (graph,) = report["graphs"]
+    if per_layer:  # one graph serves the three layers, and each offloads the input it keeps
+        assert report["step"]["invocations"] == 3 and graph["runs_per_step"] == 3 and graph["transfers"] == 1
+    else:  # the embedding, the layers and the head in one graph: every parameter is one of its inputs
+        assert graph["input_bytes"] >= report["step"]["parameter_bytes"] > 0

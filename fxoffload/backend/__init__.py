@@ -65,7 +65,7 @@ import fxoffload.runtime  # op kernels, and the invocations copies cross graphs 
 from fxoffload.backend.callers import CallerWatch, offloaded_inputs
 from fxoffload.backend.compat import compiled_autograd_on
 from fxoffload.backend.compile_call import (
-    InputFacts, input_facts, mode_patches, no_cudagraphs, pipeline_inference,
+    EAGER_REGIONS, InputFacts, eager_region_breaks, input_facts, mode_patches, no_cudagraphs, pipeline_inference,
 )
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
@@ -295,6 +295,8 @@ class OffloadBackend:
         self._stop_at_joint = stop_at_joint
         self._compiled_any = False
         self._host_warned = False
+        self._eager_breaks = eager_region_breaks()  # regions Dynamo ran eagerly so far (EAGER_REGIONS)
+        self._eager_warned = False
         self._compile_count: dict[Any, int] = {}
         # The step: what each region holds and how often it runs, and the shares of its memory budget
         # (fxoffload.backend.step_coordinator).
@@ -448,6 +450,7 @@ class OffloadBackend:
             return with_stack_headroom(self._compile, gm, example_inputs, patches)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], patches: dict) -> Callable:
+        self._warn_eager_regions()
         region = self._region_key()
         self._callers.dynamo_traced()
         inputs = input_facts(example_inputs)
@@ -463,6 +466,16 @@ class OffloadBackend:
         # Fractions are per region and re-planned regions get their count: nothing to warn about.
         warn = budget is not None and budget.nbytes is not None and replan is None
         return self._track(region, _RegionRun(compiled, replan, source if measured else None), warn)
+
+    def _warn_eager_regions(self) -> None:
+        """Once: Dynamo ran a region eagerly since the last compile (a checkpointed layer whose forward changes
+        Python state), so that nothing in it reaches this backend."""
+        now = eager_region_breaks()
+        before = self._eager_breaks if now >= self._eager_breaks else 0  # the counts were cleared meanwhile
+        self._eager_breaks = now
+        if now > before and not self._eager_warned:
+            self._eager_warned = True
+            warnings.warn(EAGER_REGIONS, stacklevel=2)
 
     def _track(self, region: tuple, state: "_RegionRun", warn: bool) -> Callable:
         """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the

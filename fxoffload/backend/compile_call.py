@@ -2,11 +2,16 @@
 mode (modes that capture CUDA graphs are refused: a replay cannot follow host copies and releases),
 the options that keep CUDA graphs off fxoffload's graphs, whether the forward runs inside
 ``torch.distributed.pipelining``'s shape inference (not a step of its own), and which example inputs
-are activations an earlier part of the step made (a layer's hidden state).
+are activations an earlier part of the step made (a layer's hidden state), and whether Dynamo ran a
+region eagerly since a count was taken: a break at a higher-order op whose body changes Python state
+(a checkpointed layer of transformers 5.25, whose attention sets and resets the `kernels` package's
+active functions), after which nothing in that region is planned.
 
 Reads the call's mode and keywords, the interpreter's frames, and the example inputs' autograd
 metadata; gives plain values. Limits: the pipeline check walks a fixed number of frames, and an
-input is judged an activation on the call that compiles the graph only.
+input is judged an activation on the call that compiles the graph only. Dynamo's break counts are the
+process's: a break in another compile counts too, and a compile that breaks at every region (each
+checkpointed layer compiled on its own) reaches no backend that could say so.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import torch
 
 from fxoffload.passes import tensor_storage_key
 
-__all__ = ["MODES", "InputFacts", "input_activations", "input_facts", "leaf_gradient_bytes", "mode_patches",
-           "no_cudagraphs", "pipeline_inference"]
+__all__ = ["EAGER_REGIONS", "MODES", "InputFacts", "eager_region_breaks", "input_activations", "input_facts",
+           "leaf_gradient_bytes", "mode_patches", "no_cudagraphs", "pipeline_inference"]
 
 
 MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
@@ -59,6 +64,27 @@ def no_cudagraphs() -> dict:
 # its inputs' and outputs' shapes: on meta tensors in torch 2.11 (_shape_inference), on real ones with a
 # backward, once, in the first step, from 2.13 (_forward_metadata_inference).
 PIPELINE_INFERENCE = frozenset({"_shape_inference", "_forward_metadata_inference"})
+
+
+# Dynamo's kind of graph break for a higher-order op (activation checkpointing's among them) whose body
+# changes state from outside it: the first line of the break's message, by which Dynamo counts it.
+_EAGER_REGION_BREAK = "HOP: Unsafe side effect"
+_SKIP_FLAG = "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint"
+EAGER_REGIONS = (
+    "fxoffload: Dynamo broke the graph at a region whose forward changes Python state (most likely a "
+    "checkpointed layer: transformers 5.25's layers set and reset the `kernels` package's active functions), "
+    "and runs that region eagerly: nothing in it is planned or offloaded. Set "
+    f"`{_SKIP_FLAG} = True` before the first compile: the change then stands in the forward and is skipped "
+    "in the layer's recompute (transformers' is undone before its forward returns)."
+)
+
+
+def eager_region_breaks() -> int:
+    """How many times Dynamo has broken a graph at a higher-order op whose body changes Python state
+    (``torch._dynamo.utils.counters["graph_break"]``, by message: process-wide)."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for message, n in counters["graph_break"].items() if message.startswith(_EAGER_REGION_BREAK))
 
 
 def pipeline_inference(depth: int = 16) -> bool:

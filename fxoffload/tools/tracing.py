@@ -121,7 +121,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
 
     torch._dynamo.reset()
     seconds = {}
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), checkpointed_side_effects_allowed():
         progress(f"building {source.name} with fake tensors (batch {args.batch}, size {seq}, {dtype})")
         start = time.perf_counter()
         step, inputs, kwargs = source.build(args.batch, seq, dtype)
@@ -181,6 +181,16 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
              f"(fxoffload passes {format_stages(tuple(stages.items()))})")
     return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer,
                    backend.joints or [])
+
+
+def checkpointed_side_effects_allowed() -> contextlib.AbstractContextManager:
+    """Dynamo traces a checkpointed region whose forward changes Python state (transformers 5.25's layers set
+    and reset the `kernels` package's active functions in each attention forward), skipping that change in
+    the region's recompute, where it would otherwise break the graph at the region and run it eagerly:
+    unplanned, and under ``--per-layer`` no graph at all. The trace only plans (fake tensors, no step is
+    trained), so a change its recompute skips alters no plan; a user's own training sets the same flag
+    (README, "Limits")."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def with_layer_copies(traced: "_Traced", layers: int, profile: Any) -> "_Traced":
