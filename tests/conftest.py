@@ -124,6 +124,16 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _checkpointed_side_effects_skipped():
+    """What the README tells users of transformers 5.25 with checkpointed layers (its Llama, Qwen2 and Mistral
+    layers change Python state in their forward, and Dynamo would run each checkpointed layer eagerly): set
+    Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``. A test of Dynamo's default patches it back;
+    with earlier transformers it changes nothing (no layer changes Python state)."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield
+
+
 @pytest.fixture(scope="session")
 def offloaded_llama_record():
     """The record of a tiny Llama's forward and backward with every eligible activation offloaded
