@@ -11,7 +11,6 @@ hints the plan may override, and its reasons say when it did.
 
 import functools
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -284,22 +283,14 @@ def test_must_cpu_offload_beyond_the_host_budget_raises_or_warns_naming_it():
     assert {t.base_name for t in record.plan.transfers} == {"tanh", "tanh_1"}
 
 
-SIDE_EFFECT_LAYERS = Path(__file__).parent / "model_files" / "side_effect_layers.py"
-
-
 def side_effect_model() -> tuple[torch.nn.Module, torch.Tensor]:
     """``tests/model_files/side_effect_layers.py``'s model (its layers set and restore a module-level value,
     as transformers 5.25's do), each layer in ``checkpoint_wrapper``, and its input."""
-    import importlib.util
-    import sys
-
     from fxoffload.tools.models import checkpoint_layers
+    from tests.model_files.side_effect_layers import Model
 
-    spec = importlib.util.spec_from_file_location("side_effect_layers", SIDE_EFFECT_LAYERS)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # Dynamo reads globals by module name
-    spec.loader.exec_module(module)
     torch.manual_seed(0)
-    model = module.Model()
+    model = Model()
     checkpoint_layers(model, "full", "side_effect_layers")
     return model, torch.randn(1, 64, 64)
 
