@@ -181,10 +181,13 @@ def fifo_finish(ready: Sequence[float], durations: Sequence[float]) -> list[floa
 # --------------------------------------------------------------------------- final schedule (after planning)
 
 
-# Copies started ahead in a smallest-peak plan are planned with twice the lead they need: the compiler
-# reorders the backward's independent kernels around the op (on an H200, Inductor ran the last layers'
-# weight-gradient matmuls after it, and the copy started 0.6 ms of the planned 1.25 ms before the
-# backward's end: benchmarks/measured/frontier-h200-run6.json). The total curve still bounds them.
+# Copies started ahead in a smallest-peak plan are planned with twice the lead they need, a margin for
+# where a compiler runs the kernels around the op. It was set when, on an H200, the copy started 0.6 ms
+# of the planned 1.25 ms before the backward's end (benchmarks/measured/frontier-h200-run6.json), taken
+# then for Inductor running the last weight-gradient matmuls after the op; the cause was Inductor
+# dropping the op's ordering edges (the op sank to there whatever its lead: run 7), kept since
+# (fxoffload.backend.compat). The margin stays until a GPU measures the lead without it. The total
+# curve still bounds them.
 AHEAD_MARGIN = 2.0
 
 

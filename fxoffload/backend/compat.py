@@ -21,6 +21,13 @@ partitioner's ``solve_min_cut``). Nothing branches on a version string.
   op must have an output. That is not patched here; ``fxoffload.backend.ordering`` gives every edge a
   tensor on every release, and ``prefetch_ahead`` returns one (``fxoffload.passes.ops``).
 
+* 2.11 and 2.13 take an op's result that only ordering edges read for dead code: the scheduler
+  drops it (a ``MultiOutput``) and prunes every edge from the op, which is then free to move.
+  ``prefetch_ahead``'s result is such a one; :func:`ensure_control_deps` marks our ops' results
+  side-effecting, so that they and their edges stay (``_keep_ordering_outputs``). 2.14 keeps the
+  edges without it (``tests/test_ahead_lead.py`` passes there with the mark taken away); the mark
+  is harmless there (a result kept is one assignment in the generated code).
+
 * Compiled autograd's context (``torch._dynamo.compiled_autograd._enable``) sets the module's
   ``compiled_autograd_enabled`` while it is active; the config flag
   ``torch._dynamo.config.compiled_autograd`` enters that context inside compiled frames:
@@ -59,6 +66,36 @@ def ensure_control_deps() -> None:
             control_deps.py_impl(key)(_run_subgraph)
     if control_deps not in _side_effectful_functions:
         has_side_effect(control_deps)
+    _keep_ordering_outputs()
+
+
+def _keep_ordering_outputs() -> None:
+    """Keep the output of each of our ops in Inductor's schedule, read or not (2.11 and 2.13 drop it).
+
+    Inductor lowers an op of ours to a kernel call and its tensor result to a ``MultiOutput`` node, and
+    a ``control_deps`` edge from the op names that result. A result read through ordering edges alone
+    (``prefetch_ahead``'s) is dead code to the scheduler: it drops the node and, with it, every edge
+    from the op, which is then free to sink (on an H200 each layer's copy started ahead ran after the
+    backward's weight-gradient matmuls, 0.6 ms before its end instead of before attention's backward:
+    ``benchmarks/measured/frontier-h200-run7.json``). Marked side-effecting, the node stays, and the
+    edges with it (its buffer is still never allocated or written)."""
+    from torch._inductor import ir
+
+    original = getattr(ir.MultiOutput, "has_side_effects", None)  # none of its own so far: read as False
+    if getattr(original, "_fxoffload", False):
+        return
+
+    def has_side_effects(self) -> bool:
+        return _of_our_op(self) or (original is not None and original(self))
+
+    has_side_effects._fxoffload = True
+    ir.MultiOutput.has_side_effects = has_side_effects
+
+
+def _of_our_op(node) -> bool:
+    """Whether a ``MultiOutput`` is a result of an op of the ``fxoffload`` library (``passes.ops``)."""
+    inputs = getattr(node, "inputs", None) or ()
+    return bool(inputs) and getattr(getattr(inputs[0], "op_overload", None), "namespace", None) == "fxoffload"
 
 
 @contextlib.contextmanager

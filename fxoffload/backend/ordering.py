@@ -64,7 +64,9 @@ Inductor would freeze it in the order its own reads are cheapest, and a later
 matmul would need a copy kernel of it. A ``prefetch_ahead`` reads a value for
 its place only (its edges keep it there), so it reads one Inductor writes out
 anyway (:func:`_ahead_after_written`): the fusible value it read had to be
-written out, and its kernel split there. Limits: side-by-side partners are
+written out, and its kernel split there. Its result is read by edges alone, which Inductor's
+dead-code elimination took for no reader at all, dropping the edges from the op:
+``compat.ensure_control_deps`` keeps such results. Limits: side-by-side partners are
 looked for within ``_SIBLING_WINDOW`` positions, one step from the vertical
 ones; a group is an over-estimate of what Inductor fuses, so an op may be
 pinned farther from its planned place than it needs to be. (The C++ backend
