@@ -87,7 +87,7 @@ def test_under_a_budget_of_one_layer_input_the_copy_ahead_waits_for_room():
 def test_inductor_keeps_a_copy_started_ahead_before_the_kernels_its_plan_puts_after_it():
     """``prefetch_ahead``'s result is read by ordering edges alone, and Inductor's dead-code elimination
     dropped it and every edge from the op with it: the op sank past attention's backward, and on an H200
-    each layer's input copy started 0.6 ms before its backward's end instead of about 3 ms
+    each layer's input copy started 0.6 ms before its backward's end instead of 5.0 ms
     (``benchmarks/measured/frontier-h200-run7.json``). Read from the code Inductor writes for a checkpointed
     Llama-3-8B block at 8192 tokens (fake tensors, the code written, not compiled:
     ``frontier_kernels.code_only``), with an H200 run's calibration."""
