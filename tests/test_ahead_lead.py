@@ -100,6 +100,7 @@ def test_inductor_keeps_a_copy_started_ahead_before_the_kernels_its_plan_puts_af
     from frontier_predict import profile_from, setup_from, two_fake_steps
 
     from fxoffload.passes.ops import PREFETCH_AHEAD
+    from tests.test_inductor_order import inner_target
 
     run = Path(__file__).resolve().parent.parent / "benchmarks" / "measured" / "frontier-h200-run8.json"
     figures = json.loads(run.read_text())
@@ -111,23 +112,12 @@ def test_inductor_keeps_a_copy_started_ahead_before_the_kernels_its_plan_puts_af
         warnings.simplefilter("ignore")
         two_fake_steps(setup, way, backend, setup.inner)
     graph = fx_backend.records[-1].backward
-    ahead = next(n for n in graph.graph.nodes if wrapped_target(graph, n) is PREFETCH_AHEAD)
-    after_it = [wrapped_target(graph, n) for n in graph.graph.nodes
-                if is_control_deps(n) and ahead in n.args[0]]
+    ahead = next(n for n in graph.graph.nodes if inner_target(graph, n) is PREFETCH_AHEAD)
+    after_it = [inner_target(graph, n) for n in graph.graph.nodes  # the ops its control_deps edges go to
+                if getattr(n.target, "__name__", "") == "control_deps" and ahead in n.args[0]]
     attention = [t for t in after_it if "attention" in str(t)]
     assert attention, f"the plan pins the copy ahead before attention's backward: {after_it}"
     code = next(w for w in reversed(written) if w.backward).source.split("def call(")[-1]
     call = code.index(f"torch.ops.{PREFETCH_AHEAD}(")
     assert call < code.index(f"torch.ops.{attention[0]}("), "prefetch_ahead sank past attention's backward"
 
-
-def is_control_deps(node) -> bool:
-    return getattr(node.target, "__name__", "") == "control_deps"
-
-
-def wrapped_target(graph, node):
-    """The op a node runs, looking through Inductor's ``control_deps`` wrapper."""
-    if node.op != "call_function" or not is_control_deps(node):
-        return node.target
-    subgraph = getattr(graph, node.args[1].target)
-    return next(n.target for n in subgraph.graph.nodes if n.op == "call_function")
