@@ -18,12 +18,14 @@ The ways: plain (Inductor); PyTorch's ``activation_memory_budget`` at each budge
 block (non-reentrant); fxoffload ``memory_budget`` at each budget under each strategy (``auto`` is the
 default options), and at ``--measured-budgets`` (default 0.5) strategy auto with ``select="measured"``
 (its candidate plans timed in extra warm-up steps, the fastest kept; the notes say which); checkpointing
-per block with fxoffload offloading the layer inputs. Per way: the median
-step (forward and backward, after warm-up steps), the device peak (``max_memory_allocated`` above what
-was allocated before the step), the device bytes held when the backward begins, and for fxoffload's ways
+per block with fxoffload offloading the layer inputs. Per way: the median step (forward and backward,
+after warm-up steps; ``--timed`` steps, every one kept), the device peak (``max_memory_allocated`` above
+what was allocated before the step), the device bytes held when the backward begins, and for fxoffload's ways
 its predictions (the simulated step over the step's graph runs, the bytes it predicts held). The
 verdicts place each fxoffload way on PyTorch's frontier: the straight line between the two PyTorch points
-(plain, its budgets, full checkpointing) whose measured peaks bracket the way's measured peak.
+(plain, its budgets, full checkpointing) whose measured peaks bracket the way's measured peak, and say
+whether the difference is beyond the steps' spread (the larger half-range of the timed steps of the way
+and of the two points: a difference inside it is a tie as far as this run can tell).
 
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
 torch): kernel time by kind and the kernels added against plain, in all and by name (``kernel_family``:
@@ -55,7 +57,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -600,9 +602,23 @@ class Point:
     name: str
     peak: float
     step: float
+    spread: float | None = None  # half the range of its timed steps, in seconds (None: not recorded)
 
 
-def frontier_line(points: list[Point], peak: float, floor: str | None = None) -> tuple[float, str] | None:
+class Line(NamedTuple):
+    """PyTorch's step at a peak (:func:`frontier_line`), the points it lies between, and how far their
+    medians may move: the larger half-range of their timed steps (None where a run did not record them)."""
+
+    seconds: float
+    between: str
+    spread: float | None
+
+
+def _larger(*spreads: float | None) -> float | None:
+    return None if any(s is None for s in spreads) else max(spreads)
+
+
+def frontier_line(points: list[Point], peak: float, floor: str | None = None) -> Line | None:
     """PyTorch's step at ``peak`` on the straight line between its two points whose peaks bracket it, with
     the two names; below its lowest point, that point's step where it is ``floor`` (full checkpointing: no
     faster way to hold less), or where ``floor`` is None. None above the highest point (a way that holds more
@@ -612,28 +628,42 @@ def frontier_line(points: list[Point], peak: float, floor: str | None = None) ->
     if not ordered or peak > ordered[-1].peak:
         return None
     if peak <= ordered[0].peak:
-        return (ordered[0].step, ordered[0].name) if floor in (None, ordered[0].name) else None
+        lowest = ordered[0]
+        return Line(lowest.step, lowest.name, lowest.spread) if floor in (None, lowest.name) else None
     for low, high in zip(ordered, ordered[1:]):
         if low.peak <= peak <= high.peak:
+            spread = _larger(low.spread, high.spread)
             if high.peak == low.peak:
-                return min(low.step, high.step), f"{low.name} / {high.name}"
+                return Line(min(low.step, high.step), f"{low.name} / {high.name}", spread)
             t = (peak - low.peak) / (high.peak - low.peak)
-            return low.step + t * (high.step - low.step), f"{low.name} .. {high.name}"
+            return Line(low.step + t * (high.step - low.step), f"{low.name} .. {high.name}", spread)
     return None
 
 
+def half_range(samples: list[float] | None) -> float | None:
+    """Half the range of a way's timed steps: how far from its median a step of that way was seen. None
+    with fewer than two (runs kept before the steps were recorded have none)."""
+    return (max(samples) - min(samples)) / 2 if samples and len(samples) >= 2 else None
+
+
 def verdicts(runs: list[dict]) -> list[dict]:
-    """Each fxoffload way placed against PyTorch's frontier (plain, its budgets, full checkpointing)."""
-    points = [Point(r["way"], r["peak_bytes"], r["step_seconds"]) for r in runs
+    """Each fxoffload way placed against PyTorch's frontier (plain, its budgets, full checkpointing). A
+    verdict is ``decided`` where the way's step and the line differ by more than the larger half-range of
+    the timed steps of the way and of the two points (None where a run did not record its steps)."""
+    points = [Point(r["way"], r["peak_bytes"], r["step_seconds"], half_range(r.get("step_samples"))) for r in runs
               if not r["error"] and r["peak_bytes"] and _kind(r["way"]) in ("plain", "pytorch", "checkpoint")]
     out = []
     for r in runs:
         if r["error"] or not r["peak_bytes"] or _kind(r["way"]) not in ("fxoffload", "checkpoint+fxoffload"):
             continue
         line = frontier_line(points, r["peak_bytes"], floor=Way("checkpoint").name)
+        spread = None if line is None else _larger(half_range(r.get("step_samples")), line.spread)
         out.append({"way": r["way"], "peak_bytes": r["peak_bytes"], "step_seconds": r["step_seconds"],
-                    "line_seconds": None if line is None else line[0], "between": None if line is None else line[1],
-                    "faster_by": None if line is None else 1 - r["step_seconds"] / line[0]})
+                    "line_seconds": None if line is None else line.seconds,
+                    "between": None if line is None else line.between,
+                    "faster_by": None if line is None else 1 - r["step_seconds"] / line.seconds,
+                    "spread_seconds": spread,
+                    "decided": None if spread is None else abs(r["step_seconds"] - line.seconds) > spread})
     return out
 
 
@@ -696,6 +726,13 @@ def _share(v: float | None) -> str:
     return "-" if v is None else f"{v:+.1%}"
 
 
+def _step(run: dict) -> str:
+    """The median step, and the fastest and slowest timed step where the run recorded them."""
+    samples = run.get("step_samples")
+    seen = f" ({min(samples) * 1e3:.1f}-{max(samples) * 1e3:.1f})" if samples and len(samples) >= 2 else ""
+    return _ms(run["step_seconds"]) + seen
+
+
 def _runs_table(frontier: dict) -> list[str]:
     runs = frontier["runs"]
     plain = next((r for r in runs if r["way"] == Way("plain").name and not r["error"]), None)
@@ -707,7 +744,7 @@ def _runs_table(frontier: dict) -> list[str]:
             lines.append(f"| {r['way']} | failed: {r['error'][:200]} | | | | | | | | | |")
             continue
         ratio = f"{r['step_seconds'] / plain['step_seconds']:.3f}" if plain else "-"
-        lines.append(f"| {r['way']} | {_ms(r['step_seconds'])} | {ratio} | {_gib(r['peak_bytes'])} | "
+        lines.append(f"| {r['way']} | {_step(r)} | {ratio} | {_gib(r['peak_bytes'])} | "
                      f"{_gib(r['held_at_backward'])} | {_ms(r['predicted_step_seconds'])} | "
                      f"{_gib(r['predicted_held_at_backward'])} | {'-' if r['transfers'] is None else r['transfers']} | "
                      f"{_share(over.get(r['way'], (None,))[0])} | {_share(over.get(r['way'], (None, None))[1])} | "
@@ -720,16 +757,26 @@ def _verdict_lines(frontier: dict) -> list[str]:
     if not found:
         return []
     lines = ["", "Against PyTorch's frontier (its step at the same measured peak, on the line between its two "
-             "points that bracket it):", "", "| way | step | PyTorch's line | between | faster by |",
-             "|---|---|---|---|---|"]
+             "points that bracket it). Beyond the steps' spread: the way's step and the line differ by more than "
+             "the larger half-range of the timed steps of the way and of the two points (runs before 2026-12-04 "
+             "did not record their steps).", "",
+             "| way | step | PyTorch's line | between | faster by | beyond the steps' spread |",
+             "|---|---|---|---|---|---|"]
     for v in found:
         if v["line_seconds"] is None:
             lines.append(f"| {v['way']} | {_ms(v['step_seconds'])} | - | on no line of this run's points (above "
-                         "plain, or below its lowest point, not full checkpointing) | - |")
+                         "plain, or below its lowest point, not full checkpointing) | - | - |")
             continue
         lines.append(f"| {v['way']} | {_ms(v['step_seconds'])} | {_ms(v['line_seconds'])} | {v['between']} | "
-                     f"{v['faster_by']:+.1%} |")
+                     f"{v['faster_by']:+.1%} | {_decided(v)} |")
     return lines
+
+
+def _decided(verdict: dict) -> str:
+    if verdict.get("decided") is None:  # absent from verdicts of runs that recorded no steps
+        return "steps not recorded"
+    spread = f"±{verdict['spread_seconds'] * 1e3:.1f} ms"
+    return f"yes ({spread})" if verdict["decided"] else f"no: a tie within {spread}"
 
 
 def _profile_lines(frontier: dict) -> list[str]:
@@ -868,7 +915,8 @@ def render(frontier: dict) -> str:
              f"Model: {shape['layers']} Llama-style layers (hidden {shape['hidden']}, {shape['heads']} heads, "
              f"{shape['kv_heads']} KV heads, FFN {shape['ffn']}, vocabulary {shape['vocab']}), batch {s['batch']} x "
              f"{s['seq']} tokens, {s['dtype']}, compiled {s['compile']}, inner compiler {s['inner']}; the median of "
-             f"{s['timed']} steps after {s['warmup']} warm-up steps. Peak: `max_memory_allocated` over one step "
+             f"{s['timed']} steps after {s['warmup']} warm-up steps (in brackets where recorded: the fastest and the "
+             "slowest of them). Peak: `max_memory_allocated` over one step "
              "above what was allocated before it. Held at backward: bytes allocated when the backward began. "
              "Overhead: the step over its set-up's baseline (plain; full checkpointing for the checkpointed way), "
              "measured, and predicted: the simulated extra seconds of the compiled graphs over the baseline's "
@@ -903,6 +951,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(gzipped) in this folder")
     parser.add_argument("--ways", help="run only the ways whose name contains one of these comma-separated "
                         "words (e.g. 'plain,strategy=auto'); default every way")
+    parser.add_argument("--timed", type=int, help="timed steps per way, their median reported (default 5; "
+                        "the dry run's 2)")
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds after which the remaining ways "
                         "are skipped (default 540)")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
@@ -918,6 +968,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "GPU run's profiles again from the raw traces kept with --keep-traces (today's "
                         "summarize_trace), in place")
     args = parser.parse_args(argv)
+    if args.timed is not None and args.timed < 1:
+        parser.error(f"--timed {args.timed}: at least 1 timed step")
     for flag, budgets in (("--budgets", args.budgets), ("--measured-budgets", args.measured_budgets)):
         if any(not 0 < b <= 1 for b in budgets):
             parser.error(f"{flag} {budgets}: each must be a fraction in (0, 1]")
@@ -932,7 +984,7 @@ def setup_from(args: argparse.Namespace, dry_run: bool) -> Setup:
         shape = replace(setup.shape, **sizes)
     except ValueError as error:
         raise SystemExit(f"frontier: {error}") from None
-    return replace(setup, shape=shape, **{f: getattr(args, f) for f in ("seq", "batch", "compile")
+    return replace(setup, shape=shape, **{f: getattr(args, f) for f in ("seq", "batch", "compile", "timed")
                                           if getattr(args, f) is not None})
 
 

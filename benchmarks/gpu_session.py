@@ -104,6 +104,7 @@ class Run:
     setup: str
     way: str
     step_seconds: float | None = None
+    step_samples: list[float] = field(default_factory=list)  # every timed step, in order (the median is above)
     forward_seconds: float | None = None  # the compute stream's forward (CUDA events)
     predicted_forward_seconds: float | None = None
     peak_bytes: int | None = None
@@ -300,6 +301,7 @@ def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run
         if events:
             forward.append(events[0].elapsed_time(events[1]) / 1e3)
     run.step_seconds = statistics.median(seconds)
+    run.step_samples = seconds
     run.forward_seconds = statistics.median(forward) if forward else None
     for p in params:
         p.grad = None

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -164,14 +165,15 @@ def test_a_predicted_overhead_is_put_over_the_measured_step():
 def test_the_frontier_line_interpolates_between_the_bracketing_points():
     points = [frontier.Point("plain", 20.0, 0.200), frontier.Point("b0.5", 16.0, 0.230),
               frontier.Point("checkpointing", 12.0, 0.260)]
-    step, between = frontier.frontier_line(points, 18.0)
+    step, between, spread = frontier.frontier_line(points, 18.0)
     assert step == pytest.approx(0.215) and between == "b0.5 .. plain"
+    assert spread is None  # the points recorded no steps
     assert frontier.frontier_line(points, 14.0)[0] == pytest.approx(0.245)
-    assert frontier.frontier_line(points, 10.0) == (0.260, "checkpointing")  # below the lowest: that point
+    assert frontier.frontier_line(points, 10.0)[:2] == (0.260, "checkpointing")  # below the lowest: that point
     assert frontier.frontier_line(points, 21.0) is None  # holds more than plain: on no line
     # A run that measured plain alone brackets nothing below it: its step is no line to beat there.
     assert frontier.frontier_line(points[:1], 18.0, floor="checkpointing") is None
-    assert frontier.frontier_line(points, 10.0, floor="checkpointing") == (0.260, "checkpointing")
+    assert frontier.frontier_line(points, 10.0, floor="checkpointing")[:2] == (0.260, "checkpointing")
 
 
 def test_a_way_is_faster_than_the_line_only_when_its_step_is_below_it():
@@ -184,10 +186,36 @@ def test_a_way_is_faster_than_the_line_only_when_its_step_is_below_it():
     assert verdict["faster_by"] == pytest.approx(1 - 0.24 / 0.25)
 
 
+def test_a_verdict_inside_the_steps_spread_is_a_tie_and_one_outside_it_is_decided():
+    # The line at peak 15 runs between plain (0.200 s, steps 0.199-0.201) and checkpointing (0.300 s, steps
+    # 0.296-0.304): 0.250 s, give or take the larger half-range, 4 ms.
+    def run(way, peak, step, samples):
+        return {"way": way, "peak_bytes": peak, "step_seconds": step, "step_samples": samples, "error": None}
+
+    base = [run("plain", 20, 0.200, [0.199, 0.200, 0.201]),
+            run("full checkpointing per block", 10, 0.300, [0.296, 0.300, 0.304])]
+    way = "fxoffload memory_budget=0.5, strategy=auto"
+    (tie,) = frontier.verdicts(base + [run(way, 15, 0.247, [0.246, 0.247, 0.248])])
+    assert tie["spread_seconds"] == pytest.approx(0.004) and tie["decided"] is False
+    assert frontier._decided(tie) == "no: a tie within ±4.0 ms"
+    (won,) = frontier.verdicts(base + [run(way, 15, 0.240, [0.239, 0.240, 0.241])])
+    assert won["decided"] is True and frontier._decided(won) == "yes (±4.0 ms)"
+    # The way's own steps count too: 3 ms from the line, its steps 10 ms apart.
+    (wide,) = frontier.verdicts(base + [run(way, 15, 0.247, [0.242, 0.247, 0.252])])
+    assert wide["spread_seconds"] == pytest.approx(0.005) and wide["decided"] is False
+    # A run kept before the steps were recorded decides nothing.
+    old = [{k: v for k, v in r.items() if k != "step_samples"} for r in base + [run(way, 15, 0.240, [])]]
+    (unknown,) = frontier.verdicts(old)
+    assert unknown["decided"] is None and frontier._decided(unknown) == "steps not recorded"
+
+
 def test_bad_sizes_and_budgets_are_refused(capsys):
     with pytest.raises(SystemExit):
         frontier.parse_args(["--budgets", "1.5"])
     assert "each must be a fraction in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--timed", "0"])
+    assert "--timed 0: at least 1 timed step" in capsys.readouterr().err
     args = frontier.parse_args(["--heads", "5", "--hidden", "64"])
     with pytest.raises(SystemExit, match="must split into 5 heads"):
         frontier.setup_from(args, dry_run=True)
@@ -248,6 +276,9 @@ def test_the_dry_run_measures_every_way_the_gpu_run_does(dry_run):
     for name, run in ways.items():
         assert run["error"] is None, (name, run["error"], run["notes"])
         assert run["step_seconds"] > 0 and run["peak_bytes"] > 0, name
+        # Every timed step is kept, and the median reported is theirs.
+        assert len(run["step_samples"]) == result["setup"]["timed"], name
+        assert run["step_seconds"] == statistics.median(run["step_samples"]), name
     offloading = [w for w in frontier.default_ways() if w.kind == "checkpoint+fxoffload"
                   or (w.kind == "fxoffload" and w.strategy == "offload")]
     for way in offloading:
