@@ -463,6 +463,7 @@ class IdleCauses:
 
     host_bound: float = 0.0
     in_fxoffload: float = 0.0  # of host_bound: the launching thread inside an fxoffload op call
+    in_first_fxoffload: float = 0.0  # of in_fxoffload: inside the step's first fxoffload op call
     device_bound: float = 0.0
     switching: float = 0.0  # queued work's gaps under SWITCH_US: the device moving to the next kernel
     before: dict[str, float] = field(default_factory=dict)  # device_bound, by the kernel it held back
@@ -483,8 +484,11 @@ def idle_causes(ops: list[DeviceOp], span: tuple[float, float], launches: dict[A
     host time holding the device back. Launched before (queued work that did not start: a stream waiting
     on an event), or with no launch to be found, or with no work after it: waiting on the device, unless
     the gap is shorter than ``SWITCH_US`` (about 1-2 us between any two queued kernels on an H200: plain's
-    400 kernels switch for about 1 ms a step)."""
+    400 kernels switch for about 1 ms a step). Of the host's part inside fxoffload's calls, the part inside
+    the step's first call is told apart: the host is barely ahead of the device at the step's start, and
+    that call is the one that takes the caching host allocator's backlog (runs 7 and 8, DEVELOPING)."""
     causes, at = IdleCauses(), span[0]
+    first = min((call for calls in fxoffload_calls.values() for call in calls), default=None)
     for op in sorted(ops, key=lambda o: o.start) + [DeviceOp(span[1], span[1], None, "")]:
         gap = op.start - at
         if gap > 0:
@@ -493,6 +497,8 @@ def idle_causes(ops: list[DeviceOp], span: tuple[float, float], launches: dict[A
                 causes.host_bound += gap
                 waited = [(at, min(launch.start, op.start))]
                 causes.in_fxoffload += _overlap(waited, fxoffload_calls.get(launch.thread, []))
+                if first is not None and first in fxoffload_calls.get(launch.thread, []):
+                    causes.in_first_fxoffload += _overlap(waited, [first])
             elif gap < SWITCH_US:
                 causes.switching += gap
             else:
@@ -590,6 +596,7 @@ def summarize_trace(events: list[dict]) -> dict:
             "idle_copy_in_flight_us": _overlap(idle, in_flight),
             "idle_in_fxoffload_host_us": _overlap(idle, host_calls),
             "idle_host_bound_us": causes.host_bound, "idle_host_bound_in_fxoffload_us": causes.in_fxoffload,
+            "idle_host_bound_in_first_fxoffload_us": causes.in_first_fxoffload,
             "idle_device_bound_us": causes.device_bound, "idle_switching_us": causes.switching,
             "idle_waits_before": causes.waits_before(),
             "copies": copies, "fxoffload_host": host_ops, "host_alloc": host_alloc}
@@ -788,10 +795,12 @@ def _profile_lines(frontier: dict) -> list[str]:
              "the compute stream's busy and idle time within the step, copies each way, fxoffload's host time. "
              "The compute stream's idle time by cause (`summarize_trace`), from the launch of the work after each "
              "gap: waiting for the host (launched after the gap began; in brackets, while the launching thread was "
-             "in one of fxoffload's op calls), waiting on the device (queued, held back: by a copy's event, most "
+             "in one of fxoffload's op calls, and of that in the step's first op call), waiting on the device "
+             "(queued, held back: by a copy's event, most "
              "likely; the kernel held back longest beside it), and the device moving between queued kernels (gaps "
              f"under {SWITCH_US:.0f} us). Idle while a copy was in flight: at the same moment, whatever the cause.",
-             "", "| way | kernels | added | compute busy | compute idle | waiting for the host (in our ops) | "
+             "", "| way | kernels | added | compute busy | compute idle | "
+             "waiting for the host (in our ops; in the step's first op call) | "
              "waiting on the device | held back longest | between kernels | idle, a copy in flight | "
              "step span | to host | to device | fxoffload host time | pinned blocks made |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -854,7 +863,9 @@ def _causes(profile: dict) -> str:
         held = f"`{longest[0][:60]}` {longest[1] / 1e3:.1f} ms"
     ms = {key: f"{profile[key] / 1e3:.1f} ms" for key in ("idle_host_bound_us", "idle_host_bound_in_fxoffload_us",
                                                           "idle_device_bound_us", "idle_switching_us")}
-    return (f"{ms['idle_host_bound_us']} ({ms['idle_host_bound_in_fxoffload_us']}) | {ms['idle_device_bound_us']} | "
+    first = profile.get("idle_host_bound_in_first_fxoffload_us")  # absent from summaries made before it was
+    ours = ms["idle_host_bound_in_fxoffload_us"] + ("" if first is None else f"; first call {first / 1e3:.2f} ms")
+    return (f"{ms['idle_host_bound_us']} ({ours}) | {ms['idle_device_bound_us']} | "
             f"{held} | {ms['idle_switching_us']}")
 
 

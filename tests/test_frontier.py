@@ -92,6 +92,23 @@ def test_idle_time_is_told_apart_by_the_launch_of_the_work_after_each_gap():
     assert summary["idle_in_fxoffload_host_us"] == 29.0
 
 
+def test_the_host_time_of_the_steps_first_op_call_is_told_apart_from_the_rest():
+    # Two gaps the host held: 10..40 with its thread inside the step's first offload call (12..25), then
+    # 50..80 inside a later one (55..70). The first call's 13 us are told apart from the 28 us in all.
+    events = [
+        *launched(kernel("triton_red_fused_rsqrt_0", 0, 10), 1, -5),
+        *launched(kernel("triton_poi_fused_mul_1", 40, 10), 2, 30),
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 12, "dur": 13, "tid": 1},
+        *launched(kernel("triton_poi_fused_silu_2", 80, 10), 3, 75),
+        {"ph": "X", "cat": "cpu_op", "name": "fxoffload::offload", "ts": 55, "dur": 15, "tid": 1},
+    ]
+    summary = frontier.summarize_trace(events)
+    assert summary["idle_host_bound_us"] == 60.0
+    assert summary["idle_host_bound_in_fxoffload_us"] == 28.0
+    assert summary["idle_host_bound_in_first_fxoffload_us"] == 13.0
+    assert "(0.0 ms; first call 0.01 ms)" in frontier._causes(summary)
+
+
 def test_kernels_are_compared_by_name_on_the_compute_stream_without_inductors_index():
     """A way whose SwiGLU kernel split in two (the indices of every kernel after it renumbered): the names say
     which kernel split, and a kernel on another stream (a copy engine's memset kernel, say) is not counted."""
