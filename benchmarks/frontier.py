@@ -19,13 +19,14 @@ block (non-reentrant); fxoffload ``memory_budget`` at each budget under each str
 default options), and at ``--measured-budgets`` (default 0.5) strategy auto with ``select="measured"``
 (its candidate plans timed in extra warm-up steps, the fastest kept; the notes say which); checkpointing
 per block with fxoffload offloading the layer inputs. Per way: the median step (forward and backward,
-after warm-up steps; ``--timed`` steps, every one kept), the device peak (``max_memory_allocated`` above
-what was allocated before the step), the device bytes held when the backward begins, and for fxoffload's ways
-its predictions (the simulated step over the step's graph runs, the bytes it predicts held). The
-verdicts place each fxoffload way on PyTorch's frontier: the straight line between the two PyTorch points
-(plain, its budgets, full checkpointing) whose measured peaks bracket the way's measured peak, and say
-whether the difference is beyond the steps' spread (the larger half-range of the timed steps of the way
-and of the two points: a difference inside it is a tie as far as this run can tell).
+after warm-up steps; ``--timed`` steps, every one kept, with the pinned blocks each made), the device peak
+(``max_memory_allocated`` above what was allocated before the step), the device bytes held when the
+backward begins, and for fxoffload's ways its predictions (the simulated step over the step's graph runs,
+the bytes it predicts held). The verdicts place each fxoffload way on PyTorch's frontier: the straight
+line between the two PyTorch points (plain, its budgets, full checkpointing) whose measured peaks bracket
+the way's measured peak, and say whether the difference is beyond the steps' spread (the larger half-range
+of the timed steps of the way and of the two points: a difference inside it is a tie as far as this run
+can tell).
 
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
 torch): kernel time by kind and the kernels added against plain, in all and by name (``kernel_family``:
@@ -759,6 +760,15 @@ def _runs_table(frontier: dict) -> list[str]:
     return lines
 
 
+def _unsteady_lines(frontier: dict) -> list[str]:
+    """The ways whose timed steps made pinned blocks (``step_host_allocs``, kept since 2026-12-04): those steps
+    were not steady, and the median says less of the way."""
+    made = [f"{r['way']}: {', '.join(map(str, r['step_host_allocs']))}" for r in frontier["runs"]
+            if any(r.get("step_host_allocs") or ())]
+    return ["", "Timed steps that made pinned blocks (each step's count, in order): " + "; ".join(made) + "."] \
+        if made else []
+
+
 def _verdict_lines(frontier: dict) -> list[str]:
     found = verdicts(frontier["runs"])
     if not found:
@@ -939,7 +949,7 @@ def render(frontier: dict) -> str:
                   f"to the device, {p['d2h_bandwidth'] / 1e9:.1f} GB/s to the host, duplex {p['duplex']}, memory "
                   f"{p['memory_bandwidth'] / 1e9:.0f} GB/s, " + ", ".join(f"{d} {f / 1e12:.0f} TFLOP/s"
                                                                    for d, f in p["flops"]) + ".", ""]
-    lines += _runs_table(frontier) + _verdict_lines(frontier) + _profile_lines(frontier)
+    lines += _runs_table(frontier) + _unsteady_lines(frontier) + _verdict_lines(frontier) + _profile_lines(frontier)
     if frontier["skipped"]:
         lines += ["", "Skipped: " + "; ".join(frontier["skipped"])]
     if frontier.get("remarks"):  # written beside a run's figures afterwards, on reading them (see the JSON)

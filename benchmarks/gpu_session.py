@@ -105,6 +105,9 @@ class Run:
     way: str
     step_seconds: float | None = None
     step_samples: list[float] = field(default_factory=list)  # every timed step, in order (the median is above)
+    # Pinned blocks CUDA's host allocator made in each timed step (``num_host_alloc``; empty where it counts
+    # none): a timed step that made one (13-49 ms of host time each) was not a steady step.
+    step_host_allocs: list[int] = field(default_factory=list)
     forward_seconds: float | None = None  # the compute stream's forward (CUDA events)
     predicted_forward_seconds: float | None = None
     peak_bytes: int | None = None
@@ -286,6 +289,7 @@ def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run
     seconds, forward = [], []
     for _ in range(sizes.timed):
         _sync(cuda)
+        made = _host_stats(cuda).get("num_host_alloc")  # outside the timed window, as its pair below
         start = time.perf_counter()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
         for p in params:
@@ -298,10 +302,15 @@ def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run
         loss.backward()
         _sync(cuda)
         seconds.append(time.perf_counter() - start)
+        after = _host_stats(cuda).get("num_host_alloc")
+        if made is not None and after is not None:
+            run.step_host_allocs.append(int(after - made))
         if events:
             forward.append(events[0].elapsed_time(events[1]) / 1e3)
     run.step_seconds = statistics.median(seconds)
     run.step_samples = seconds
+    if any(run.step_host_allocs):
+        run.notes.append("pinned blocks made in each timed step: " + ", ".join(map(str, run.step_host_allocs)))
     run.forward_seconds = statistics.median(forward) if forward else None
     for p in params:
         p.grad = None

@@ -347,3 +347,13 @@ def fxoffload_profile():
     import fxoffload
 
     return fxoffload.offload_backend().config.profile
+
+
+def test_timed_steps_that_made_pinned_blocks_are_named_under_the_table():
+    runs = [{"way": "plain", "step_host_allocs": [0, 0, 0], "error": "x"},
+            {"way": "fxoffload memory_budget=0.7, strategy=auto", "step_host_allocs": [0, 2, 0], "error": None},
+            {"way": "PyTorch activation_memory_budget=0.7", "error": None}]  # a run kept before they were counted
+    lines = frontier._unsteady_lines({"runs": runs})
+    assert lines[-1] == ("Timed steps that made pinned blocks (each step's count, in order): "
+                         "fxoffload memory_budget=0.7, strategy=auto: 0, 2, 0.")
+    assert frontier._unsteady_lines({"runs": runs[:1] + runs[2:]}) == []

@@ -139,3 +139,34 @@ def test_the_results_hold_what_host_cost_renders_of_the_measured_figures():
     assert session["device"].startswith("NVIDIA")
     section = RESULTS.read_text().split(f"## {host_cost.HEADING} (measured on {session['device']})\n", 1)[1]
     assert host_cost.render(session).strip() in section.split("\n## ", 1)[0]
+
+
+def test_each_timed_step_says_how_many_pinned_blocks_it_made(monkeypatch):
+    """``measure`` reads CUDA's count of pinned blocks made (``num_host_alloc``) around each timed step,
+    outside its timing. Here the count is a stand-in for CUDA's, advanced by the step itself: the third
+    of four timed steps makes a block, as a step that found no cached one would."""
+    import contextlib
+    import dataclasses
+
+    import torch
+
+    made = {"blocks": 0, "steps": 0}
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, tokens):
+            made["steps"] += 1
+            if made["steps"] == 1 + 3:  # one warm-up step, then the third timed one
+                made["blocks"] += 1
+            return (self.weight * tokens).sum()
+
+    monkeypatch.setattr(gpu_session, "_host_stats", lambda cuda: {"num_host_alloc": made["blocks"]})
+    sizes = dataclasses.replace(gpu_session.Sizes.for_run(dry_run=True), warmup=1, timed=4)
+    run = gpu_session.Run("setup", "way")
+    gpu_session.measure(Step(), torch.ones(4), sizes, False, run, contextlib.nullcontext)
+    assert run.step_host_allocs == [0, 0, 1, 0]
+    assert len(run.step_samples) == 4
+    assert "pinned blocks made in each timed step: 0, 0, 1, 0" in run.notes
