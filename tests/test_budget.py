@@ -199,6 +199,7 @@ def test_without_a_budget_the_plan_reaches_the_smallest_peak_and_makes_no_needle
     assert measured.activation_peak <= every_measured.activation_peak
 
 
+@pytest.mark.slow
 def test_a_cpu_step_is_measured_alike_whether_or_not_cuda_is_present(monkeypatch):
     """On a GPU machine a CPU model's step is still device memory (the CPU engine's), and its host
     memory only the offload buffers: that CUDA is present says nothing of where the step ran."""

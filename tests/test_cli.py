@@ -225,6 +225,7 @@ def test_a_model_that_returns_no_loss_is_refused(capsys, tmp_path):
     assert "must return a scalar loss" in run_error(capsys, "--model", str(path), "--seq", "8")
 
 
+@pytest.mark.slow
 def test_per_layer_compiles_each_layer_and_reports_the_step(capsys):
     # At 0.2 (since the layers are traced without the full attention mask a real step skips, 0.5 leaves
     # nothing that crossing the layers' boundaries hides better).
@@ -366,6 +367,7 @@ def test_the_optimizer_s_state_is_reserved_and_its_step_added_to_the_step_time(c
     assert run_json(capsys, *common)["step"]["step_time_with_optimizer"] == pytest.approx(sgd["step_time"])
 
 
+@pytest.mark.slow
 def test_a_host_budget_bounds_the_pinned_host_memory_of_the_plan(capsys, tmp_path):
     args = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "128", "--budget", "none",
             "--output", str(tmp_path / "plan.svg"))
