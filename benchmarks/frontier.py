@@ -24,9 +24,9 @@ after warm-up steps; ``--timed`` steps, every one kept, with the pinned blocks e
 backward begins, and for fxoffload's ways its predictions (the simulated step over the step's graph runs,
 the bytes it predicts held). The verdicts place each fxoffload way on PyTorch's frontier: the straight
 line between the two PyTorch points (plain, its budgets, full checkpointing) whose measured peaks bracket
-the way's measured peak, and say whether the difference is beyond the steps' spread (the larger half-range
-of the timed steps of the way and of the two points: a difference inside it is a tie as far as this run
-can tell).
+the way's measured peak, and say whether the difference is beyond the steps' spread (the larger
+half-interquartile range of the timed steps of the way and of the two points: a difference inside it is a
+tie as far as this run can tell).
 
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
 torch): kernel time by kind and the kernels added against plain, in all and by name (``kernel_family``:
@@ -52,6 +52,7 @@ import datetime
 import gzip
 import re
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -610,12 +611,13 @@ class Point:
     name: str
     peak: float
     step: float
-    spread: float | None = None  # half the range of its timed steps, in seconds (None: not recorded)
+    spread: float | None = None  # its timed steps' spread (spread_of), in seconds (None: not recorded)
 
 
 class Line(NamedTuple):
     """PyTorch's step at a peak (:func:`frontier_line`), the points it lies between, and how far their
-    medians may move: the larger half-range of their timed steps (None where a run did not record them)."""
+    medians may move: the larger of their timed steps' half-interquartile ranges (None where a run did not
+    record them)."""
 
     seconds: float
     between: str
@@ -648,24 +650,29 @@ def frontier_line(points: list[Point], peak: float, floor: str | None = None) ->
     return None
 
 
-def half_range(samples: list[float] | None) -> float | None:
-    """Half the range of a way's timed steps: how far from its median a step of that way was seen. None
+def spread_of(samples: list[float] | None) -> float | None:
+    """Half the interquartile range of a way's timed steps (inclusive quartiles): how far its median may
+    move, a single slow step (a pinned block made, a collection) left out as the range would not. None
     with fewer than two (runs kept before the steps were recorded have none)."""
-    return (max(samples) - min(samples)) / 2 if samples and len(samples) >= 2 else None
+    if not samples or len(samples) < 2:
+        return None
+    low, _, high = statistics.quantiles(samples, n=4, method="inclusive")
+    return (high - low) / 2
 
 
 def verdicts(runs: list[dict]) -> list[dict]:
     """Each fxoffload way placed against PyTorch's frontier (plain, its budgets, full checkpointing). A
-    verdict is ``decided`` where the way's step and the line differ by more than the larger half-range of
-    the timed steps of the way and of the two points (None where a run did not record its steps)."""
-    points = [Point(r["way"], r["peak_bytes"], r["step_seconds"], half_range(r.get("step_samples"))) for r in runs
+    verdict is ``decided`` where the way's step and the line differ by more than the larger spread
+    (:func:`spread_of`) of the timed steps of the way and of the two points (None where a run did not
+    record its steps)."""
+    points = [Point(r["way"], r["peak_bytes"], r["step_seconds"], spread_of(r.get("step_samples"))) for r in runs
               if not r["error"] and r["peak_bytes"] and _kind(r["way"]) in ("plain", "pytorch", "checkpoint")]
     out = []
     for r in runs:
         if r["error"] or not r["peak_bytes"] or _kind(r["way"]) not in ("fxoffload", "checkpoint+fxoffload"):
             continue
         line = frontier_line(points, r["peak_bytes"], floor=Way("checkpoint").name)
-        spread = None if line is None else _larger(half_range(r.get("step_samples")), line.spread)
+        spread = None if line is None else _larger(spread_of(r.get("step_samples")), line.spread)
         out.append({"way": r["way"], "peak_bytes": r["peak_bytes"], "step_seconds": r["step_seconds"],
                     "line_seconds": None if line is None else line.seconds,
                     "between": None if line is None else line.between,
@@ -775,8 +782,8 @@ def _verdict_lines(frontier: dict) -> list[str]:
         return []
     lines = ["", "Against PyTorch's frontier (its step at the same measured peak, on the line between its two "
              "points that bracket it). Beyond the steps' spread: the way's step and the line differ by more than "
-             "the larger half-range of the timed steps of the way and of the two points (runs before 2026-12-04 "
-             "did not record their steps).", "",
+             "the larger half-interquartile range of the timed steps of the way and of the two points (runs "
+             "before 2026-12-04 did not record their steps).", "",
              "| way | step | PyTorch's line | between | faster by | beyond the steps' spread |",
              "|---|---|---|---|---|---|"]
     for v in found:

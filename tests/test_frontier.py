@@ -204,21 +204,25 @@ def test_a_way_is_faster_than_the_line_only_when_its_step_is_below_it():
 
 
 def test_a_verdict_inside_the_steps_spread_is_a_tie_and_one_outside_it_is_decided():
-    # The line at peak 15 runs between plain (0.200 s, steps 0.199-0.201) and checkpointing (0.300 s, steps
-    # 0.296-0.304): 0.250 s, give or take the larger half-range, 4 ms.
+    # The line at peak 15 runs between plain (0.200 s) and checkpointing (0.300 s): 0.250 s. Spreads, half
+    # the interquartile range of five steps (inclusive quartiles: the second and fourth step in order):
+    # plain's (0.201 - 0.199) / 2 = 1 ms, checkpointing's (0.304 - 0.296) / 2 = 4 ms; the line's is 4 ms.
     def run(way, peak, step, samples):
         return {"way": way, "peak_bytes": peak, "step_seconds": step, "step_samples": samples, "error": None}
 
-    base = [run("plain", 20, 0.200, [0.199, 0.200, 0.201]),
-            run("full checkpointing per block", 10, 0.300, [0.296, 0.300, 0.304])]
+    base = [run("plain", 20, 0.200, [0.198, 0.199, 0.200, 0.201, 0.202]),
+            run("full checkpointing per block", 10, 0.300, [0.310, 0.296, 0.300, 0.304, 0.290])]
     way = "fxoffload memory_budget=0.5, strategy=auto"
-    (tie,) = frontier.verdicts(base + [run(way, 15, 0.247, [0.246, 0.247, 0.248])])
+    # 3 ms under the line, its own steps 0.5 ms: a tie.
+    (tie,) = frontier.verdicts(base + [run(way, 15, 0.247, [0.246, 0.2465, 0.247, 0.2475, 0.248])])
     assert tie["spread_seconds"] == pytest.approx(0.004) and tie["decided"] is False
     assert frontier._decided(tie) == "no: a tie within ±4.0 ms"
-    (won,) = frontier.verdicts(base + [run(way, 15, 0.240, [0.239, 0.240, 0.241])])
-    assert won["decided"] is True and frontier._decided(won) == "yes (±4.0 ms)"
-    # The way's own steps count too: 3 ms from the line, its steps 10 ms apart.
-    (wide,) = frontier.verdicts(base + [run(way, 15, 0.247, [0.242, 0.247, 0.252])])
+    # 10 ms under it: decided, even with one step of the five 60 ms slow (its range would make it a tie).
+    (won,) = frontier.verdicts(base + [run(way, 15, 0.240, [0.239, 0.2395, 0.240, 0.2405, 0.300])])
+    assert won["spread_seconds"] == pytest.approx(0.004) and won["decided"] is True
+    assert frontier._decided(won) == "yes (±4.0 ms)"
+    # The way's own steps count too: 3 ms from the line, its spread (0.252 - 0.242) / 2 = 5 ms.
+    (wide,) = frontier.verdicts(base + [run(way, 15, 0.247, [0.230, 0.242, 0.247, 0.252, 0.260])])
     assert wide["spread_seconds"] == pytest.approx(0.005) and wide["decided"] is False
     # A run kept before the steps were recorded decides nothing.
     old = [{k: v for k, v in r.items() if k != "step_samples"} for r in base + [run(way, 15, 0.240, [])]]
