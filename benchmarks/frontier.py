@@ -813,8 +813,8 @@ def _profile_lines(frontier: dict) -> list[str]:
              "The compute stream's idle time by cause (`summarize_trace`), from the launch of the work after each "
              "gap: waiting for the host (launched after the gap began; in brackets, while the launching thread was "
              "in one of fxoffload's op calls, and of that in the step's first op call), waiting on the device "
-             "(queued, held back: by a copy's event, most "
-             "likely; the kernel held back longest beside it), and the device moving between queued kernels (gaps "
+             "(queued, held back: by a copy's event, most likely; the kernel held back longest beside it), and "
+             "the device moving between queued kernels (gaps "
              f"under {SWITCH_US:.0f} us). Idle while a copy was in flight: at the same moment, whatever the cause.",
              "", "| way | kernels | added | compute busy | compute idle | "
              "waiting for the host (in our ops; in the step's first op call) | "

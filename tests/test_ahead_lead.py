@@ -120,4 +120,3 @@ def test_inductor_keeps_a_copy_started_ahead_before_the_kernels_its_plan_puts_af
     code = next(w for w in reversed(written) if w.backward).source.split("def call(")[-1]
     call = code.index(f"torch.ops.{PREFETCH_AHEAD}(")
     assert call < code.index(f"torch.ops.{attention[0]}("), "prefetch_ahead sank past attention's backward"
-
