@@ -3,10 +3,11 @@ that run's model on that run's calibrated device, beside what the run measured.
 
     python benchmarks/frontier_predict.py benchmarks/measured/frontier-h200-run5.json
     python benchmarks/frontier_predict.py F --ways memory_budget=0.5       # some ways only
-    python benchmarks/frontier_predict.py F --write     # its section of benchmarks/RESULTS.md
+    python benchmarks/frontier_predict.py F --write     # the run's section of benchmarks/RESULTS.md
 
 A GPU lease is short; this says, before one, what a change to the planner does to the frontier's ways, and
-after one, whether the GPU confirmed it. For each fxoffload way the run measured (``frontier.Way``: each
+after one, whether the GPU confirmed it. For each fxoffload way the run measured, or skipped (its deadline
+came first: predicted, with nothing measured beside it) (``frontier.Way``: each
 budget and strategy, and checkpointing with the layer inputs offloaded; measured selection is left out: it
 chooses by timing), trace the run's model (its ``setup``: 8 Llama-3-8B layers at 8192 tokens by default)
 under fake tensors (shapes only, nothing allocated), compiled as the run compiled it, by one fxoffload
@@ -23,8 +24,10 @@ and from the run: its measured step, its
 prediction then (of the plan it ran, whose digest the JSON keeps), and its measured baseline (plain; full
 checkpointing for the checkpointed way) plus today's predicted overhead: what the run would measure if the
 prediction holds (the eager embedding, head and loss are in the measured step, not in the simulated graphs),
-placed against PyTorch's measured frontier of the run. Every figure except the run's measured ones is a
-prediction.
+placed against PyTorch's measured frontier of the run, and today's predicted overhead as a share of that
+measured baseline (issue 50's bar for the layer inputs under checkpointing: +0.5%). Every figure except the
+run's measured ones is a prediction. ``--write`` keeps one section of RESULTS per run (its heading names the
+run's file).
 
 Limits: the run's eager code (embedding, head, loss) is not simulated; the plans are today's for the run's
 profile, which the run calibrated on its own machine.
@@ -60,6 +63,11 @@ from results import write_section  # noqa: E402
 HEADING = "Frontier predicted from a GPU run's calibration (predicted, CPU)"
 
 
+def heading_of(path: Path) -> str:
+    """The RESULTS section of the run at ``path``: one per kept run."""
+    return f"{HEADING}: {path.stem}"
+
+
 @dataclass(frozen=True)
 class Predicted:
     """One way's predictions, with what the GPU run measured of it (seconds, bytes)."""
@@ -83,6 +91,13 @@ class Predicted:
         if self.measured_baseline_seconds is None:
             return None
         return self.measured_baseline_seconds + self.step_seconds - self.compute_seconds
+
+    @property
+    def overhead_share(self) -> float | None:
+        """Today's predicted overhead as a share of the run's measured baseline step."""
+        if self.measured_baseline_seconds is None:
+            return None
+        return (self.step_seconds - self.compute_seconds) / self.measured_baseline_seconds
 
     @property
     def expected_peak(self) -> int | None:
@@ -117,8 +132,10 @@ def priced_as(inner: str) -> Iterator[None]:
 
 
 def ways_of(run: dict) -> list[Way]:
-    """The run's fxoffload ways that plan by prediction (measured selection is left out)."""
+    """The run's fxoffload ways that plan by prediction (measured selection is left out): those it measured, and
+    those it skipped (``skipped`` names each before its reason)."""
     names = {r["way"] for r in run["runs"] if not r["error"]}
+    names |= {entry.rsplit(": ", 1)[0] for entry in run.get("skipped", ())}
     ways = default_ways(measured=())
     return [w for w in ways if w.kind in ("fxoffload", "checkpoint+fxoffload") and w.name in names]
 
@@ -158,7 +175,8 @@ def predicted(run_figures: dict, way: Way, profile: fxoffload.DeviceProfile) -> 
     setup = setup_from(run_figures["setup"])
     run, backend = predict_way(setup, way, profile)
     records = backend.step_invocations()
-    then = next(r for r in run_figures["runs"] if r["way"] == way.name)
+    # None: the run skipped the way (its deadline came first); nothing of it was measured
+    then = next((r for r in run_figures["runs"] if r["way"] == way.name and not r["error"]), {})
     # The baseline the simulated graphs' own baseline stands for: plain, or full checkpointing for the
     # checkpointed way (its graphs are the checkpointed blocks).
     baseline = Way("checkpoint" if way.checkpointed else "plain").name
@@ -170,17 +188,21 @@ def predicted(run_figures: dict, way: Way, profile: fxoffload.DeviceProfile) -> 
         compute_seconds=run.predicted_compute_seconds,
         stall_seconds=simulate_step(records).stall,
         held_at_backward=run.predicted_held_at_backward,
-        measured_step_seconds=then["step_seconds"],
+        measured_step_seconds=then.get("step_seconds"),
         measured_baseline_seconds=measured["step_seconds"] if measured else None,
-        predicted_then=then["predicted_step_seconds"],
-        plan_then=next((n for n in then["notes"] if n.startswith("plan ")), None),
-        peak_then=then["peak_bytes"],
-        held_then=then["predicted_held_at_backward"],
+        predicted_then=then.get("predicted_step_seconds"),
+        plan_then=next((n for n in then.get("notes", ()) if n.startswith("plan ")), None),
+        peak_then=then.get("peak_bytes"),
+        held_then=then.get("predicted_held_at_backward"),
     )
 
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:+.2%}"
 
 
 def render(path: Path, run_figures: dict, rows: list[Predicted], seconds: float) -> str:
@@ -194,8 +216,8 @@ def render(path: Path, run_figures: dict, rows: list[Predicted], seconds: float)
         f"measured step (on {run_figures['device']}, {run_figures['started']}) and its prediction then.", "",
         "| way | plan now | predicted step (graphs) | baseline (graphs) | "
         "overhead | stall | held at backward | measured step then | predicted then | plan then | measured "
-        "baseline + overhead now | against PyTorch's line |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "baseline + overhead now | overhead over it | against PyTorch's line |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     against = _against_line(run_figures, rows)
     for r in rows:
@@ -204,8 +226,11 @@ def render(path: Path, run_figures: dict, rows: list[Predicted], seconds: float)
             f"| {r.way} | {r.plan} | {_ms(r.step_seconds)} | {_ms(r.compute_seconds)} | "
             f"{_ms(r.step_seconds - r.compute_seconds)} | {_ms(r.stall_seconds)} | {held} | "
             f"{_ms(r.measured_step_seconds)} | {_ms(r.predicted_then)} | {(r.plan_then or '-').removeprefix('plan ')} "
-            f"| {_ms(r.expected_seconds)} | {against.get(r.way, '-')} |")
-    lines += ["", "Measured baseline: the run's plain step (full checkpointing for the checkpointed way). "
+            f"| {_ms(r.expected_seconds)} | {_share(r.overhead_share)} | {against.get(r.way, '-')} |")
+    lines += ["", "A way the run skipped (its deadline came first) is predicted only: \"-\" in the columns of "
+              "what the run measured. Overhead over it: today's predicted overhead as a share of the run's "
+              "measured baseline step. Measured baseline: the run's plain step (full checkpointing for the "
+              "checkpointed way). "
               "Against PyTorch's line: the measured baseline plus today's predicted overhead, at the run's "
               "measured peak moved by the change in predicted bytes held at the backward's start, placed on the "
               "line between the run's two measured PyTorch points that bracket that peak (`frontier.verdicts`); "
@@ -252,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(args.run, run_figures, rows, time.monotonic() - start)
     print(text)
     if args.write:
-        print(f"wrote {write_section(HEADING, text)}")
+        print(f"wrote {write_section(heading_of(args.run), text)}")
     return 0
 
 

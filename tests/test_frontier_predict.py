@@ -63,16 +63,51 @@ def test_a_small_run_is_predicted_with_its_own_profile_and_the_plan_it_makes(tmp
     assert profile.name == "calibrated:NVIDIA H200" and profile.d2h_bandwidth == pytest.approx(55.08e9, rel=1e-3)
 
 
+def test_a_way_the_run_skipped_is_predicted_with_nothing_measured_beside_it(tmp_path, capsys):
+    # Run 9 measured checkpointing alone: its deadline skipped the layer inputs offloaded. The skipped way is
+    # predicted all the same, its overhead put against the run's measured checkpointed step.
+    figures = json.loads(RUN5.read_text())
+    figures["setup"] = {**figures["setup"], "seq": 512, "shape": {**figures["setup"]["shape"], "layers": 3,
+                                                                   "hidden": 512, "ffn": 1024, "vocab": 1024}}
+    way = "fxoffload memory_budget=0.5, strategy=auto"
+    figures["runs"] = [r for r in figures["runs"] if r["way"] != way]
+    figures["skipped"] = [f"{way}: past the deadline"]
+    path = tmp_path / "skipped.json"
+    path.write_text(json.dumps(figures))
+    assert frontier_predict.main([str(path), "--ways", "memory_budget=0.5"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert len(rows) == 2  # the header, the skipped way
+    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    assert cells[0] == way and cells[1].startswith("plan ")
+    assert cells[7:10] == ["-", "-", "-"]  # measured step, prediction and plan then: nothing measured
+    plain = next(r["step_seconds"] for r in figures["runs"] if r["way"] == "plain")
+    overhead_ms = float(cells[4].removesuffix(" ms"))
+    assert float(cells[10].removesuffix(" ms")) == pytest.approx(plain * 1e3 + overhead_ms, abs=0.1)
+    # (the overhead cell is rounded to 0.1 ms, the share to 0.01%)
+    assert float(cells[11].removesuffix("%")) == pytest.approx(overhead_ms / (plain * 1e3) * 100,
+                                                              abs=0.05 / (plain * 1e3) * 100 + 0.005)
+    assert cells[12] == "-"  # no measured peak to place it on PyTorch's line
+
+
+def results_sections() -> list[tuple[str, str]]:
+    """Every section ``frontier_predict --write`` keeps: (heading, text), one per kept run."""
+    headings = re.findall(f"(?m)^## ({re.escape(frontier_predict.HEADING)}: .*)$", RESULTS.read_text())
+    return [(heading, section(heading)) for heading in headings]
+
+
 @pytest.mark.slow
-def test_the_results_section_is_what_the_script_predicts_today(capsys):
-    # A change that alters the frontier's plans re-writes the section (python benchmarks/frontier_predict.py
-    # benchmarks/measured/frontier-h200-runN.json --write, the run the section names), with its reason in the
-    # commit. The section is predicted from the latest kept run's calibration.
-    text = section(frontier_predict.HEADING)
-    run = re.search(r"`python benchmarks/frontier_predict\.py (benchmarks/measured/frontier-[^ `]+\.json)`", text)
-    assert run, "the section names the run it was predicted from"
-    assert frontier_predict.main([run.group(1)]) == 0
-    assert table_rows(capsys.readouterr().out) == table_rows(text)
+def test_each_results_section_is_what_the_script_predicts_today(capsys):
+    # A change that alters the frontier's plans re-writes the sections (python benchmarks/frontier_predict.py
+    # benchmarks/measured/frontier-h200-runN.json --write, the run each section names), with its reason in the
+    # commit: run 8's frontier and run 9's full-size checkpointed pair.
+    sections = results_sections()
+    assert len(sections) >= 2
+    for heading, text in sections:
+        run = re.search(r"`python benchmarks/frontier_predict\.py (benchmarks/measured/frontier-[^ `]+\.json)`", text)
+        assert run, f"{heading}: the section names the run it was predicted from"
+        assert heading == frontier_predict.heading_of(Path(run.group(1)))
+        assert frontier_predict.main([run.group(1)]) == 0
+        assert table_rows(capsys.readouterr().out) == table_rows(text), heading
 
 
 @functools.cache
