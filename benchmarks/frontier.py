@@ -28,6 +28,15 @@ the way's measured peak, and say whether the difference is beyond the steps' spr
 half-interquartile range of the timed steps of the way and of the two points: a difference inside it is a
 tie as far as this run can tell).
 
+Timed steps are interleaved (since 2026-12-04): every way is built over one model (its weights shared)
+and compiled and warmed up first, then ``--timed`` rounds run one timed step of each way, round r
+starting at the r-th way, so that a drift of the device's speed over the run (its clocks, as it warms)
+falls on every way alike instead of on the ways measured last. Each way's blocks are compiled behind a
+forward of their own (``isolated``: Dynamo keeps compiled graphs per code object, and ways held side by
+side would otherwise share one cache). Its memory step and its profile follow, way by way, and the
+cached pinned blocks are given back once, at the end. ``--sequential`` measures each way in a row,
+from a fresh model, as runs 1-9 did (the JSON's ``order`` says which).
+
 ``--profile`` summarises one more step per way from torch.profiler's trace (``summarize_trace``, free of
 torch): kernel time by kind and the kernels added against plain, in all and by name (``kernel_family``:
 which kernel a way adds or splits), each stream's busy time and the compute
@@ -56,6 +65,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -71,7 +81,8 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks"), str(ROOT)]
 import fxoffload  # noqa: E402
 from fxoffload.backend.selection import WARMUP_STEPS  # noqa: E402
 from _recipes import plain_backend  # noqa: E402
-from gpu_session import Run, measure, predict  # noqa: E402
+from gpu_session import Run, Steps, measure_memory, predict, record_steps, timed_step, warm_up  # noqa: E402
+from gpu_session import _host_stats as host_stats  # noqa: E402
 from gpu_session import _one_line as one_line  # noqa: E402
 from llama_layers import LlamaShape, LlamaStack  # noqa: E402
 from results import gpu_or_dry_run, save_run, show_measured  # noqa: E402
@@ -175,6 +186,8 @@ class Frontier:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     device_profile: dict = field(default_factory=dict)  # the profile the plans were made with (profile_figures)
+    order: str = "interleaved"  # the timed steps: "interleaved" (rounds over the ways) or "sequential"
+    step_order: list[str] = field(default_factory=list)  # the way of each timed step, in the order they ran
 
     def save(self, out: Path | None) -> None:
         save_run(out, "frontier", self, render)
@@ -195,7 +208,7 @@ class HeadAndLoss(nn.Module):
     region of its own under ``per-block+loss``, so that a planner sees the step's peak there (the logits,
     in float32)."""
 
-    def __init__(self, stack: LlamaStack) -> None:
+    def __init__(self, stack: LlamaStack | WayStack) -> None:
         super().__init__()
         self.norm, self.head = stack.norm, stack.head
 
@@ -206,7 +219,7 @@ class HeadAndLoss(nn.Module):
 class StackThenLoss(nn.Module):
     """Tokens in, next-token loss out, the head and the loss one module (:class:`HeadAndLoss`)."""
 
-    def __init__(self, stack: LlamaStack, head_and_loss: nn.Module) -> None:
+    def __init__(self, stack: nn.Module, head_and_loss: nn.Module) -> None:
         super().__init__()
         self.stack, self.head_and_loss = stack, head_and_loss
 
@@ -214,28 +227,75 @@ class StackThenLoss(nn.Module):
         return self.head_and_loss(self.stack.hidden(tokens[:, :-1]), tokens[:, 1:])
 
 
+class WayStack(nn.Module):
+    """A stack's embedding, final norm and head with one way's blocks (compiled, checkpointed), the stack
+    itself left as it is: ways built over one stack share its weights."""
+
+    def __init__(self, stack: LlamaStack, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.shape = stack.shape
+        self.embed, self.norm, self.head = stack.embed, stack.norm, stack.head
+        self.blocks = nn.ModuleList(blocks)
+
+    hidden = LlamaStack.hidden
+
+
+class _Region(nn.Module):
+    """A module behind a forward of its own (:func:`isolated`)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return self.inner(*args)
+
+
+def isolated(tag: str) -> type[nn.Module]:
+    """A module class whose ``forward`` (a call of the module it wraps) is a code object of its own, named for
+    ``tag``. Dynamo keeps compiled graphs per code object: every way's blocks run one ``forward``, so ways
+    held compiled side by side would share one cache, told apart only by a guard on the backend (plain and
+    PyTorch's budgets compile with one backend, their difference a config read at compile time), past
+    ``recompile_limit`` entries run eagerly, and the ways measured last would check the most guards a call.
+    One class per way: its blocks share one code object, as one block class's do (one graph serves them)."""
+    name = "forward_" + re.sub(r"\W", "_", tag)
+    code = _Region.forward.__code__.replace(co_name=name, co_qualname=name)
+    forward = types.FunctionType(code, _Region.forward.__globals__, name)
+    return type(name, (_Region,), {"forward": forward})
+
+
+def fresh_stack(setup: Setup, device: torch.device) -> LlamaStack:
+    """The stack every way measures, its weights seeded."""
+    torch.manual_seed(0)
+    return LlamaStack(setup.shape).to(device=device, dtype=getattr(torch, setup.dtype))
+
+
 def build_step(setup: Setup, way: Way, backend: Any, device: torch.device,
                stack: LlamaStack | None = None) -> nn.Module:
-    """A fresh stack (seeded weights) on ``device``, or ``stack`` as it is (one made under fake tensors),
-    compiled with ``backend`` as ``setup`` says."""
+    """``way``'s step over ``stack`` (a fresh one on ``device`` when None; one made under fake tensors, or one
+    the other ways share: it is left as it is), compiled with ``backend`` as ``setup`` says, behind
+    forwards of the way's own (:func:`isolated`)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if stack is None:
-        torch.manual_seed(0)
-        stack = LlamaStack(setup.shape).to(device=device, dtype=getattr(torch, setup.dtype))
-    for i, block in enumerate(stack.blocks):
+        stack = fresh_stack(setup, device)
+    region = isolated(way.name)
+    blocks = []
+    for block in stack.blocks:
         if way.checkpointed:
             block = checkpoint_wrapper(block)
         if setup.compile != "whole":
-            block = torch.compile(block, backend=backend, fullgraph=True)
-        stack.blocks[i] = block
-    head_and_loss = HeadAndLoss(stack)
+            block = torch.compile(region(block), backend=backend, fullgraph=True)
+        blocks.append(block)
+    way_stack = WayStack(stack, blocks)
+    head_and_loss = HeadAndLoss(way_stack)
     if setup.compile == "per-block+loss":
         # The layer-input way offloads the blocks' inputs only: its head and loss compile without a plan.
         loss_backend = plain_backend(setup.inner) if way.kind == "checkpoint+fxoffload" else backend
-        head_and_loss = torch.compile(head_and_loss, backend=loss_backend, fullgraph=True)
-    step = StackThenLoss(stack, head_and_loss)  # tokens in, next-token loss out
-    return torch.compile(step, backend=backend) if setup.compile == "whole" else step
+        head_and_loss = torch.compile(isolated(f"{way.name} loss")(head_and_loss), backend=loss_backend,
+                                      fullgraph=True)
+    step = StackThenLoss(way_stack, head_and_loss)  # tokens in, next-token loss out
+    return torch.compile(region(step), backend=backend) if setup.compile == "whole" else step
 
 
 def backend_for(setup: Setup, way: Way, profile: Any, cuda: bool) -> tuple[Any, Any]:
@@ -262,27 +322,143 @@ def compile_context(way: Way) -> Callable[[], Any]:
     return contextlib.nullcontext
 
 
+@dataclass
+class Prepared:
+    """One way built, compiled and warmed up (:func:`prepare_way`), taking its timed steps (:func:`interleave`);
+    ``step`` is None once it failed (its run says why)."""
+
+    way: Way
+    run: Run
+    step: nn.Module | None = None
+    fx_backend: Any = None
+    first: dict = field(default_factory=dict)  # the pinned allocator's counters before its first step
+    steps: Steps = field(default_factory=Steps)
+
+
+def _failed(prepared: Prepared, error: Exception) -> None:
+    """Record ``error`` in the way's run (one failing way must not cost the others' figures)."""
+    prepared.run.error = one_line(error)
+    prepared.run.notes.append(traceback.format_exc(limit=4)[-1500:])
+    prepared.step = None
+
+
+def prepare_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.device, profile: Any, cuda: bool,
+                stack: LlamaStack | None = None) -> Prepared:
+    """Build ``way``'s step over ``stack`` (a fresh one when None), compile it and run its warm-up steps."""
+    setup = frontier.setup
+    prepared = Prepared(way, Run(setup.compile, way.name))
+    try:
+        backend, prepared.fx_backend = backend_for(setup, way, profile, cuda)
+        step = build_step(setup, way, backend, device, stack)
+        prepared.first = host_stats(cuda)
+        warmup = setup.warmup + (SELECTION_WARMUP if way.select == "measured" else 0)
+        warm_up(step, tokens, warmup, compile_context(way))
+        prepared.step = step
+    except Exception as error:  # noqa: BLE001 -- recorded in its run
+        _failed(prepared, error)
+    return prepared
+
+
+def interleave(prepared: list[Prepared], tokens: torch.Tensor, rounds: int, cuda: bool, order: list[str],
+               after_round: Callable[[], None] = lambda: None) -> None:
+    """``rounds`` rounds of one timed step of each way still standing, round r starting at the r-th way, each
+    step's way appended to ``order``, ``after_round`` called after each: a drift of the device's speed falls
+    on every way alike, and no way always follows the same other way."""
+    for r in range(rounds):
+        for k in range(len(prepared)):
+            way = prepared[(r + k) % len(prepared)]
+            if way.step is None:
+                continue
+            try:
+                timed_step(way.step, tokens, cuda, way.steps)
+            except Exception as error:  # noqa: BLE001 -- recorded in its run
+                _failed(way, error)
+                continue
+            order.append(way.run.way)
+        after_round()
+
+
+def finish_way(frontier: Frontier, prepared: Prepared, tokens: torch.Tensor, cuda: bool, with_profile: bool,
+               traces: Path | None, release: bool) -> Run:
+    """The way's median step, its memory step, fxoffload's predictions and notes, and its profile. With
+    ``release``, the cached pinned blocks are given back after its memory step, and the pinned blocks made
+    since its first step noted (no other way's steps ran in between)."""
+    run, step = prepared.run, prepared.step
+    if step is None:
+        return run
+    try:
+        record_steps(run, prepared.steps)
+        measure_memory(step, tokens, cuda, run, prepared.first if release else {}, release=release)
+        if prepared.fx_backend is not None:
+            predict(prepared.fx_backend, run)
+            run.notes += selection_notes(prepared.fx_backend) + plan_notes(prepared.fx_backend)
+        if with_profile:
+            keep = traces / trace_name(run.way) if traces else None
+            frontier.profiles[run.way] = profile_step(step, tokens, cuda, keep)
+    except Exception as error:  # noqa: BLE001 -- recorded in its run
+        _failed(prepared, error)
+    return run
+
+
 def one_way(frontier: Frontier, way: Way, tokens: torch.Tensor, device: torch.device, profile: Any, cuda: bool,
             with_profile: bool, traces: Path | None = None) -> Run:
-    """Build, compile, run and measure one way; an error is recorded, not raised."""
-    setup = frontier.setup
-    run = Run(setup.compile, way.name)
+    """Build, compile, run and measure one way, alone and from a fresh model (``--sequential``); an error is
+    recorded, not raised."""
     torch._dynamo.reset()
-    try:
-        backend, fx_backend = backend_for(setup, way, profile, cuda)
-        step = build_step(setup, way, backend, device)
-        sizes = replace(setup, warmup=setup.warmup + SELECTION_WARMUP) if way.select == "measured" else setup
-        measure(step, tokens, sizes, cuda, run, compile_context(way))
-        if fx_backend is not None:
-            predict(fx_backend, run)
-            run.notes += selection_notes(fx_backend) + plan_notes(fx_backend)
-        if with_profile:
-            keep = traces / trace_name(way.name) if traces else None
-            frontier.profiles[way.name] = profile_step(step, tokens, cuda, keep)
-    except Exception as error:  # noqa: BLE001 -- one failing way must not cost the others' figures
-        run.error = one_line(error)
-        run.notes.append(traceback.format_exc(limit=4)[-1500:])
-    return run
+    prepared = prepare_way(frontier, way, tokens, device, profile, cuda)
+    interleave([prepared], tokens, frontier.setup.timed, cuda, frontier.step_order)
+    return finish_way(frontier, prepared, tokens, cuda, with_profile, traces, release=True)
+
+
+def sequential_ways(frontier: Frontier, ways: list[Way], tokens: torch.Tensor, device: torch.device, profile: Any,
+                    cuda: bool, args: argparse.Namespace, past_deadline: Callable[[], bool],
+                    say: Callable[[str], None]) -> None:
+    """Every way in a row (:func:`one_way`), those past the deadline skipped, each saved as it ends."""
+    for way in ways:
+        if past_deadline():
+            frontier.skipped.append(f"{way.name}: past the deadline")
+            continue
+        run = one_way(frontier, way, tokens, device, profile, cuda, args.profile, args.keep_traces)
+        frontier.runs.append(run)
+        frontier.save(args.out)
+        say(f"{way.name}: " + (f"FAILED {run.error}" if run.error else
+                               f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+
+
+def interleaved_ways(frontier: Frontier, ways: list[Way], tokens: torch.Tensor, device: torch.device, profile: Any,
+                     cuda: bool, args: argparse.Namespace, past_deadline: Callable[[], bool],
+                     say: Callable[[str], None]) -> None:
+    """Every way over one model: built and warmed up in turn (those past the deadline skipped), their timed
+    steps in rounds (:func:`interleave`), then each way's memory step and profile; the cached pinned blocks
+    are given back at the end."""
+    torch._dynamo.reset()
+    stack = fresh_stack(frontier.setup, device)
+    prepared = []
+    for way in ways:
+        if past_deadline():
+            frontier.skipped.append(f"{way.name}: past the deadline")
+            continue
+        prepared.append(prepare_way(frontier, way, tokens, device, profile, cuda, stack))
+        run = prepared[-1].run
+        say(f"{way.name}: " + (f"FAILED {run.error}" if run.error else "compiled and warmed up"))
+    frontier.runs = [p.run for p in prepared]
+    frontier.save(args.out)
+
+    def saved() -> None:  # the steps so far, kept: a run killed in its memory steps or profiles still has them
+        for way in prepared:
+            if way.step is not None and way.steps.seconds:
+                record_steps(way.run, way.steps, note=False)
+        frontier.save(args.out)
+
+    interleave(prepared, tokens, frontier.setup.timed, cuda, frontier.step_order, saved)
+    say(f"{len(frontier.step_order)} timed steps in {frontier.setup.timed} rounds")
+    for way in prepared:
+        run = finish_way(frontier, way, tokens, cuda, args.profile, args.keep_traces, release=False)
+        frontier.save(args.out)
+        say(f"{way.way.name}: " + (f"FAILED {run.error}" if run.error else
+                                    f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+    if cuda:
+        fxoffload.release_host_memory()
 
 
 def trace_name(way_name: str) -> str:
@@ -933,7 +1109,20 @@ def _made(profile: dict) -> str:
     return "not counted" if made is None else f"{made['calls']} ({made['us'] / 1e3:.1f} ms)"
 
 
+def _order_line(frontier: dict) -> str:
+    if frontier.get("order", "sequential") == "sequential":  # runs 1-9 kept no order: they ran so
+        return ("Timed steps: each way's in a row, after its own build, compile and warm-up, from a fresh model "
+                "(sequential).")
+    return ("Timed steps: interleaved. Every way was built over one model and compiled and warmed up first, then "
+            f"each of {frontier['setup']['timed']} rounds ran one timed step of every way, round r starting at "
+            "the r-th way, so that a drift of the device's speed over the run falls on every way alike; then each "
+            "way's memory step (and profile).")
+
+
 def render(frontier: dict) -> str:
+    # A run saved before its ways' timed steps ran (interleaved: after the builds) lists those ways as pending.
+    pending = [r["way"] for r in frontier["runs"] if not r["error"] and r["step_seconds"] is None]
+    frontier = {**frontier, "runs": [r for r in frontier["runs"] if r["error"] or r["step_seconds"] is not None]}
     s = frontier["setup"]
     shape = s["shape"]
     kind = "dry run on a CPU (not a GPU measurement)" if frontier["dry_run"] else f"measured on {frontier['device']}"
@@ -949,7 +1138,7 @@ def render(frontier: dict) -> str:
              "Overhead: the step over its set-up's baseline (plain; full checkpointing for the checkpointed way), "
              "measured, and predicted: the simulated extra seconds of the compiled graphs over the baseline's "
              "measured step (predictions leave out the eager embedding, head and loss, in held bytes too). Off "
-             "by: the two overheads' difference, as a share of the step.", ""]
+             "by: the two overheads' difference, as a share of the step.", "", _order_line(frontier), ""]
     if frontier.get("device_profile"):
         p = frontier["device_profile"]
         lines += [f"Device profile the plans were made with ({p['name']}): copies {p['h2d_bandwidth'] / 1e9:.1f} GB/s "
@@ -957,6 +1146,8 @@ def render(frontier: dict) -> str:
                   f"{p['memory_bandwidth'] / 1e9:.0f} GB/s, " + ", ".join(f"{d} {f / 1e12:.0f} TFLOP/s"
                                                                    for d, f in p["flops"]) + ".", ""]
     lines += _runs_table(frontier) + _unsteady_lines(frontier) + _verdict_lines(frontier) + _profile_lines(frontier)
+    if pending:
+        lines += ["", "Not timed yet (the run was saved before their timed steps): " + "; ".join(pending)]
     if frontier["skipped"]:
         lines += ["", "Skipped: " + "; ".join(frontier["skipped"])]
     if frontier.get("remarks"):  # written beside a run's figures afterwards, on reading them (see the JSON)
@@ -982,7 +1173,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timed", type=int, help="timed steps per way, their median reported (default 5; "
                         "the dry run's 2)")
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds after which the remaining ways "
-                        "are skipped (default 540)")
+                        "are skipped (default 540; interleaved, the ways not yet built)")
+    parser.add_argument("--sequential", action="store_true", help="measure each way in a row, from a fresh "
+                        "model (runs 1-9), instead of interleaving the ways' timed steps in rounds")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
         parser.add_argument(f"--{name}", type=int, help="model size (default: Llama-3-8B's layer, 8 layers, "
                             "1 x 8192 tokens; the dry run's are smaller)")
@@ -1038,15 +1231,11 @@ def main(argv: list[str] | None = None) -> int:
     s = frontier.setup
     tokens = torch.randint(0, s.shape.vocab, (s.batch, s.seq + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
-    for way in chosen_ways(default_ways(args.budgets, args.strategies, args.measured_budgets), args.ways):
-        if time.monotonic() - start > args.deadline:
-            frontier.skipped.append(f"{way.name}: past the deadline")
-            continue
-        run = one_way(frontier, way, tokens, device, profile, cuda, args.profile, args.keep_traces)
-        frontier.runs.append(run)
-        frontier.save(args.out)
-        say(f"{way.name}: " + (f"FAILED {run.error}" if run.error else
-                               f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+    ways = chosen_ways(default_ways(args.budgets, args.strategies, args.measured_budgets), args.ways)
+    past_deadline = lambda: time.monotonic() - start > args.deadline  # noqa: E731
+    frontier.order = "sequential" if args.sequential else "interleaved"
+    measured = sequential_ways if args.sequential else interleaved_ways
+    measured(frontier, ways, tokens, device, profile, cuda, args, past_deadline, say)
     frontier.seconds = time.monotonic() - start
     frontier.save(args.out)
     print(render(asdict(frontier)))

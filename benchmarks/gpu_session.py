@@ -270,50 +270,69 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run: Run,
-            warm: Callable[[], Any]) -> None:
-    """Warm-up steps (inside ``warm``'s context: the compile), then timed steps, then one measured for memory."""
-    params = list(step.parameters())
+@dataclass
+class Steps:
+    """One way's timed steps as they ran (:func:`timed_step`), put into its :class:`Run` by :func:`record_steps`."""
 
-    def one() -> torch.Tensor:
-        for p in params:
-            p.grad = None
-        loss = step(tokens)
-        loss.backward()
-        return loss
+    seconds: list[float] = field(default_factory=list)
+    forward: list[float] = field(default_factory=list)  # the forward's device time (CUDA events)
+    host_allocs: list[int] = field(default_factory=list)  # pinned blocks each step made
 
-    first = _host_stats(cuda)
+
+def _no_grads(step: nn.Module) -> None:
+    for p in step.parameters():
+        p.grad = None
+
+
+def warm_up(step: nn.Module, tokens: torch.Tensor, steps: int, warm: Callable[[], Any]) -> None:
+    """``steps`` steps inside ``warm``'s context (the compile)."""
     with warm():
-        for _ in range(sizes.warmup):
-            one()
-    seconds, forward = [], []
-    for _ in range(sizes.timed):
-        _sync(cuda)
-        made = _host_stats(cuda).get("num_host_alloc")  # outside the timed window, as its pair below
-        start = time.perf_counter()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
-        for p in params:
-            p.grad = None
-        if events:
-            events[0].record()
-        loss = step(tokens)
-        if events:  # on the compute stream: the forward's end as the device reached it, no synchronization
-            events[1].record()
-        loss.backward()
-        _sync(cuda)
-        seconds.append(time.perf_counter() - start)
-        after = _host_stats(cuda).get("num_host_alloc")
-        if made is not None and after is not None:
-            run.step_host_allocs.append(int(after - made))
-        if events:
-            forward.append(events[0].elapsed_time(events[1]) / 1e3)
-    run.step_seconds = statistics.median(seconds)
-    run.step_samples = seconds
-    if any(run.step_host_allocs):
-        run.notes.append("pinned blocks made in each timed step: " + ", ".join(map(str, run.step_host_allocs)))
-    run.forward_seconds = statistics.median(forward) if forward else None
+        for _ in range(steps):
+            _no_grads(step)
+            step(tokens).backward()
+
+
+def timed_step(step: nn.Module, tokens: torch.Tensor, cuda: bool, steps: Steps) -> None:
+    """One step timed from a synchronized device to a synchronized device, added to ``steps``."""
+    params = list(step.parameters())
+    _sync(cuda)
+    made = _host_stats(cuda).get("num_host_alloc")  # outside the timed window, as its pair below
+    start = time.perf_counter()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
     for p in params:
         p.grad = None
+    if events:
+        events[0].record()
+    loss = step(tokens)
+    if events:  # on the compute stream: the forward's end as the device reached it, no synchronization
+        events[1].record()
+    loss.backward()
+    _sync(cuda)
+    steps.seconds.append(time.perf_counter() - start)
+    after = _host_stats(cuda).get("num_host_alloc")
+    if made is not None and after is not None:
+        steps.host_allocs.append(int(after - made))
+    if events:
+        steps.forward.append(events[0].elapsed_time(events[1]) / 1e3)
+
+
+def record_steps(run: Run, steps: Steps, note: bool = True) -> None:
+    """The median step, every sample, and the pinned blocks each made (with ``note``, named in the notes
+    where any did: once, when the steps are all in)."""
+    run.step_seconds = statistics.median(steps.seconds)
+    run.step_samples = list(steps.seconds)
+    run.step_host_allocs = list(steps.host_allocs)
+    if note and any(run.step_host_allocs):
+        run.notes.append("pinned blocks made in each timed step: " + ", ".join(map(str, run.step_host_allocs)))
+    run.forward_seconds = statistics.median(steps.forward) if steps.forward else None
+
+
+def measure_memory(step: nn.Module, tokens: torch.Tensor, cuda: bool, run: Run, first: dict,
+                   release: bool = True) -> None:
+    """One more step, measured for memory: its peak and what it held at the backward's start. ``first``:
+    the pinned allocator's counters before the way's first step (the blocks made since are noted). With
+    ``release``, the cached pinned blocks are given back after it (the next way starts from none)."""
+    _no_grads(step)
     if cuda:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -338,13 +357,30 @@ def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run
         del loss
         # Each run starts from an empty cache of pinned blocks (the counts above are its own), and the
         # release itself is measured: what fxoffload.release_host_memory gave back.
-        released = fxoffload.release_host_memory()
+        released = fxoffload.release_host_memory() if release else None
         if released is not None:
             run.notes.append(f"release_host_memory gave back {released / 2**20:.1f} MiB of cached pinned blocks")
     else:
+        def one() -> torch.Tensor:
+            _no_grads(step)
+            loss = step(tokens)
+            loss.backward()
+            return loss
+
         run.peak_bytes = fxoffload.measure_peak(one).total_peak
-    for p in params:
-        p.grad = None
+    _no_grads(step)
+
+
+def measure(step: nn.Module, tokens: torch.Tensor, sizes: Sizes, cuda: bool, run: Run,
+            warm: Callable[[], Any]) -> None:
+    """Warm-up steps (inside ``warm``'s context: the compile), then timed steps, then one measured for memory."""
+    first = _host_stats(cuda)
+    warm_up(step, tokens, sizes.warmup, warm)
+    steps = Steps()
+    for _ in range(sizes.timed):
+        timed_step(step, tokens, cuda, steps)
+    record_steps(run, steps)
+    measure_memory(step, tokens, cuda, run, first)
 
 
 def predict(backend: Any, run: Run) -> None:

@@ -294,6 +294,10 @@ def test_the_dry_run_measures_every_way_the_gpu_run_does(dry_run):
     assert result["dry_run"] and not result["skipped"]
     ways = {r["way"]: r for r in result["runs"]}
     assert set(ways) == {w.name for w in frontier.default_ways()}
+    # Interleaved: each round times every way once, the next round starting one way further.
+    names, timed = [w.name for w in frontier.default_ways()], result["setup"]["timed"]
+    assert result["order"] == "interleaved"
+    assert result["step_order"] == [names[(r + k) % len(names)] for r in range(timed) for k in range(len(names))]
     for name, run in ways.items():
         assert run["error"] is None, (name, run["error"], run["notes"])
         assert run["step_seconds"] > 0 and run["peak_bytes"] > 0, name
@@ -361,3 +365,64 @@ def test_timed_steps_that_made_pinned_blocks_are_named_under_the_table():
     assert lines[-1] == ("Timed steps that made pinned blocks (each step's count, in order): "
                          "fxoffload memory_budget=0.7, strategy=auto: 0, 2, 0.")
     assert frontier._unsteady_lines({"runs": runs[:1] + runs[2:]}) == []
+
+
+def test_ways_built_over_one_model_each_run_their_own_partition():
+    """Interleaved ways share one model and stay compiled side by side. Plain and PyTorch's budgets compile with
+    one backend, their difference a config read at compile time: were their blocks one code object to Dynamo,
+    PyTorch's way would find plain's graph cached and run it. Over one model, PyTorch 0.3's step must hold
+    less than plain's, as it does built alone, and the shared stack keeps its own blocks."""
+    import torch
+
+    import fxoffload
+
+    setup = frontier.Setup.for_run(dry_run=True)
+    cpu = torch.device("cpu")
+    torch._dynamo.reset()
+    stack = frontier.fresh_stack(setup, cpu)
+    tokens = torch.randint(0, setup.shape.vocab, (setup.batch, setup.seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for way in (frontier.Way("plain"), frontier.Way("pytorch", 0.3)):
+        backend, _ = frontier.backend_for(setup, way, fxoffload_profile(), cuda=False)
+        step = frontier.build_step(setup, way, backend, cpu, stack)
+        with frontier.compile_context(way)():
+            loss = step(tokens)
+            loss.backward()
+        from gpu_session import LossOf  # the eager step over the same stack, whose blocks stay eager
+
+        assert torch.allclose(loss, LossOf(stack)(tokens), rtol=1e-5, atol=1e-6), way.name
+
+        def one(step=step):
+            for p in step.parameters():
+                p.grad = None
+            step(tokens).backward()
+
+        peaks[way.name] = fxoffload.measure_peak(one).activation_peak
+    assert peaks["PyTorch activation_memory_budget=0.3"] < peaks["plain"], peaks
+    assert all(type(block).__name__ == "LlamaBlock" for block in stack.blocks)
+
+
+def test_timed_steps_go_round_the_ways_each_round_starting_one_further():
+    import torch
+
+    class Step(torch.nn.Module):
+        def __init__(self, fails: bool = False) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+            self.fails, self.calls = fails, 0
+
+        def forward(self, tokens):
+            self.calls += 1
+            if self.fails and self.calls == 2:
+                raise RuntimeError("out of memory")
+            return (self.weight * tokens).sum()
+
+    ways = [frontier.Prepared(frontier.Way("plain"), frontier.Run("per-block", name), Step(fails=name == "B"))
+            for name in "ABC"]
+    order: list[str] = []
+    frontier.interleave(ways, torch.ones(2), 3, cuda=False, order=order)
+    # round 0 from A, round 1 from B (whose second step fails: it takes no more), round 2 from C
+    assert order == ["A", "B", "C", "C", "A", "C", "A"]
+    assert [len(w.steps.seconds) for w in ways] == [3, 1, 3]
+    assert ways[1].step is None and ways[1].run.error == "RuntimeError: out of memory"
