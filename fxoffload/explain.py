@@ -10,7 +10,8 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, peaks_over_range, plan_digest, plan_sizes, simulate_runs, size_ranges, smallest_sizes,
+    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, plan_sizes, simulate_runs, size_ranges,
+    smallest_sizes,
 )
 
 __all__ = ["explain", "format_bytes", "format_stages"]
@@ -295,6 +296,12 @@ def _crossing(plan: Any, schedule: Any) -> str:
             f"started ahead: the backward before this one starts this graph's first "
             f"{format_bytes(schedule.ahead_bytes)} of copies ({names}, when one graph serves every layer), "
             f"issued here before {schedule.ahead_before.name}")
+        if kept := kept_in_last_run(plan, schedule):
+            lines.append(
+                "kept in the last run: in the step's last run of this graph, whose backward no other backward "
+                "runs before, " + ", ".join(plan.transfers[k].base_name for k in kept) + " stays on the device "
+                "for that backward (still copied to the host; the prefetch takes a device copy of it): no "
+                "wait for its copy back, one such input more held from its release to that backward")
     else:
         lines.append("started ahead: none (every copy is hidden inside this backward, or none fits the bound)")
     if plan.interleaved:

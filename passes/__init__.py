@@ -38,8 +38,8 @@ from .plan import (
 )
 from .policies import offload_marked, read_policies, save_offload_marks
 from .scheduling import (
-    RunPeaks, Schedule, activation_peaks_at, held_after_forward, peaks_over_range, run_peaks, scheduled_moves,
-    staging_temporaries,
+    RunPeaks, Schedule, activation_peaks_at, held_after_forward, kept_in_last_run, peaks_over_range, run_peaks,
+    scheduled_moves, staging_temporaries,
 )
 from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
@@ -60,6 +60,7 @@ __all__ = [
     "Strategy", "TIME_GUARD", "TRACED_LAYERS", "Timeline", "Transfer", "WAIT", "Why", "Work", "activation_peaks_at",
     "copy_layers", "curve",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
+    "kept_in_last_run",
     "offload_marked", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
     "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "save_offload_marks",

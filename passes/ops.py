@@ -6,7 +6,7 @@ free of any engine while letting it trace and type the nodes it creates.
 
     offload(Tensor x, int order=-1) -> Tensor                    contiguous host buffer
     prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor
-    wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False) -> Tensor(a)
+    wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False, bool keep_last=False) -> Tensor(a)
                                                                  returns t once its copy is done
     defer(Tensor(a) host, Tensor source) -> Tensor(a)            returns host at once; see below
     prefetch_ahead(Tensor after, int nbytes) -> Tensor           see below; returns an empty tensor
@@ -16,6 +16,10 @@ a data edge from the wait itself. A forward's release with ``defer_before_last``
 acts as ``defer`` (below) in every run of its graph but the step's last, and as
 a wait in that one (one graph serving several layers: the runs before the last
 hold less for their backwards, so the source may stay until its copy lands).
+A release with ``keep_last`` keeps its source on the device in the step's last
+run of its graph, for that run's backward, whose ``prefetch`` of the host then
+takes a device copy of it instead of copying it back
+(``fxoffload.passes.scheduling.kept_in_last_run``).
 
 Copies that cross graph boundaries (one compiled graph per layer):
 
@@ -61,7 +65,8 @@ LIB = torch.library.Library("fxoffload", "DEF")
 # strides; one already fixed is handed over as it is).
 LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_UNSAFE)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)
-LIB.define("wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False) -> Tensor(a)", tags=_TAGS)
+LIB.define("wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False, bool keep_last=False) -> Tensor(a)",
+           tags=_TAGS)
 LIB.define("defer(Tensor(a) host, Tensor source) -> Tensor(a)", tags=_TAGS)
 LIB.define("prefetch_ahead(Tensor after, int nbytes) -> Tensor", tags=_UNSAFE)
 
@@ -81,7 +86,7 @@ def _prefetch_fake(host, device, size, stride):
 
 
 @torch.library.register_fake("fxoffload::wait", lib=LIB)
-def _wait_fake(t, keepalive, defer_before_last=False):
+def _wait_fake(t, keepalive, defer_before_last=False, keep_last=False):
     return t
 
 

@@ -11,7 +11,8 @@ plan and schedule (which hold the nodes themselves), never by name or position.
 Forward, per transfer: ``host = offload(base, order)`` after ``offload_after``
 (``order``: its place among the backward's prefetches),
 ``host = wait(host, base)`` after ``free_after`` (``defer`` instead when the
-schedule lets the copy cross the graph's end); the saved outputs of the
+schedule lets the copy cross the graph's end; ``keep_last`` on the transfers
+``scheduling.kept_in_last_run`` names); the saved outputs of the
 transfer's members are replaced by the one released host buffer.
 Backward, per transfer: a new input takes the host buffer;
 ``dev = prefetch(host, device, size, stride)`` before ``prefetch_before``,
@@ -46,7 +47,7 @@ from .analysis import SavedActivation, SavedInterface, reads_size_only, symbol_s
 from .ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
 from .eligibility import replayable
 from .plan import Plan
-from .scheduling import Schedule
+from .scheduling import Schedule, kept_in_last_run
 
 __all__ = ["rewrite_pair"]
 
@@ -97,12 +98,15 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     hosts = []
     # Each offload carries its place among the backward's prefetches, for copies started ahead.
     order = {k: i for i, k in enumerate(schedule.prefetch_order or range(len(plan.transfers)))}
+    kept = set(kept_in_last_run(plan, schedule))
     for k, (transfer, place) in enumerate(zip(plan.transfers, schedule.placements)):
         host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k]))
         release = DEFER if place.deferred else WAIT
-        # A release deferred in the runs before the step's last waits in that one (``passes.ops``).
-        flag = (True,) if place.deferred_before_last and not place.deferred else ()
-        hosts.append(inserter.after(place.free_after, release, (host, transfer.base, *flag)))
+        # A release deferred in the runs before the step's last waits in that one (``passes.ops``); one kept
+        # keeps its source in the last run, for that run's backward.
+        before_last = place.deferred_before_last and not place.deferred
+        flags = (before_last, True) if k in kept else (True,) if before_last else ()
+        hosts.append(inserter.after(place.free_after, release, (host, transfer.base, *flags)))
         _unpadded(transfer.base, host, hosts[-1])
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.fw_saved):

@@ -24,15 +24,22 @@ in the order the invocations ran:
   Host-to-device copies start at their own prefetch, except those a
   backward starts ahead for the backward that runs after it
   (``Schedule.ahead_bytes``): the runtime starts the next invocation's
-  first transfers, in prefetch order, while they fit in those bytes.
+  first transfers, in prefetch order, while they fit in those bytes; and
+  those the step's last run of a graph keeps on the device instead
+  (``fxoffload.passes.scheduling.kept_in_last_run``): no copy back, a
+  device copy of the source at the prefetch (its bytes read and written at
+  the profile's memory bandwidth).
 * Memory (saved activations, what a budget bounds): each invocation's own
   curve under its plan, plus the bytes every earlier invocation still holds
   for its backward (``fxoffload.passes.scheduling.held_after_forward``), plus copies
   started ahead (from their start to the end of the backward that started
   them), plus deferred sources until their copy has landed on the simulated
-  clock, plus offloaded graph inputs their caller still held when the
-  backward began (``caller_kept``, as the backend saw them: from the release
-  to the step's end). The baseline is the same step without offloading or
+  clock, plus sources kept in a graph's last run (from their release to
+  their prefetch, whose device copy replaces them: both are on the device
+  only inside that op, as ``fxoffload.tools.measure`` counts too), plus
+  offloaded graph inputs their caller still held when the backward began
+  (``caller_kept``, as the backend saw them: from the release to the step's
+  end). The baseline is the same step without offloading or
   recomputing.
 
 Every figure is a prediction. Limits: compute outside the compiled graphs
@@ -51,7 +58,7 @@ from .cost_model import DeviceProfile, roofline, staging_seconds
 from .memory import curve, intervals
 from .plan import recompute_moves
 from .replay import Copy, op_starts, replay
-from .scheduling import held_after_forward
+from .scheduling import held_after_forward, kept_in_last_run
 from .simulator import SimulatedCopy
 
 __all__ = ["KeptSource", "StepSimulation", "simulate_runs", "simulate_step"]
@@ -130,6 +137,7 @@ class _Graph:
     transfers: list[_Move]  # in prefetch order
     ahead_at: int | None  # backward position of prefetch_ahead
     ahead_bytes: int
+    kept: frozenset[int] = frozenset()  # transfers (Plan.transfers indices) its last run of the step keeps
 
 
 def _graph(record: Any, profile: DeviceProfile) -> _Graph:
@@ -160,6 +168,7 @@ def _graph(record: Any, profile: DeviceProfile) -> _Graph:
         forward, times, base_times, own, base, held_after_forward(plan, timeline, schedule),
         base[forward - 1] if base else 0, transfers,
         pos[schedule.ahead_before] if schedule.ahead_bytes else None, schedule.ahead_bytes,
+        frozenset(kept_in_last_run(plan, schedule)),
     )
 
 
@@ -208,12 +217,19 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     fw_off, bw_off, length = _offsets(graphs)
     first_backward = bw_off[-1]
     times, base_times = _step_times(graphs, fw_off, bw_off, length)
-    issued = _copies(graphs, fw_off, bw_off, first_backward, profile)
+    kept = _kept_in_last_runs(graphs, fw_off, bw_off)
+    for keep in kept:  # the device copy its prefetch makes
+        times[keep.claim] += 2 * keep.nbytes / profile.memory_bandwidth
+    issued = _copies(graphs, fw_off, bw_off, first_backward, profile, {(k.invocation, k.transfer) for k in kept})
     run = replay(times, [c.copy for c in issued], profile.op_seconds)
     act, base = _activations(graphs, fw_off, bw_off, length)
-    kept = caller_kept or [()] * len(graphs)
-    _add_caller_kept(act, base, graphs, kept, fw_off, bw_off)
-    held_anyway = {(j, k.transfer) for j, sources in enumerate(kept) for k in sources if k.into_backward}
+    by_caller = caller_kept or [()] * len(graphs)
+    _add_caller_kept(act, base, graphs, by_caller, fw_off, bw_off)
+    held_anyway = {(j, k.transfer) for j, sources in enumerate(by_caller) for k in sources if k.into_backward}
+    for keep in kept:
+        if (keep.invocation, keep.transfer) not in held_anyway:
+            for q in range(keep.release, keep.claim):  # the prefetch's copy replaces it there
+                act[q] += keep.nbytes
     for c, finish in zip(issued, run.finishes):
         if c.rank == 2:  # started ahead: held from its start until its own backward's first op
             for q in range(c.copy.issue, bw_off[c.invocation]):
@@ -284,9 +300,27 @@ def _step_times(graphs, fw_off, bw_off, length) -> tuple[list[float], list[float
     return times, base_times
 
 
-def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
+@dataclass(frozen=True)
+class _KeptLast:
+    """A source a graph's last run of the step keeps for its backward, in step positions."""
+
+    invocation: int
+    transfer: int  # index into the invocation's Plan.transfers
+    nbytes: int
+    release: int  # where the forward releases it (the own curve counts it before)
+    claim: int  # its prefetch in the backward: the device copy made there replaces it (the own curve's)
+
+
+def _kept_in_last_runs(graphs, fw_off, bw_off) -> list[_KeptLast]:
+    last_run = {id(g): j for j, g in enumerate(graphs)}
+    return [_KeptLast(j, m.transfer, m.nbytes, fw_off[j] + m.release, bw_off[j] + m.prefetch - g.forward)
+            for j, g in enumerate(graphs) if last_run[id(g)] == j for m in g.transfers if m.transfer in g.kept]
+
+
+def _copies(graphs, fw_off, bw_off, first_backward, profile, kept: set[tuple[int, int]]) -> list[_Issued]:
     """Every copy of the step, in issue order (at one position: offloads, own prefetches, then
-    copies started ahead, as the rewritten graphs issue them)."""
+    copies started ahead, as the rewritten graphs issue them); ``kept``: (invocation, transfer) pairs that
+    copy nothing back (their source was kept)."""
     engines = ("d2h", "h2d") if profile.duplex else ("link", "link")
 
     def bw(j: int, p: int) -> int:
@@ -311,6 +345,8 @@ def _copies(graphs, fw_off, bw_off, first_backward, profile) -> list[_Issued]:
             issued.append(_Issued(Copy(fw_off[j] + m.offload, release, m.d2h, engines[0]), 0, j, m.nbytes, deferred,
                                   m.transfer, held_from, early))
         for i, m in enumerate(g.transfers):
+            if (j, m.transfer) in kept:
+                continue
             start = ahead.get((j, i), bw(j, m.prefetch))
             rank = 2 if (j, i) in ahead else 1
             issued.append(_Issued(Copy(start, bw(j, m.wait), m.h2d, engines[1]), rank, j, m.nbytes))

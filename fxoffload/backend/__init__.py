@@ -667,7 +667,7 @@ class OffloadBackend:
             return
         if (check := self._rank_check) is not None:
             check.backward_begins()
-        self._step.learn(self._callers.backward_begins(fxoffload.runtime.settle))
+        self._step.learn(self._callers.backward_begins(fxoffload.runtime.settle, fxoffload.runtime.kept_storages))
 
     def _compile_region(self, gm: fx.GraphModule, example_inputs: list[Any], region: tuple,
                         inputs: InputFacts, patches: dict, replannable: bool = False,

@@ -34,6 +34,11 @@ begin is a live storage a holder's, not the next forward's. Fake tensors (``fxof
 steps on them) and tensor subclasses are watched by their object only: a fake mode's caches hold their
 storages.
 
+The runtime's own keep. The step's last run of a graph may keep an offloaded input's storage for its
+backward (``keep_last``: ``fxoffload.runtime``, under an alias of its own); the backend passes those
+storages, and an input whose object is gone and whose storage is one of them is not counted (a caller
+that also keeps an alias of it, no other object, is not seen then).
+
 Limits: a wrapper that hands the layer a copy on another storage is not seen (a mixed-precision cast
 of the input); FSDP2's pre-forward hook hands the layer new objects on the same storage (not tested
 under FSDP2). A holder seen only during the forward is one the object check finds. Under a step's shared
@@ -149,13 +154,18 @@ class CallerWatch:
                 still.append(w)
         self._watched = still
 
-    def backward_begins(self, settle: Callable[[], None] = lambda: None) -> list[KeptInput]:
+    def backward_begins(self, settle: Callable[[], None] = lambda: None,
+                        runtime_kept: Callable[[], Sequence[torch.UntypedStorage]] = lambda: ()) -> list[KeptInput]:
         """The step's backward begins (its deferred copies completed): every input kept in the forward, or
         whose object or storage is still alive now; none in a step dynamo traced a frame for. ``settle``:
         returns once the copy engines hold no source of a retired copy (``fxoffload.runtime.settle``),
-        called only where a storage outlives its object."""
+        called only where a storage outlives its object. ``runtime_kept``: the storages the runtime keeps
+        for the backward itself (``fxoffload.runtime.kept_storages``), not the caller's: an input whose
+        object is gone and whose storage is one of them is not counted kept."""
         if any(w.ref() is None and w.held_into_backward() for w in self._watched):
             settle()
-        kept = [KeptInput(w.run, w.input, alive) for w in self._watched if (alive := w.held_into_backward()) or w.kept]
+        ours = [StorageWeakRef(storage) for storage in runtime_kept()]
+        kept = [KeptInput(w.run, w.input, alive) for w in self._watched
+                if (alive := w.held_into_backward() and not (w.ref() is None and w.storage in ours)) or w.kept]
         traced, self._watched, self._traced = self._traced, [], False
         return [] if traced else kept

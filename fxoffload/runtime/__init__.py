@@ -77,6 +77,18 @@ after its wait returns): then a source still alive is held by someone else.
   (1F1B) keeps them: that forward holds them too, which the plans count once the
   backend has seen such a forward (``PlanOptions.interleaved``).
 
+* ``wait(host, source, defer_before_last, keep_last=True)`` (the release of a graph input whose copy back
+  the step's first backward would wait for: ``fxoffload.passes.scheduling.kept_in_last_run``) waits as
+  usual, and in the step's last run of its graph (``forward_invocation(before_last=False)``, not a
+  forward recomputed inside a backward) keeps an alias of ``source`` for that run's backward. The
+  ``prefetch`` of ``host`` there takes a device copy of it on the compute stream (not ``source``
+  itself: Inductor may reuse an op's output buffer in place, and the caller's tensor shares that
+  storage) and lets the kept alias go: no copy back, no wait. The copy to the host still ran, so a
+  keep can be dropped at any time and the prefetch then copies from the host: one invocation's keeps
+  at most (a later run's keep drops an earlier one's), and the same rules as copies started ahead
+  (dropped at a new step, or when the step's backward raised). :func:`kept_storages` names the
+  storages kept, which ``fxoffload.backend.callers`` does not count as the caller's.
+
 :func:`trace` records these events (forward and backward boundaries, copies
 issued and landed, per invocation) for tests and debugging.
 
@@ -102,17 +114,18 @@ import torch
 from fxoffload.runtime.engines import CpuEngine, CudaEngine, dense_ends  # noqa: F401  (dense_ends: the tests')
 from fxoffload.passes import LIB as _lib
 from fxoffload.runtime.state import (
-    STATE, CopyRecord, DebugCounts, Invocation, Offloaded, copies_in_flight, debug_counts, debugging, pending_transfers,
-    started_ahead,
-    trace,
+    STATE, CopyRecord, DebugCounts, Invocation, Kept, Offloaded, copies_in_flight, debug_counts, debugging,
+    pending_transfers, started_ahead, trace,
 )
 from fxoffload.runtime.state import event as _event
 from fxoffload.runtime.state import pop as _pop
+from fxoffload.runtime.state import register as _register
 from fxoffload.runtime.state import retire as _retire
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_invocation", "pending_transfers",
+    "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_invocation", "kept_storages",
+    "pending_transfers",
     "release_host_memory",
     "reserve_host", "reset", "settle", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
 ]
@@ -163,7 +176,8 @@ def _reap() -> None:
 
 
 def _drop_ahead(orphans_only: bool = False) -> None:
-    """Complete and forget copies started ahead that no backward claimed (a step that raised); with
+    """Complete and forget copies started ahead, and drop sources kept, that no backward claimed (a step that
+    raised); with
     ``orphans_only``, those whose host buffer is gone (the autograd graph that would read it was freed).
     A forward between two backwards (a pipeline's 1F1B) keeps the others for the backward they wait for."""
     with STATE.lock:
@@ -176,6 +190,8 @@ def _drop_ahead(orphans_only: bool = False) -> None:
         devs = [STATE.ahead.pop(k) for k in gone]
         for k in gone:
             del STATE.ahead_hosts[k]
+        for k in [k for k, kept in STATE.kept.items() if not orphans_only or kept.host() is None]:
+            del STATE.kept[k]  # a keep never claimed: its source goes (the host holds the copy)
     for dev in devs:
         transfer = _pop(dev)
         if transfer is not None:
@@ -292,6 +308,12 @@ def backward_begins(invocation: Invocation) -> None:
         deferred = list(STATE.deferred)
     for transfer in deferred:
         _retire(transfer, complete=True)
+
+
+def kept_storages() -> list[torch.UntypedStorage]:
+    """The storages of the sources kept for the step's first backward now (``keep_last``)."""
+    with STATE.lock:
+        return [kept.source.untyped_storage() for kept in STATE.kept.values()]
 
 
 def settle() -> None:
@@ -442,15 +464,34 @@ def _start_prefetch(host, device, size, stride, ahead: bool) -> torch.Tensor:
     return _engine_for(torch.device(device)).prefetch(host, device, size, stride, invocation)
 
 
+def _claim_kept(host: torch.Tensor, device, size, stride) -> torch.Tensor | None:
+    """A device copy of the source kept for ``host`` (``keep_last``), if one is kept; the keep goes."""
+    if not STATE.kept or not host.numel():
+        return None
+    with STATE.lock:
+        kept = STATE.kept.pop(host.data_ptr(), None)
+    if kept is None or kept.host() is None or kept.source.device != torch.device(device):
+        return None  # another host took a freed one's address; or a device the prefetch does not copy to
+    dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+    dev.copy_(kept.source)  # on the compute stream, after the forward that wrote the source
+    _register(dev, CopyRecord(lambda: None, (), "h2d", invocation=kept.invocation))
+    _event("claim_kept", kept.invocation)
+    return dev
+
+
 @torch.library.impl(_lib, "prefetch", "CompositeExplicitAutograd")
 def _prefetch(host, device, size, stride) -> torch.Tensor:
     _reap()
+    kept = _claim_kept(host, device, size, stride)
+    if kept is not None:
+        return kept
     claimed = _claim_ahead(host, device, size, stride)
     return claimed if claimed is not None else _start_prefetch(host, device, size, stride, ahead=False)
 
 
 @torch.library.impl(_lib, "wait", "CompositeExplicitAutograd")
-def _wait(t: torch.Tensor, keepalive: torch.Tensor, defer_before_last: bool = False) -> torch.Tensor:
+def _wait(t: torch.Tensor, keepalive: torch.Tensor, defer_before_last: bool = False,
+          keep_last: bool = False) -> torch.Tensor:
     if defer_before_last and STATE.open and STATE.open[-1].before_last:
         if (transfer := STATE.pending.get(t.data_ptr())) is not None:
             transfer.within_forward = True  # completed, at the latest, when this forward returns
@@ -469,7 +510,21 @@ def _wait(t: torch.Tensor, keepalive: torch.Tensor, defer_before_last: bool = Fa
         STATE.debug_counts.stalls += not transfer.done()
     transfer.finish()
     transfer.keep = ()  # the copy's source (and, on CUDA, its destination) may go now
+    if keep_last and STATE.open and STATE.open[-1].index >= 0 and not STATE.open[-1].before_last:
+        _keep_for_backward(t, keepalive, STATE.open[-1].index)
     return t
+
+
+def _keep_for_backward(host: torch.Tensor, source: torch.Tensor, invocation: int) -> None:
+    """Keep an alias of ``source`` (offloaded to ``host``) for forward ``invocation``'s backward; the keeps
+    of an earlier invocation go (their prefetches copy from the host)."""
+    if not host.numel():
+        return
+    with STATE.lock:
+        for k in [k for k, kept in STATE.kept.items() if kept.invocation != invocation]:
+            del STATE.kept[k]
+        STATE.kept[host.data_ptr()] = Kept(weakref.ref(host), source.detach(), invocation)
+    _event("keep", invocation)
 
 
 @torch.library.impl(_lib, "defer", "CompositeExplicitAutograd")
@@ -523,7 +578,7 @@ def _start_ahead(nbytes: int) -> None:
         host = offloaded.host()
         if host is None:
             continue
-        if host.data_ptr() in STATE.ahead:  # started by an earlier prefetch_ahead: its bytes count too
+        if host.data_ptr() in STATE.ahead or host.data_ptr() in STATE.kept:  # started, or kept: its bytes count
             left -= offloaded.nbytes
             continue
         if offloaded.nbytes > left:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 __all__ = [
-    "STATE", "DebugCounts", "Invocation", "Offloaded", "RuntimeState", "CopyRecord", "copies_in_flight",
+    "STATE", "DebugCounts", "Invocation", "Kept", "Offloaded", "RuntimeState", "CopyRecord", "copies_in_flight",
     "debug_counts", "debugging", "event", "pending_transfers", "pop", "register", "retire", "started_ahead", "trace",
 ]
 
@@ -75,6 +75,16 @@ class Offloaded:
     nbytes: int
 
 
+@dataclass(frozen=True, eq=False)
+class Kept:
+    """A source the step's last run of its graph kept on the device for its backward (``wait(..., keep_last=True)``):
+    its host buffer (weakly: the key's owner) and an alias of the source (another tensor object on its storage)."""
+
+    host: weakref.ref
+    source: torch.Tensor
+    invocation: int
+
+
 @dataclass(eq=False)
 class Invocation:
     """One run of a compiled forward; ``index`` counts the forwards of the step from 0. ``before_last``: the
@@ -93,6 +103,7 @@ class RuntimeState:
     deferred: list[CopyRecord] = field(default_factory=list)  # deferred d2h copies holding sources, in issue order
     ahead: dict[int, torch.Tensor] = field(default_factory=dict)  # host data_ptr -> device buffer started ahead
     ahead_hosts: dict[int, weakref.ref] = field(default_factory=dict)  # host data_ptr -> that host buffer
+    kept: dict[int, Kept] = field(default_factory=dict)  # host data_ptr -> its source, kept for the backward
     waiting: list[Invocation] = field(default_factory=list)  # forwards whose backward has not begun, in order
     open: list[Invocation] = field(default_factory=list)  # forwards running now (innermost last)
     counter: Iterator[int] = field(default_factory=itertools.count)  # the step's forward invocations
@@ -116,6 +127,7 @@ class RuntimeState:
             self.deferred.clear()
             self.ahead.clear()
             self.ahead_hosts.clear()
+            self.kept.clear()
             self.waiting.clear()
             self.backwards.clear()
             self.last_backwards.clear()
@@ -216,7 +228,9 @@ def trace() -> Iterator[list[tuple]]:
     ``("forward_begin", i)``, ``("forward_end", i, d2h copies of i still in flight)``,
     ``("backward_begin", i)``, ``("d2h_issue", i)``, ``("d2h_done", i)``, ``("defer", i)``,
     ``("release", i)`` (a deferred source dropped), ``("h2d_issue", i, ahead)``, ``("h2d_done", i)``,
-    ``("claim", i)`` (a prefetch found its copy started ahead); ``i`` is the forward invocation."""
+    ``("claim", i)`` (a prefetch found its copy started ahead), ``("keep", i)`` (a release kept its source for
+    the backward: ``keep_last``), ``("claim_kept", i)`` (a prefetch took a device copy of it); ``i`` is the
+    forward invocation."""
     previous, STATE.trace = STATE.trace, []
     try:
         yield STATE.trace
