@@ -44,17 +44,26 @@ def test_a_dry_run_a_run_without_its_profile_or_not_a_run_is_refused(tmp_path):
         frontier_predict.main([str(tmp_path / "missing.json")])
 
 
-def test_a_small_run_is_predicted_with_its_own_profile_and_the_plan_it_makes(tmp_path, capsys):
-    # The kept run's figures, its model made small: every column filled from a fresh plan of this shape.
+def small_run5() -> dict:
+    """Run 5's figures, its model made small: every predicted column comes from a fresh plan of this shape."""
     figures = json.loads(RUN5.read_text())
     figures["setup"] = {**figures["setup"], "seq": 512, "shape": {**figures["setup"]["shape"], "layers": 3,
                                                                    "hidden": 512, "ffn": 1024, "vocab": 1024}}
-    path = tmp_path / "small.json"
+    return figures
+
+
+def predicted_row(figures: dict, path: Path, capsys) -> list[str]:
+    """The cells of the one row ``frontier_predict`` prints for ``figures``' way at budget 0.5."""
     path.write_text(json.dumps(figures))
     assert frontier_predict.main([str(path), "--ways", "memory_budget=0.5"]) == 0
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 2  # the header, the one way
-    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    return [c.strip() for c in rows[1].strip("|").split("|")]
+
+
+def test_a_small_run_is_predicted_with_its_own_profile_and_the_plan_it_makes(tmp_path, capsys):
+    figures = small_run5()
+    cells = predicted_row(figures, tmp_path / "small.json", capsys)
     assert cells[0] == "fxoffload memory_budget=0.5, strategy=auto"
     assert cells[1].startswith("plan ") and "copies" in cells[1]
     assert cells[7] == "227.2 ms"  # the run's measured step of that way, read back from the JSON
@@ -66,18 +75,11 @@ def test_a_small_run_is_predicted_with_its_own_profile_and_the_plan_it_makes(tmp
 def test_a_way_the_run_skipped_is_predicted_with_nothing_measured_beside_it(tmp_path, capsys):
     # Run 9 measured checkpointing alone: its deadline skipped the layer inputs offloaded. The skipped way is
     # predicted all the same, its overhead put against the run's measured checkpointed step.
-    figures = json.loads(RUN5.read_text())
-    figures["setup"] = {**figures["setup"], "seq": 512, "shape": {**figures["setup"]["shape"], "layers": 3,
-                                                                   "hidden": 512, "ffn": 1024, "vocab": 1024}}
+    figures = small_run5()
     way = "fxoffload memory_budget=0.5, strategy=auto"
     figures["runs"] = [r for r in figures["runs"] if r["way"] != way]
     figures["skipped"] = [f"{way}: past the deadline"]
-    path = tmp_path / "skipped.json"
-    path.write_text(json.dumps(figures))
-    assert frontier_predict.main([str(path), "--ways", "memory_budget=0.5"]) == 0
-    rows = table_rows(capsys.readouterr().out)
-    assert len(rows) == 2  # the header, the skipped way
-    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    cells = predicted_row(figures, tmp_path / "skipped.json", capsys)
     assert cells[0] == way and cells[1].startswith("plan ")
     assert cells[7:10] == ["-", "-", "-"]  # measured step, prediction and plan then: nothing measured
     plain = next(r["step_seconds"] for r in figures["runs"] if r["way"] == "plain")
