@@ -44,7 +44,10 @@ stream's idle time within the step, told apart by cause from the launch of the w
 (``idle_causes``: the device waiting for the host, and of it for the host inside fxoffload's op calls;
 queued work waiting on the device, a copy's event most likely, by the kernel held back; the device moving
 between queued kernels), copy bytes and throughput by direction, and the host time of fxoffload's ops;
-then each fxoffload way against issue 50's profile bar (``profile_bar``). ``--keep-traces`` keeps the raw
+the same kernels' time against the baseline's, forward and backward apart and under a copy or not
+(``same_kernels``: whether the copies slow the compute beside them, told apart from the device's own
+drift by PyTorch's ways, which copy nothing); then each fxoffload way against issue 50's profile bar
+(``profile_bar``). ``--keep-traces`` keeps the raw
 traces, and ``--summarize-again F TRACES`` summarises a kept run's profiles again from them with today's
 code (runs 3, 5 and 6 were, on 2026-12-03). Limits: a copy the host issued late (a slow op call) reads as
 the device's wait for it; the trace's host and device clocks are taken as one (Kineto aligns them).
@@ -86,6 +89,7 @@ from gpu_session import _host_stats as host_stats  # noqa: E402
 from gpu_session import _one_line as one_line  # noqa: E402
 from llama_layers import LlamaShape, LlamaStack  # noqa: E402
 from results import gpu_or_dry_run, save_run, show_measured  # noqa: E402
+from same_kernels import UNDER_COPY_SHARE, LaunchedKernel, kernel_sequence, same_kernels  # noqa: E402
 
 HEADING = "Frontier (measured)"
 BUDGETS = (0.7, 0.5, 0.3)
@@ -482,7 +486,7 @@ def summarize_again(path: Path, traces: Path) -> list[str]:
                          "(named as --keep-traces names them)")
     said = f"Profiles summarised again from the raw traces in `{traces.as_posix()}`"
     remark = (f"{said} by `python benchmarks/frontier.py --summarize-again {path.as_posix()} {traces.as_posix()}` "
-              "(the compute stream's idle time by cause, its kernels by name).")
+              "(the compute stream's idle time by cause, its kernels by name and their time against the baseline's).")
     figures["remarks"] = [r for r in figures.get("remarks", []) if not r.startswith(said)] + [remark]
     path.write_text(json.dumps(figures, indent=1, default=str))  # as save_run writes it
     return done
@@ -687,6 +691,15 @@ def idle_causes(ops: list[DeviceOp], span: tuple[float, float], launches: dict[A
     return causes
 
 
+def _kernel_sequence(ops: list[DeviceOp], launches: dict[Any, Launch], in_flight: Intervals) -> dict:
+    """The compute stream's kernels in order (``same_kernels.kernel_sequence``), each with the thread that
+    launched it (None where its launch is not in the trace)."""
+    launched = [LaunchedKernel(op.start, op.end, kernel_family(op.name),
+                               launches[op.correlation].thread if op.correlation in launches else None)
+                for op in ops]
+    return kernel_sequence(launched, _merged(in_flight))
+
+
 def _direction(name: str) -> str | None:
     if "HtoD" in name or "Host to Device" in name:
         return "host_to_device"
@@ -720,6 +733,7 @@ def summarize_trace(events: list[dict]) -> dict:
     host_calls_by_thread: dict[Any, Intervals] = {}
     launches: dict[Any, Launch] = {}
     device_ops: dict[str, list[DeviceOp]] = {}
+    kernel_ops: dict[str, list[DeviceOp]] = {}
     in_flight: Intervals = []
     host_alloc = {"calls": 0, "us": 0.0}
     span = [float("inf"), float("-inf")]
@@ -750,6 +764,7 @@ def summarize_trace(events: list[dict]) -> dict:
             kind["count"] += 1
             kind["us"] += dur
             kernel_time[stream] = kernel_time.get(stream, 0.0) + dur
+            kernel_ops.setdefault(stream, []).append(device_ops[stream][-1])
             kernel_count[stream] = kernel_count.get(stream, 0) + 1
             families = kernel_names.setdefault(stream, {})
             families[kernel_family(name)] = families.get(kernel_family(name), 0) + 1
@@ -777,6 +792,7 @@ def summarize_trace(events: list[dict]) -> dict:
             "idle_host_bound_in_first_fxoffload_us": causes.in_first_fxoffload,
             "idle_device_bound_us": causes.device_bound, "idle_switching_us": causes.switching,
             "idle_waits_before": causes.waits_before(),
+            "compute_kernel_seq": _kernel_sequence(kernel_ops.get(compute, []), launches, in_flight),
             "copies": copies, "fxoffload_host": host_ops, "host_alloc": host_alloc}
 
 
@@ -1014,7 +1030,7 @@ def _profile_lines(frontier: dict) -> list[str]:
                      f"{p['compute_idle_us'] / 1e3:.1f} ms | {_causes(p)} | "
                      f"{p['idle_copy_in_flight_us'] / 1e3:.1f} ms | {p['step_us'] / 1e3:.1f} ms | "
                      f"{copy('device_to_host')} | {copy('host_to_device')} | {host} | {_made(p)} |")
-    return lines + _kernel_name_lines(frontier) + _profile_bar_lines(frontier)
+    return lines + _kernel_name_lines(frontier) + _same_kernel_lines(frontier) + _profile_bar_lines(frontier)
 
 
 NAMES_SHOWN = 6  # kernel families listed per way, the largest differences first
@@ -1041,6 +1057,33 @@ def _kernel_name_lines(frontier: dict) -> list[str]:
         return []
     return ["", "The compute stream's kernels by name against plain's (full checkpointing's for the checkpointed "
             "way), a Triton kernel's index dropped (`kernel_family`): what each way adds or splits.", "", *rows]
+
+
+def _against(part: Any) -> str:
+    return "-" if part.change is None else f"{part.change:+.1%} ({part.kernels}, {part.base_us / 1e3:.1f} ms)"
+
+
+def _same_kernel_lines(frontier: dict) -> list[str]:
+    profiles = frontier["profiles"]
+    rows = []
+    for way, p in profiles.items():
+        base = profiles.get(_baseline_of(way))
+        if way in (Way("plain").name, Way("checkpoint").name) or base is None:
+            continue
+        if (found := same_kernels(p, base)) is None:
+            continue  # a summary made before the kernels were kept
+        rows.append(f"| {way} | {found.way_kernels} against {found.base_kernels} | {_against(found.forward)} | "
+                    f"{_against(found.backward)} | {_against(found.under_copy)} | {_against(found.without_copy)} |")
+    if not rows:
+        return []
+    return ["", "The same kernels' time against plain's (full checkpointing's for the checkpointed way), "
+            "`same_kernels`: each part's compute-stream kernels matched to the baseline's by name in order (a "
+            "kernel a way adds, splits or moves has no match and is left out), their time over the baseline's (in "
+            "brackets: kernels matched, the baseline's time). Forward and backward apart (the autograd engine "
+            "launches the backward from a thread of its own); under a copy: the way's kernels with a copy in "
+            f"flight for at least {UNDER_COPY_SHARE:.0%} of their time. A way that copies nothing (PyTorch's) "
+            "shows the device's own drift between the profiled steps.", "",
+            "| way | kernels | forward | backward | under a copy | with none |", "|---|---|---|---|---|---|", *rows]
 
 
 HELD_BACK_SHOWN_US = 100.0  # the kernel held back longest is named from this much of its waiting on

@@ -157,6 +157,47 @@ def test_the_profile_bar_counts_kernels_against_the_baseline_and_idle_time_fxoff
     assert any(line.startswith(f"| {auto} | +8 |") and line.endswith("| no |") for line in lines)
 
 
+def two_threads(names_and_durations: list[tuple[str, float]], backward_from: int,
+                copy: tuple[float, float] | None = None) -> list[dict]:
+    """A step's compute-stream kernels back to back, 10 us apart: those from index ``backward_from`` on
+    launched from another thread (the autograd engine's), and a copy to the host over ``copy``."""
+    events, at = [], 0.0
+    for i, (name, dur) in enumerate(names_and_durations):
+        events += launched(kernel(name, at, dur), i + 1, at - 1, thread=1 if i < backward_from else 2)
+        at += dur + 10
+    if copy is not None:
+        events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": copy[0],
+                       "dur": copy[1] - copy[0], "args": {"stream": 20, "bytes": 1}})
+    return events
+
+
+def test_the_same_kernels_are_timed_against_the_baseline_forward_and_backward_apart():
+    """Matched by name in order within each part: a kernel a way splits in two has no match and is left out
+    (matched by position, every kernel after it would pair with the wrong one), the backward is what
+    another thread launched, and a kernel is under a copy for half its time or more."""
+    from same_kernels import same_kernels
+
+    plain = frontier.summarize_trace(two_threads(
+        [("nvjet_gemm", 100), ("triton_poi_fused_mul_silu_1", 20), ("cudnn_sdpa_fprop", 50),
+         ("cudnn_sdpa_bprop", 150), ("nvjet_gemm", 200)], backward_from=3))
+    # The way splits SwiGLU's kernel (silu, then mul: renumbered), its forward 10% slower, its backward
+    # 5% faster; the copy covers the gemm (0..110: all of it) and half of the attention's forward (150..205).
+    way = frontier.summarize_trace(two_threads(
+        [("nvjet_gemm", 110), ("triton_poi_fused_silu_1", 5), ("triton_poi_fused_mul_2", 5),
+         ("cudnn_sdpa_fprop", 55), ("cudnn_sdpa_bprop", 142.5), ("nvjet_gemm", 190)], backward_from=4,
+        copy=(0.0, 150.0 + 27.5)))
+    found = same_kernels(way, plain)
+    assert (found.way_kernels, found.base_kernels) == (6, 5)
+    assert found.forward.kernels == 2 and found.forward.change == pytest.approx(0.10)  # gemm and sdpa
+    assert found.backward.kernels == 2 and found.backward.change == pytest.approx(-0.05)
+    assert found.under_copy.kernels == 2 and found.under_copy.base_us == 150.0  # the gemm, the attention
+    assert found.without_copy.kernels == 2 and found.without_copy.base_us == 350.0
+    assert same_kernels(way, {"compute_kernels": 5}) is None  # a summary made before kernels were kept
+    lines = frontier._same_kernel_lines({"profiles": {"plain": plain, "fxoffload memory_budget=0.7": way}})
+    assert lines[-1] == ("| fxoffload memory_budget=0.7 | 6 against 5 | +10.0% (2, 0.1 ms) | -5.0% (2, 0.3 ms) | "
+                         "+10.0% (2, 0.1 ms) | -5.0% (2, 0.3 ms) |")
+
+
 def test_ways_are_chosen_by_words_of_their_names():
     ways = frontier.default_ways()
     chosen = frontier.chosen_ways(ways, "plain,fxoffload memory_budget=0.7")
