@@ -1070,8 +1070,8 @@ def _same_kernel_lines(frontier: dict) -> list[str]:
         base = profiles.get(_baseline_of(way))
         if way in (Way("plain").name, Way("checkpoint").name) or base is None:
             continue
-        if (found := same_kernels(p, base)) is None:
-            continue  # a summary made before the kernels were kept
+        if (found := same_kernels(p, base)) is None or not found.way_kernels:
+            continue  # a summary made before the kernels were kept, or of a CPU's step (no device kernels)
         rows.append(f"| {way} | {found.way_kernels} against {found.base_kernels} | {_against(found.forward)} | "
                     f"{_against(found.backward)} | {_against(found.under_copy)} | {_against(found.without_copy)} |")
     if not rows:
