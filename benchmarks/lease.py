@@ -73,7 +73,9 @@ STEPS = {
         ("--ways", "full checkpointing,layer inputs", "--profile"), seconds=270, after_builds=130,
         sizes=("--layers", "32", "--seq", "32768")),
     "tie": Step(
-        "tie", "the tie at 0.7, interleaved with more steps: plain, PyTorch's 0.7 and 0.5, fxoffload 0.7 auto",
+        "tie", "the tie at 0.7, interleaved with more steps: plain, PyTorch's 0.7 and 0.5, fxoffload 0.7 auto (its "
+        "profile's first op call against runs 7 and 8's 487-529 us: the host allocator's events taken in after each "
+        "backward graph since 2026-12-04)",
         ("--ways", "plain,budget=0.7,activation_memory_budget=0.5", "--strategies", "auto", "--measured-budgets",
          "--timed", "15", "--profile"), seconds=170, after_builds=20),
     "background": Step(

@@ -368,6 +368,6 @@ def cuda_engine_on_cpu(engine_class=None, complete_on_query=False, poison=True):
 
     fake = FakeCuda(complete_on_query=complete_on_query, poison=poison)
     engine = (engine_class or runtime.CudaEngine)(streams=fake, host_empty=fake.host_empty,
-                                                 host_release=fake.release_host)
+                                                 host_release=fake.release_host, host_events=fake.process_host_events)
     with runtime.use_engine("cpu", engine):
         yield fake

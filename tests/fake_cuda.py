@@ -42,6 +42,14 @@ It stands in for the slice of ``torch.cuda`` the engine uses (``Stream``, ``Even
   (``host_blocks_made``, a ``cudaHostAlloc`` on a GPU, logged with the number of copies queued
   before it). Blocks stay until ``release_host`` gives back the free ones (``empty_host_cache``).
 
+* **The allocator's events, counted.** A block a copy used is, on a GPU, freed only once an event
+  the allocator records on each stream that used it has completed, which it checks at its next
+  allocation, oldest first, until one has not (``cudaEventQuery`` each). The fake records the streams
+  each block's copies used and, when its storage dies, an event for each at that stream's queue end;
+  ``process_host_events`` (what a one-byte pinned allocation does on a GPU) and each ``host_empty``
+  query them so, counting ``host_event_queries`` (per ``host_empty`` call in
+  ``host_event_queries_at_alloc``). Only counted: a block is still reused once its storage dies (copies
+  here run at the latest, so waiting for their events would make blocks a GPU does not).
 * **A clock for timing events.** ``Event(enable_timing=True)`` recorded on a compute stream
   reads ``clock()``: the host's clock plus ``copy_seconds`` for every copy run so far. Copies
   run when compute waits for them, so a copy that did not hide costs compute that much.
@@ -52,6 +60,7 @@ the latest a GPU could run them), more than one device, and CUDA graphs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -144,6 +153,7 @@ class HostBlock:
 
     size: int
     user: weakref.ref | None = None
+    streams: set = field(default_factory=set)  # the side streams its copies used since it was handed out
 
     def free(self) -> bool:
         return self.user is None or self.user() is None
@@ -235,6 +245,9 @@ class FakeCuda:
         self._pinned: weakref.WeakSet = weakref.WeakSet()  # the storages host_empty made
         self.host_blocks: list[HostBlock] = []  # the caching host allocator's blocks, in use or cached
         self.host_blocks_made: list[int] = []  # per new block (cudaHostAlloc): the copies queued before it
+        self.host_events: collections.deque = collections.deque()  # (stream, mark) per freed block's stream
+        self.host_event_queries = 0
+        self.host_event_queries_at_alloc: list[int] = []  # per host_empty of bytes: the queries it ran
 
     # ----------------------------------------------------------------- the torch.cuda slice
 
@@ -258,14 +271,32 @@ class FakeCuda:
         self._pinned.add(t.untyped_storage())
         nbytes = t.numel() * t.element_size()
         if nbytes:  # PyTorch hands out no block for an empty request
+            self.host_event_queries_at_alloc.append(self.process_host_events())
             size = 1 << (nbytes - 1).bit_length()
             block = next((b for b in self.host_blocks if b.size == size and b.free()), None)
             if block is None:
                 block = HostBlock(size)
                 self.host_blocks.append(block)
                 self.host_blocks_made.append(self.copies_queued)
-            block.user = weakref.ref(t.untyped_storage())
+            block.streams = set()
+            block.user = weakref.ref(t.untyped_storage(), self._freed(block))
         return t
+
+    def process_host_events(self) -> int:
+        """The caching host allocator's event processing (the engine's ``host_events``, and the start of
+        every ``host_empty``): the freed blocks' events, oldest first, until one has not completed; the
+        queries it ran."""
+        queries = 0
+        while self.host_events:
+            stream, mark = self.host_events[0]
+            queries += 1
+            if self.complete_on_query:
+                self._run(stream, mark)
+            if mark > stream.done:
+                break
+            self.host_events.popleft()
+        self.host_event_queries += queries
+        return queries
 
     def release_host(self) -> int:
         """Give back the cached blocks no storage uses (``torch.accelerator.empty_host_cache``); their bytes."""
@@ -341,7 +372,19 @@ class FakeCuda:
                 poison(dst)  # undefined until the copy runs
         for role, t in (("destination", dst), ("source", src)):
             self._watch(t.untyped_storage(), copy, role)
+            self._note_use(t.untyped_storage(), stream)
         stream.queue.append(copy)
+
+    def _freed(self, block: HostBlock):
+        def died(_: weakref.ref) -> None:  # an event on each stream the block's copies used, at its end now
+            self.host_events.extend((stream, len(stream.queue)) for stream in block.streams)
+            block.streams = set()
+        return died
+
+    def _note_use(self, storage: torch.UntypedStorage, stream: FakeStream) -> None:
+        block = next((b for b in self.host_blocks if b.user is not None and b.user() is storage), None)
+        if block is not None:
+            block.streams.add(stream)
 
     def _view(self, t: torch.Tensor) -> _View:
         return _View(weakref.ref(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)

@@ -266,7 +266,9 @@ def backward_graph() -> Iterator[None]:
     """Run one compiled backward graph inside this (the backend does). If it raises, autograd abandons
     the whole backward: the copies the graph started, and every copy started ahead for a backward
     that will not run now, are completed and forgotten with their buffers, so that device and host
-    memory are back where they were and the next step starts clean."""
+    memory are back where they were and the next step starts clean. When it returns, each engine
+    hears so (``after_backward_graph``: the CUDA engine's host allocator takes in the events of the
+    buffers the graph freed while the host is ahead of the device)."""
     with STATE.lock:
         first = next(STATE.serials)
     try:
@@ -276,6 +278,8 @@ def backward_graph() -> Iterator[None]:
         _drop_ahead()
         _event("backward_dropped", dropped)
         raise
+    for engine in dict.fromkeys(_engines.values()):  # the host buffers the graph freed: their events now
+        engine.after_backward_graph()
 
 
 def _complete_deferred_before(index: int) -> None:

@@ -105,6 +105,9 @@ class CpuEngine:
     def reserve_host(self, nbytes: Sequence[int]) -> None:
         """Nothing to reserve: its host buffers are pageable ``torch.empty`` allocations."""
 
+    def after_backward_graph(self) -> None:
+        """Nothing: its host buffers go back to Python's allocator when they die."""
+
     def release_host(self) -> int | None:
         return 0  # it caches nothing
 
@@ -154,12 +157,13 @@ class CudaEngine:
     ``torch.cuda`` it uses (``Stream``, ``Event``, ``current_stream``, ``stream``,
     ``is_current_stream_capturing``: a copy issued under CUDA graph capture raises),
     ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
-    ``torch.empty``; a pageable buffer would make each copy synchronous), and ``host_release()``
-    gives back the cached ones no tensor uses (default: PyTorch's; see ``fxoffload.runtime.pinned``).
+    ``torch.empty``; a pageable buffer would make each copy synchronous), ``host_release()``
+    gives back the cached ones no tensor uses, and ``host_events()`` has the allocator take in the
+    events its freed blocks wait on (defaults: PyTorch's; see ``fxoffload.runtime.pinned``).
     This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
     fake of that API on CPU tensors, and the fake's ``host_empty`` and ``release_host`` (this
     CPU-only build cannot pin; the fake marks its buffers pinned, flags a copy without one, and
-    counts the blocks a caching host allocator would make).
+    counts the blocks a caching host allocator would make and the event queries it would run).
     """
 
     # A non-contiguous source or destination goes through a contiguous device buffer
@@ -167,10 +171,12 @@ class CudaEngine:
     stages_strided = True
 
     def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None,
-                 host_release: Callable[[], int | None] | None = None) -> None:
+                 host_release: Callable[[], int | None] | None = None,
+                 host_events: Callable[[], None] | None = None) -> None:
         self._api = streams
         self._host_empty = host_empty or pinned.pinned_empty
         self._host_release = host_release or pinned.release_cached
+        self._host_events = host_events or pinned.process_host_events
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._free_events: list[Any] = []  # events no stream will wait on again: recorded anew, not made anew
 
@@ -258,6 +264,14 @@ class CudaEngine:
 
     def release_host(self) -> int | None:
         return self._host_release()
+
+    def after_backward_graph(self) -> None:
+        """A compiled backward graph has returned (its kernels queued, the host ahead of the device): have
+        the host allocator take in the events of the host buffers it freed now, not at the next step's
+        first offload, where the device waits for the host (``pinned.process_host_events``). Once this
+        engine has copied, and not while the current stream captures a CUDA graph."""
+        if self._streams and not self.api.is_current_stream_capturing():
+            self._host_events()
 
     def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
         host = self._host_empty(x.shape, x.dtype)
