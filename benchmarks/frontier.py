@@ -46,7 +46,8 @@ queued work waiting on the device, a copy's event most likely, by the kernel hel
 between queued kernels), copy bytes and throughput by direction, and the host time of fxoffload's ops;
 the same kernels' time against the baseline's, forward and backward apart and under a copy or not
 (``same_kernels``: whether the copies slow the compute beside them, told apart from the device's own
-drift by PyTorch's ways, which copy nothing); then each fxoffload way against issue 50's profile bar
+drift by PyTorch's ways, which copy nothing, and, interleaved, by each baseline profiled again after every
+way: ``profile_baselines_again``); then each fxoffload way against issue 50's profile bar
 (``profile_bar``). ``--keep-traces`` keeps the raw
 traces, and ``--summarize-again F TRACES`` summarises a kept run's profiles again from them with today's
 code (runs 3, 5 and 6 were, on 2026-12-03). Limits: a copy the host issued late (a slow op call) reads as
@@ -192,6 +193,8 @@ class Frontier:
     device_profile: dict = field(default_factory=dict)  # the profile the plans were made with (profile_figures)
     order: str = "interleaved"  # the timed steps: "interleaved" (rounds over the ways) or "sequential"
     step_order: list[str] = field(default_factory=list)  # the way of each timed step, in the order they ran
+    # A baseline's profile made again after every way's (interleaved, with --profile): way name -> summary
+    profiled_again: dict = field(default_factory=dict)
 
     def save(self, out: Path | None) -> None:
         save_run(out, "frontier", self, render)
@@ -461,8 +464,27 @@ def interleaved_ways(frontier: Frontier, ways: list[Way], tokens: torch.Tensor, 
         frontier.save(args.out)
         say(f"{way.way.name}: " + (f"FAILED {run.error}" if run.error else
                                     f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+    if args.profile:
+        profile_baselines_again(frontier, prepared, tokens, cuda, args.keep_traces)
+        frontier.save(args.out)
     if cuda:
         fxoffload.release_host_memory()
+
+
+AGAIN = " (profiled again)"  # a baseline's second profile: its trace's name, and its row's
+
+
+def profile_baselines_again(frontier: Frontier, prepared: list[Prepared], tokens: torch.Tensor, cuda: bool,
+                            traces: Path | None) -> None:
+    """Profile each baseline (plain, full checkpointing) again after every way's profile: the same kernels'
+    time against its first profile (``same_kernels``) is the device's drift over the profiles, which each
+    way's comparison with its baseline carries in part (runs 5-8, measured in a row: every way's forward
+    3-7% slower than plain's, PyTorch's too)."""
+    baselines = (Way("plain").name, Way("checkpoint").name)
+    for way in prepared:
+        if way.way.name in baselines and way.step is not None and not way.run.error:
+            keep = traces / trace_name(way.way.name + AGAIN) if traces else None
+            frontier.profiled_again[way.way.name] = profile_step(way.step, tokens, cuda, keep)
 
 
 def trace_name(way_name: str) -> str:
@@ -475,12 +497,13 @@ def summarize_again(path: Path, traces: Path) -> list[str]:
     with today's ``summarize_trace``, and note so among its remarks; the ways whose trace is there."""
     figures = json.loads(path.read_text())
     done = []
-    for way in figures["profiles"]:
-        trace = traces / trace_name(way)
-        if trace.exists():
-            events = json.loads(gzip.decompress(trace.read_bytes())).get("traceEvents", [])
-            figures["profiles"][way] = summarize_trace(events)
-            done.append(way)
+    for summaries, suffix in ((figures["profiles"], ""), (figures.get("profiled_again", {}), AGAIN)):
+        for way in summaries:
+            trace = traces / trace_name(way + suffix)
+            if trace.exists():
+                events = json.loads(gzip.decompress(trace.read_bytes())).get("traceEvents", [])
+                summaries[way] = summarize_trace(events)
+                done.append(way + suffix)
     if not done:
         raise SystemExit(f"frontier: no trace of {path}'s profiled ways in {traces} "
                          "(named as --keep-traces names them)")
@@ -1063,6 +1086,11 @@ def _against(part: Any) -> str:
     return "-" if part.change is None else f"{part.change:+.1%} ({part.kernels}, {part.base_us / 1e3:.1f} ms)"
 
 
+def _same_kernel_row(label: str, found: Any) -> str:
+    return (f"| {label} | {found.way_kernels} against {found.base_kernels} | {_against(found.forward)} | "
+            f"{_against(found.backward)} | {_against(found.under_copy)} | {_against(found.without_copy)} |")
+
+
 def _same_kernel_lines(frontier: dict) -> list[str]:
     profiles = frontier["profiles"]
     rows = []
@@ -1072,8 +1100,10 @@ def _same_kernel_lines(frontier: dict) -> list[str]:
             continue
         if (found := same_kernels(p, base)) is None or not found.way_kernels:
             continue  # a summary made before the kernels were kept, or of a CPU's step (no device kernels)
-        rows.append(f"| {way} | {found.way_kernels} against {found.base_kernels} | {_against(found.forward)} | "
-                    f"{_against(found.backward)} | {_against(found.under_copy)} | {_against(found.without_copy)} |")
+        rows.append(_same_kernel_row(way, found))
+    for way, again in frontier.get("profiled_again", {}).items():  # absent from runs before 2026-12-04 (night)
+        if way in profiles and (found := same_kernels(again, profiles[way])) is not None and found.way_kernels:
+            rows.append(_same_kernel_row(f"{way}{AGAIN}, after every way", found))
     if not rows:
         return []
     return ["", "The same kernels' time against plain's (full checkpointing's for the checkpointed way), "
@@ -1082,7 +1112,8 @@ def _same_kernel_lines(frontier: dict) -> list[str]:
             "brackets: kernels matched, the baseline's time). Forward and backward apart (the autograd engine "
             "launches the backward from a thread of its own); under a copy: the way's kernels with a copy in "
             f"flight for at least {UNDER_COPY_SHARE:.0%} of their time. A way that copies nothing (PyTorch's) "
-            "shows the device's own drift between the profiled steps.", "",
+            "shows the device's own drift between the profiled steps, and a baseline profiled again after every "
+            "way (since 2026-12-04, interleaved runs) its drift over them.", "",
             "| way | kernels | forward | backward | under a copy | with none |", "|---|---|---|---|---|---|", *rows]
 
 

@@ -196,6 +196,13 @@ def test_the_same_kernels_are_timed_against_the_baseline_forward_and_backward_ap
     lines = frontier._same_kernel_lines({"profiles": {"plain": plain, "fxoffload memory_budget=0.7": way}})
     assert lines[-1] == ("| fxoffload memory_budget=0.7 | 6 against 5 | +10.0% (2, 0.1 ms) | -5.0% (2, 0.3 ms) | "
                          "+10.0% (2, 0.1 ms) | -5.0% (2, 0.3 ms) |")
+    # Plain profiled again after every way, each kernel 2% slower: the drift over the profiles, in a row of its own.
+    again = frontier.summarize_trace(two_threads(
+        [("nvjet_gemm", 102), ("triton_poi_fused_mul_silu_1", 20.4), ("cudnn_sdpa_fprop", 51),
+         ("cudnn_sdpa_bprop", 153), ("nvjet_gemm", 204)], backward_from=3))
+    lines = frontier._same_kernel_lines({"profiles": {"plain": plain}, "profiled_again": {"plain": again}})
+    assert lines[-1] == ("| plain (profiled again), after every way | 5 against 5 | +2.0% (3, 0.2 ms) | "
+                         "+2.0% (2, 0.3 ms) | - | +2.0% (5, 0.5 ms) |")
 
 
 def test_ways_are_chosen_by_words_of_their_names():
@@ -288,14 +295,17 @@ def test_a_run_is_summarised_again_from_its_kept_traces(tmp_path):
 
     way = "fxoffload memory_budget=0.5, strategy=auto"
     run = tmp_path / "frontier.json"
-    run.write_text(json.dumps({"profiles": {way: {"compute_idle_us": -1.0}, "plain": {"old": True}}, "remarks": []}))
+    run.write_text(json.dumps({"profiles": {way: {"compute_idle_us": -1.0}, "plain": {"old": True}},
+                               "profiled_again": {"plain": {"old": True}}, "remarks": []}))
     traces = tmp_path / "traces"
     traces.mkdir()
     events = [*launched(kernel("a", 0, 10), 1, -5), *launched(kernel("b", 40, 10), 2, 30)]
-    (traces / frontier.trace_name(way)).write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
-    assert frontier.summarize_again(run, traces) == [way]
+    for name in (way, "plain (profiled again)"):  # plain's first profile has no trace kept; its second has
+        (traces / frontier.trace_name(name)).write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    assert frontier.summarize_again(run, traces) == [way, "plain (profiled again)"]
     figures = json.loads(run.read_text())
     assert figures["profiles"][way] == frontier.summarize_trace(events)
+    assert figures["profiled_again"]["plain"] == frontier.summarize_trace(events)
     assert figures["profiles"][way]["idle_host_bound_us"] == 30.0
     assert figures["profiles"]["plain"] == {"old": True}  # no trace of it: as it was
     assert len(figures["remarks"]) == 1 and "--summarize-again" in figures["remarks"][0]
@@ -356,6 +366,8 @@ def test_the_dry_run_measures_every_way_the_gpu_run_does(dry_run):
     assert measured and all(any("measured selection kept" in n for n in ways[w.name]["notes"]) for w in measured)
     assert "dry run on a CPU (not a GPU measurement)" in markdown
     assert "Against PyTorch's frontier" in markdown
+    # Both baselines profiled again after every way (their drift over the profiles).
+    assert set(result["profiled_again"]) == {"plain", "full checkpointing per block"}
 
 
 @pytest.mark.slow
