@@ -311,8 +311,13 @@ class _KeptLast:
     claim: int  # its prefetch in the backward: the device copy made there replaces it (the own curve's)
 
 
+def _last_runs(graphs) -> dict[int, int]:
+    """Each graph's last run of the step, by the graph's id (runs of one graph share its ``_Graph``)."""
+    return {id(g): j for j, g in enumerate(graphs)}
+
+
 def _kept_in_last_runs(graphs, fw_off, bw_off) -> list[_KeptLast]:
-    last_run = {id(g): j for j, g in enumerate(graphs)}
+    last_run = _last_runs(graphs)
     return [_KeptLast(j, m.transfer, m.nbytes, fw_off[j] + m.release, bw_off[j] + m.prefetch - g.forward)
             for j, g in enumerate(graphs) if last_run[id(g)] == j for m in g.transfers if m.transfer in g.kept]
 
@@ -333,7 +338,7 @@ def _copies(graphs, fw_off, bw_off, first_backward, profile, kept: set[tuple[int
             for i in _ahead_of(graphs[j], later.ahead_bytes):
                 ahead[(j, i)] = bw(j + 1, later.ahead_at)
     issued = []
-    last_run = {id(g): j for j, g in enumerate(graphs)}  # each graph's last run of the step
+    last_run = _last_runs(graphs)
     for j, g in enumerate(graphs):
         # A deferred copy is completed when the forward after next begins, or the first backward.
         deadline = fw_off[j + 2] if j + 2 < len(graphs) else first_backward
