@@ -190,6 +190,31 @@ def _shown(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
 
 
+def _kept_as(measured: Path, slug: str, started: str) -> Path | None:
+    """The kept run of ``slug`` that started at ``started``, if one is (the same lease kept twice)."""
+    for path in measured.glob(f"frontier-{slug}-run*.json"):
+        try:
+            if json.loads(path.read_text()).get("started") == started:
+                return path
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    return None
+
+
+def _reproducible(command: list[str]) -> list[str]:
+    """A step's command as a remark gives it: ``frontier.py`` and its options, without the device's
+    interpreter and the temporary folders it wrote to."""
+    out, skip = [], False
+    for arg in command[1:]:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--keep-traces"):
+            skip = True
+        else:
+            out.append(Path(arg).name if arg.endswith("frontier.py") else arg)
+    return out
+
+
 def keep(fetched: Path, measured: Path = MEASURED) -> list[Path]:
     """File each step's run in ``fetched`` (``lease.json`` and the archives) as the next kept run, with its
     traces and a remark naming its step; the kept JSON paths, in the steps' order."""
@@ -211,6 +236,9 @@ def keep(fetched: Path, measured: Path = MEASURED) -> list[Path]:
                 continue  # killed before its first save: nothing measured
             figures = json.loads(tar.extractfile(run_json).read())
             slug = device_slug(figures["device"])
+            if (before := _kept_as(measured, slug, figures["started"])) is not None:
+                raise SystemExit(f"lease: step {ran['label']}'s run (started {figures['started']}) is already kept "
+                                 f"as {before.name}; nothing kept")
             n = next_run_number(measured, slug)
             traces = measured / f"frontier-{slug}-run{n}-traces"
             prefix = f"{ran['label']}-traces/"
@@ -218,7 +246,7 @@ def keep(fetched: Path, measured: Path = MEASURED) -> list[Path]:
                 if name.startswith(prefix):
                     traces.mkdir(parents=True, exist_ok=True)
                     (traces / Path(name).name).write_bytes(tar.extractfile(member).read())
-        command = " ".join(Path(a).name if a.endswith("frontier.py") else a for a in ran["command"][1:])
+        command = " ".join(_reproducible(ran["command"]))
         figures["remarks"] = figures.get("remarks", []) + [
             f"Lease step `{ran['label']}` (`benchmarks/lease.py`): {STEPS[ran['step']].why}; `python {command}` "
             f"under a {ran['limit_s']:.0f} s limit, exit {ran['rc']} after {ran['wall_s']:.0f} s."

@@ -92,8 +92,8 @@ def archive(path: Path, files: dict[str, bytes]) -> None:
 
 def ran(label: str, step: str, rc: int | None = 0, skipped: str | None = None) -> dict:
     return {"step": step, "label": label, "rc": rc, "skipped": skipped, "limit_s": 270, "wall_s": 201.4,
-            "command": ["/usr/bin/python3", "/root/x/benchmarks/frontier.py", "--out", "o", "--ways", "w"],
-            "log_tail": ""}
+            "command": ["/usr/bin/python3", "/root/x/benchmarks/frontier.py", "--out", "/tmp/t/o", "--keep-traces",
+                        "/tmp/t/o-traces", "--deadline", "140", "--ways", "w"], "log_tail": ""}
 
 
 def test_a_fetched_lease_is_kept_as_the_next_runs_with_their_traces(tmp_path):
@@ -101,12 +101,13 @@ def test_a_fetched_lease_is_kept_as_the_next_runs_with_their_traces(tmp_path):
     measured.mkdir()
     fetched.mkdir()
     (measured / "frontier-h200-run9.json").write_text("{}")
-    run = {"device": "NVIDIA H200", "dry_run": False, "runs": [], "remarks": ["kept before"]}
+    run = {"device": "NVIDIA H200", "dry_run": False, "runs": [], "remarks": ["kept before"],
+           "started": "2026-12-05T10:00:00+00:00"}
     trace = gzip.compress(b'{"traceEvents": []}')
     archive(fetched / "pair.tgz", {"pair/frontier.json": json.dumps(run).encode(), "pair.log": b"log",
                                    "pair-traces/plain.json.gz": trace})
-    archive(fetched / "pair-2.tgz", {"pair-2/frontier.json": json.dumps({**run, "device": "NVIDIA H100 80GB HBM3"})
-                                     .encode()})
+    archive(fetched / "pair-2.tgz", {"pair-2/frontier.json": json.dumps(
+        {**run, "device": "NVIDIA H100 80GB HBM3", "started": "2026-12-05T10:05:00+00:00"}).encode()})
     archive(fetched / "tie.tgz", {"tie.log": b"killed while building"})  # no frontier.json: nothing measured
     (fetched / "lease.json").write_text(json.dumps({"dry_run": False, "steps": [
         ran("pair", "pair"), ran("pair-2", "pair"), ran("tie", "tie", rc=-9),
@@ -116,9 +117,12 @@ def test_a_fetched_lease_is_kept_as_the_next_runs_with_their_traces(tmp_path):
     first = json.loads(kept[0].read_text())
     assert first["remarks"][0] == "kept before" and first["remarks"][1].startswith(
         "Lease step `pair` (`benchmarks/lease.py`): issue 50's second bar")
-    assert "`python frontier.py --out o --ways w` under a 270 s limit, exit 0 after 201 s." in first["remarks"][1]
+    assert "`python frontier.py --deadline 140 --ways w` under a 270 s limit, exit 0 after 201 s." \
+        in first["remarks"][1]
     assert (measured / "frontier-h200-run10-traces" / "plain.json.gz").read_bytes() == trace
     assert "traces" not in json.loads(kept[1].read_text())["remarks"][1]  # none came back with it
     assert not (measured / "frontier-h100-run1-traces").exists()
     with pytest.raises(SystemExit, match="no lease.json"):
         lease.keep(tmp_path, measured)
+    with pytest.raises(SystemExit, match="already kept as frontier-h200-run10.json; nothing kept"):
+        lease.keep(fetched, measured)  # the same lease kept twice
