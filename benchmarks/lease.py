@@ -27,6 +27,7 @@ The device's torch is 2.11 and nothing installs there: the script uses the stand
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -125,6 +126,15 @@ def parse_steps(text: str) -> list[str]:
     return names
 
 
+def _kill_group(child: subprocess.Popen) -> None:
+    """Kill the step's process group (its own session: Inductor's compile workers too), then reap it; a
+    process stuck in the driver is left after 30 s rather than hang the lease."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=30)
+
+
 def run_step(step: Step, label: str, out: Path, work: Path, limit: float, dry_run: bool) -> Ran:
     """Run ``step`` for at most ``limit`` seconds, then pack its files as ``out/<label>.tgz``."""
     folder, traces, log = work / label, work / f"{label}-traces", work / f"{label}.log"
@@ -136,10 +146,10 @@ def run_step(step: Step, label: str, out: Path, work: Path, limit: float, dry_ru
                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **dict(step.env)})
         try:
             ran.rc = child.wait(timeout=limit)
-        except subprocess.TimeoutExpired:  # the whole group: Inductor's compile workers too
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+        except subprocess.TimeoutExpired:
             ran.rc = -9
+        finally:  # whatever happened here (the limit, an interrupt): nothing of the step outlives it
+            _kill_group(child)
     ran.wall_s = time.monotonic() - start
     ran.log_tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     with tarfile.open(out / f"{label}.tgz", "w:gz") as archive:
@@ -190,6 +200,10 @@ def _shown(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
 
 
+def _why(step: str) -> str:
+    return STEPS[step].why if step in STEPS else f"a step this checkout does not know ({step})"
+
+
 def _kept_as(measured: Path, slug: str, started: str) -> Path | None:
     """The kept run of ``slug`` that started at ``started``, if one is (the same lease kept twice)."""
     for path in measured.glob(f"frontier-{slug}-run*.json"):
@@ -234,13 +248,19 @@ def keep(fetched: Path, measured: Path = MEASURED) -> list[Path]:
             run_json = members.get(f"{ran['label']}/frontier.json")
             if run_json is None:
                 continue  # killed before its first save: nothing measured
-            figures = json.loads(tar.extractfile(run_json).read())
+            try:
+                figures = json.loads(tar.extractfile(run_json).read())
+            except json.JSONDecodeError as error:  # cut off mid-save (frontier saves atomically since 2026-12-05)
+                print(f"lease: step {ran['label']}'s frontier.json does not read ({error}); not kept")
+                continue
             slug = device_slug(figures["device"])
             if (before := _kept_as(measured, slug, figures["started"])) is not None:
                 raise SystemExit(f"lease: step {ran['label']}'s run (started {figures['started']}) is already kept "
                                  f"as {before.name}; nothing kept")
             n = next_run_number(measured, slug)
             traces = measured / f"frontier-{slug}-run{n}-traces"
+            if traces.exists():
+                raise SystemExit(f"lease: {_shown(traces)} is there already, with no run {n} beside it; move it away")
             prefix = f"{ran['label']}-traces/"
             for name, member in members.items():
                 if name.startswith(prefix):
@@ -248,7 +268,7 @@ def keep(fetched: Path, measured: Path = MEASURED) -> list[Path]:
                     (traces / Path(name).name).write_bytes(tar.extractfile(member).read())
         command = " ".join(_reproducible(ran["command"]))
         figures["remarks"] = figures.get("remarks", []) + [
-            f"Lease step `{ran['label']}` (`benchmarks/lease.py`): {STEPS[ran['step']].why}; `python {command}` "
+            f"Lease step `{ran['label']}` (`benchmarks/lease.py`): {_why(ran['step'])}; `python {command}` "
             f"under a {ran['limit_s']:.0f} s limit, exit {ran['rc']} after {ran['wall_s']:.0f} s."
             + (f" Its raw traces are in `{_shown(traces)}/`." if traces.exists() else "")]
         path = measured / f"frontier-{slug}-run{n}.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from dataclasses import asdict
@@ -17,8 +18,16 @@ def save_run(out: Path | None, stem: str, run: Any, render: Callable[[dict], str
         return
     figures = asdict(run)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(figures, indent=1, default=str))
-    (out / f"{stem}.md").write_text(render(figures))
+    _write_whole(out / f"{stem}.json", json.dumps(figures, indent=1, default=str))
+    _write_whole(out / f"{stem}.md", render(figures))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part: a run killed at its limit mid-save
+    (``benchmarks/lease.py``) keeps its last whole save."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def show_measured(script: str, heading: str, path: "Path | list[Path]", write: bool,

@@ -69,7 +69,7 @@ def kernel_sequence(kernels: Iterable[LaunchedKernel], copies: list[tuple[float,
     ``compute_kernel_names`` holds them), forward or backward, ``c`` under a copy. ``copies`` are the
     disjoint, ordered intervals in which a copy was in flight."""
     ordered = sorted(kernels, key=lambda k: k.start)
-    forward_thread = ordered[0].thread if ordered else None
+    forward_thread = next((k.thread for k in ordered if k.thread is not None), None)  # the first known launch
     starts = [c[0] for c in copies]
     index = {family: i for i, family in enumerate(sorted({k.family for k in ordered}))}
     out = []

@@ -279,7 +279,8 @@ def backward_graph() -> Iterator[None]:
         _event("backward_dropped", dropped)
         raise
     for engine in dict.fromkeys(_engines.values()):  # the host buffers the graph freed: their events now
-        engine.after_backward_graph()
+        with contextlib.suppress(RuntimeError):  # a time saving only: a backward that ran is not failed for it
+            engine.after_backward_graph()
 
 
 def _complete_deferred_before(index: int) -> None:

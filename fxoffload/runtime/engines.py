@@ -40,7 +40,8 @@ def _poison(t: torch.Tensor) -> None:
 
 
 def _nothing() -> None:
-    """A job for a copy thread that does nothing (``CpuEngine.settle``)."""
+    """Nothing: a copy thread's empty job (``CpuEngine.settle``), and the ``host_events`` of a CUDA engine
+    whose host buffers are not PyTorch's pinned ones."""
 
 
 class CpuEngine:
@@ -159,7 +160,8 @@ class CudaEngine:
     ``host_empty(shape, dtype)`` makes its host buffers (default: pinned
     ``torch.empty``; a pageable buffer would make each copy synchronous), ``host_release()``
     gives back the cached ones no tensor uses, and ``host_events()`` has the allocator take in the
-    events its freed blocks wait on (defaults: PyTorch's; see ``fxoffload.runtime.pinned``).
+    events its freed blocks wait on (defaults: PyTorch's, see ``fxoffload.runtime.pinned``; with a
+    ``host_empty`` of another's, no ``host_events`` unless given).
     This project's CI has no GPU: there the tests hand it ``tests/fake_cuda.py``, a
     fake of that API on CPU tensors, and the fake's ``host_empty`` and ``release_host`` (this
     CPU-only build cannot pin; the fake marks its buffers pinned, flags a copy without one, and
@@ -176,7 +178,8 @@ class CudaEngine:
         self._api = streams
         self._host_empty = host_empty or pinned.pinned_empty
         self._host_release = host_release or pinned.release_cached
-        self._host_events = host_events or pinned.process_host_events
+        # PyTorch's allocator's events with PyTorch's blocks only (a host_empty of another's has its own)
+        self._host_events = host_events or (pinned.process_host_events if host_empty is None else _nothing)
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._free_events: list[Any] = []  # events no stream will wait on again: recorded anew, not made anew
 
