@@ -428,8 +428,11 @@ def sequential_ways(frontier: Frontier, ways: list[Way], tokens: torch.Tensor, d
         run = one_way(frontier, way, tokens, device, profile, cuda, args.profile, args.keep_traces)
         frontier.runs.append(run)
         frontier.save(args.out)
-        say(f"{way.name}: " + (f"FAILED {run.error}" if run.error else
-                               f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+        say(f"{way.name}: {_outcome(run)}")
+
+
+def _outcome(run: Run) -> str:
+    return f"FAILED {run.error}" if run.error else f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"
 
 
 def interleaved_ways(frontier: Frontier, ways: list[Way], tokens: torch.Tensor, device: torch.device, profile: Any,
@@ -462,8 +465,7 @@ def interleaved_ways(frontier: Frontier, ways: list[Way], tokens: torch.Tensor, 
     for way in prepared:
         run = finish_way(frontier, way, tokens, cuda, args.profile, args.keep_traces, release=False)
         frontier.save(args.out)
-        say(f"{way.way.name}: " + (f"FAILED {run.error}" if run.error else
-                                    f"step {_ms(run.step_seconds)}, peak {_gib(run.peak_bytes)}"))
+        say(f"{way.way.name}: {_outcome(run)}")
     if args.profile:
         profile_baselines_again(frontier, prepared, tokens, cuda, args.keep_traces)
         frontier.save(args.out)
@@ -717,10 +719,13 @@ def idle_causes(ops: list[DeviceOp], span: tuple[float, float], launches: dict[A
 def _kernel_sequence(ops: list[DeviceOp], launches: dict[Any, Launch], in_flight: Intervals) -> dict:
     """The compute stream's kernels in order (``same_kernels.kernel_sequence``), each with the thread that
     launched it (None where its launch is not in the trace)."""
+    copies = _merged(in_flight)
     launched = [LaunchedKernel(op.start, op.end, kernel_family(op.name),
-                               launches[op.correlation].thread if op.correlation in launches else None)
+                               launches[op.correlation].thread if op.correlation in launches else None,
+                               op.end > op.start and _overlap([(op.start, op.end)], copies)
+                               >= UNDER_COPY_SHARE * (op.end - op.start))
                 for op in ops]
-    return kernel_sequence(launched, _merged(in_flight))
+    return kernel_sequence(launched)
 
 
 def _direction(name: str) -> str | None:

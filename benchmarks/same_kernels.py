@@ -25,7 +25,6 @@ family (two matmuls of one shape class) pair in order. Free of torch: it reads s
 
 from __future__ import annotations
 
-import bisect
 import difflib
 from dataclasses import dataclass
 from typing import Iterable
@@ -45,39 +44,28 @@ class TimedKernel:
 
 @dataclass(frozen=True)
 class LaunchedKernel:
-    """A compute-stream kernel as the trace gives it: when it ran, its family and its launching thread."""
+    """A compute-stream kernel as the trace gives it: when it ran, its family, its launching thread, and
+    whether a copy was in flight for at least ``UNDER_COPY_SHARE`` of its time (the trace's reader says)."""
 
     start: float
     end: float
     family: str
     thread: object
+    under_copy: bool
 
 
-def _covered(start: float, end: float, copies: list[tuple[float, float]], starts: list[float]) -> float:
-    """How much of (start, end) the disjoint, ordered intervals ``copies`` cover."""
-    total, i = 0.0, max(0, bisect.bisect_right(starts, start) - 1)
-    while i < len(copies) and copies[i][0] < end:
-        total += max(0.0, min(end, copies[i][1]) - max(start, copies[i][0]))
-        i += 1
-    return total
-
-
-def kernel_sequence(kernels: Iterable[LaunchedKernel], copies: list[tuple[float, float]]) -> str:
+def kernel_sequence(kernels: Iterable[LaunchedKernel]) -> str:
     """The compute stream's kernels in order as a summary keeps them (``compute_kernel_seq``): one string,
     ``;`` between kernels (one line of a run's JSON: a step has 400-2000 kernels), each
     ``"<family index> <us> <f|b>[c]"``: the index into the sorted families (the summary's
-    ``compute_kernel_names`` holds them), forward or backward, ``c`` under a copy. ``copies`` are the
-    disjoint, ordered intervals in which a copy was in flight."""
+    ``compute_kernel_names`` holds them), forward or backward, ``c`` under a copy."""
     ordered = sorted(kernels, key=lambda k: k.start)
     forward_thread = next((k.thread for k in ordered if k.thread is not None), None)  # the first known launch
-    starts = [c[0] for c in copies]
     index = {family: i for i, family in enumerate(sorted({k.family for k in ordered}))}
     out = []
     for k in ordered:
-        dur = k.end - k.start
-        under = dur > 0 and _covered(k.start, k.end, copies, starts) >= UNDER_COPY_SHARE * dur
         phase = "f" if k.thread == forward_thread else "b"
-        out.append(f"{index[k.family]} {dur:.1f} {phase}{'c' if under else ''}")
+        out.append(f"{index[k.family]} {k.end - k.start:.1f} {phase}{'c' if k.under_copy else ''}")
     return ";".join(out)
 
 

@@ -177,8 +177,8 @@ def _reap() -> None:
 
 def _drop_ahead(orphans_only: bool = False) -> None:
     """Complete and forget copies started ahead, and drop sources kept, that no backward claimed (a step that
-    raised); with
-    ``orphans_only``, those whose host buffer is gone (the autograd graph that would read it was freed).
+    raised); with ``orphans_only``, those whose host buffer is gone (the autograd graph that would read it
+    was freed).
     A forward between two backwards (a pipeline's 1F1B) keeps the others for the backward they wait for."""
     with STATE.lock:
         if orphans_only:  # a copy that landed needs its source no more: the source goes with its graph
