@@ -75,8 +75,9 @@ def _summary(record: Any) -> str:
     staged = [t for t in plan.transfers if t.staging]
     if staged:
         lines.append(
-            f"staged copies: {', '.join(f'{t.base_name} ({format_bytes(t.staging)})' for t in staged)} are not "
-            "contiguous: the copy engine puts each through a contiguous device buffer of that size, from its "
+            f"staged copies: {', '.join(f'{t.base_name} ({format_bytes(t.staging)})' for t in staged)} fill no "
+            "one block of memory (a layout with gaps or overlaps): the copy engine puts each through a "
+            "contiguous device buffer of that size, from its "
             "offload to its release and from its prefetch to its wait (counted in the total and device peaks)")
     if plan.device_bytes is not None:
         lines.append(

@@ -12,8 +12,8 @@ link bandwidth of its direction. Each fxoffload op call (offload, its release,
 prefetch, its wait: :data:`OPS_PER_TRANSFER` per transfer) costs the profile's
 ``op_seconds`` on the host thread that issues compute; the simulator runs a
 host clock beside the device's, so that host time shows only where the device
-would wait for it (a host-bound step). A staged transfer (a strided tensor, which
-an engine that copies dense blocks puts through a contiguous buffer) also costs
+would wait for it (a host-bound step). A staged transfer (a tensor whose layout fills no one
+block of memory, which an engine that copies whole blocks puts through a contiguous buffer) also costs
 the compute stream two device copies (``staging_seconds``): one before its
 device-to-host copy, one after its host-to-device copy lands.
 

@@ -314,8 +314,8 @@ def device_peak_of_runs(total: Sequence[int], forward: int, held: int, runs: int
 def staging_intervals(offload: int, release: int, prefetch: int, wait: int,
                       nbytes: int) -> list[tuple[int, int, int]]:
     """Device intervals of a staged transfer's contiguous buffers (an engine that stages copies
-    makes one for a non-contiguous tensor at each end): from the node its offload follows to its
-    release, and from its prefetch to the node before its wait. Both are upper bounds: the first
+    makes one for a tensor whose layout fills no one block of memory at each end): from the node its
+    offload follows to its release, and from its prefetch to the node before its wait. Both are upper bounds: the first
     buffer does not exist yet at the node its offload follows, and a wait right after its prefetch
     frees the second before the consumer, where it is counted."""
     if not nbytes:

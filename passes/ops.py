@@ -4,12 +4,24 @@ The passes insert these ops; ``fxoffload.runtime`` gives them their real
 implementations (copy engines). Defining the schemas here keeps ``passes``
 free of any engine while letting it trace and type the nodes it creates.
 
-    offload(Tensor x, int order=-1) -> Tensor                    contiguous host buffer
+    offload(Tensor x, int order=-1, SymInt[]? stride=None) -> Tensor
+                                                                 host buffer shaped as x, contiguous
     prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor
     wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False, bool keep_last=False) -> Tensor(a)
                                                                  returns t once its copy is done
     defer(Tensor(a) host, Tensor source) -> Tensor(a)            returns host at once; see below
     prefetch_ahead(Tensor after, int nbytes) -> Tensor           see below; returns an empty tensor
+
+The host buffer's bytes (its contract with ``prefetch``). ``offload`` is given the strides
+``prefetch`` will ask for (the traced ones; default: ``x``'s own). When that layout fills one block
+of memory (:func:`one_block`: non-overlapping and dense, its dimensions in some order: contiguous,
+transposed, channels-last), the buffer holds the block as the layout lays it out, so each copy is
+one block copy, with no device-side copy to reorder it: the buffer is read by ``prefetch`` alone,
+which copies the block back under the same strides. Otherwise (a layout with gaps or overlaps) it
+holds ``x``'s elements in row-major order. The buffer is shaped as ``x`` and contiguous either way
+(its fake kernel: a compiler may lay ``x`` out otherwise than traced, and the buffer leaves the
+forward graph, whose output strides must match the trace); read as a tensor, a transposed
+source's buffer holds its elements in another order.
 
 ``wait`` aliases its first argument, so consumers read the waited value through
 a data edge from the wait itself. A forward's release with ``defer_before_last``
@@ -49,6 +61,8 @@ their ``Functionalize`` kernel raises :data:`REFUSED_RETRACE`, which names the
 option to turn off, instead of PyTorch's generic alias-annotation error.
 """
 
+from typing import Sequence
+
 import torch
 from torch.fx.node import has_side_effect
 
@@ -63,7 +77,7 @@ LIB = torch.library.Library("fxoffload", "DEF")
 # offload: no layout tag; under fxoffload's Inductor path its source gets a layout constraint of its own
 # (``fxoffload.backend.ordering.constrain_offload_sources``: a source whose layout is not fixed yet takes its traced
 # strides; one already fixed is handed over as it is).
-LIB.define("offload(Tensor x, int order=-1) -> Tensor", tags=_UNSAFE)
+LIB.define("offload(Tensor x, int order=-1, SymInt[]? stride=None) -> Tensor", tags=_UNSAFE)
 LIB.define("prefetch(Tensor host, Device device, SymInt[] size, SymInt[] stride) -> Tensor", tags=_TAGS)
 LIB.define("wait(Tensor(a) t, Tensor keepalive, bool defer_before_last=False, bool keep_last=False) -> Tensor(a)",
            tags=_TAGS)
@@ -72,12 +86,27 @@ LIB.define("prefetch_ahead(Tensor after, int nbytes) -> Tensor", tags=_UNSAFE)
 
 
 @torch.library.register_fake("fxoffload::offload", lib=LIB)
-def _offload_fake(x, order=-1):
+def _offload_fake(x, order=-1, stride=None):
     # Contiguous whatever x's strides: a compiler may lay x out differently from
     # the traced strides (Inductor does), and the host buffer leaves the forward
     # graph, whose output strides must match the trace. The prefetch restores
     # the traced strides from its own arguments.
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+def one_block(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of ``size`` and ``stride`` fills one block of memory exactly: non-overlapping and
+    dense, its dimensions in some order (contiguous, transposed, channels-last; the stride of a
+    dimension of size 1 never matters). A copy between two such tensors of the same strides is one
+    block copy. Plain ints (a caller evaluates symbolic ones)."""
+    if 0 in size:
+        return True  # no element: nothing to lay out
+    expected = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 @torch.library.register_fake("fxoffload::prefetch", lib=LIB)

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .candidates import RecomputeCost, TransferCost
+from .ops import one_block
 from .sizes import concrete
 from .solvers import NODE_LIMIT, TIME_GUARD, SolverName
 
@@ -154,8 +155,9 @@ class PlanOptions:
     # A bound on the host memory of the graph's copies over its runs, in CUDA's pinned blocks
     # (:func:`pinned_block`): what does not fit is kept or recomputed. None: unbounded.
     host_bytes: int | None = None
-    # Device types whose copy engine stages a non-contiguous tensor through a contiguous device
-    # buffer (the CUDA engine, ``fxoffload.runtime``): each such transfer holds one more block of its
+    # Device types whose copy engine stages a tensor that does not fill one block of memory (gaps or
+    # overlaps: ``ops.one_block``) through a contiguous device buffer (the CUDA engine,
+    # ``fxoffload.runtime``): each such transfer holds one more block of its
     # size on the device from its offload to its release and from its prefetch to its wait
     # (:func:`staging_bytes`).
     staging_devices: frozenset[str] = frozenset()
@@ -394,12 +396,15 @@ class Plan:
 
 def staging_bytes(base: fx.Node, options: PlanOptions) -> int:
     """Bytes of the contiguous device buffer an engine that stages copies (its device type in
-    ``options.staging_devices``) puts a non-contiguous base through, at the size the plan is made
-    for; 0 for a contiguous base.
-    A transposed, channels-last or padded source is made contiguous before its copy, and a strided
-    destination lands in a contiguous buffer first: ``numel`` elements, whatever the storage's size."""
+    ``options.staging_devices``) puts a base through, at the size the plan is made for: one whose
+    traced layout does not fill one block of memory (``ops.one_block``: a padded or sliced layout, gaps
+    or overlaps); 0 for one that does (contiguous, transposed, channels-last: copied as its block).
+    Such a source is made contiguous before its copy, and its destination lands in a contiguous buffer
+    first: ``numel`` elements, whatever the storage's size."""
     val = base.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.device.type not in options.staging_devices or val.is_contiguous():
+    if not isinstance(val, torch.Tensor) or val.device.type not in options.staging_devices:
+        return 0
+    if one_block([concrete(s, val) for s in val.shape], [concrete(s, val) for s in val.stride()]):
         return 0
     return concrete(val.numel() * val.element_size(), val)
 

@@ -23,8 +23,8 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   storage counts as activation memory from its rebuild on, like a prefetched
   copy; the chain's other outputs count towards the total only, and so do
   a staged offload's buffers (``PlanOptions.staging_devices``: the CUDA engine
-  copies a non-contiguous tensor through a contiguous device buffer at each
-  end, ``plan.staging_bytes``), which a device budget prices.
+  copies a tensor whose layout fills no one block of memory through a contiguous
+  device buffer at each end, ``plan.staging_bytes``), which a device budget prices.
 * Without a budget, the budget is the smallest activation peak that acting
   on every candidate reaches (offloading it; under ``"recompute"``,
   recomputing every recomputable one), plus ``min_bytes``: the cheapest

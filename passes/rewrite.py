@@ -8,8 +8,9 @@ Reads a :class:`~fxoffload.passes.plan.Plan` and a :class:`~fxoffload.passes.sch
 and edits the pair in place; it decides nothing. Nodes are found through the
 plan and schedule (which hold the nodes themselves), never by name or position.
 
-Forward, per transfer: ``host = offload(base, order)`` after ``offload_after``
-(``order``: its place among the backward's prefetches),
+Forward, per transfer: ``host = offload(base, order, stride)`` after ``offload_after``
+(``order``: its place among the backward's prefetches; ``stride``: the base's traced strides, those
+its prefetch asks for, which the host buffer's bytes follow: ``ops``),
 ``host = wait(host, base)`` after ``free_after`` (``defer`` instead when the
 schedule lets the copy cross the graph's end; ``keep_last`` on the transfers
 ``scheduling.kept_in_last_run`` names); the saved outputs of the
@@ -99,8 +100,9 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     # Each offload carries its place among the backward's prefetches, for copies started ahead.
     order = {k: i for i, k in enumerate(schedule.prefetch_order or range(len(plan.transfers)))}
     kept = set(kept_in_last_run(plan, schedule))
+    sizes = _Sizes(fw, list(fw.find_nodes(op="placeholder")))
     for k, (transfer, place) in enumerate(zip(plan.transfers, schedule.placements)):
-        host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k]))
+        host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k], *_layout(sizes, transfer.base)))
         release = DEFER if place.deferred else WAIT
         # A release deferred in the runs before the step's last waits in that one (``passes.ops``); one kept
         # keeps its source in the last run, for that run's backward.
@@ -122,6 +124,16 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     rest = old[interface.num_user_outputs + len(interface.fw_saved) :]
     out.args = (old[: interface.num_user_outputs] + tuple(saved) + rest,)
     return hosts
+
+
+def _layout(sizes: "_Sizes", base: fx.Node) -> tuple[Any, ...]:
+    """The offload's last argument: the traced strides its prefetch asks for, which the host buffer's bytes
+    follow (``ops``), as forward values; none (the source's own at run time) where a symbol of them is
+    not among the forward's inputs."""
+    try:
+        return (sizes.of(base.meta["val"].stride()),)
+    except KeyError:
+        return ()
 
 
 def _unpadded(*nodes: fx.Node) -> None:

@@ -82,8 +82,8 @@ save more): a release held past its last use may not raise it where
 temporaries or gradients pile up. A stricter bound (the total peak of the
 least-memory placement, releases at last use and prefetches at their consumers)
 would give up hiding a copy behind a long op whose output meets the prefetched
-copy at the peak. A staged transfer (``Transfer.staging``: a non-contiguous
-tensor an engine copies through a contiguous device buffer) holds its buffer
+copy at the peak. A staged transfer (``Transfer.staging``: a tensor filling no
+one block of memory, which an engine copies through a contiguous device buffer) holds its buffer
 with its copy: a move holds both, on both curves (the activation bound so
 conservatively), and the re-evaluated peaks count the buffers in the total
 (:func:`staging_temporaries`). Stalls are

@@ -91,9 +91,13 @@ class WatchedCudaEngine(runtime.CudaEngine):
         super().__init__(streams=fake, host_empty=fake.host_empty)
         self.watched = _Watched()
 
-    def _copy(self, direction, device, dst, src, invocation):
-        self.watched.watch(dst, src)
-        return super()._copy(direction, device, dst, src, invocation)
+    def _copy(self, direction, device, make_ends, invocation):
+        def watched_ends():
+            ends = make_ends()
+            self.watched.watch(ends.dst, ends.src)
+            return ends
+
+        return super()._copy(direction, device, watched_ends, invocation)
 
 
 ENGINES = {"cpu": WatchedCpuEngine, "cuda-fake": WatchedCudaEngine}

@@ -106,14 +106,14 @@ def forward(self, args_list):
     addmm = torch.ops.aten.addmm.default(primals_2, view, permute);  primals_2 = permute = None
     view_1 = torch.ops.aten.view.default(addmm, [3, 5, 16]);  addmm = None
     relu = torch.ops.aten.relu.default(view_1);  view_1 = None
-    offload_default = torch.ops.fxoffload.offload.default(relu, 1)
+    offload_default = torch.ops.fxoffload.offload.default(relu, 1, [80, 16, 1])
     alias = torch.ops.aten.alias.default(relu)
     view_2 = torch.ops.aten.view.default(relu, [15, 16])
     permute_1 = torch.ops.aten.permute.default(primals_4, [1, 0])
     addmm_1 = torch.ops.aten.addmm.default(primals_5, view_2, permute_1);  primals_5 = view_2 = permute_1 = None
     view_3 = torch.ops.aten.view.default(addmm_1, [3, 5, 16]);  addmm_1 = None
     tanh = torch.ops.aten.tanh.default(view_3);  view_3 = None
-    offload_default_1 = torch.ops.fxoffload.offload.default(tanh, 0)
+    offload_default_1 = torch.ops.fxoffload.offload.default(tanh, 0, [80, 16, 1])
     view_4 = torch.ops.aten.view.default(tanh, [15, 16])
     permute_2 = torch.ops.aten.permute.default(primals_6, [1, 0])
     addmm_2 = torch.ops.aten.addmm.default(primals_7, view_4, permute_2);  primals_7 = view_4 = permute_2 = None
@@ -123,7 +123,7 @@ def forward(self, args_list):
     wait_default = torch.ops.fxoffload.wait.default(offload_default_1, tanh);  offload_default_1 = tanh = None
     le = torch.ops.aten.le.Scalar(alias_3, 0);  alias_3 = None
     defer_default = torch.ops.fxoffload.defer.default(offload_default, relu);  offload_default = relu = None
-    offload_default_2 = torch.ops.fxoffload.offload.default(le, 2)
+    offload_default_2 = torch.ops.fxoffload.offload.default(le, 2, [80, 16, 1])
     defer_default_1 = torch.ops.fxoffload.defer.default(offload_default_2, le);  offload_default_2 = le = None
     return (sum_1, primals_4, primals_6, view, defer_default, wait_default, defer_default_1)"""
 

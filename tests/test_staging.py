@@ -1,6 +1,8 @@
-"""Staged copies: the CUDA engine puts a non-contiguous tensor through a
-contiguous device buffer at each end of its round trip (``runtime.dense_ends``), and the memory
-model counts those buffers when the engine that will copy the graph's tensors stages copies.
+"""Staged copies: the CUDA engine puts a tensor that does not fill one block of memory (a layout with
+gaps: ``passes.ops.one_block``) through a contiguous device buffer at each end of its round trip
+(``runtime.engines.offload_ends``, ``prefetch_ends``), and the memory model counts those buffers when
+the engine that will copy the graph's tensors stages copies. (A transposed tensor fills one block and
+is copied as it is: ``tests/test_block_copies.py``.)
 
 Run here through the fake of the CUDA stream API on CPU tensors (``tests/fake_cuda.py``): the
 backend asks the engine in use for the graph's device, so the same graph is planned with staging
@@ -23,8 +25,17 @@ from tests.conftest import assert_same_step, cuda_engine_on_cpu, lm_step, per_la
 HIDDEN, BATCH = 256, 32
 
 
-class Transposed(torch.nn.Module):
-    """tanh of a transposed matmul output keeps its input's strides: a saved, non-contiguous base.
+def gapped(h: torch.Tensor) -> torch.Tensor:
+    """``h`` copied into rows padded to twice their length: a layout with gaps, which fills no one
+    block of memory (a saved base the CUDA engine stages)."""
+    rows, cols = h.shape
+    out = h.new_empty_strided((rows, cols), (2 * cols, 1))
+    out.copy_(h)
+    return out
+
+
+class Gapped(torch.nn.Module):
+    """tanh of a matmul output, laid out with gaps: a saved base that fills no one block.
     ``wide`` (not saved) holds the forward's peak above the backward's while the buffer lives."""
 
     def __init__(self) -> None:
@@ -34,15 +45,15 @@ class Transposed(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.repeat(1, 64)
-        h = torch.tanh(self.a(x).t())  # (HIDDEN, BATCH), strides (1, HIDDEN)
+        h = gapped(torch.tanh(self.a(x).t()))  # (HIDDEN, BATCH), strides (2 * BATCH, 1)
         return torch.relu(h @ self.w).sum() + wide.sum()
 
 
 def compiled_step(staged: bool):
-    """One step of Transposed, offloading every candidate; its record and loss/gradients."""
+    """One step of Gapped, offloading every candidate; its record and loss/gradients."""
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model, x = Transposed(), torch.randn(BATCH, 16)
+    model, x = Gapped(), torch.randn(BATCH, 16)
     # horizon 2: tanh's prefetch goes two compute ops ahead of its wait, so its buffer spans nodes.
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, horizon=2)
     compiled = torch.compile(model, backend=backend)
@@ -65,15 +76,16 @@ def compiled_step(staged: bool):
     return backend.records[0], result, model, x
 
 
-def test_only_a_non_contiguous_base_copied_by_a_staging_engine_is_staged():
+def test_only_a_base_that_fills_no_block_copied_by_a_staging_engine_is_staged():
     unstaged, _, _, _ = compiled_step(staged=False)
     staged, _, _, _ = compiled_step(staged=True)
     by_name = {t.base_name: t for t in staged.plan.transfers}
-    assert set(by_name) == {"tanh", "le"}
-    assert by_name["tanh"].staging == HIDDEN * BATCH * 4  # numel x float32, the contiguous copy
+    assert set(by_name) == {"copy", "tanh", "le"}
+    assert by_name["copy"].staging == HIDDEN * BATCH * 4  # numel x float32, the contiguous copy
+    assert by_name["tanh"].staging == 0  # transposed: it fills one block, copied as it is
     assert by_name["le"].staging == 0  # relu's mask is contiguous: copied as it is
     assert all(t.staging == 0 for t in unstaged.plan.transfers)  # the CPU engine stages nothing
-    assert "staged copies: tanh (32.0 KiB)" in fxoffload.explain(staged)
+    assert "staged copies: copy (32.0 KiB)" in fxoffload.explain(staged)
     assert "staged copies" not in fxoffload.explain(unstaged)
 
 
@@ -86,7 +98,7 @@ def test_a_staged_transfer_costs_the_compute_stream_its_two_device_copies():
     unbuffered = dataclasses.replace(staged, plan=dataclasses.replace(
         plan, transfers=tuple(dataclasses.replace(t, staging=0) for t in plan.transfers)))
     before, after = simulate(unbuffered), simulate(staged)
-    (place,) = [p for p in staged.schedule.placements if plan.transfers[p.transfer].base_name == "tanh"]
+    (place,) = [p for p in staged.schedule.placements if plan.transfers[p.transfer].base_name == "copy"]
     copy = staging_seconds(HIDDEN * BATCH * 4, profile)
     assert copy == pytest.approx(2 * HIDDEN * BATCH * 4 / profile.memory_bandwidth)
     pos = staged.timeline.positions
@@ -97,15 +109,15 @@ def test_a_staged_transfer_costs_the_compute_stream_its_two_device_copies():
     step_before, step_after = simulate_step([unbuffered]), simulate_step([staged])
     longer = {i: b - a for i, ((_, a), (_, b)) in enumerate(zip(step_before.ops, step_after.ops)) if b != a}
     assert longer == {pos[place.offload_after]: pytest.approx(copy), pos[place.wait_before]: pytest.approx(copy)}
-    assert after.step_time > before.step_time  # this step is host-bound: the copies hide part of the wait
+    assert after.step_time >= before.step_time  # host-bound: the copies' time hides in the host's wait, or adds
 
 
 def test_the_planner_prices_the_staging_copies():
     """A staged candidate's copy cost carries its two device copies; an unstaged one's carries none."""
     staged, _, _, _ = compiled_step(staged=True)
     costs = {t.base_name: t.cost for t in staged.plan.transfers}
-    assert costs["tanh"].staging == pytest.approx(2 * staging_seconds(HIDDEN * BATCH * 4, staged.profile))
-    assert costs["le"].staging == 0.0
+    assert costs["copy"].staging == pytest.approx(2 * staging_seconds(HIDDEN * BATCH * 4, staged.profile))
+    assert costs["tanh"].staging == costs["le"].staging == 0.0
 
 
 def test_the_staging_buffers_raise_the_total_curve_exactly_where_they_live():
@@ -118,7 +130,7 @@ def test_the_staging_buffers_raise_the_total_curve_exactly_where_they_live():
     unbuffered = dataclasses.replace(staged, plan=dataclasses.replace(
         plan, transfers=tuple(dataclasses.replace(t, staging=0) for t in plan.transfers)))
     pos = staged.timeline.positions
-    (place,) = [p for p in staged.schedule.placements if plan.transfers[p.transfer].base_name == "tanh"]
+    (place,) = [p for p in staged.schedule.placements if plan.transfers[p.transfer].base_name == "copy"]
     assert pos[place.wait_before] - pos[place.prefetch_before] >= 2
     live = set(range(pos[place.offload_after], pos[place.free_after] + 1))
     live |= set(range(pos[place.prefetch_before], pos[place.wait_before]))
@@ -139,8 +151,9 @@ def test_a_staged_step_through_the_cuda_engine_matches_eager():
     assert runtime.pending_transfers() == 0
 
 
-class TransposedChain(torch.nn.Module):
-    """Six layers, each saving a non-contiguous tanh output: activations outweigh the parameters."""
+class GappedChain(torch.nn.Module):
+    """Six layers, each input after the first laid out with gaps (saved for its weight's gradient, and
+    filling no one block): activations outweigh the parameters."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,14 +161,14 @@ class TransposedChain(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            x = torch.tanh(layer(x).t()).t()
+            x = gapped(layer(x) * 2)
         return x.sum()
 
 
 def chain_plan(device_budget, staged: bool, horizon=2):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model, x = TransposedChain(), torch.randn(1024, 64)
+    model, x = GappedChain(), torch.randn(1024, 64)
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, horizon=horizon, strategy="offload",
                                         device_budget=device_budget, on_infeasible="warn")
     compiled = torch.compile(model, backend=backend)
@@ -170,8 +183,8 @@ def chain_plan(device_budget, staged: bool, horizon=2):
 
 
 @pytest.mark.parametrize("horizon, shares, met", [
-    (2, (0.96, 0.79, 0.75, 0.7), [True, True, False, False]),
-    ("auto", (0.86, 0.8, 0.74), [True, True, True]),  # prefetches placed by the room: buffers included
+    (2, (0.96, 0.75, 0.7, 0.6), [True, True, True, False]),
+    ("auto", (0.86, 0.74, 0.6), [True, True, False]),  # prefetches placed by the room: buffers included
 ])
 def test_a_device_budget_holds_with_the_staging_buffers_counted(horizon, shares, met):
     """Under a device budget the planner prices each staged offload's buffers and the scheduler holds

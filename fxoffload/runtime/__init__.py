@@ -2,11 +2,15 @@
 
 Protocol (the rewrite emits exactly these pairs)::
 
-    host = fxoffload.offload(x)              # start device->host copy of x
+    host = fxoffload.offload(x, order, stride)   # start device->host copy of x
     host = fxoffload.wait(host, x)           # compute waits for the copy; x is released
     ...                                      # (host is saved for backward)
     dev  = fxoffload.prefetch(host, device, size, stride)   # start host->device copy
     dev  = fxoffload.wait(dev, host)         # compute waits for the copy
+
+The offload's ``stride`` is the one its prefetch asks for (the traced strides): the host buffer's
+bytes follow it, so a transposed or channels-last tensor travels as the one block it fills
+(``fxoffload.passes.ops``).
 
 ``offload`` and ``prefetch`` return at once; the copy runs on the engine of the tensor's device
 type (``fxoffload.runtime.engines``: a CPU engine with background threads, a CUDA engine with copy streams and
@@ -111,7 +115,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from fxoffload.runtime.engines import CpuEngine, CudaEngine, dense_ends  # noqa: F401  (dense_ends: the tests')
+from fxoffload.runtime.engines import CpuEngine, CudaEngine
 from fxoffload.passes import LIB as _lib
 from fxoffload.runtime.state import (
     STATE, CopyRecord, DebugCounts, Invocation, Kept, Offloaded, copies_in_flight, debug_counts, debugging,
@@ -330,11 +334,12 @@ def settle() -> None:
             settled()
 
 
-def _note_offload(host: torch.Tensor, x: torch.Tensor, order: int) -> None:
+def _note_offload(host: torch.Tensor, x: torch.Tensor, order: int, layout: tuple[int, ...]) -> None:
     if not STATE.open or order < 0 or host.numel() == 0:
         return
     invocation = STATE.open[-1]
-    invocation.offloads.append(Offloaded(weakref.ref(host), order, tuple(x.shape), tuple(x.stride()), x.device,
+    # A copy started ahead asks for the layout the host buffer's bytes follow, the one its prefetch asks for.
+    invocation.offloads.append(Offloaded(weakref.ref(host), order, tuple(x.shape), layout, x.device,
                                           host.numel() * host.element_size()))
     if STATE.trace is not None:
         STATE.owner[host.data_ptr()] = invocation.index
@@ -357,8 +362,8 @@ def _engine_for(device: torch.device):
 
 
 def staging_device_types() -> frozenset[str]:
-    """The device types whose engine (now: :func:`use_engine` may swap one) puts a non-contiguous
-    tensor through a contiguous device buffer: the CUDA engine's."""
+    """The device types whose engine (now: :func:`use_engine` may swap one) puts a tensor
+    that fills no one block of memory through a contiguous device buffer: the CUDA engine's."""
     return frozenset(device for device, engine in _engines.items() if engine.stages_strided)
 
 
@@ -417,15 +422,17 @@ def copy_delay(seconds: float) -> Iterator[None]:
 
 
 @torch.library.impl(_lib, "offload", "CompositeExplicitAutograd")
-def _offload(x: torch.Tensor, order: int = -1) -> torch.Tensor:
+def _offload(x: torch.Tensor, order: int = -1, stride: Sequence[int] | None = None) -> torch.Tensor:
     _reap()
     invocation = STATE.open[-1].index if STATE.open else None
     _event("d2h_issue", invocation)
+    # The layout its prefetch will ask for (``passes.ops``: the host buffer's bytes follow it).
+    layout = tuple(x.stride()) if stride is None else tuple(stride)
     # The engine holds an alias (another tensor object on the same storage) until the copy is done:
     # the storage lives on, and ``x`` itself stays the caller's, whose references
     # ``fxoffload.backend.callers`` checks.
-    host = _engine_for(x.device).offload(x.detach(), invocation)
-    _note_offload(host, x, order)
+    host = _engine_for(x.device).offload(x.detach(), invocation, layout)
+    _note_offload(host, x, order, layout)
     return host
 
 

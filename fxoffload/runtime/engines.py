@@ -9,7 +9,9 @@
   buffers from PyTorch's caching pinned-host allocator (``fxoffload.runtime.pinned``). No ``record_stream``:
   the source of every copy is kept alive by its record (and, in the graph, by the ``keepalive``
   argument of ``wait``) until the compute stream has waited for the copy's event, after which
-  freeing it is ordered after the copy. Both ends of a copy are dense blocks (:func:`dense_ends`).
+  freeing it is ordered after the copy. Both ends of a copy are blocks of memory copied whole (:func:`offload_ends`,
+:func:`prefetch_ends`): a transposed or channels-last tensor is copied as the block it fills, and the host buffer
+holds that block (the ops' contract, ``fxoffload.passes.ops``).
 
 Each engine makes a :class:`~fxoffload.runtime.state.CopyRecord` per copy and registers it
 (``runtime_state.register``); the runtime's op kernels find it there. Limits: one device per
@@ -22,10 +24,11 @@ import math
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from fxoffload.passes import one_block
 from fxoffload.runtime import pinned
 from fxoffload.runtime.state import STATE, CopyRecord, event, register, retire
 
@@ -112,10 +115,12 @@ class CpuEngine:
     def release_host(self) -> int | None:
         return 0  # it caches nothing
 
-    def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
+    def offload(self, x: torch.Tensor, invocation: int | None = None,
+                layout: Sequence[int] | None = None) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype)  # contiguous, as the fake kernel says
         _poison(host)
-        register(host, self._copy("d2h", host, x, invocation))
+        # The host buffer's bytes as ``layout`` lays x out (``passes.ops``); copy_ reorders any layout.
+        register(host, self._copy("d2h", host_as(host, tuple(x.shape), layout or tuple(x.stride())), x, invocation))
         return host
 
     def prefetch(
@@ -124,23 +129,62 @@ class CpuEngine:
     ) -> torch.Tensor:
         dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
         _poison(dev)
-        register(dev, self._copy("h2d", dev, host, invocation))
+        register(dev, self._copy("h2d", dev, host_as(host, tuple(size), tuple(stride)), invocation))
         return dev
 
 
+def host_as(host: torch.Tensor, size: tuple[int, ...], layout: tuple[int, ...]) -> torch.Tensor:
+    """The contiguous host buffer seen as the tensor it holds (``passes.ops``: when ``layout`` fills one
+    block of memory, its elements lie as ``layout`` lays them out; else in row-major order)."""
+    return host.as_strided(size, layout, host.storage_offset()) if one_block(size, layout) else host
 
 
-def dense_ends(src: torch.Tensor, dst: torch.Tensor):
-    """Both ends of a copy as contiguous blocks, made on the compute stream: ``copy_`` between
-    layouts that differ (a transposed, channels-last or padded device tensor against the contiguous
-    host buffer) would build a full-size temporary on the copy stream, in a pool compute cannot
-    reuse. A device source is made contiguous first; a strided device destination gets a contiguous
-    landing buffer, copied into it when compute waits (``strided``, returned third)."""
-    if not src.is_contiguous():
-        src = src.contiguous()
-    if dst.is_contiguous():
-        return src, dst, None
-    return src, torch.empty(dst.shape, dtype=dst.dtype, device=dst.device), dst
+def block(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that fills one block of memory (``passes.ops.one_block``) as that block: its elements in
+    memory order, one dimension. A copy between two blocks is one block copy (``cudaMemcpyAsync``)."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+class Ends(NamedTuple):
+    """The two ends of one CUDA copy, each a dense block, made on the compute stream; ``strided`` (a
+    destination that does not fill one block) is copied from ``dst`` on the compute stream once the copy
+    has landed; ``staged``: a device buffer was made at this end (debug mode counts it)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    strided: torch.Tensor | None = None
+    staged: bool = False
+
+
+def offload_ends(host: torch.Tensor, x: torch.Tensor, layout: tuple[int, ...]) -> Ends:
+    """An offload's copy as block to block: ``copy_`` between layouts that differ would build a full-size
+    temporary on the copy stream, in a pool compute cannot reuse. A source laid out as ``layout`` (the
+    layout its prefetch asks for), filling one block, is copied as it lies (transposed, channels-last:
+    no device copy); one laid out otherwise is first copied to ``layout`` on the compute stream (a
+    compiler chose other strides than traced); one whose layout does not fill a block is made contiguous
+    there, and the host holds it in row-major order."""
+    shape = tuple(x.shape)
+    if not one_block(shape, layout):
+        staged = not x.is_contiguous()
+        return Ends(block(host), block(x.contiguous() if staged else x), None, staged)
+    staged = not _same_layout(shape, tuple(x.stride()), layout)
+    if staged:
+        x = torch.empty_strided(shape, layout, dtype=x.dtype, device=x.device).copy_(x)
+    return Ends(block(host), block(x), None, staged)
+
+
+def prefetch_ends(dev: torch.Tensor, host: torch.Tensor) -> Ends:
+    """A prefetch's copy as block to block: a destination that fills one block takes the host's block as it
+    is (the offload laid it out so); one that does not lands in a contiguous buffer first, copied into it
+    on the compute stream when compute waits (``Ends.strided``)."""
+    if one_block(tuple(dev.shape), tuple(dev.stride())):
+        return Ends(block(dev), block(host))
+    return Ends(torch.empty(dev.shape, dtype=dev.dtype, device=dev.device), host, dev, True)
+
+
+def _same_layout(size: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two strides lay a tensor of ``size`` out alike (the stride of a dimension of size 1 never matters)."""
+    return all(x == y for s, x, y in zip(size, a, b) if s != 1)
 
 
 _CAPTURING = (
@@ -168,8 +212,9 @@ class CudaEngine:
     counts the blocks a caching host allocator would make and the event queries it would run).
     """
 
-    # A non-contiguous source or destination goes through a contiguous device buffer
-    # (:func:`dense_ends`); the planner counts it (``PlanOptions.staging_devices``).
+    # A source or destination that does not fill one block of memory (gaps, overlaps) goes through a
+    # contiguous device buffer (:func:`offload_ends`, :func:`prefetch_ends`); the planner counts it
+    # (``PlanOptions.staging_devices``).
     stages_strided = True
 
     def __init__(self, streams: Any = None, host_empty: Callable[..., torch.Tensor] | None = None,
@@ -193,17 +238,17 @@ class CudaEngine:
             self._streams[key] = self.api.Stream(device=device)
         return self._streams[key]
 
-    def _copy(self, direction: str, device: torch.device, dst, src, invocation: int | None) -> CopyRecord:
+    def _copy(self, direction: str, device: torch.device, make_ends: Callable[[], Ends],
+              invocation: int | None) -> CopyRecord:
         api = self.api
         if api.is_current_stream_capturing():
             raise RuntimeError(_CAPTURING)
+        ends = make_ends()  # on the compute stream: a staging buffer, and its copy, are compute's
         if STATE.debug_depth:  # on the compute stream, so before the copy (the copy stream waits for it)
-            _poison(dst)
+            _poison(ends.dst if ends.strided is None else ends.strided)
             STATE.debug_counts.filled += 1
-        dense_src, dst, strided = dense_ends(src, dst)
-        if STATE.debug_depth:  # a buffer at either end (dense_ends's own answer, not a second rule)
-            STATE.debug_counts.staged += dense_src is not src or strided is not None
-        src = dense_src
+            STATE.debug_counts.staged += ends.staged  # a buffer at either end (the ends' own answer)
+        dst, src, strided = ends.dst, ends.src, ends.strided
         compute = api.current_stream(device)
         stream = self._stream(device, direction)
         # The source was written, and the destination's memory may have been
@@ -276,14 +321,16 @@ class CudaEngine:
         if self._streams and not self.api.is_current_stream_capturing():
             self._host_events()
 
-    def offload(self, x: torch.Tensor, invocation: int | None = None) -> torch.Tensor:
+    def offload(self, x: torch.Tensor, invocation: int | None = None,
+                layout: Sequence[int] | None = None) -> torch.Tensor:
         host = self._host_empty(x.shape, x.dtype)
-        register(host, self._copy("d2h", x.device, host, x, invocation))
+        layout = tuple(x.stride()) if layout is None else tuple(layout)
+        register(host, self._copy("d2h", x.device, lambda: offload_ends(host, x, layout), invocation))
         return host
 
     def prefetch(self, host, device, size, stride, invocation: int | None = None) -> torch.Tensor:
         # Allocated on the compute stream, so freeing it later needs no
         # cross-stream bookkeeping once compute has waited for the copy.
         dev = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
-        register(dev, self._copy("h2d", dev.device, dev, host, invocation))
+        register(dev, self._copy("h2d", dev.device, lambda: prefetch_ends(dev, host), invocation))
         return dev

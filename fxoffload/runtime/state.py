@@ -54,8 +54,9 @@ class DebugCounts:
     """What debug mode (:func:`debugging`) saw: ``waits`` checked, of which ``stalls`` found their copy
     still running (compute waited there: a copy the schedule did not hide), ``filled``
     destinations the CUDA engine filled with NaN before their copy, and ``staged`` copies it put
-    through a contiguous device buffer (a strided source or destination: the plan counts one for
-    each end of a transfer whose traced layout is not dense, ``plan.Transfer.staging``)."""
+    through a contiguous device buffer (a source or destination that fills no one block of memory, or
+    a source laid out otherwise than traced: the plan counts one for each end of a transfer whose
+    traced layout fills no block, ``plan.Transfer.staging``)."""
 
     waits: int = 0
     stalls: int = 0

@@ -1,0 +1,190 @@
+"""Block copies: a tensor that fills one block of memory (``passes.ops.one_block``: contiguous, transposed,
+channels-last) is copied to the host and back as that block, with no device-side copy to reorder it; the
+host buffer holds the block as the traced strides lay it out, and the prefetch, asking for those strides,
+copies it back whole (the ops' contract, ``passes/ops.py``). The planner then prices no staging for it.
+
+Run through the fake of the CUDA stream API (``tests/fake_cuda.py``), which reports any side-stream copy
+between layouts that differ (``copy_`` would build a full-size temporary there), and through the CPU engine,
+whose host buffers follow the same contract."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import runtime
+from fxoffload.passes import one_block
+from fxoffload.runtime.engines import block
+from tests.conftest import assert_same_step, cuda_engine_on_cpu
+
+ops = torch.ops.fxoffload
+CPU = torch.device("cpu")
+HIDDEN, BATCH = 256, 32
+
+
+def addresses(size, stride) -> list[int]:
+    """Every element's offset, by enumeration (the definition ``one_block`` must agree with)."""
+    return sorted(sum(i * s for i, s in zip(index, stride)) for index in itertools.product(*map(range, size)))
+
+
+def test_one_block_is_a_layout_that_addresses_each_offset_of_its_span_once():
+    rng = random.Random(0)
+    cases = [((2, 3), (3, 1)), ((2, 3), (1, 2)), ((2, 3), (4, 1)), ((2, 3), (0, 1)), ((3, 3), (1, 1)),
+             ((1, 5), (99, 1)), ((4, 1, 2), (1, 7, 4)), ((0, 3), (5, 9)), ((2, 2, 2), (4, 1, 2))]
+    for _ in range(400):
+        size = tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 4)))
+        stride = tuple(rng.randint(0, 13) for _ in size)
+        cases.append((size, stride))
+        perm = rng.sample(range(len(size)), len(size))  # a permutation of a contiguous layout: always one block
+        contiguous = torch.empty(tuple(size[p] for p in perm)).stride()
+        cases.append((size, tuple(contiguous[perm.index(d)] for d in range(len(size)))))
+    fills = 0
+    for size, stride in cases:
+        numel = torch.Size(size).numel()
+        expected = numel == 0 or addresses(size, stride) == list(range(numel))
+        assert one_block(size, stride) == expected, (size, stride)
+        fills += expected
+    assert 100 < fills < len(cases)  # both answers exercised
+
+
+def round_trip(x: torch.Tensor, stride=None, asked=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` offloaded (given ``stride``) and prefetched with ``asked`` strides (default: the same, or x's)."""
+    asked = list(asked or stride or x.stride())
+    host = ops.wait(ops.offload(x, -1, stride) if stride is not None else ops.offload(x), x)
+    dev = ops.wait(ops.prefetch(host, CPU, list(x.shape), asked), host)
+    return host, dev
+
+
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_a_transposed_source_goes_to_the_host_as_its_block_and_back(engine):
+    x = torch.randn(6, 8).t()  # strides (1, 8): one block, not contiguous
+    with cuda_engine_on_cpu() if engine == "cuda" else runtime.trace() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        host, dev = round_trip(x)
+        counts = runtime.debug_counts(reset=True)
+    assert host.is_contiguous() and host.shape == x.shape  # as the offload's fake kernel says
+    assert torch.equal(host.view(-1), block(x))  # the block as it lies: both engines alike
+    assert dev.stride() == x.stride() and torch.equal(dev, x)
+    if engine == "cuda":
+        assert fake.violations == [] and counts.staged == 0  # each copy one block, no buffer at either end
+
+
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_a_source_laid_out_otherwise_than_traced_is_reordered_to_the_traced_layout(engine):
+    """A compiler may hand the offload its source in other strides than traced (here contiguous, traced
+    transposed): the host buffer still follows the traced layout, the one its prefetch asks for, so the
+    source is copied to it once on the compute stream (the CUDA engine: one staging buffer)."""
+    x = torch.randn(8, 6)
+    traced = [1, 8]
+    with cuda_engine_on_cpu() if engine == "cuda" else runtime.trace() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        host, dev = round_trip(x, stride=traced)
+        counts = runtime.debug_counts(reset=True)
+    assert torch.equal(host.view(-1), block(x.t().contiguous().t()))
+    assert list(dev.stride()) == traced and torch.equal(dev, x)
+    if engine == "cuda":
+        assert fake.violations == [] and counts.staged == 1
+
+
+def test_a_layout_with_gaps_is_held_in_row_major_order_through_one_buffer_at_each_end():
+    x = torch.randn(8, 12)[:, ::2]  # strides (12, 2): fills no block
+    with cuda_engine_on_cpu() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        host, dev = round_trip(x)
+        counts = runtime.debug_counts(reset=True)
+    assert torch.equal(host, x) and torch.equal(dev, x) and dev.stride() == x.stride()
+    assert fake.violations == [] and counts.staged == 2
+
+
+def test_a_copy_started_ahead_asks_for_the_traced_layout_and_its_prefetch_claims_it():
+    """``prefetch_ahead`` starts a copy in the layout the offload was given (the traced one), not the
+    source's own: the prefetch, asking for the traced layout, finds it in flight."""
+    x = torch.randn(16, 24)  # laid out contiguous; traced transposed
+    traced = [1, 16]
+    with cuda_engine_on_cpu() as fake, runtime.trace() as events:
+        with runtime.forward_invocation() as first:
+            host = ops.defer(ops.offload(x, 0, traced), x)
+        with runtime.forward_invocation() as second:
+            pass
+        runtime.backward_begins(second)  # the second layer's backward runs first ...
+        ops.prefetch_ahead(torch.empty(()), 1 << 20)  # ... and starts the first's copy
+        runtime.backward_begins(first)
+        dev = ops.wait(ops.prefetch(host, CPU, [16, 24], traced), host)
+    assert [e[0] for e in events if e[0] in ("h2d_issue", "claim")] == ["h2d_issue", "claim"]
+    assert list(dev.stride()) == traced and torch.equal(dev, x)
+    assert fake.violations == []
+    runtime.reset()
+
+
+class Transposed(torch.nn.Module):
+    """tanh of a transposed matmul output keeps its input's strides: a saved base that fills one block
+    without being contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, HIDDEN)
+        self.w = torch.nn.Parameter(torch.randn(BATCH, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x).t())  # (HIDDEN, BATCH), strides (1, HIDDEN)
+        return torch.relu(h @ self.w).sum()
+
+
+def test_a_transposed_activation_is_planned_and_copied_without_staging_and_the_step_matches_eager():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager, model, x = Transposed(), Transposed(), torch.randn(BATCH, 16)
+    model.load_state_dict(eager.state_dict())
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
+    compiled = torch.compile(model, backend=backend)
+
+    def step(run, m):
+        loss = run(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    expected = step(eager, eager)
+    with cuda_engine_on_cpu() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        got = step(compiled, model)
+        counts = runtime.debug_counts(reset=True)
+    transfers = {t.base_name: t for t in backend.records[0].plan.transfers}
+    assert not transfers["tanh"].base.meta["val"].is_contiguous()
+    assert all(t.staging == 0 for t in transfers.values())  # the plan prices no staging copy
+    assert "staged copies" not in fxoffload.explain(backend.records[0])
+    assert counts.filled == 2 * len(transfers) and counts.staged == 0 and fake.violations == []
+    assert_same_step(expected, got)
+    assert runtime.pending_transfers() == 0
+
+
+@pytest.mark.compat
+def test_inductor_hands_the_offload_its_traced_transposed_layout_so_nothing_is_staged():
+    """Under Inductor the offload's source is fixed at its traced strides (``ordering.constrain_offload_sources``)
+    and the offload is given them: the transposed activation goes to the host and back as its block, no
+    device copy at either end, and the step matches eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager, model, x = Transposed(), Transposed(), torch.randn(BATCH, 16)
+    model.load_state_dict(eager.state_dict())
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, all_eligible=True, strategy="offload")
+    compiled = torch.compile(model, backend=backend)
+
+    def step(run, m):
+        loss = run(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    expected = step(eager, eager)
+    with cuda_engine_on_cpu() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        got, (fw_code, _) = run_and_get_code(lambda: step(compiled, model))
+        counts = runtime.debug_counts(reset=True)
+    transfers = backend.records[0].plan.transfers
+    assert any(not t.base.meta["val"].is_contiguous() for t in transfers)
+    assert f"[1, {HIDDEN}]" in fw_code  # the transposed source's traced strides, handed to its offload
+    assert counts.filled == 2 * len(transfers) and counts.staged == 0 and fake.violations == []
+    assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
