@@ -28,7 +28,7 @@ from .cost_model import OPTIMIZERS, DeviceProfile, Work, op_work, optimizer_step
 from .digest import plan_digest
 from .layer_copies import TRACED_LAYERS, CopiedLayers, LayerCopyError, copy_layers
 from .memory import Timeline, curve, on_device
-from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, one_block
+from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, one_block, same_layout
 from .pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
@@ -63,7 +63,7 @@ __all__ = [
     "kept_in_last_run",
     "offload_marked", "one_block", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
-    "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "save_offload_marks",
+    "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "same_layout", "save_offload_marks",
     "scheduled_moves", "share_for",
     "simulate", "simulate_runs", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
     "storage_key", "symbol_value", "tensor_nbytes", "tensor_storage_key", "timeline_at", "unbounded_size_warning",

@@ -282,9 +282,9 @@ def transfer_time(nbytes: int, bandwidth: float, latency: float) -> float:
 
 
 def staging_seconds(nbytes: int, profile: DeviceProfile) -> float:
-    """Compute-stream time of one staging copy of a staged transfer (a strided source made contiguous
-    before its device-to-host copy, or the landed contiguous copy put back in its strides before its
-    consumer): ``nbytes`` read and written over the device memory bandwidth."""
+    """Compute-stream time of one staging copy of a staged transfer (a source that fills no one block of
+    memory made contiguous before its device-to-host copy, or the landed contiguous copy put back in its
+    strides before its consumer): ``nbytes`` read and written over the device memory bandwidth."""
     return 2 * nbytes / profile.memory_bandwidth if nbytes else 0.0
 
 

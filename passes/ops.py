@@ -94,6 +94,12 @@ def _offload_fake(x, order=-1, stride=None):
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
+def same_layout(size: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether strides ``a`` and ``b`` lay a tensor of ``size`` out alike (the stride of a dimension of
+    size 1 never matters)."""
+    return len(a) == len(b) == len(size) and all(x == y for s, x, y in zip(size, a, b) if s != 1)
+
+
 def one_block(size: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether a tensor of ``size`` and ``stride`` fills one block of memory exactly: non-overlapping and
     dense, its dimensions in some order (contiguous, transposed, channels-last; the stride of a

@@ -153,7 +153,7 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
 def priced_staging(costs: Mapping[fx.Node, TransferCost], options: PlanOptions,
                    profile: DeviceProfile) -> dict[fx.Node, TransferCost]:
     """Each candidate's copy costs with its staging copies' compute time (``options.staging_devices``:
-    the engines that stage a strided tensor; none, nothing changes)."""
+    the engines that stage a tensor filling no one block of memory; none, nothing changes)."""
     priced = dict(costs)
     for b, c in costs.items():
         if staged := staging_bytes(b, options):

@@ -52,9 +52,11 @@ Timeline = Any  # fxoffload.passes.memory.Timeline (not imported here: memory im
 def concrete(expr: Any, val: Any = None) -> int:
     """An int for ``expr``: each symbol at the largest value its guards allow when that is finite
     (the compiled graph serves every size up to it), else at the shape environment's hint (the
-    traced size; :func:`unbounded_symbols` tells which)."""
+    traced size; :func:`unbounded_symbols` tells which). A ``SymInt`` stands for its expression."""
     if isinstance(expr, int):
         return expr
+    if isinstance(expr, torch.SymInt):
+        expr = expr.node.expr
     shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
     if shape_env is None:
         return int(expr)

@@ -98,6 +98,25 @@ def test_a_layout_with_gaps_is_held_in_row_major_order_through_one_buffer_at_eac
     assert fake.violations == [] and counts.staged == 2
 
 
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_a_prefetch_asking_for_other_strides_than_its_offload_was_given_raises(engine):
+    """Read in other strides, the host buffer's block would come back in another order: silently wrong
+    values. The runtime remembers each offload's strides and refuses such a prefetch (the stride of a
+    dimension of size 1 does not count); a tensor no offload made is not checked."""
+    x = torch.randn(8, 6)
+    with cuda_engine_on_cpu() if engine == "cuda" else runtime.trace():
+        host = ops.wait(ops.offload(x), x)
+        with pytest.raises(RuntimeError, match=r"asked for strides \(1, 8\) of a host buffer whose offload was "
+                                               r"given strides \(6, 1\)"):
+            ops.prefetch(host, CPU, [8, 6], [1, 8])
+        column = torch.randn(8, 1)
+        host = ops.wait(ops.offload(column), column)
+        assert torch.equal(ops.wait(ops.prefetch(host, CPU, [8, 1], [1, 99]), host), column)
+        other = torch.randn(8, 6)  # not an offload's buffer: nothing to check it against
+        assert torch.equal(ops.wait(ops.prefetch(other, CPU, [8, 6], [6, 1]), other), other)
+    runtime.reset()
+
+
 def test_a_copy_started_ahead_asks_for_the_traced_layout_and_its_prefetch_claims_it():
     """``prefetch_ahead`` starts a copy in the layout the offload was given (the traced one), not the
     source's own: the prefetch, asking for the traced layout, finds it in flight."""
@@ -188,3 +207,46 @@ def test_inductor_hands_the_offload_its_traced_transposed_layout_so_nothing_is_s
     assert f"[1, {HIDDEN}]" in fw_code  # the transposed source's traced strides, handed to its offload
     assert counts.filled == 2 * len(transfers) and counts.staged == 0 and fake.violations == []
     assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
+
+
+class DynTransposed(torch.nn.Module):
+    """Attention over a dynamic sequence: the CPU's attention saves its log-sum-exp of shape (B, heads, T)
+    laid out as (B, T, heads), strides (heads * T, 1, heads): one block, symbolic strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).square().sum()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_transposed_activation_of_dynamic_shape_is_copied_as_its_block(inner):
+    """Dynamic shapes under a staging engine: the plan evaluates the symbolic layout (``plan.staging_bytes``),
+    the offload is given the traced strides as forward values, and each size matches eager, nothing staged."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager, model = DynTransposed(), DynTransposed()
+    model.load_state_dict(eager.state_dict())
+    backend = fxoffload.offload_backend(inner=inner, min_bytes=0, all_eligible=True, strategy="offload")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def step(run, m, x):
+        loss = run(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    with cuda_engine_on_cpu() as fake, runtime.debugging():
+        for t in (6, 10):
+            x = torch.randn(4, t, 16)
+            eager.zero_grad(), model.zero_grad()
+            runtime.debug_counts(reset=True)
+            assert_same_step(step(eager, eager, x), step(compiled, model, x), rtol=1e-4, atol=1e-4)
+            assert runtime.debug_counts(reset=True).staged == 0
+    symbolic = [t for r in backend.records for t in r.plan.transfers
+                if any(isinstance(s, torch.SymInt) for s in t.base.meta["val"].stride())]
+    assert symbolic and all(t.staging == 0 for t in symbolic)
+    assert fake.violations == []

@@ -114,11 +114,13 @@ import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxoffload.runtime.engines import CpuEngine, CudaEngine
 from fxoffload.passes import LIB as _lib
+from fxoffload.passes import same_layout
 from fxoffload.runtime.state import (
-    STATE, CopyRecord, DebugCounts, Invocation, Kept, Offloaded, copies_in_flight, debug_counts, debugging,
+    STATE, CopyRecord, DebugCounts, HostLayout, Invocation, Kept, Offloaded, copies_in_flight, debug_counts, debugging,
     pending_transfers, started_ahead, trace,
 )
 from fxoffload.runtime.state import event as _event
@@ -432,8 +434,37 @@ def _offload(x: torch.Tensor, order: int = -1, stride: Sequence[int] | None = No
     # the storage lives on, and ``x`` itself stays the caller's, whose references
     # ``fxoffload.backend.callers`` checks.
     host = _engine_for(x.device).offload(x.detach(), invocation, layout)
+    _note_layout(host, layout)
     _note_offload(host, x, order, layout)
     return host
+
+
+_LAYOUTS_PRUNED_AT = 1024  # entries of dead host buffers are dropped when the table grows past this
+
+
+def _note_layout(host: torch.Tensor, layout: tuple[int, ...]) -> None:
+    """Remember the strides ``host``'s bytes follow, for :func:`_check_layout`."""
+    if not host.numel():
+        return
+    layouts = STATE.layouts
+    if len(layouts) >= _LAYOUTS_PRUNED_AT:
+        for key in [k for k, entry in list(layouts.items()) if entry.storage.expired()]:
+            layouts.pop(key, None)
+    layouts[host.data_ptr()] = HostLayout(StorageWeakRef(host.untyped_storage()), tuple(host.shape), layout)
+
+
+def _check_layout(host: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> None:
+    """A prefetch must ask for the strides its host buffer's offload was given: the buffer's bytes follow
+    them (``passes.ops``), and read in other strides its elements would come back in another order."""
+    entry = STATE.layouts.get(host.data_ptr()) if host.numel() else None
+    if entry is None or entry.storage.expired() or entry.storage.cdata != host.untyped_storage()._cdata:
+        return  # a buffer no offload made (or another one at a freed buffer's address)
+    if list(entry.size) == list(size) and not same_layout(entry.size, entry.stride, tuple(stride)):
+        raise RuntimeError(
+            f"fxoffload.prefetch: asked for strides {tuple(stride)} of a host buffer whose offload was given "
+            f"strides {entry.stride} (size {entry.size}): the buffer holds the source's elements as the "
+            "offload's strides lay them out, so a prefetch must ask for the same ones (the rewrite gives both "
+            "the base's traced strides)")
 
 
 def _complete_deferred(host: torch.Tensor) -> None:
@@ -494,6 +525,7 @@ def _claim_kept(host: torch.Tensor, device, size, stride) -> torch.Tensor | None
 @torch.library.impl(_lib, "prefetch", "CompositeExplicitAutograd")
 def _prefetch(host, device, size, stride) -> torch.Tensor:
     _reap()
+    _check_layout(host, size, stride)
     kept = _claim_kept(host, device, size, stride)
     if kept is not None:
         return kept

@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from fxoffload.passes import one_block
+from fxoffload.passes import one_block, same_layout
 from fxoffload.runtime import pinned
 from fxoffload.runtime.state import STATE, CopyRecord, event, register, retire
 
@@ -167,7 +167,7 @@ def offload_ends(host: torch.Tensor, x: torch.Tensor, layout: tuple[int, ...]) -
     if not one_block(shape, layout):
         staged = not x.is_contiguous()
         return Ends(block(host), block(x.contiguous() if staged else x), None, staged)
-    staged = not _same_layout(shape, tuple(x.stride()), layout)
+    staged = not same_layout(shape, tuple(x.stride()), layout)
     if staged:
         x = torch.empty_strided(shape, layout, dtype=x.dtype, device=x.device).copy_(x)
     return Ends(block(host), block(x), None, staged)
@@ -181,10 +181,6 @@ def prefetch_ends(dev: torch.Tensor, host: torch.Tensor) -> Ends:
         return Ends(block(dev), block(host))
     return Ends(torch.empty(dev.shape, dtype=dev.dtype, device=dev.device), host, dev, True)
 
-
-def _same_layout(size: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """Whether two strides lay a tensor of ``size`` out alike (the stride of a dimension of size 1 never matters)."""
-    return all(x == y for s, x, y in zip(size, a, b) if s != 1)
 
 
 _CAPTURING = (

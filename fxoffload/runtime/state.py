@@ -77,6 +77,16 @@ class Offloaded:
 
 
 @dataclass(frozen=True, eq=False)
+class HostLayout:
+    """The strides an offload was given (``passes.ops``: its host buffer's bytes follow them), with the host
+    buffer's storage (weakly: an entry whose storage died belongs to no live buffer)."""
+
+    storage: Any  # torch.multiprocessing.reductions.StorageWeakRef
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class Kept:
     """A source the step's last run of its graph kept on the device for its backward (``wait(..., keep_last=True)``):
     its host buffer (weakly: the key's owner) and an alias of the source (another tensor object on its storage)."""
@@ -105,6 +115,7 @@ class RuntimeState:
     ahead: dict[int, torch.Tensor] = field(default_factory=dict)  # host data_ptr -> device buffer started ahead
     ahead_hosts: dict[int, weakref.ref] = field(default_factory=dict)  # host data_ptr -> that host buffer
     kept: dict[int, Kept] = field(default_factory=dict)  # host data_ptr -> its source, kept for the backward
+    layouts: dict[int, HostLayout] = field(default_factory=dict)  # host data_ptr -> the layout its bytes follow
     waiting: list[Invocation] = field(default_factory=list)  # forwards whose backward has not begun, in order
     open: list[Invocation] = field(default_factory=list)  # forwards running now (innermost last)
     counter: Iterator[int] = field(default_factory=itertools.count)  # the step's forward invocations
