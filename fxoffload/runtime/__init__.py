@@ -456,8 +456,10 @@ def _note_layout(host: torch.Tensor, layout: tuple[int, ...]) -> None:
 def _check_layout(host: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> None:
     """A prefetch must ask for the strides its host buffer's offload was given: the buffer's bytes follow
     them (``passes.ops``), and read in other strides its elements would come back in another order."""
-    entry = STATE.layouts.get(host.data_ptr()) if host.numel() else None
-    if entry is None or entry.storage.expired() or entry.storage.cdata != host.untyped_storage()._cdata:
+    entry = STATE.layouts.get(host.data_ptr())
+    if entry is None or entry.stride == tuple(stride) or not host.numel():
+        return  # the usual case: the offload's strides asked for
+    if entry.storage.expired() or entry.storage.cdata != host.untyped_storage()._cdata:
         return  # a buffer no offload made (or another one at a freed buffer's address)
     if list(entry.size) == list(size) and not same_layout(entry.size, entry.stride, tuple(stride)):
         raise RuntimeError(

@@ -136,7 +136,9 @@ class CpuEngine:
 def host_as(host: torch.Tensor, size: tuple[int, ...], layout: tuple[int, ...]) -> torch.Tensor:
     """The contiguous host buffer seen as the tensor it holds (``passes.ops``: when ``layout`` fills one
     block of memory, its elements lie as ``layout`` lays them out; else in row-major order)."""
-    return host.as_strided(size, layout, host.storage_offset()) if one_block(size, layout) else host
+    if tuple(host.stride()) == layout or not one_block(size, layout):  # contiguous (the usual case): as it is
+        return host
+    return host.as_strided(size, layout, host.storage_offset())
 
 
 def block(t: torch.Tensor) -> torch.Tensor:
@@ -164,6 +166,8 @@ def offload_ends(host: torch.Tensor, x: torch.Tensor, layout: tuple[int, ...]) -
     compiler chose other strides than traced); one whose layout does not fill a block is made contiguous
     there, and the host holds it in row-major order."""
     shape = tuple(x.shape)
+    if layout == tuple(host.stride()) and x.is_contiguous():  # the usual case: both contiguous, as they are
+        return Ends(host, x)
     if not one_block(shape, layout):
         staged = not x.is_contiguous()
         return Ends(block(host), block(x.contiguous() if staged else x), None, staged)
@@ -177,6 +181,8 @@ def prefetch_ends(dev: torch.Tensor, host: torch.Tensor) -> Ends:
     """A prefetch's copy as block to block: a destination that fills one block takes the host's block as it
     is (the offload laid it out so); one that does not lands in a contiguous buffer first, copied into it
     on the compute stream when compute waits (``Ends.strided``)."""
+    if dev.is_contiguous():  # the usual case: both contiguous, as they are
+        return Ends(dev, host)
     if one_block(tuple(dev.shape), tuple(dev.stride())):
         return Ends(block(dev), block(host))
     return Ends(torch.empty(dev.shape, dtype=dev.dtype, device=dev.device), host, dev, True)
