@@ -151,24 +151,34 @@ class Transposed(torch.nn.Module):
         return torch.relu(h @ self.w).sum()
 
 
-def test_a_transposed_activation_is_planned_and_copied_without_staging_and_the_step_matches_eager():
+def train_step(run, module: torch.nn.Module, *inputs: torch.Tensor):
+    """Loss and a copy of every gradient of one step of ``run`` (``module``, or it compiled)."""
+    loss = run(*inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def transposed_steps(inner: str):
+    """Transposed's step in eager, and compiled (offloading every candidate) through the fake CUDA engine
+    in debug mode: the backend, both steps, debug mode's counts, the fake, and the compiled forward's code."""
+    from torch._inductor.utils import run_and_get_code
+
     torch.manual_seed(0)
     torch._dynamo.reset()
     eager, model, x = Transposed(), Transposed(), torch.randn(BATCH, 16)
     model.load_state_dict(eager.state_dict())
-    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
+    backend = fxoffload.offload_backend(inner=inner, min_bytes=0, all_eligible=True, strategy="offload")
     compiled = torch.compile(model, backend=backend)
-
-    def step(run, m):
-        loss = run(x)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
-
-    expected = step(eager, eager)
+    expected = train_step(eager, eager, x)
     with cuda_engine_on_cpu() as fake, runtime.debugging():
         runtime.debug_counts(reset=True)
-        got = step(compiled, model)
+        got, code = run_and_get_code(lambda: train_step(compiled, model, x))
         counts = runtime.debug_counts(reset=True)
+    return backend, expected, got, counts, fake, code[0] if code else ""
+
+
+def test_a_transposed_activation_is_planned_and_copied_without_staging_and_the_step_matches_eager():
+    backend, expected, got, counts, fake, _ = transposed_steps("eager")
     transfers = {t.base_name: t for t in backend.records[0].plan.transfers}
     assert not transfers["tanh"].base.meta["val"].is_contiguous()
     assert all(t.staging == 0 for t in transfers.values())  # the plan prices no staging copy
@@ -183,25 +193,7 @@ def test_inductor_hands_the_offload_its_traced_transposed_layout_so_nothing_is_s
     """Under Inductor the offload's source is fixed at its traced strides (``ordering.constrain_offload_sources``)
     and the offload is given them: the transposed activation goes to the host and back as its block, no
     device copy at either end, and the step matches eager."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    eager, model, x = Transposed(), Transposed(), torch.randn(BATCH, 16)
-    model.load_state_dict(eager.state_dict())
-    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, all_eligible=True, strategy="offload")
-    compiled = torch.compile(model, backend=backend)
-
-    def step(run, m):
-        loss = run(x)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
-
-    expected = step(eager, eager)
-    with cuda_engine_on_cpu() as fake, runtime.debugging():
-        runtime.debug_counts(reset=True)
-        got, (fw_code, _) = run_and_get_code(lambda: step(compiled, model))
-        counts = runtime.debug_counts(reset=True)
+    backend, expected, got, counts, fake, fw_code = transposed_steps("inductor")
     transfers = backend.records[0].plan.transfers
     assert any(not t.base.meta["val"].is_contiguous() for t in transfers)
     assert f"[1, {HIDDEN}]" in fw_code  # the transposed source's traced strides, handed to its offload
@@ -233,18 +225,12 @@ def test_a_transposed_activation_of_dynamic_shape_is_copied_as_its_block(inner):
     model.load_state_dict(eager.state_dict())
     backend = fxoffload.offload_backend(inner=inner, min_bytes=0, all_eligible=True, strategy="offload")
     compiled = torch.compile(model, backend=backend, dynamic=True)
-
-    def step(run, m, x):
-        loss = run(x)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
-
     with cuda_engine_on_cpu() as fake, runtime.debugging():
         for t in (6, 10):
             x = torch.randn(4, t, 16)
             eager.zero_grad(), model.zero_grad()
             runtime.debug_counts(reset=True)
-            assert_same_step(step(eager, eager, x), step(compiled, model, x), rtol=1e-4, atol=1e-4)
+            assert_same_step(train_step(eager, eager, x), train_step(compiled, model, x), rtol=1e-4, atol=1e-4)
             assert runtime.debug_counts(reset=True).staged == 0
     symbolic = [t for r in backend.records for t in r.plan.transfers
                 if any(isinstance(s, torch.SymInt) for s in t.base.meta["val"].stride())]
