@@ -223,18 +223,14 @@ def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach",
     Inductor writes such a source out while lowering the offload, and hands the offload's ordering
     edges to the kernel that writes it: an edge from ``previous`` would then run that kernel after
     ``previous``, and split it in two (the ``silu`` of SwiGLU apart from its ``mul``: both offloaded, or
-    the ``silu`` and the up projection offloaded before the product, each following the one before).
-    So does a ``previous`` that merely sits after one of that kernel's values in the graph: Inductor
-    writes that value's part of the kernel before ``previous`` and the rest after it (a ReLU layer's
-    ``sum`` before the release of the layer's input, and its mask ``le``, offloaded, after)."""
+    the ``silu`` and the up projection offloaded before the product, each following the one before)."""
     if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
         return False
     while _is_view(source) and len(source.all_input_nodes) == 1:
         source = source.all_input_nodes[0]
     if not reach.fusible(source):
         return False
-    kernel = (source, *reach.group(source))
-    return any(reach.index[k] < reach.index[previous] or _follows(previous, k, edges, reach) for k in kernel)
+    return any(_follows(previous, k, edges, reach) for k in (source, *reach.group(source)))
 
 
 def _is_view(node: fx.Node) -> bool:
