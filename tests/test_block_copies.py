@@ -236,3 +236,19 @@ def test_a_transposed_activation_of_dynamic_shape_is_copied_as_its_block(inner):
                 if any(isinstance(s, torch.SymInt) for s in t.base.meta["val"].stride())]
     assert symbolic and all(t.staging == 0 for t in symbolic)
     assert fake.violations == []
+
+
+def test_the_layout_table_forgets_dead_buffers_and_sweeps_once_per_doubling_of_live_ones():
+    """The runtime's record of each offload's strides: dead host buffers' entries go, and with more live
+    buffers than the first sweep size a sweep runs once per doubling, not at every offload."""
+    runtime.STATE.layouts.clear()
+    x = torch.randn(4)
+    for _ in range(3 * runtime.LAYOUTS_PRUNED_AT):  # each host buffer dies at once
+        ops.wait(ops.offload(x), x)
+    assert len(runtime.STATE.layouts) <= runtime.LAYOUTS_PRUNED_AT
+    live = [ops.wait(ops.offload(x), x) for _ in range(3 * runtime.LAYOUTS_PRUNED_AT)]
+    assert len(runtime.STATE.layouts) >= len(live)  # every live buffer's entry kept
+    assert runtime._layouts_prune_at > len(runtime.STATE.layouts) / 2  # the next sweep waits for a doubling
+    del live
+    runtime.STATE.layouts.clear()
+    runtime._layouts_prune_at = runtime.LAYOUTS_PRUNED_AT

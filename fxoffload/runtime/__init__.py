@@ -439,17 +439,22 @@ def _offload(x: torch.Tensor, order: int = -1, stride: Sequence[int] | None = No
     return host
 
 
-_LAYOUTS_PRUNED_AT = 1024  # entries of dead host buffers are dropped when the table grows past this
+LAYOUTS_PRUNED_AT = 1024  # the table's entries of dead host buffers go when it grows to this, or to twice its live ones
+_layouts_prune_at = LAYOUTS_PRUNED_AT
 
 
 def _note_layout(host: torch.Tensor, layout: tuple[int, ...]) -> None:
-    """Remember the strides ``host``'s bytes follow, for :func:`_check_layout`."""
+    """Remember the strides ``host``'s bytes follow, for :func:`_check_layout`. The table is swept of dead
+    buffers' entries when it reaches a size that then doubles with the live ones (one sweep per doubling,
+    however many buffers a step keeps)."""
+    global _layouts_prune_at
     if not host.numel():
         return
     layouts = STATE.layouts
-    if len(layouts) >= _LAYOUTS_PRUNED_AT:
+    if len(layouts) >= _layouts_prune_at:
         for key in [k for k, entry in list(layouts.items()) if entry.storage.expired()]:
             layouts.pop(key, None)
+        _layouts_prune_at = max(LAYOUTS_PRUNED_AT, 2 * len(layouts))
     layouts[host.data_ptr()] = HostLayout(StorageWeakRef(host.untyped_storage()), tuple(host.shape), layout)
 
 
