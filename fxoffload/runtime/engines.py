@@ -115,12 +115,11 @@ class CpuEngine:
     def release_host(self) -> int | None:
         return 0  # it caches nothing
 
-    def offload(self, x: torch.Tensor, invocation: int | None = None,
-                layout: Sequence[int] | None = None) -> torch.Tensor:
+    def offload(self, x: torch.Tensor, invocation: int | None, layout: tuple[int, ...]) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype)  # contiguous, as the fake kernel says
         _poison(host)
         # The host buffer's bytes as ``layout`` lays x out (``passes.ops``); copy_ reorders any layout.
-        register(host, self._copy("d2h", host_as(host, tuple(x.shape), layout or tuple(x.stride())), x, invocation))
+        register(host, self._copy("d2h", host_as(host, tuple(x.shape), layout), x, invocation))
         return host
 
     def prefetch(
@@ -323,10 +322,8 @@ class CudaEngine:
         if self._streams and not self.api.is_current_stream_capturing():
             self._host_events()
 
-    def offload(self, x: torch.Tensor, invocation: int | None = None,
-                layout: Sequence[int] | None = None) -> torch.Tensor:
+    def offload(self, x: torch.Tensor, invocation: int | None, layout: tuple[int, ...]) -> torch.Tensor:
         host = self._host_empty(x.shape, x.dtype)
-        layout = tuple(x.stride()) if layout is None else tuple(layout)
         register(host, self._copy("d2h", x.device, lambda: offload_ends(host, x, layout), invocation))
         return host
 
