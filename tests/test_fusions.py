@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._inductor.utils import run_fw_bw_and_get_code
+from torch._inductor.utils import run_and_get_code, run_fw_bw_and_get_code
 
 import fxoffload
 from fxoffload.passes.plan import OFFLOAD
@@ -201,3 +201,49 @@ def test_offloading_a_gpt2_blocks_saved_values_adds_no_kernel():
     assert not baseline.offloaded
     assert len(rows) >= 6, f"too few values offloaded for the count to say anything: {rows}"
     assert_no_kernel_more(baseline, [*rows, all_at_once(rows, GPT2)], GPT2)
+
+
+class ReluLayers(torch.nn.Module):
+    """tanh, a matmul, ReLU and the loss in one graph: the partition saves ReLU's mask (``le``), computed in
+    the kernel that sums the loss, after the matmul that reads tanh's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 256)
+        self.w = torch.nn.Parameter(torch.randn(256, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.tanh(self.a(x)) @ self.w).sum()
+
+
+def test_an_offload_after_a_release_inside_a_kernels_span_keeps_the_kernel_whole():
+    """Offloading tanh's output and ReLU's mask: tanh's release follows the matmul, in the graph after the
+    loss's ``sum``. The mask's offload, chained after that release, made Inductor write the mask in a
+    kernel apart from the ``sum`` it fuses with (``ordering._reads_kernel_of``): one forward kernel more."""
+    x = torch.randn(32, 16)
+    eager = ReluLayers()
+    expected = eager_step(eager, x)
+
+    def kernels(backend):
+        torch._dynamo.reset()
+        model = ReluLayers()
+        model.load_state_dict(eager.state_dict())
+        compiled = torch.compile(model, backend=backend)
+        _, (fw_code, _) = run_and_get_code(lambda: compiled(x).backward())
+        return len(FUSED_KERNEL.findall(fw_code)), eager_step(compiled, x, model)
+
+    plain, _ = kernels("inductor")
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, all_eligible=True, strategy="offload")
+    offloaded, got = kernels(backend)
+    assert {t.base_name for t in backend.records[0].plan.transfers} >= {"tanh", "le"}
+    assert offloaded == plain == 2
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5)
+
+
+def eager_step(run, x, module=None):
+    """Every gradient of one step of ``run`` (``module``, or it compiled)."""
+    module = module or run
+    module.zero_grad(set_to_none=True)
+    run(x).backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters()}

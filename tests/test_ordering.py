@@ -213,3 +213,27 @@ def test_no_sink_anchor_splits_a_fusion_even_for_an_op_with_no_fusible_neighbour
     sought = [p for p in graph.nodes if p.op == "call_function" and p.target is PREFETCH
               and min(reach.index[u] for u in p.users) < min(i for i in barriers if i > reach.index[p])]
     assert sought, "no prefetch seeks a fusible anchor: the test would prove nothing"
+
+
+def test_an_offload_after_a_release_inside_its_source_s_kernel_is_chained_to_the_copy_before_it():
+    """Fast: a ReLU layer with its loss (tanh, a matmul, ReLU, ``sum``), tanh's output and ReLU's mask ``le``
+    offloaded. tanh's release follows the matmul, so it sits after the loss's ``sum``, which ``le`` fuses with;
+    chained to that release, the mask's offload split the kernel (``tests/test_fusions.py``). It is chained to
+    tanh's offload instead: the copies keep their planned order without the release's place."""
+    import torch
+
+    import fxoffload
+    from fxoffload.passes.ops import OFFLOAD, WAIT
+    from tests.test_fusions import ReluLayers
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True, strategy="offload")
+    torch.compile(ReluLayers(), backend=backend)(torch.randn(32, 16)).backward()
+    graph = backend.records[0].forward.graph
+    offloads = {n.args[0].name: n for n in graph.nodes if n.target is OFFLOAD}
+    assert set(offloads) == {"tanh", "le"}
+    release = next(n for n in graph.nodes if n.target is WAIT and n.args[0] is offloads["tanh"])
+    nodes = list(graph.nodes)
+    assert nodes.index(offloads["tanh"]) < nodes.index(release) < nodes.index(offloads["le"])
+    deps = _ordering_edges(graph)[offloads["le"]]
+    assert offloads["tanh"] in deps and release not in deps, [d.name for d in deps]

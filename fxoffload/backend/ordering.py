@@ -16,7 +16,10 @@ PyTorch's ``control_deps`` higher-order op
   before reads, or follows an op that reads (Inductor writes the source out while
   lowering the offload, and gives that kernel the offload's edges:
   :func:`_reads_kernel_of`), and an op
-  whose neighbours' fusion the op before's rise anchor would split;
+  whose neighbours' fusion the op before's rise anchor would split. A
+  forward release starts no copy: an offload after one that sits past a value
+  of the offload's source's kernel follows our last op before it that is no release
+  (:func:`_after_kernel_of`), so the copies keep their order;
 * a ``defer`` also depends on every last kernel of the graph (a compute op no
   other compute op reads, even through views), so that every kernel runs
   before it. Inductor takes a source as dead after its ``defer`` and may hand
@@ -177,20 +180,27 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     upstream = _chained(ops, lambda op: _fed_by(op, readers, last_kernels, reach), reach, upstream=True)
     downstream = _chained(ops, reach.feeds, reach, upstream=False)
     previous_op: fx.Node | None = None  # ours keep their planned order
-    previous_rise: fx.Node | None = None
+    previous_issuer: fx.Node | None = None  # the last of ours that starts a copy or takes a buffer
+    rises: dict[fx.Node, fx.Node | None] = {}
     for op, ups, downs in zip(ops, upstream, downstream):
         rise = _rise_anchor(op, barriers, downs, reach)
         if op.target is WAIT and _crosses(rise, op.args[0], reach, after=False):
             # No barrier between a prefetch and its wait: a fusible op keeps the wait from the prefetch.
             rise = _rise_anchor(op, anchors, downs, reach)
         chained = previous_op
-        if previous_op is not None and (_reads_kernel_of(previous_op, op, reach, edges) or (
-                previous_rise is not None and _splits_any(reach, previous_rise, op, downs, after=False))):
+        if previous_op is not None and _forward_release(previous_op) and _after_kernel_of(previous_op, op, reach):
+            # A release starts no copy: chained to the copy before it instead, the offload keeps its place
+            # in the copy stream's queue without following the release into its source's kernel.
+            chained = previous_issuer
+        if chained is not None and (_reads_kernel_of(chained, op, reach, edges) or (
+                rises[chained] is not None and _splits_any(reach, rises[chained], op, downs, after=False))):
             # Following the op before, this one would follow its rise anchor too, which its own
             # anchor keeps clear of: a fusion of its neighbours would split there.
             chained = None
         deps = OrderedSet(d for d in (rise, chained) if d is not None)
-        previous_op, previous_rise = op, rise
+        previous_op, rises[op] = op, rise
+        if not _forward_release(op):
+            previous_issuer = op
         if op.target in RELEASES:
             # A release must follow every reader of the storage it frees, even one Inductor fuses or
             # moves earlier: a fusible reader through the values its kernel writes out (a dependency
@@ -224,13 +234,36 @@ def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach",
     edges to the kernel that writes it: an edge from ``previous`` would then run that kernel after
     ``previous``, and split it in two (the ``silu`` of SwiGLU apart from its ``mul``: both offloaded, or
     the ``silu`` and the up projection offloaded before the product, each following the one before)."""
+    source = _unwritten_source(op, reach)
+    return source is not None and any(_follows(previous, k, edges, reach) for k in (source, *reach.group(source)))
+
+
+def _forward_release(node: fx.Node) -> bool:
+    """Whether ``node`` is a forward graph's release: a ``wait`` on an offload, or a ``defer`` (neither starts a
+    copy nor takes a device buffer; a backward ``wait`` on a prefetch holds the compute stream for its copy)."""
+    if node.target is DEFER:
+        return True
+    return node.target is WAIT and isinstance(copy := node.args[0], fx.Node) and copy.target is OFFLOAD
+
+
+def _after_kernel_of(release: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
+    """Whether ``op`` is an offload of an unwritten source (a fusible op's result, or a view of one) and
+    ``release`` sits, in the graph, after a value of the kernel that source fuses into. Inductor writes
+    that value's part of the kernel before the release and, the offload's edges handed to the source's
+    kernel, the rest after it: a ReLU layer's loss ``sum`` before the release of tanh's output, the mask
+    ``le`` offloaded after that release, ran in a kernel apart from the ``sum``."""
+    source = _unwritten_source(op, reach)
+    return source is not None and any(
+        reach.index[k] < reach.index[release] for k in (source, *reach.group(source)))
+
+
+def _unwritten_source(op: fx.Node, reach: "_Reach") -> fx.Node | None:
+    """The fusible op whose result (or a view of it) ``op``, an offload, copies; None for any other op."""
     if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
-        return False
+        return None
     while _is_view(source) and len(source.all_input_nodes) == 1:
         source = source.all_input_nodes[0]
-    if not reach.fusible(source):
-        return False
-    return any(_follows(previous, k, edges, reach) for k in (source, *reach.group(source)))
+    return source if reach.fusible(source) else None
 
 
 def _is_view(node: fx.Node) -> bool:
