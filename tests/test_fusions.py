@@ -247,3 +247,50 @@ def eager_step(run, x, module=None):
     module.zero_grad(set_to_none=True)
     run(x).backward()
     return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+class TiedHead(torch.nn.Module):
+    """An embedding whose weight is also the head's: its gradient is the head's weight gradient (a matmul)
+    plus the embedding's, which Inductor writes as one ``addmm``."""
+
+    def __init__(self, vocab: int = 512, hidden: int = 64) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, hidden)
+        self.a = torch.nn.Linear(hidden, hidden)
+        self.b = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(ids)
+        h = h + torch.tanh(self.a(h))
+        h = h + torch.tanh(self.b(h))
+        logits = h @ self.embedding.weight.t()
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), ids.view(-1))
+
+
+def test_a_tied_heads_weight_gradient_stays_one_addmm():
+    """Every saved value offloaded: a prefetch anchored on the head's weight-gradient matmul hid it from
+    Inductor's ``add(mm(a, b), c)`` pattern, and the tied weight's gradient took the matmul and an ``add``
+    kernel over the whole weight instead of one ``addmm`` (``ordering._folds_into_addmm``)."""
+    ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    eager = TiedHead()
+    expected = eager_step(eager, ids)
+
+    def backward_kernels(backend):
+        torch._dynamo.reset()
+        model = TiedHead()
+        model.load_state_dict(eager.state_dict())
+        compiled = torch.compile(model, backend=backend)
+        with one_function_per_kernel():
+            _, codes = run_fw_bw_and_get_code(lambda: compiled(ids))
+        calls = re.findall(r"^\s*(cpp_fused_\w+|extern_kernels\.\w+)\(", codes[-1], re.MULTILINE)
+        return calls, eager_step(compiled, ids, model)
+
+    plain, _ = backward_kernels("inductor")
+    backend = fxoffload.offload_backend(inner="inductor", min_bytes=0, all_eligible=True, strategy="offload")
+    offloaded, got = backward_kernels(backend)
+    assert len(backend.records[0].plan.transfers) >= 4
+    assert "extern_kernels.addmm" in plain, plain
+    assert sorted(re.sub(r"_\d+$", "", k) for k in offloaded) == sorted(re.sub(r"_\d+$", "", k) for k in plain)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5)

@@ -237,3 +237,32 @@ def test_an_offload_after_a_release_inside_its_source_s_kernel_is_chained_to_the
     assert nodes.index(offloads["tanh"]) < nodes.index(release) < nodes.index(offloads["le"])
     deps = _ordering_edges(graph)[offloads["le"]]
     assert offloads["tanh"] in deps and release not in deps, [d.name for d in deps]
+
+
+@pytest.mark.parametrize(("device", "read_by_relu", "folds"), [
+    ("cpu", False, True), ("cpu", True, True), ("cuda", False, True), ("cuda", True, False)])
+def test_a_matmul_is_taken_to_fold_into_an_addmm_where_inductor_folds_it(device, read_by_relu, folds):
+    """Fast, fake tensors (a fake CUDA device too): ``add(mm(a, b), c)`` is one ``addmm`` for Inductor, except on
+    a GPU where the sum is read by pointwise ops only (it then fuses the add into them); a matmul it folds
+    anchors nothing. A matmul read by more than the add, or added with a scale, is no such matmul."""
+    import torch
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxoffload.backend.ordering import _folds_into_addmm
+
+    def step(a, b, c, alpha=1, also_summed=False):
+        product = torch.mm(a, b)
+        total = torch.add(product, c, alpha=alpha)
+        total = torch.relu(total) if read_by_relu else total
+        return (total, product.sum()) if also_summed else total
+
+    def matmul(fn):
+        with FakeTensorMode():
+            args = (torch.empty(4, 8, device=device), torch.empty(8, 16, device=device), torch.empty(16, device=device))
+            graph = make_fx(fn)(*args).graph
+        return next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
+
+    assert _folds_into_addmm(matmul(lambda a, b, c: step(a, b, c))) is folds
+    assert not _folds_into_addmm(matmul(lambda a, b, c: step(a, b, c, alpha=2)))
+    assert not _folds_into_addmm(matmul(lambda a, b, c: step(a, b, c, also_summed=True)))

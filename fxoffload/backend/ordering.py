@@ -103,7 +103,10 @@ CPU with ``min_bytes=0``).
 
 Anchors are compute ops that read a value computed in the graph: an op of
 graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
-top by Inductor and would drag the pinned op with it.
+top by Inductor and would drag the pinned op with it. A matmul Inductor folds
+into the ``add`` that reads it (one ``addmm``, :func:`_folds_into_addmm`) is no
+anchor either: under an edge its pattern no longer matches (a tied embedding's
+weight gradient took an ``add`` kernel over the whole weight).
 
 Every edge ends at a tensor: an edge to a multi-output op (a tuple, such as
 attention's) goes to one of its tensor outputs, moved up to right after the op,
@@ -126,6 +129,8 @@ import torch
 import torch.fx as fx
 from torch._inductor import lowering as inductor_lowering
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+from torch._inductor.utils import is_gpu, is_pointwise_use
+from torch._prims_common import is_expandable_to
 from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.backend.compat import ensure_control_deps
@@ -173,7 +178,7 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     fused_readers = _follow_fused_readers(graph)
     reach = _Reach(graph)
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target in FXOFFLOAD_OPS]
-    anchors = [n for n in graph.nodes if is_anchored_compute(n)]
+    anchors = [n for n in graph.nodes if is_anchored_compute(n) and not _folds_into_addmm(n)]
     barriers = [n for n in anchors if is_fusion_barrier(n)]
     last_kernels = _last_kernels(graph)
     readers = _readers_before(graph)
@@ -368,6 +373,28 @@ def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
         return False
     last.append(op)
     return True
+
+
+def _folds_into_addmm(node: fx.Node) -> bool:
+    """Whether Inductor will fold ``node``, a matmul, into the ``add`` that alone reads it: one ``addmm`` at the
+    add's place (its post-grad pattern ``add(mm(a, b), c)``; on a GPU only where the sum is read by other than
+    pointwise ops, else it keeps the two apart and fuses the add into its readers). An edge to or from the
+    matmul hides it from that pattern: a tied embedding's weight gradient (the head's weight gradient plus the
+    embedding's), its matmul a prefetch's anchor, was written as the matmul and an ``add`` kernel over the whole
+    weight instead of one ``addmm``. Such a matmul anchors nothing."""
+    aten = torch.ops.aten
+    if node.target is not aten.mm.default or len(node.users) != 1:
+        return False
+    (add,) = node.users
+    if add.target is not aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return False
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    value, mm = other.meta.get("val") if isinstance(other, fx.Node) else None, node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(mm, torch.Tensor) or value.dtype != mm.dtype:
+        return False
+    if not is_expandable_to(value.shape, mm.shape):
+        return False
+    return not (is_gpu(mm.device.type) and all(is_pointwise_use(use) for use in add.users))
 
 
 def is_fusion_barrier(node: fx.Node) -> bool:
