@@ -106,7 +106,9 @@ graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
 top by Inductor and would drag the pinned op with it. A matmul Inductor folds
 into the ``add`` that reads it (one ``addmm``, :func:`_folds_into_addmm`) is no
 anchor either: under an edge its pattern no longer matches (a tied embedding's
-weight gradient took an ``add`` kernel over the whole weight).
+weight gradient took an ``add`` kernel over the whole weight). Nor is, for an
+offload of a value Inductor has not written yet, a compute op that runs after a
+value of the kernel that value fuses into (:func:`_rise_anchor`).
 
 Every edge ends at a tensor: an edge to a multi-output op (a tuple, such as
 attention's) goes to one of its tensor outputs, moved up to right after the op,
@@ -418,10 +420,19 @@ _EXTERN_KERNELS = frozenset(
 
 
 def _rise_anchor(op: fx.Node, anchors: list[fx.Node], downstream: set[fx.Node], reach: "_Reach") -> fx.Node | None:
-    """The latest compute op before ``op`` that can precede it without splitting a fusion."""
+    """The latest compute op before ``op`` that can precede it without splitting a fusion. An offload of a value
+    Inductor has not written yet takes none that runs after a value of the kernel that value fuses into
+    (:func:`_unwritten_source`): Inductor writes the source out while lowering the offload, with the offload's
+    edges, and would write it apart from that kernel (GPT-NeoX's parallel residual: the MLP's LayerNorm output,
+    offloaded after the attention's output projection, was normalised in a kernel of its own instead of beside
+    the attention's LayerNorm, which reads the same sum)."""
+    source = _unwritten_source(op, reach)
+    kernel = () if source is None else (source, *reach.group(source))
     at = bisect.bisect_left(anchors, reach.index[op], key=reach.index.__getitem__)
     for anchor in reversed(anchors[max(0, at - _CANDIDATES):at]):
         if reach.fusible(anchor) and not _may_precede(anchor, op, reach):
+            continue
+        if any(k is anchor or reach.reaches(k, anchor) for k in kernel):
             continue
         if not _splits_any(reach, anchor, op, downstream, after=False):
             return anchor

@@ -1,0 +1,40 @@
+"""The sweep's kernel count (``benchmarks/sweep_kernels.py``): its verdicts, and a tied-embedding model through it."""
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import sweep  # noqa: E402  (the benchmarks)
+import sweep_kernels  # noqa: E402
+
+
+def kernels(forward: dict, backward: dict, graphs: int = 2) -> sweep_kernels.Kernels:
+    return sweep_kernels.Kernels(Counter(forward), Counter(backward), graphs, "")
+
+
+def test_a_row_says_more_only_where_a_graph_has_more_kernels_and_compares_only_the_same_graphs():
+    plain = kernels({"cpp_fused_a": 2}, {"cpp_fused_b": 1})
+    assert sweep_kernels.verdict(kernels({"cpp_fused_a": 2}, {"cpp_fused_b": 1}), plain) == "same or fewer"
+    assert sweep_kernels.verdict(kernels({"cpp_fused_a": 1}, {"cpp_fused_b": 1}), plain) == "same or fewer"
+    assert sweep_kernels.verdict(kernels({"cpp_fused_a": 2}, {"cpp_fused_b": 1, "cpp_fused_add": 1}), plain) == "more"
+    assert sweep_kernels.verdict(kernels({"cpp_fused_a": 3}, {"cpp_fused_b": 1}), plain) == "more"
+    assert sweep_kernels.verdict(kernels({"cpp_fused_a": 9}, {}, graphs=3), plain) == "graphs differ"
+    row = sweep_kernels.row("gemma", kernels({"cpp_fused_a": 2}, {"cpp_fused_b": 1, "cpp_fused_add": 1}), plain)
+    assert "| 2 (2) | 2 (1) | more |" in row and "`cpp_fused_add` / -" in row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox"])
+def test_a_model_compiles_to_plains_kernels_at_half_the_budget(model_type):
+    """At budget 0.5 each wrote a kernel more: Gemma's (tied embeddings) backward, an ``add`` over the embedding
+    weight, a prefetch anchored on the head's weight-gradient matmul hiding it from Inductor's ``addmm`` pattern
+    (``ordering._folds_into_addmm``); GPT-NeoX's (parallel residual) forward, the MLP's LayerNorm apart from the
+    attention's, its offload anchored after the attention's output projection (``ordering._rise_anchor``)."""
+    arch = next(a for a in sweep.ARCHITECTURES if a.model_type == model_type)
+    plain = sweep_kernels.compile_model(arch, None)
+    mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
+    assert mine.plans and mine.plans != "0 copies", mine.plans
+    assert sweep_kernels.verdict(mine, plain) == "same or fewer", sweep_kernels.row(model_type, mine, plain)
