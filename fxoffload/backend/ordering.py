@@ -19,7 +19,8 @@ PyTorch's ``control_deps`` higher-order op
   whose neighbours' fusion the op before's rise anchor would split. A
   forward release starts no copy: an offload after one that sits past a value
   of the offload's source's kernel follows our last op before it that is no release
-  (:func:`_after_kernel_of`), so the copies keep their order;
+  (:func:`_after_kernel_of`), so the copies keep their order, and the next
+  release follows the release it skipped (which would sink otherwise);
 * a ``defer`` also depends on every last kernel of the graph (a compute op no
   other compute op reads, even through views), so that every kernel runs
   before it. Inductor takes a source as dead after its ``defer`` and may hand
@@ -103,10 +104,10 @@ CPU with ``min_bytes=0``).
 
 Anchors are compute ops that read a value computed in the graph: an op of
 graph inputs only (or of nothing, like ``scalar_tensor``) can be hoisted to the
-top by Inductor and would drag the pinned op with it. A matmul Inductor folds
-into the ``add`` that reads it (one ``addmm``, :func:`_folds_into_addmm`) is no
-anchor either: under an edge its pattern no longer matches (a tied embedding's
-weight gradient took an ``add`` kernel over the whole weight). Nor is, for an
+top by Inductor and would drag the pinned op with it. A matmul Inductor may fold
+into the ``add`` that reads it (one ``addmm``, :func:`_folds_into_addmm`), and that
+add, are no anchors either: under an edge the pattern no longer matches (a tied
+embedding's weight gradient took an ``add`` kernel over the whole weight). Nor is, for an
 offload of a value Inductor has not written yet, a compute op that runs after a
 value of the kernel that value fuses into (:func:`_rise_anchor`).
 
@@ -131,7 +132,6 @@ import torch
 import torch.fx as fx
 from torch._inductor import lowering as inductor_lowering
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-from torch._inductor.utils import is_gpu, is_pointwise_use
 from torch._prims_common import is_expandable_to
 from torch.utils._ordered_set import OrderedSet
 
@@ -187,7 +187,8 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     upstream = _chained(ops, lambda op: _fed_by(op, readers, last_kernels, reach), reach, upstream=True)
     downstream = _chained(ops, reach.feeds, reach, upstream=False)
     previous_op: fx.Node | None = None  # ours keep their planned order
-    previous_issuer: fx.Node | None = None  # the last of ours that starts a copy or takes a buffer
+    previous_issuer: fx.Node | None = None  # the last of ours that is no forward release
+    unfollowed: fx.Node | None = None  # a release the offload after it was not chained to
     rises: dict[fx.Node, fx.Node | None] = {}
     for op, ups, downs in zip(ops, upstream, downstream):
         rise = _rise_anchor(op, barriers, downs, reach)
@@ -198,13 +199,18 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         if previous_op is not None and _forward_release(previous_op) and _after_kernel_of(previous_op, op, reach):
             # A release starts no copy: chained to the copy before it instead, the offload keeps its place
             # in the copy stream's queue without following the release into its source's kernel.
-            chained = previous_issuer
+            chained, unfollowed = previous_issuer, previous_op
         if chained is not None and (_reads_kernel_of(chained, op, reach, edges) or (
                 rises[chained] is not None and _splits_any(reach, rises[chained], op, downs, after=False))):
             # Following the op before, this one would follow its rise anchor too, which its own
             # anchor keeps clear of: a fusion of its neighbours would split there.
             chained = None
         deps = OrderedSet(d for d in (rise, chained) if d is not None)
+        if op.target in RELEASES and unfollowed is not None:
+            # The unfollowed release is held by the next one instead: with nothing after it, Inductor
+            # sank it to the forward's end, its storage held past the plan's place for it.
+            deps.add(unfollowed)
+            unfollowed = None
         previous_op, rises[op] = op, rise
         if not _forward_release(op):
             previous_issuer = op
@@ -378,25 +384,47 @@ def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
 
 
 def _folds_into_addmm(node: fx.Node) -> bool:
-    """Whether Inductor will fold ``node``, a matmul, into the ``add`` that alone reads it: one ``addmm`` at the
-    add's place (its post-grad pattern ``add(mm(a, b), c)``; on a GPU only where the sum is read by other than
-    pointwise ops, else it keeps the two apart and fuses the add into its readers). An edge to or from the
-    matmul hides it from that pattern: a tied embedding's weight gradient (the head's weight gradient plus the
-    embedding's), its matmul a prefetch's anchor, was written as the matmul and an ``add`` kernel over the whole
-    weight instead of one ``addmm``. Such a matmul anchors nothing."""
+    """Whether Inductor may fold ``node`` into one ``addmm``: a matmul read (through views of its own shape, which
+    Inductor removes first) by an ``add`` alone, or that ``add`` (its post-grad pattern ``add(mm(a, b), c)``, ``c``
+    of the matmul's dtype and expandable to its shape). An edge to or from either hides them from the pattern: a
+    tied embedding's weight gradient (the head's weight gradient plus the embedding's), its matmul a prefetch's
+    anchor, was written as the matmul and an ``add`` kernel over the whole weight instead of one ``addmm``. Such
+    a node anchors nothing. Whether Inductor folds on a GPU also depends on the add's readers, by rules that
+    change with its release: taken as folding there too (an anchor lost costs nothing but a farther anchor)."""
     aten = torch.ops.aten
-    if node.target is not aten.mm.default or len(node.users) != 1:
+    if node.target is aten.add.Tensor:
+        return any(_folds_into_addmm(_through_views(a)) for a in node.args if isinstance(a, fx.Node))
+    if node.target is not aten.mm.default:
         return False
-    (add,) = node.users
-    if add.target is not aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+    mm, add = node.meta.get("val"), node
+    while len(add.users) == 1 and (add := next(iter(add.users))).target in _NOOP_VIEWS:
+        if not isinstance(val := add.meta.get("val"), torch.Tensor) or not isinstance(mm, torch.Tensor) \
+                or val.shape != mm.shape:
+            return False
+    if add is node or add.target is not aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return False
-    other = add.args[1] if add.args[0] is node else add.args[0]
-    value, mm = other.meta.get("val") if isinstance(other, fx.Node) else None, node.meta.get("val")
+    operands = [a for a in add.args if isinstance(a, fx.Node)]
+    other = next((a for a in add.args if a is not _computed_by_views(operands, node)), None)
+    value = other.meta.get("val") if isinstance(other, fx.Node) else None
     if not isinstance(value, torch.Tensor) or not isinstance(mm, torch.Tensor) or value.dtype != mm.dtype:
         return False
-    if not is_expandable_to(value.shape, mm.shape):
-        return False
-    return not (is_gpu(mm.device.type) and all(is_pointwise_use(use) for use in add.users))
+    return is_expandable_to(value.shape, mm.shape)
+
+
+_NOOP_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default,
+                         torch.ops.aten._unsafe_view.default})
+
+
+def _computed_by_views(operands: list[fx.Node], mm: fx.Node) -> fx.Node | None:
+    """The one of ``operands`` that is ``mm`` or a chain of views of it."""
+    return next((operand for operand in operands if _through_views(operand) is mm), None)
+
+
+def _through_views(node: fx.Node) -> fx.Node:
+    """What ``node`` views, through a chain of the views :func:`_folds_into_addmm` looks through."""
+    while node.target in _NOOP_VIEWS and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
 
 
 def is_fusion_barrier(node: fx.Node) -> bool:
