@@ -41,6 +41,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 import fxoffload  # noqa: E402
 import sweep  # noqa: E402
 from frontier_kernels import code_only, difference, kernels  # noqa: E402
+from preset_kernels import _named  # noqa: E402
 from results import write_section  # noqa: E402
 
 HEADING = "Inductor's kernels with and without fxoffload, the sweep's architectures (measured, CPU)"
@@ -82,10 +83,6 @@ def verdict(mine: Kernels, plain: Kernels) -> str:
         return "graphs differ"
     more = any(sum(m.values()) > sum(p.values()) for m, p in zip(mine.graphs, plain.graphs))
     return "more" if more else "same or fewer"
-
-
-def _named(counts: dict[str, int]) -> str:
-    return ", ".join(f"`{name}`" + (f" x{n}" if n > 1 else "") for name, n in counts.items()) or "-"
 
 
 def row(model_type: str, mine: Kernels, plain: Kernels) -> str:

@@ -219,16 +219,14 @@ class ReluLayers(torch.nn.Module):
 def test_an_offload_after_a_release_inside_a_kernels_span_keeps_the_kernel_whole():
     """Offloading tanh's output and ReLU's mask: tanh's release follows the matmul, in the graph after the
     loss's ``sum``. The mask's offload, chained after that release, made Inductor write the mask in a
-    kernel apart from the ``sum`` it fuses with (``ordering._reads_kernel_of``): one forward kernel more."""
+    kernel apart from the ``sum`` it fuses with: one forward kernel more. It is chained to tanh's offload instead
+    (``ordering._after_kernel_of``)."""
     x = torch.randn(32, 16)
     eager = ReluLayers()
     expected = eager_step(eager, x)
 
     def kernels(backend):
-        torch._dynamo.reset()
-        model = ReluLayers()
-        model.load_state_dict(eager.state_dict())
-        compiled = torch.compile(model, backend=backend)
+        model, compiled = compiled_copy(eager, backend)
         _, (fw_code, _) = run_and_get_code(lambda: compiled(x).backward())
         return len(FUSED_KERNEL.findall(fw_code)), eager_step(compiled, x, model)
 
@@ -239,6 +237,14 @@ def test_an_offload_after_a_release_inside_a_kernels_span_keeps_the_kernel_whole
     assert offloaded == plain == 2
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5)
+
+
+def compiled_copy(eager: torch.nn.Module, backend) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A fresh model of ``eager``'s class with its weights, and it compiled by ``backend``."""
+    torch._dynamo.reset()
+    model = type(eager)()
+    model.load_state_dict(eager.state_dict())
+    return model, torch.compile(model, backend=backend)
 
 
 def eager_step(run, x, module=None):
@@ -277,10 +283,7 @@ def test_a_tied_heads_weight_gradient_stays_one_addmm():
     expected = eager_step(eager, ids)
 
     def backward_kernels(backend):
-        torch._dynamo.reset()
-        model = TiedHead()
-        model.load_state_dict(eager.state_dict())
-        compiled = torch.compile(model, backend=backend)
+        model, compiled = compiled_copy(eager, backend)
         with one_function_per_kernel():
             _, codes = run_fw_bw_and_get_code(lambda: compiled(ids))
         calls = re.findall(r"^\s*(cpp_fused_\w+|extern_kernels\.\w+)\(", codes[-1], re.MULTILINE)
