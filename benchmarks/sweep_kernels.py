@@ -14,7 +14,8 @@ each graph's code for this CPU (``frontier_kernels.code_only``: its C++ kernels 
 graphs run as FX graphs), and every graph's kernels are counted by name with Inductor's index dropped, against
 plain's. A kernel gone with others in its place is a fusion split; one more with none gone, a kernel the copies
 made Inductor write. The verdict compares graph by graph, in compile order; a row whose ways compiled
-another number of graphs (a recompilation in one) is marked so and not compared.
+another number of graphs, or forwards and backwards in another order (a recompilation in one), is marked so and
+not compared.
 
 Measured on this machine's CPU backend: Inductor's scheduler is the same for Triton, its kernels are not always.
 """
@@ -107,7 +108,8 @@ def render(rows: list[str], more: list[str], differ: list[str], seconds: float) 
     summary = [f"More kernels than plain in a graph: {len(more)} of {len(rows) - len(differ)} compared rows" +
                (f" ({', '.join(more)}); not yet fixed (DEVELOPING.md)." if more else ".")]
     if differ:
-        summary.append(f"Not compared (the two ways compiled a different number of graphs): {', '.join(differ)}.")
+        summary.append("Not compared (the two ways compiled another number of graphs, or forwards and backwards in "
+                       f"another order): {', '.join(differ)}.")
     return "\n".join([intro, "", "| model type | plans | forward kernels | backward kernels | verdict | "
                       "forward: added / gone | backward: added / gone |", "|---|---|---|---|---|---|---|", *rows,
                       "", *summary])

@@ -277,3 +277,9 @@ def test_a_matmul_and_its_add_anchor_nothing_where_inductor_may_fold_them_into_a
     assert [_folds_into_addmm(n) for n in nodes(lambda a, b, c: step(a, b, c, view=(1, 4, 16)))] == [False, False]
     assert [_folds_into_addmm(n) for n in nodes(lambda a, b, c: step(a, b, c, alpha=2))] == [False, False]
     assert [_folds_into_addmm(n) for n in nodes(lambda a, b, c: step(a, b, c, also_summed=True))] == [False, False]
+    # An add of that add (a residual stream) is no such add: it is not looked through.
+    with FakeTensorMode():
+        args = (torch.empty(4, 8, device=device), torch.empty(8, 16, device=device), torch.empty(16, device=device))
+        graph = make_fx(lambda a, b, c: step(a, b, c) + c.exp())(*args).graph
+    adds = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert [_folds_into_addmm(n) for n in adds] == [True, False]

@@ -392,8 +392,9 @@ def _folds_into_addmm(node: fx.Node) -> bool:
     a node anchors nothing. Whether Inductor folds on a GPU also depends on the add's readers, by rules that
     change with its release: taken as folding there too (an anchor lost costs nothing but a farther anchor)."""
     aten = torch.ops.aten
-    if node.target is aten.add.Tensor:
-        return any(_folds_into_addmm(_through_views(a)) for a in node.args if isinstance(a, fx.Node))
+    if node.target is aten.add.Tensor:  # only a matmul under it (not an add under an add: a residual stream)
+        return any((mm := _through_views(a)).target is aten.mm.default and _folds_into_addmm(mm)
+                   for a in node.args if isinstance(a, fx.Node))
     if node.target is not aten.mm.default:
         return False
     mm, add = node.meta.get("val"), node
