@@ -247,8 +247,7 @@ def _reads_kernel_of(previous: fx.Node, op: fx.Node, reach: "_Reach",
     edges to the kernel that writes it: an edge from ``previous`` would then run that kernel after
     ``previous``, and split it in two (the ``silu`` of SwiGLU apart from its ``mul``: both offloaded, or
     the ``silu`` and the up projection offloaded before the product, each following the one before)."""
-    source = _unwritten_source(op, reach)
-    return source is not None and any(_follows(previous, k, edges, reach) for k in (source, *reach.group(source)))
+    return any(_follows(previous, k, edges, reach) for k in _source_kernel(op, reach))
 
 
 def _forward_release(node: fx.Node) -> bool:
@@ -265,18 +264,17 @@ def _after_kernel_of(release: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
     that value's part of the kernel before the release and, the offload's edges handed to the source's
     kernel, the rest after it: a ReLU layer's loss ``sum`` before the release of tanh's output, the mask
     ``le`` offloaded after that release, ran in a kernel apart from the ``sum``."""
-    source = _unwritten_source(op, reach)
-    return source is not None and any(
-        reach.index[k] < reach.index[release] for k in (source, *reach.group(source)))
+    return any(reach.index[k] < reach.index[release] for k in _source_kernel(op, reach))
 
 
-def _unwritten_source(op: fx.Node, reach: "_Reach") -> fx.Node | None:
-    """The fusible op whose result (or a view of it) ``op``, an offload, copies; None for any other op."""
+def _source_kernel(op: fx.Node, reach: "_Reach") -> tuple[fx.Node, ...]:
+    """For an offload of a value Inductor has not written yet (a fusible op's result, or a view of one): that op
+    and the ops of the kernel it may fuse into (:meth:`_Reach.group`); for any other op, none."""
     if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
-        return None
+        return ()
     while _is_view(source) and len(source.all_input_nodes) == 1:
         source = source.all_input_nodes[0]
-    return source if reach.fusible(source) else None
+    return (source, *reach.group(source)) if reach.fusible(source) else ()
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -397,28 +395,22 @@ def _folds_into_addmm(node: fx.Node) -> bool:
                    for a in node.args if isinstance(a, fx.Node))
     if node.target is not aten.mm.default:
         return False
-    mm, add = node.meta.get("val"), node
+    product, add = node.meta.get("val"), node
+    if not isinstance(product, torch.Tensor):
+        return False
     while len(add.users) == 1 and (add := next(iter(add.users))).target in _NOOP_VIEWS:
-        if not isinstance(val := add.meta.get("val"), torch.Tensor) or not isinstance(mm, torch.Tensor) \
-                or val.shape != mm.shape:
+        if not isinstance(val := add.meta.get("val"), torch.Tensor) or val.shape != product.shape:
             return False
     if add is node or add.target is not aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return False
-    operands = [a for a in add.args if isinstance(a, fx.Node)]
-    other = next((a for a in add.args if a is not _computed_by_views(operands, node)), None)
+    other = next((a for a in add.args if not (isinstance(a, fx.Node) and _through_views(a) is node)), None)
     value = other.meta.get("val") if isinstance(other, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or not isinstance(mm, torch.Tensor) or value.dtype != mm.dtype:
-        return False
-    return is_expandable_to(value.shape, mm.shape)
+    return (isinstance(value, torch.Tensor) and value.dtype == product.dtype
+            and is_expandable_to(value.shape, product.shape))
 
 
 _NOOP_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default,
                          torch.ops.aten._unsafe_view.default})
-
-
-def _computed_by_views(operands: list[fx.Node], mm: fx.Node) -> fx.Node | None:
-    """The one of ``operands`` that is ``mm`` or a chain of views of it."""
-    return next((operand for operand in operands if _through_views(operand) is mm), None)
 
 
 def _through_views(node: fx.Node) -> fx.Node:
@@ -451,12 +443,11 @@ _EXTERN_KERNELS = frozenset(
 def _rise_anchor(op: fx.Node, anchors: list[fx.Node], downstream: set[fx.Node], reach: "_Reach") -> fx.Node | None:
     """The latest compute op before ``op`` that can precede it without splitting a fusion. An offload of a value
     Inductor has not written yet takes none that runs after a value of the kernel that value fuses into
-    (:func:`_unwritten_source`): Inductor writes the source out while lowering the offload, with the offload's
+    (:func:`_source_kernel`): Inductor writes the source out while lowering the offload, with the offload's
     edges, and would write it apart from that kernel (GPT-NeoX's parallel residual: the MLP's LayerNorm output,
     offloaded after the attention's output projection, was normalised in a kernel of its own instead of beside
     the attention's LayerNorm, which reads the same sum)."""
-    source = _unwritten_source(op, reach)
-    kernel = () if source is None else (source, *reach.group(source))
+    kernel = _source_kernel(op, reach)
     at = bisect.bisect_left(anchors, reach.index[op], key=reach.index.__getitem__)
     for anchor in reversed(anchors[max(0, at - _CANDIDATES):at]):
         if reach.fusible(anchor) and not _may_precede(anchor, op, reach):
