@@ -117,6 +117,22 @@ def test_a_prefetch_asking_for_other_strides_than_its_offload_was_given_raises(e
     runtime.reset()
 
 
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_a_host_buffer_a_compiler_laid_out_anew_is_refused(engine):
+    """An offload's buffer is contiguous; one re-laid-out on its way to the backward (Inductor's channels-last
+    preference copied a ConvNeXt's to channels-last) no longer holds its bytes as the offload's strides lay
+    them out, and read back under them its elements came back in another order: wrong gradients. The
+    prefetch refuses it (``backend.ordering`` keeps Inductor's layouts off our ops' results)."""
+    x = torch.randn(2, 4, 3, 3)
+    with cuda_engine_on_cpu() if engine == "cuda" else runtime.trace():
+        host = ops.wait(ops.offload(x), x)
+        relaid = host.contiguous(memory_format=torch.channels_last)
+        with pytest.raises(RuntimeError, match=r"the host buffer has strides \(36, 1, 12, 4\) \(size \(2, 4, 3, 3\)\)"):
+            ops.prefetch(relaid, CPU, list(x.shape), list(x.stride()))
+        assert torch.equal(ops.wait(ops.prefetch(host, CPU, list(x.shape), list(x.stride())), host), x)
+    runtime.reset()
+
+
 def test_a_copy_started_ahead_asks_for_the_traced_layout_and_its_prefetch_claims_it():
     """``prefetch_ahead`` starts a copy in the layout the offload was given (the traced one), not the
     source's own: the prefetch, asking for the traced layout, finds it in flight."""

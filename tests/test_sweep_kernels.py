@@ -1,6 +1,7 @@
 """The sweep's kernel count (``benchmarks/sweep_kernels.py``): its verdicts, and a tied-embedding model through it."""
 
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -42,3 +43,32 @@ def test_a_model_compiles_to_plains_kernels_at_half_the_budget(model_type):
     mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
     assert any(not words.startswith("0 ") for words in mine.plans.split("; ")), mine.plans
     assert sweep_kernels.verdict(mine, plain) == "same or fewer", sweep_kernels.row(model_type, mine, plain)
+
+
+@pytest.mark.slow
+def test_a_convnexts_host_buffers_keep_their_layout_its_forward_plains_kernels_and_its_gradients_eagers():
+    """ConvNeXt at budget 0.5, offloading (its default plan recomputes only, so the sweep's exactness column
+    never ran its copies). Inductor's channels-last preference reached two forward waits' host buffers (4-D
+    forward outputs on a path from a convolution), copied them to channels-last over the host, and the
+    prefetches read them back under the traced strides: gradients off by up to 150% (``ordering._keep_our_layouts``;
+    the runtime now also refuses such a buffer). A release that followed the embedding's LayerNorm took the
+    LayerNorm itself, not the permuted view the next convolution reads: a second reader, and Inductor laid the
+    LayerNorm out channels-last too and copied it back for the convolution, two forward kernels more
+    (``ordering._fusion_ends``). Its backward still calls two kernels more than plain's (DEVELOPING.md)."""
+    arch = next(a for a in sweep.ARCHITECTURES if a.model_type == "convnext")
+    eager, batch = sweep.build(arch)
+    expected = sweep.loss_and_grads(eager, batch)
+    compiled, backend = sweep.compile_with(eager, memory_budget=sweep_kernels.BUDGET, strategy="offload", min_bytes=0,
+                                           on_infeasible="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actual = sweep.loss_and_grads(compiled, batch)
+    assert sum(len(r.plan.transfers) for r in backend.records) >= 4
+    difference, exact = sweep.differences(expected, actual)
+    assert exact, difference
+
+    plain = sweep_kernels.compile_model(arch, None)
+    mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
+    assert mine.backward == plain.backward and any(not words.startswith("0 ") for words in mine.plans.split("; "))
+    forwards = [(m, p) for m, p, backward in zip(mine.graphs, plain.graphs, mine.backward) if not backward]
+    assert all(sum(m.values()) <= sum(p.values()) for m, p in forwards), sweep_kernels.row("convnext", mine, plain)

@@ -65,7 +65,10 @@ recomputed RMSNorm, reading its input at once, wrote its ``pow`` apart from its
 ``mean``). An offload's source whose layout Inductor has not fixed yet takes its traced
 strides (:func:`constrain_offload_sources`): were the offload its first reader,
 Inductor would freeze it in the order its own reads are cheapest, and a later
-matmul would need a copy kernel of it. A ``prefetch_ahead`` reads a value for
+matmul would need a copy kernel of it. Our ops' results keep the layouts their
+fake kernels give, out of Inductor's channels-last preference, which reaches every
+4-D value on a path from a convolution and re-laid-out a forward's host buffers
+(:func:`_keep_our_layouts`: a copy over the host, and wrong gradients). A ``prefetch_ahead`` reads a value for
 its place only (its edges keep it there), so it reads one Inductor writes out
 anyway (:func:`_ahead_after_written`): the fusible value it read had to be
 written out, and its kernel split there. Its result is read by edges alone, which Inductor's
@@ -96,7 +99,11 @@ later kernel and ends the walk there (the second residual add reads the first
 after the FFN: taken for part of the first's kernel, it held a release of the
 layer input between the first residual add and the FFN's RMSNorm, and the add
 got a kernel of its own on the frontier's model at budgets 0.5 and 0.3); an end
-that is a view is its op's value. A reader whose kernel is written out past such a
+read as a view is that view, moved up to right after the op it views (a view
+computes nothing), not the op: the op would gain a reader, which Inductor takes
+for a reuse and lays out anew (a ConvNeXt's LayerNorm, read by a convolution
+through a permute, was laid out channels-last for its release and copied back for
+the convolution, two kernels more). A reader whose kernel is written out past such a
 node is followed itself, as before. Limits: an offloaded reduction result
 (RMSNorm's ``rsqrt``, below ``min_bytes`` at a GPU's sizes) still ends its
 kernel before the epilogue that reads it (Inductor's own choice, seen on the
@@ -131,7 +138,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch._inductor import lowering as inductor_lowering
-from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
 from torch._prims_common import is_expandable_to
 from torch.utils._ordered_set import OrderedSet
 
@@ -166,10 +173,48 @@ def _offload_source_layout(node: fx.Node, x, *args, **kwargs):
 def constrain_offload_sources() -> None:
     """Lower ``offload`` as a fallback kernel with :func:`_offload_source_layout` as its layout constraint
     (once). Registered before Inductor first meets the op, which would otherwise make it an implicit
-    fallback under the default constraint for custom ops (the source copied to its traced strides)."""
+    fallback under the default constraint for custom ops (the source copied to its traced strides). Also
+    keeps our ops' results out of Inductor's channels-last preference (:func:`_keep_our_layouts`)."""
     offload = torch.ops.fxoffload.offload.default
     if offload not in inductor_lowering.lowerings:
         inductor_lowering.make_fallback(offload, layout_constraint=_offload_source_layout)
+    _keep_our_layouts()
+
+
+def _keep_our_layouts() -> None:
+    """Inductor's layout optimisation (``GraphLowering.find_nodes_prefer_channels_last``) lays out in
+    channels-last every 4-D value on a path from or to a convolution, and a forward output among them is
+    copied to that layout. Our ops' results are on such paths (an offload reads a convolution's output),
+    and a host buffer is one: its bytes are its contract with ``prefetch`` (``passes.ops``). Re-laid-out,
+    the buffer cost a copy over the host on every step, and read back under the traced strides its
+    elements came back in another order (a ConvNeXt's gradients, wrong). So our ops' results, and
+    ``control_deps`` nodes wrapping one, are taken out of the set: each keeps its fake kernel's layout.
+    Plain graphs hold none of ours and are unchanged. Idempotent."""
+    from torch._inductor.graph import GraphLowering  # Inductor: loaded under inner="inductor"
+
+    original = GraphLowering.find_nodes_prefer_channels_last
+    if getattr(original, "_fxoffload", False):
+        return
+
+    def find_nodes_prefer_channels_last(self) -> OrderedSet[fx.Node]:
+        return OrderedSet(n for n in original(self) if not _yields_ours(n, self.module))
+
+    find_nodes_prefer_channels_last._fxoffload = True
+    GraphLowering.find_nodes_prefer_channels_last = find_nodes_prefer_channels_last
+
+
+def _yields_ours(node: fx.Node, module: torch.nn.Module) -> bool:
+    """Whether ``node``'s result is one of our ops' results: the op itself, or a ``control_deps`` node
+    wrapping it (:func:`pin_offload_order`)."""
+    if node.op != "call_function":
+        return False
+    if node.target in FXOFFLOAD_OPS:
+        return True
+    if node.target is not control_deps or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+        return False
+    subgraph = getattr(module, str(node.args[1].target), None)
+    return isinstance(subgraph, fx.GraphModule) and any(
+        n.op == "call_function" and n.target in FXOFFLOAD_OPS for n in subgraph.graph.nodes)
 
 
 def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
@@ -312,6 +357,8 @@ def _follow_fused_readers(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], list
             if not reach.fusible(reader):
                 continue
             ends = _fusion_ends(reader, reach)
+            if any([_hoist_views(e) for e in ends]):
+                reach = _Reach(graph)  # positions changed
             if ends and _move_after(op, max(ends, key=reach.index.__getitem__), reach):
                 reach = _Reach(graph)  # positions changed
                 follow[(op, reader)] = ends
@@ -340,17 +387,36 @@ def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
                 seen.add(user)
                 stack.append(user)
         if written:
-            ends.append(_computed_by(node, reach))
+            ends.append(node)
     return list(dict.fromkeys(ends))
 
 
 def _computed_by(node: fx.Node, reach: "_Reach") -> fx.Node:
     """The compute op whose result ``node`` views (through views of one input each), or ``node``: what a
-    kernel writes out when a view of it is read. A release placed after the view rather than the op
-    could not move past one of our ops between the two."""
+    kernel writes out when a view of it is read."""
     while reach.view(node) and len(node.all_input_nodes) == 1:
         node = node.all_input_nodes[0]
     return node
+
+
+def _hoist_views(node: fx.Node) -> bool:
+    """Move the views from ``node`` up to the compute op it views (:func:`_computed_by`: through views of
+    one input each) to right after that op, in order; whether any moved (none where they view no compute op). A view computes nothing, so
+    where it sits changes no kernel; a release that follows it then needs nothing between the op and the
+    view to move past (one of our ops there kept it from its place)."""
+    chain = []
+    while _is_view(node) and len(node.all_input_nodes) == 1:
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    if not is_compute(node):
+        return False  # a view of a graph input (stays below the inputs) or of one of our ops: where it is
+    moved = False
+    for view in reversed(chain):
+        if view.prev is not node:
+            node.append(view)
+            moved = True
+        node = view
+    return moved
 
 
 def _reduces(node: fx.Node) -> bool:
@@ -469,7 +535,7 @@ def _may_precede(anchor: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
     a BERT FFN's bias gradient (the ``sum`` of its output's gradient), taken by a wait, was summed in a
     kernel of its own, away from the residual's gradient ``add`` that reads the same gradient after the
     wait, in the LayerNorm backward's kernel."""
-    if not (_reduces(anchor) or anchor in _fusion_ends(anchor, reach)):
+    if not (_reduces(anchor) or anchor in {_computed_by(e, reach) for e in _fusion_ends(anchor, reach)}):
         return False
     return all(reach.index[k] < reach.index[op] for k in reach.siblings_near(anchor))
 

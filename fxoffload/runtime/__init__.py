@@ -460,7 +460,18 @@ def _note_layout(host: torch.Tensor, layout: tuple[int, ...]) -> None:
 
 def _check_layout(host: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> None:
     """A prefetch must ask for the strides its host buffer's offload was given: the buffer's bytes follow
-    them (``passes.ops``), and read in other strides its elements would come back in another order."""
+    them (``passes.ops``), and read in other strides its elements would come back in another order. The
+    buffer must be contiguous, as the offload made it: a compiler that re-laid it out (Inductor's
+    channels-last preference did, before ``backend.ordering`` kept our ops' results out of it) moved its
+    bytes."""
+    if not host.is_contiguous():
+        raise RuntimeError(
+            f"fxoffload.prefetch: the host buffer has strides {tuple(host.stride())} (size {tuple(host.shape)}), "
+            "but an offload's buffer is contiguous (passes.ops): a compiler re-laid it out between the forward "
+            "and the backward (a copy over the host, which may also have read it before its copy landed), and "
+            "its bytes no longer follow the offload's strides, so its elements would come back in another "
+            "order. fxoffload keeps Inductor's channels-last layout off its ops' results "
+            "(fxoffload.backend.ordering); please report the model that reached this")
     entry = STATE.layouts.get(host.data_ptr())
     if entry is None or entry.stride == tuple(stride) or not host.numel():
         return  # the usual case: the offload's strides asked for
