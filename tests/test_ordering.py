@@ -286,3 +286,37 @@ def test_a_matmul_and_its_add_anchor_nothing_where_inductor_may_fold_them_into_a
         graph = make_fx(lambda a, b, c: step(a, b, c) + c.exp())(*args).graph
     adds = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor]
     assert [_folds_into_addmm(n) for n in adds] == [True, False]
+
+
+def _view_after_another_op(x):
+    a = x * 2
+    b = x * 3
+    return a.view(-1), b
+
+
+def _in_place_after_a_reader(x):
+    y = x * 2
+    s = y.sum()
+    return y.relu_(), s
+
+
+def test_a_view_moves_up_to_its_op_and_an_in_place_op_stays():
+    """Fast (graphs only): a release follows a view its fused kernel's value is read through
+    (``_fusion_ends``), so the view moves up to right after the op it views (``_hoist_views``): a view computes
+    nothing, and one of our ops between the two kept the release from its place. An in-place op also aliases
+    its input, but moved up past a reader of that input it would change what the reader reads."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxoffload.backend.ordering import _hoist_views
+
+    gm = make_fx(_view_after_another_op, tracing_mode="fake")(torch.randn(4, 4))
+    view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
+    assert view.prev.args[1] == 3  # after b = x * 3
+    assert _hoist_views(view) and view.prev.args[1] == 2 and not _hoist_views(view)
+    gm.graph.lint()
+
+    gm = make_fx(_in_place_after_a_reader, tracing_mode="fake")(torch.randn(4, 4))
+    relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu_.default)
+    order = list(gm.graph.nodes)
+    assert not _hoist_views(relu) and list(gm.graph.nodes) == order

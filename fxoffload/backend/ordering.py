@@ -386,8 +386,8 @@ def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
             elif user not in seen:
                 seen.add(user)
                 stack.append(user)
-        if written:
-            ends.append(node)
+        if written:  # a tensor as it is read (a view of the op's value, too); a size: the op it measures
+            ends.append(node if isinstance(node.meta.get("val"), torch.Tensor) else _computed_by(node, reach))
     return list(dict.fromkeys(ends))
 
 
@@ -401,11 +401,12 @@ def _computed_by(node: fx.Node, reach: "_Reach") -> fx.Node:
 
 def _hoist_views(node: fx.Node) -> bool:
     """Move the views from ``node`` up to the compute op it views (:func:`_computed_by`: through views of
-    one input each) to right after that op, in order; whether any moved (none where they view no compute op). A view computes nothing, so
-    where it sits changes no kernel; a release that follows it then needs nothing between the op and the
-    view to move past (one of our ops there kept it from its place)."""
+    one input each, none of them in place) to right after that op, in order; whether any moved (none where
+    they view no compute op). A view computes nothing, so where it sits changes no kernel; a release that
+    follows it then needs nothing between the op and the view to move past (one of our ops there kept it
+    from its place)."""
     chain = []
-    while _is_view(node) and len(node.all_input_nodes) == 1:
+    while _is_view(node) and len(node.all_input_nodes) == 1 and not _writes(node):
         chain.append(node)
         node = node.all_input_nodes[0]
     if not is_compute(node):
@@ -417,6 +418,14 @@ def _hoist_views(node: fx.Node) -> bool:
             moved = True
         node = view
     return moved
+
+
+def _writes(node: fx.Node) -> bool:
+    """Whether ``node``'s op writes one of its arguments (an in-place op: it aliases its input, so it is
+    no compute op, but it must stay where it is). A functional graph holds none but the input mutations'
+    ``copy_``; a graph that was not functionalized may."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _reduces(node: fx.Node) -> bool:
