@@ -320,3 +320,34 @@ def test_a_view_moves_up_to_its_op_and_an_in_place_op_stays():
     relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu_.default)
     order = list(gm.graph.nodes)
     assert not _hoist_views(relu) and list(gm.graph.nodes) == order
+
+
+def _experts_then_norm(routed, weights, x, w):
+    """A MoE block's end: each token's two routed experts' outputs weighted and summed, the residual add,
+    the next RMSNorm and its matmul (plain fuses all but the matmul into one kernel)."""
+    import torch
+
+    tokens, hidden = x.shape
+    h = x + (routed.view(tokens, 2, hidden) * weights.unsqueeze(-1)).sum(1)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)) @ w
+
+
+def test_a_reduction_inductor_unrolls_ends_no_kernel():
+    """Fast (graphs only): a sum over two elements Inductor lowers as a pointwise op (it unrolls a reduction
+    over fewer than ``unroll_reductions_threshold`` elements), so a release following the routed experts'
+    weighting follows the kernel through it, to the RMSNorm's ``mean`` and what the matmul reads; taken for
+    an end, the sum was written out apart (Mixtral: two forward kernels more)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxoffload.backend.ordering import _reduces
+
+    gm = make_fx(_experts_then_norm, tracing_mode="fake")(
+        torch.randn(16, 8), torch.randn(8, 2), torch.randn(8, 8), torch.randn(8, 8))
+    reach = _Reach(gm.graph)
+    weighting = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    routed_sum = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList)
+    mean = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mean.dim)
+    assert not _reduces(routed_sum) and _reduces(mean)
+    ends = _fusion_ends(weighting, reach)
+    assert routed_sum not in ends and mean in ends, [e.name for e in ends]

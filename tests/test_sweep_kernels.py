@@ -32,12 +32,15 @@ def test_a_row_says_more_where_any_graph_has_more_kernels_and_compares_only_grap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox"])
+@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox", "mixtral"])
 def test_a_model_compiles_to_plains_kernels_at_half_the_budget(model_type):
     """At budget 0.5 each wrote a kernel more: Gemma's (tied embeddings) backward, an ``add`` over the embedding
     weight, a prefetch anchored on the head's weight-gradient matmul hiding it from Inductor's ``addmm`` pattern
     (``ordering._folds_into_addmm``); GPT-NeoX's (parallel residual) forward, the MLP's LayerNorm apart from the
-    attention's, its offload anchored after the attention's output projection (``ordering._rise_anchor``)."""
+    attention's, its offload anchored after the attention's output projection (``ordering._rise_anchor``);
+    Mixtral's forward, two more: the sum over each token's two routed experts, the residual add and the next
+    RMSNorm in three kernels, a release following the sum as if Inductor wrote it out (it unrolls a reduction
+    over fewer than 8 elements into a pointwise op: ``ordering._reduces``)."""
     arch = next(a for a in sweep.ARCHITECTURES if a.model_type == model_type)
     plain = sweep_kernels.compile_model(arch, None)
     mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)

@@ -89,7 +89,8 @@ partition that recomputes the ``silu`` (one forward kernel more than PyTorch's
 own partition at 0.3). So a release follows a fusible reader through what the
 kernel it fuses into writes out (:func:`_fusion_ends`: walking the reader's
 users through fusible ops and views, each value read by a barrier, one of our
-ops or the output, and each reduction), moving to right after the last of
+ops or the output, and each reduction, save one over fewer elements than Inductor
+unrolls into a pointwise op: :func:`_reduces`), moving to right after the last of
 those where no barrier, fxoffload op or user of the release lies between
 (:func:`_follow_fused_readers`): the storage is then freed after the fused
 kernel that reads it last, as plain compile reads it, instead of the reader's
@@ -137,6 +138,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch._inductor import config as inductor_config
 from torch._inductor import lowering as inductor_lowering
 from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
 from torch._prims_common import is_expandable_to
@@ -372,7 +374,7 @@ def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
     through fusible ops and views, each node read by something that is not (a barrier, an fxoffload
     op, the graph's output) or by a fusible op past a barrier that ``reader`` feeds (a later kernel:
     the second residual add, after the FFN, reads the first, which the FFN's RMSNorm kernel writes),
-    and each reduction past ``reader`` (Inductor writes a reduction out)."""
+    and each reduction past ``reader`` (Inductor writes a reduction out; :func:`_reduces`)."""
     ends, seen, stack = [], {reader}, [reader]
     while stack:
         node = stack.pop()
@@ -429,8 +431,11 @@ def _writes(node: fx.Node) -> bool:
 
 
 def _reduces(node: fx.Node) -> bool:
-    """A compute op whose result has fewer elements than one of its inputs (a reduction, an index),
-    or whose sizes are not all known numbers: where a fused kernel may end."""
+    """A compute op whose result has fewer elements than one of its inputs by Inductor's
+    ``unroll_reductions_threshold`` or more (a reduction, an index), or whose sizes are not all known
+    numbers: where a fused kernel may end. A reduction over fewer elements Inductor lowers as a pointwise
+    op (it unrolls it): a MoE block's sum over its two routed experts' outputs, taken for an end, was
+    written out apart from the residual add and the next RMSNorm that plain fuses with it."""
     if not is_compute(node):
         return False
     value = node.meta.get("val")
@@ -440,7 +445,8 @@ def _reduces(node: fx.Node) -> bool:
     sizes = [value.numel(), *(v.numel() for v in inputs)]
     if not all(isinstance(n, int) for n in sizes):
         return True
-    return any(n > sizes[0] for n in sizes[1:])
+    unrolled = inductor_config.unroll_reductions_threshold
+    return any(n >= sizes[0] * unrolled for n in sizes[1:]) if sizes[0] else any(sizes[1:])
 
 
 def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
