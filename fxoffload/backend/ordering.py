@@ -194,9 +194,9 @@ def _keep_our_layouts() -> None:
     Plain graphs hold none of ours and are unchanged. Idempotent."""
     from torch._inductor.graph import GraphLowering  # Inductor: loaded under inner="inductor"
 
-    original = GraphLowering.find_nodes_prefer_channels_last
-    if getattr(original, "_fxoffload", False):
-        return
+    original = getattr(GraphLowering, "find_nodes_prefer_channels_last", None)
+    if original is None or getattr(original, "_fxoffload", False):
+        return  # none (a torch that decides layouts otherwise: the runtime still refuses a re-laid-out buffer)
 
     def find_nodes_prefer_channels_last(self) -> OrderedSet[fx.Node]:
         return OrderedSet(n for n in original(self) if not _yields_ours(n, self.module))
