@@ -351,3 +351,24 @@ def test_a_reduction_inductor_unrolls_ends_no_kernel():
     assert not _reduces(routed_sum) and _reduces(mean)
     ends = _fusion_ends(weighting, reach)
     assert routed_sum not in ends and mean in ends, [e.name for e in ends]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_reduction_to_one_element_is_unrolled_only_on_a_gpu(device):
+    """Fast, fake tensors (a fake CUDA device too): Inductor unrolls a sum over fewer than 8 elements into a
+    pointwise op, but a sum to a single element only on a GPU; on the CPU it writes a reduction loop (a loss
+    averaged over a batch of 2)."""
+    import torch
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxoffload.backend.ordering import _reduces
+
+    def sums(x):
+        return x.sum(), x.view(2, 3).sum(1), x.view(6, 1).sum(1), torch.cat([x, x]).view(2, 6).sum(1)
+
+    with FakeTensorMode():
+        graph = make_fx(sums)(torch.empty(6, device=device)).graph
+    found = [_reduces(n) for n in graph.nodes if n.target is torch.ops.aten.sum.dim_IntList or
+             n.target is torch.ops.aten.sum.default]
+    assert found == [device == "cpu", False, False, False], found

@@ -140,6 +140,7 @@ import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor import lowering as inductor_lowering
+from torch._inductor.utils import is_gpu
 from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
 from torch._prims_common import is_expandable_to
 from torch.utils._ordered_set import OrderedSet
@@ -434,8 +435,11 @@ def _reduces(node: fx.Node) -> bool:
     """A compute op whose result has fewer elements than one of its inputs by Inductor's
     ``unroll_reductions_threshold`` or more (a reduction, an index), or whose sizes are not all known
     numbers: where a fused kernel may end. A reduction over fewer elements Inductor lowers as a pointwise
-    op (it unrolls it): a MoE block's sum over its two routed experts' outputs, taken for an end, was
-    written out apart from the residual add and the next RMSNorm that plain fuses with it."""
+    op (it unrolls it; to a single element, only on a GPU): a MoE block's sum over its two routed experts'
+    outputs, taken for an end, was written out apart from the residual add and the next RMSNorm that plain
+    fuses with it. Limit: lowerings that raise the threshold for themselves (pooling, to 25) are not
+    followed; an index or gather smaller than its input by less than the threshold is taken for a pointwise
+    op, as Inductor lowers it (an indirect load)."""
     if not is_compute(node):
         return False
     value = node.meta.get("val")
@@ -445,8 +449,10 @@ def _reduces(node: fx.Node) -> bool:
     sizes = [value.numel(), *(v.numel() for v in inputs)]
     if not all(isinstance(n, int) for n in sizes):
         return True
-    unrolled = inductor_config.unroll_reductions_threshold
-    return any(n >= sizes[0] * unrolled for n in sizes[1:]) if sizes[0] else any(sizes[1:])
+    # Inductor unrolls a reduction over fewer elements than the threshold, but one to a single element only
+    # on a GPU (``ir.Reduction.create``).
+    unrolled = inductor_config.unroll_reductions_threshold if sizes[0] != 1 or is_gpu(value.device.type) else 1
+    return any(n > sizes[0] and n >= sizes[0] * unrolled for n in sizes[1:])
 
 
 def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
