@@ -278,13 +278,18 @@ def offload_way(eager: torch.nn.Module, batch: dict, expected) -> tuple[float, b
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a budget out of reach of copies alone warns
         actual = [loss_and_grads(compiled, batch) for _ in range(OFFLOAD_STEPS)][-1]
-    copies = sum(len(r.plan.transfers) for r in {id(r): r for r in backend.step_invocations()}.values())
+    copies = sum(len(r.plan.transfers) for r in step_records(backend))
     return (*differences(expected, actual), copies)
+
+
+def step_records(backend: Any) -> list:
+    """The plans of the step's regions, each once (a region's record serves each of its runs)."""
+    return list({id(r): r for r in backend.step_invocations()}.values())
 
 
 def plan_words(backend: Any) -> str:
     """What the step's plans do: offloaded and recomputed storages over its regions, and the partitions."""
-    records = list({id(r): r for r in backend.step_invocations()}.values())
+    records = step_records(backend)
     partitions = sorted({r.plan.partition.split(" (")[0] for r in records})
     return (f"{sum(len(r.plan.transfers) for r in records)} offloaded, "
             f"{sum(len(r.plan.recomputes) for r in records)} recomputed; {', '.join(partitions)}")

@@ -135,7 +135,7 @@ def test_a_reader_s_fused_kernel_ends_before_the_matmul_its_value_feeds():
     assert add in ends and all(reach.index[e] < reach.index[matmul] for e in ends), [e.name for e in ends]
     views = [e for e in ends if not reach.compute(e)]
     assert [v.name for v in views] == [a.name for a in matmul.all_input_nodes if reach.view(a)]
-    targets = {_computed_by(e, reach).target for e in ends}
+    targets = {_computed_by(e).target for e in ends}
     assert torch.ops.aten.mean.dim in targets and torch.ops.aten.mul.Tensor in targets, [e.name for e in ends]
 
 

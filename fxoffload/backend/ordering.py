@@ -140,8 +140,8 @@ import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor import lowering as inductor_lowering
-from torch._inductor.utils import is_gpu
 from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
+from torch._inductor.utils import is_gpu
 from torch._prims_common import is_expandable_to
 from torch.utils._ordered_set import OrderedSet
 
@@ -318,10 +318,9 @@ def _after_kernel_of(release: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
 def _source_kernel(op: fx.Node, reach: "_Reach") -> tuple[fx.Node, ...]:
     """For an offload of a value Inductor has not written yet (a fusible op's result, or a view of one): that op
     and the ops of the kernel it may fuse into (:meth:`_Reach.group`); for any other op, none."""
-    if op.target is not OFFLOAD or not isinstance(source := op.args[0], fx.Node):
+    if op.target is not OFFLOAD or not isinstance(op.args[0], fx.Node):
         return ()
-    while _is_view(source) and len(source.all_input_nodes) == 1:
-        source = source.all_input_nodes[0]
+    source = _computed_by(op.args[0])
     return (source, *reach.group(source)) if reach.fusible(source) else ()
 
 
@@ -390,28 +389,32 @@ def _fusion_ends(reader: fx.Node, reach: "_Reach") -> list[fx.Node]:
                 seen.add(user)
                 stack.append(user)
         if written:  # a tensor as it is read (a view of the op's value, too); a size: the op it measures
-            ends.append(node if isinstance(node.meta.get("val"), torch.Tensor) else _computed_by(node, reach))
+            ends.append(node if isinstance(node.meta.get("val"), torch.Tensor) else _computed_by(node))
     return list(dict.fromkeys(ends))
 
 
-def _computed_by(node: fx.Node, reach: "_Reach") -> fx.Node:
-    """The compute op whose result ``node`` views (through views of one input each), or ``node``: what a
-    kernel writes out when a view of it is read."""
-    while reach.view(node) and len(node.all_input_nodes) == 1:
-        node = node.all_input_nodes[0]
-    return node
-
-
-def _hoist_views(node: fx.Node) -> bool:
-    """Move the views from ``node`` up to the compute op it views (:func:`_computed_by`: through views of
-    one input each, none of them in place) to right after that op, in order; whether any moved (none where
-    they view no compute op). A view computes nothing, so where it sits changes no kernel; a release that
-    follows it then needs nothing between the op and the view to move past (one of our ops there kept it
-    from its place)."""
+def _view_chain(node: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+    """The views from ``node`` up (views of one input each, none in place: ``node`` first) and the node they
+    view (``node`` itself where it is no such view)."""
     chain = []
     while _is_view(node) and len(node.all_input_nodes) == 1 and not _writes(node):
         chain.append(node)
         node = node.all_input_nodes[0]
+    return chain, node
+
+
+def _computed_by(node: fx.Node) -> fx.Node:
+    """The op whose result ``node`` views (:func:`_view_chain`), or ``node``: what a kernel writes out when a
+    view of it is read."""
+    return _view_chain(node)[1]
+
+
+def _hoist_views(node: fx.Node) -> bool:
+    """Move the views from ``node`` up to the compute op it views (:func:`_view_chain`) to right after that
+    op, in order; whether any moved (none where they view no compute op). A view computes nothing, so where
+    it sits changes no kernel; a release that follows it then needs nothing between the op and the view to
+    move past (one of our ops there kept it from its place)."""
+    chain, node = _view_chain(node)
     if not is_compute(node):
         return False  # a view of a graph input (stays below the inputs) or of one of our ops: where it is
     moved = False
@@ -556,7 +559,7 @@ def _may_precede(anchor: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
     a BERT FFN's bias gradient (the ``sum`` of its output's gradient), taken by a wait, was summed in a
     kernel of its own, away from the residual's gradient ``add`` that reads the same gradient after the
     wait, in the LayerNorm backward's kernel."""
-    if not (_reduces(anchor) or anchor in {_computed_by(e, reach) for e in _fusion_ends(anchor, reach)}):
+    if not (_reduces(anchor) or anchor in {_computed_by(e) for e in _fusion_ends(anchor, reach)}):
         return False
     return all(reach.index[k] < reach.index[op] for k in reach.siblings_near(anchor))
 
