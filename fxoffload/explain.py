@@ -52,7 +52,9 @@ def _summary(record: Any) -> str:
         f"({format_bytes(plan.recomputed_bytes)}, {plan.recompute_seconds * 1e6:.1f} us of compute predicted)",
         f"options: budget {budget}, strategy={plan.strategy}, min_bytes={plan.min_bytes}, "
         f"horizon={schedule.horizon}, inner={record.inner}",
-        f"partition: {plan.partition}",
+        f"partition: {plan.partition}" + ("" if not plan.partition_seconds else
+                                          f" (its own recomputations: {plan.partition_seconds * 1e6:.1f} us of "
+                                          "compute over the min-cut pair's, predicted)"),
         f"plan digest: {plan_digest(plan, schedule)} (what the rewrite does; the same on every rank for the same "
         "graph and options)",
         f"solver: {plan.solver}" + ("" if plan.solver == "none" else f", optimal={plan.optimal}, gap {gap}"),

@@ -356,6 +356,11 @@ class Plan:
     # graph's compute time: ``fxoffload.passes.pipeline``).
     max_overhead: float | None = None
     overhead_bound: float | None = None
+    # Predicted compute seconds one run of this pair takes over the min-cut pair's, without offloading: the
+    # recomputations inside PyTorch's recompute-only partition (strategy auto's ``partition`` of that name),
+    # which no ``Recompute`` of this plan names; 0 for the min-cut pair. The simulators count it in the
+    # overhead, which is over the min-cut pair's compute (what the graph computes without fxoffload).
+    partition_seconds: float = 0.0
 
     @property
     def offloaded_bytes(self) -> int:

@@ -19,7 +19,9 @@ one right before its device-to-host copy is issued, one right after its
 host-to-device copy lands (``staging_time``). Device
 memory follows the memory model's intervals (``fxoffload.passes.memory``) under the
 plan, placed on the simulated clock, so the simulated peak is the planner's
-predicted total peak.
+predicted total peak. A plan of PyTorch's recompute-only pair runs that pair's ops, its
+recomputations among them; its overhead is over the min-cut pair's compute, what the graph computes
+without fxoffload (``Plan.partition_seconds``: that pair's compute over the min-cut pair's).
 
 The floor of a plan is what no schedule can beat: in each pass, the larger of
 its compute time and the time its copies need on the link.
@@ -37,6 +39,7 @@ modelled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -65,7 +68,9 @@ class Simulation:
     """A predicted step; times in seconds from its start, memory in bytes."""
 
     step_time: float  # forward + backward
-    compute_time: float  # the step without offloading or recomputing, and without stalls
+    # The min-cut pair's step without offloading or recomputing, and without stalls: what the graph computes
+    # without fxoffload. A plan of PyTorch's recompute-only pair adds its recomputations (``partition_time``).
+    compute_time: float
     floor: float  # the least any schedule of this plan could take
     backward_start: float  # when the backward's first op starts
     ops: tuple[tuple[float, float], ...]  # (start, seconds) per op, forward then backward
@@ -79,10 +84,11 @@ class Simulation:
     recompute_time: float = 0.0  # compute the plan's recomputations add
     host_wait: float = 0.0  # device time idle while the host issued fxoffload ops
     staging_time: float = 0.0  # compute the staged transfers' device copies add (``cost_model.staging_seconds``)
+    partition_time: float = 0.0  # compute the planned pair adds over the min-cut pair's (``Plan.partition_seconds``)
 
     @property
     def overhead(self) -> float:
-        """Step time over the step without offloading or recomputing, minus one."""
+        """Step time over the min-cut pair's without offloading or recomputing, minus one."""
         return self.step_time / self.compute_time - 1.0 if self.compute_time else 0.0
 
     @property
@@ -92,7 +98,7 @@ class Simulation:
     @property
     def bound(self) -> str:
         """What limits this plan's floor: "compute" or "link"."""
-        compute = self.compute_time + self.recompute_time + self.staging_time
+        compute = self.compute_time + self.partition_time + self.recompute_time + self.staging_time
         return "compute" if self.floor <= compute * (1 + 1e-9) else "link"  # sums in another order
 
 
@@ -113,7 +119,9 @@ class Movement:
 
 
 def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
-    """Replay a graph record's plan and schedule on ``profile`` (default: the one it was planned for)."""
+    """Replay a graph record's plan and schedule on ``profile`` (default: the one it was planned for). The
+    compute a plan's partition adds over the min-cut pair's (``Plan.partition_seconds``) is the planning
+    profile's prediction, on any profile."""
     profile = profile or record.profile
     timeline, plan, schedule = record.timeline, record.plan, record.schedule
     pos = timeline.positions
@@ -125,8 +133,12 @@ def simulate(record: Any, profile: DeviceProfile | None = None) -> Simulation:
                  p.d2h_seconds, p.h2d_seconds, staging=plan.transfers[p.transfer].staging)
         for p in schedule.placements
     ]
-    return simulate_movements(timeline, record.work, profile, movements, schedule.prefetch_order or None,
-                              recomputes=plan.recomputes)
+    sim = simulate_movements(timeline, record.work, profile, movements, schedule.prefetch_order or None,
+                             recomputes=plan.recomputes)
+    if not plan.partition_seconds:
+        return sim
+    return dataclasses.replace(sim, compute_time=sim.compute_time - plan.partition_seconds,
+                               partition_time=plan.partition_seconds)
 
 
 def simulate_movements(

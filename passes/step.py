@@ -78,7 +78,9 @@ class StepSimulation:
 
     invocations: int
     step_time: float
-    compute_time: float  # the same invocations without offloading or recomputing, without stalls
+    # the same invocations without offloading or recomputing, without stalls, each of the min-cut pair
+    # (a plan of PyTorch's recompute-only pair: less what that partition adds, ``Plan.partition_seconds``)
+    compute_time: float
     backward_start: float
     activation_peak: int  # saved activations over the whole step, under the plans
     activation_peak_before: int  # the same without offloading or recomputing
@@ -244,7 +246,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     return StepSimulation(
         invocations=len(graphs),
         step_time=run.step_time,
-        compute_time=sum(base_times),
+        compute_time=sum(base_times) - sum(r.plan.partition_seconds for r in invocations),
         backward_start=run.starts[first_backward],
         activation_peak=max(act, default=0),
         activation_peak_before=max(base, default=0),

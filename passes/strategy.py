@@ -15,7 +15,9 @@ runs several times a step, one graph per layer: the step of its runs, per run,
 ``fxoffload.passes.step``, since its runs differ) and keep
 the fastest predicted that meets the budget without a total peak above the
 min-cut pair's (under ``max_overhead``, checked against it: the overhead is the predicted step less
-the min-cut pair's compute, so PyTorch's recomputation counts). The result lists those that qualify
+the min-cut pair's compute, so PyTorch's recomputation counts; the plan kept records that pair's compute over
+the min-cut pair's, ``Plan.partition_seconds``, so that the simulators' overhead counts it too). The result lists
+those that qualify
 (:class:`CandidatePlan`, fastest predicted first, plans alike counted once), so that measured selection
 (``fxoffload.backend.selection``) can time them: ``compare_all`` plans the alternatives
 even when the first plan predicts no cost, and ``choose`` returns the one a
@@ -137,7 +139,7 @@ def plan_best_partition(
         only = (CandidatePlan(MIN_CUT, first.plan.partition, step),)
         first = check_overhead(first, step, plain, options)
         return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
-    tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
+    tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT, plain)]
     tried += _alternatives(planner, fw_module, bw_module, analysis, first.plan, repartition, options)
     fw, bw, best = _best_of(tried, watch, choose)
     if not best.plan.feasible:
@@ -200,6 +202,7 @@ class _Tried:
     label: str
     step: float  # predicted step time (simulator)
     key: str  # one of CANDIDATE_KEYS
+    compute: float  # the pair's predicted compute per run, without offloading or our recomputations
 
 
 def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repartition, options) -> list[_Tried]:
@@ -214,20 +217,25 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repar
         result = alternative(analysis, dataclasses.replace(held, strategy=single))
         tried.append(_Tried(fw_module, bw_module, result, f"min-cut, {single} only predicted fastest",
                             _predicted_step(result, profile, watch), {"offload": OFFLOAD_ONLY,
-                                                                     "recompute": RECOMPUTE_ONLY}[single]))
+                                                                     "recompute": RECOMPUTE_ONLY}[single],
+                            sum(analysis.times)))
     tried += _with_room(planner, fw_module, bw_module, analysis, plan, held)
     if repartition is not None:
+        # The budget's fraction of the peak it bounds: the step's over the graph's runs (one run's activation
+        # peak where it runs once). Of one run's peak, a graph serving 8 layers at 0.7 asked PyTorch for 1.0:
+        # its own min-cut pair, so that no recompute-only partition of PyTorch's was ever a candidate there.
         # PyTorch takes a fraction in [0, 1]; a share of the step's budget can be below nothing (what the
         # regions before hold already exceeds the budget): then recompute all it can.
-        fraction = max(0.0, min(1.0, plan.budget_bytes / max(plan.activation_peak_before, 1)))
+        fraction = max(0.0, min(1.0, plan.budget_bytes / max(plan.step_peak_before, 1)))
         watch.restart()
         fw2, bw2 = repartition(fraction)
         watch.stamp("repartition (PyTorch)")
         if not _draws_random_numbers(bw2):
-            result = alternative(analysed(fw2, bw2, held), held)
+            theirs = analysed(fw2, bw2, held)
+            result = alternative(theirs, held)
             tried.append(_Tried(fw2, bw2, result,
                                 f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
-                                _predicted_step(result, profile, watch), PYTORCH_RECOMPUTE))
+                                _predicted_step(result, profile, watch), PYTORCH_RECOMPUTE, sum(theirs.times)))
     return tried
 
 
@@ -255,7 +263,8 @@ def _with_room(planner: _Planner, fw_module, bw_module, analysis, plan, held: Pl
             continue
         tried.append(_Tried(fw_module, bw_module, result,
                             f"min-cut, copies chosen for {margin / 2**20:g} MiB under the budget, predicted fastest",
-                            _predicted_step(result, planner.settings.profile, planner.watch), key))
+                            _predicted_step(result, planner.settings.profile, planner.watch), key,
+                            sum(analysis.times)))
     return tried
 
 
@@ -289,6 +298,7 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
         partition=best.label if choose is None else _plain_label(best.label) + ", a candidate of measured selection",
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
                     for size, reference in zip(best.result.plan.sizes, plan.sizes)),
+        partition_seconds=best.compute - tried[0].compute,
     )
     candidates = tuple(CandidatePlan(e.key, _plain_label(e.label), e.step) for e in qualified)
     return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times,

@@ -224,3 +224,30 @@ def test_two_ranks_keep_one_candidate_by_their_timings_together():
     refused = run_distributed("select_ranks.py", "unchecked")
     assert all("OptionError: select: select='measured' in a job of 2 ranks without check_ranks" in line
                for line in refused) and len(refused) == 2, refused
+
+
+@pytest.mark.slow
+def test_per_block_the_measurement_can_keep_pytorchs_partition_at_the_budgets_fraction():
+    """Each layer of a 3-layer Llama compiled on its own (one graph serving every layer, torchtitan's recipe):
+    strategy auto's PyTorch alternative is its recompute-only partition at the budget's fraction of the step's
+    peak, not at 1 (its own min-cut pair, which it was: ``passes.strategy._alternatives``). Under slow copies the
+    measurement keeps it (with a copy of ours: that partition at the fraction holds a little more than the
+    step's budget), and every step, the trials' included, matches eager."""
+    torch.manual_seed(0)
+    eager = tiny_llama(3).train()
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 256, (2, 32))
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0, select="measured",
+                                        select_steps=1, device_profile=_slow_compute())
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    expected = lm_step(eager, ids)
+    with runtime.copy_delay(0.02):
+        for _ in range(10):
+            assert_same_step(expected, lm_step(model, ids))
+    kept = _kept(backend)
+    assert kept.plan.runs == 3 and kept.selection.kept.key == "pytorch"
+    (fraction,) = {c.label for c in kept.selection.candidates if c.key == "pytorch"}
+    assert fraction.startswith("recompute-only (activation_memory_budget=0.5"), fraction
+    assert kept.plan.partition_seconds > 0  # PyTorch's pair recomputes in its backward
+    assert backend.step_invocations()[-3:] == [kept] * 3

@@ -100,6 +100,7 @@ def plan_report(records: list, planned: Mapping[str, Any]) -> dict:
             "plan_digest": plan_digest(plan, record.schedule),
             "recomputed_bytes": plan.recomputed_bytes,
             "recompute_time": plan.recompute_seconds,
+            "partition_time": plan.partition_seconds,
             "step_time": sim.step_time,
             "step_time_without_offload": sim.compute_time,
             "overhead": sim.overhead,
@@ -211,7 +212,9 @@ def print_report(report: dict, records: list) -> None:
               + ("" if graph["host_budget_bytes"] is None else
                  f"; host budget {format_bytes(graph['host_budget_bytes'])}"))
         print(f"  recomputed       {format_bytes(graph['recomputed_bytes'])} in {graph['recomputes']} chains "
-              f"({format_seconds(graph['recompute_time'])} of compute, predicted)")
+              f"({format_seconds(graph['recompute_time'])} of compute, predicted)"
+              + ("" if not graph["partition_time"] else
+                 f"; the partition's own recomputations {format_seconds(graph['partition_time'])} more"))
         print(f"  step time        {format_seconds(graph['step_time'])} (without offload "
               f"{format_seconds(graph['step_time_without_offload'])}: overhead {graph['overhead']:+.1%})")
         print(f"  floor            {format_seconds(graph['floor'])} ({graph['bound']}-bound); step is "

@@ -1,0 +1,136 @@
+"""Strategy auto's alternatives: PyTorch's recompute-only partition asked at the budget's fraction, and the
+plan of that partition priced over the min-cut pair's compute (``fxoffload.passes.strategy``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from functorch.compile import min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+
+from fxoffload.passes import Budget, PlanOptions
+from fxoffload.passes.simulator import simulate
+from fxoffload.passes.step import simulate_step
+from fxoffload.passes.strategy import plan_best_partition
+from fxoffload.profiles import PROFILES
+from tests.conftest import partitioned_pair
+
+PROFILE = PROFILES["h100-pcie5"]
+
+
+def three_tanh(x, w1, w2, w3):
+    return torch.tanh(torch.tanh(torch.tanh(x @ w1) @ w2) @ w3).sum()
+
+
+def pair_and_repartition(fn, *inputs):
+    """The min-cut pair of ``fn`` (forward, backward, num_user_outputs) and the backend's ``recompute_only``:
+    PyTorch's partitioner run again on the same joint graph at an ``activation_memory_budget``."""
+    captured = {}
+
+    def partition(gm, joint_inputs, **kwargs):
+        captured["joint"] = (copy.deepcopy(gm), joint_inputs, kwargs)
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        captured["pair"] = (copy.deepcopy(fw), copy.deepcopy(bw), kwargs["num_fwd_outputs"])
+        return fw, bw
+
+    def nop(gm, _):
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition))(*inputs)
+    gm, joint_inputs, kwargs = captured["joint"]
+
+    def recompute_only(fraction: float):
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
+
+    return (*captured["pair"], recompute_only)
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_a_graph_of_several_runs_asks_pytorch_for_the_budgets_fraction(runs):
+    """The budget of a graph that runs several times a step (one compiled block serving every layer) bounds
+    the step's peak over its runs, and a fraction is of that peak. Strategy auto's PyTorch alternative must
+    ask PyTorch's partitioner for the same fraction. Taken of one run's peak, a graph serving 4 layers at
+    0.75 asked for 1.0 (clipped: 0.75 of the 4 runs' peak is more than one run's), which gives PyTorch's
+    own min-cut pair: its recompute-only partition was never a candidate of a per-block compile (frontier
+    run 8 listed "activation_memory_budget=1" at every budget). One run: the same fraction as before."""
+    torch.manual_seed(0)
+    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
+    asked = []
+
+    def repartition(fraction: float):
+        asked.append(fraction)
+        return fw, bw
+
+    options = PlanOptions(min_bytes=0, budget=Budget(fraction=0.75), strategy="auto", runs=runs)
+    *_, result = plan_best_partition(fw, bw, outputs, repartition, options=options, horizon="auto",
+                                     profile=PROFILE, compare_all=True)
+    plan = result.plan
+    assert plan.runs == runs and plan.budget_bytes == int(0.75 * plan.step_peak_before)
+    if runs > 1:  # the step's peak holds the earlier runs' activations too: well above one run's
+        assert plan.step_peak_before > 2 * plan.activation_peak_before
+    assert plan.feasible and asked == [pytest.approx(0.75, abs=1e-6)], asked
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
+def test_a_plan_of_pytorchs_partition_is_priced_over_the_min_cut_pairs_compute(fraction):
+    """PyTorch's recompute-only pair recomputes inside its own graphs (no ``Recompute`` of ours names
+    those ops). Its plan's overhead was over its own compute, so that a plan of it reported +0.0% (a per-layer
+    Mistral-7B at 0.5: 417 ms "without offload 417 ms", where the min-cut pair computes 400 ms). The plan keeps
+    what that partition adds (``Plan.partition_seconds``), and both simulators count it in the overhead: each
+    baseline is the min-cut pair's compute, what the graph computes without fxoffload."""
+    torch.manual_seed(0)
+    fw, bw, outputs, recompute_only = pair_and_repartition(
+        three_tanh, *(torch.randn(1024, 1024, requires_grad=True) for _ in range(4)))
+    options = PlanOptions(min_bytes=0, budget=Budget(fraction=fraction), strategy="auto")
+    common = dict(options=options, horizon="auto", profile=PROFILE, compare_all=True)
+    *_, joint = plan_best_partition(fw, bw, outputs, recompute_only, choose="min-cut", **common)
+    fw2, bw2, theirs = plan_best_partition(fw, bw, outputs, recompute_only, choose="pytorch", **common)
+    assert "recompute-only (activation_memory_budget=" in theirs.plan.partition
+    # PyTorch recomputes a tanh in the backward: more compute than the min-cut pair, none of it ours
+    tanhs = lambda gm: sum(n.target is torch.ops.aten.tanh.default for n in gm.graph.nodes)  # noqa: E731
+    assert tanhs(bw2) > tanhs(bw) and not theirs.plan.recomputes
+    mine, priced = simulate(joint, PROFILE), simulate(theirs, PROFILE)
+    assert joint.plan.partition_seconds == 0 and mine.partition_time == 0
+    assert theirs.plan.partition_seconds == pytest.approx(sum(_times(theirs)) - sum(_times(joint)))
+    assert theirs.plan.partition_seconds > 0.1 * mine.compute_time
+    assert priced.compute_time == pytest.approx(mine.compute_time, rel=1e-9)
+    assert priced.partition_time == theirs.plan.partition_seconds
+    assert priced.overhead == pytest.approx(priced.step_time / mine.compute_time - 1)
+    assert priced.overhead >= theirs.plan.partition_seconds / mine.compute_time * (1 - 1e-9)
+    assert priced.bound == "compute"
+    step = simulate_step([theirs] * 2, PROFILE)  # the step simulator, over two runs of each
+    assert step.compute_time == pytest.approx(simulate_step([joint] * 2, PROFILE).compute_time, rel=1e-9)
+    assert step.overhead >= 2 * theirs.plan.partition_seconds / step.compute_time * (1 - 1e-9)
+
+
+def _times(result) -> list[float]:
+    """Each timeline node's predicted seconds on the test's profile, as the planner priced them."""
+    from fxoffload.passes.cost_model import roofline
+    return [roofline(w, PROFILE) for w in result.work]
+
+
+def test_the_plan_command_prices_pytorchs_pair_over_the_min_cut_pairs_compute(capsys):
+    """``fxoffload plan`` on Mistral-7B compiled per layer at 0.5 (fake tensors): strategy auto keeps PyTorch's
+    recompute-only pair (asked at the step's fraction, 0.5), and its step's time without offloading is the
+    min-cut pair's, as strategy offload reports it for the same graphs (that pair is what it plans), not
+    PyTorch's pair's own (+4.2%, which read +0.0%)."""
+    from tests.conftest import run_json
+
+    argv = ["--preset", "mistral-7b", "--seq", "4096", "--dtype", "bf16", "--budget", "0.5", "--profile",
+            "h100-pcie5", "--per-layer", "--no-plot"]
+    auto = run_json(capsys, *argv)
+    offload = run_json(capsys, *argv, "--strategy", "offload")
+    (graph,) = auto["graphs"]
+    assert graph["partition"].startswith("recompute-only (activation_memory_budget=0.5)"), graph["partition"]
+    assert graph["partition_time"] > 0 and graph["recomputes"] == 0
+    assert offload["graphs"][0]["partition_time"] == 0
+    assert auto["step"]["step_time_without_offload"] == pytest.approx(offload["step"]["step_time_without_offload"])
+    assert graph["step_time_without_offload"] == pytest.approx(offload["graphs"][0]["step_time_without_offload"])
+    runs = graph["runs_per_step"]
+    assert auto["step"]["step_time"] >= (auto["step"]["step_time_without_offload"]
+                                         + runs * graph["partition_time"]) * (1 - 1e-9)
+    assert auto["step"]["overhead"] > 0.01
