@@ -92,6 +92,12 @@ class Simulation:
         return self.step_time / self.compute_time - 1.0 if self.compute_time else 0.0
 
     @property
+    def baseline_time(self) -> float:
+        """The planned pair's step without offloading, on its own clock (the baseline curves' end): the
+        min-cut pair's compute and what the planned partition adds."""
+        return self.compute_time + self.partition_time
+
+    @property
     def stalls(self) -> tuple[tuple[str, str, float], ...]:
         return tuple((c.name, c.phase, c.stall) for c in self.copies)
 

@@ -96,6 +96,14 @@ class StepSimulation:
     host_bytes: int = 0
     pinned_host_bytes: int = 0
     host_wait: float = 0.0  # device time idle while the host issued fxoffload ops (``fxoffload.passes.simulator``)
+    # compute the planned partitions add over the min-cut pairs' (``Plan.partition_seconds``, each the
+    # planning profile's prediction, on any profile)
+    partition_time: float = 0.0
+
+    @property
+    def baseline_time(self) -> float:
+        """The planned pairs' step without offloading, on its own clock (the baseline curve's end)."""
+        return self.compute_time + self.partition_time
 
     @property
     def overhead(self) -> float:
@@ -207,7 +215,9 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
     ``step_caller_kept()``): the copy freed nothing, so a source still held when the backward began
     counts from its release to the step's end, and in the baseline from its last use on. One the
     caller dropped before the backward is not an activation (``fxoffload.tools.measure``: saved tensors
-    are those alive when the backward starts), like any temporary of the forward."""
+    are those alive when the backward starts), like any temporary of the forward. ``compute_time`` is of the
+    min-cut pairs: a plan of PyTorch's recompute-only pair adds the compute that pair adds
+    (``Plan.partition_seconds``, the planning profile's prediction on any ``profile``) to the overhead."""
     if not invocations:
         raise ValueError("simulate_step: no invocations")
     profile = profile or invocations[0].profile
@@ -247,6 +257,7 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
         invocations=len(graphs),
         step_time=run.step_time,
         compute_time=sum(base_times) - sum(r.plan.partition_seconds for r in invocations),
+        partition_time=sum(r.plan.partition_seconds for r in invocations),
         backward_start=run.starts[first_backward],
         activation_peak=max(act, default=0),
         activation_peak_before=max(base, default=0),

@@ -224,9 +224,14 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repar
         # The budget's fraction of the peak it bounds: the step's over the graph's runs (one run's activation
         # peak where it runs once). Of one run's peak, a graph serving 8 layers at 0.7 asked PyTorch for 1.0:
         # its own min-cut pair, so that no recompute-only partition of PyTorch's was ever a candidate there.
+        # A region of a step with later regions is bound by a cap on what it leaves for the backward too
+        # (``held_cap``), which binds where its share of the budget does not: then that cap's fraction.
         # PyTorch takes a fraction in [0, 1]; a share of the step's budget can be below nothing (what the
         # regions before hold already exceeds the budget): then recompute all it can.
-        fraction = max(0.0, min(1.0, plan.budget_bytes / max(plan.step_peak_before, 1)))
+        fraction = plan.budget_bytes / max(plan.step_peak_before, 1)
+        if plan.held_cap is not None:
+            fraction = min(fraction, plan.held_cap / max(plan.held_before, 1))
+        fraction = max(0.0, min(1.0, fraction))
         watch.restart()
         fw2, bw2 = repartition(fraction)
         watch.stamp("repartition (PyTorch)")
@@ -299,6 +304,9 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
                     for size, reference in zip(best.result.plan.sizes, plan.sizes)),
         partition_seconds=best.compute - tried[0].compute,
+        # max_overhead's seconds per run: of the min-cut pair's compute, as ``check_overhead`` judges it
+        overhead_bound=None if best.result.plan.overhead_bound is None else (
+            best.result.plan.max_overhead * tried[0].compute),
     )
     candidates = tuple(CandidatePlan(e.key, _plain_label(e.label), e.step) for e in qualified)
     return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times,

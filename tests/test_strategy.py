@@ -1,5 +1,5 @@
-"""Strategy auto's alternatives: PyTorch's recompute-only partition asked at the budget's fraction, and the
-plan of that partition priced over the min-cut pair's compute (``fxoffload.passes.strategy``)."""
+"""Strategy auto's alternatives: PyTorch's recompute-only partition asked at the budget's fraction (or its
+cap's), and the plan of that partition priced over the min-cut pair's compute (``fxoffload.passes.strategy``)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,31 @@ def test_a_graph_of_several_runs_asks_pytorch_for_the_budgets_fraction(runs):
     assert plan.feasible and asked == [pytest.approx(0.75, abs=1e-6)], asked
 
 
+@pytest.mark.parametrize("runs", [1, 4])
+def test_a_region_held_to_a_cap_asks_pytorch_for_the_caps_fraction(runs):
+    """A region of a step with later regions has a share of the step's budget and a cap on what it leaves for
+    the backward (``held_cap``, ``fxoffload.passes.shares``); the share is often above the region's own peak,
+    and the cap binds. PyTorch is asked for the cap's fraction of what the region leaves, not for the share's
+    (1.0, clipped: its own min-cut pair again)."""
+    torch.manual_seed(0)
+    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
+    asked = []
+
+    def repartition(fraction: float):
+        asked.append(fraction)
+        return fw, bw
+
+    common = dict(horizon="auto", profile=PROFILE, compare_all=True)
+    unbound = PlanOptions(min_bytes=0, budget=Budget(fraction=1.0), strategy="offload", runs=runs)
+    *_, reference = plan_best_partition(fw, bw, outputs, None, options=unbound, **common)
+    step_peak, held = reference.plan.step_peak_before, reference.plan.held_before
+    options = PlanOptions(min_bytes=0, budget=Budget(nbytes=2 * step_peak), held_cap=held // 2, strategy="auto",
+                          runs=runs)
+    *_, result = plan_best_partition(fw, bw, outputs, repartition, options=options, **common)
+    assert result.plan.held_before == held and result.plan.held_after <= held // 2
+    assert asked == [pytest.approx((held // 2) / held)], asked
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.7])
 def test_a_plan_of_pytorchs_partition_is_priced_over_the_min_cut_pairs_compute(fraction):
     """PyTorch's recompute-only pair recomputes inside its own graphs (no ``Recompute`` of ours names
@@ -85,7 +110,7 @@ def test_a_plan_of_pytorchs_partition_is_priced_over_the_min_cut_pairs_compute(f
     torch.manual_seed(0)
     fw, bw, outputs, recompute_only = pair_and_repartition(
         three_tanh, *(torch.randn(1024, 1024, requires_grad=True) for _ in range(4)))
-    options = PlanOptions(min_bytes=0, budget=Budget(fraction=fraction), strategy="auto")
+    options = PlanOptions(min_bytes=0, budget=Budget(fraction=fraction), strategy="auto", max_overhead=0.9)
     common = dict(options=options, horizon="auto", profile=PROFILE, compare_all=True)
     *_, joint = plan_best_partition(fw, bw, outputs, recompute_only, choose="min-cut", **common)
     fw2, bw2, theirs = plan_best_partition(fw, bw, outputs, recompute_only, choose="pytorch", **common)
@@ -102,9 +127,16 @@ def test_a_plan_of_pytorchs_partition_is_priced_over_the_min_cut_pairs_compute(f
     assert priced.overhead == pytest.approx(priced.step_time / mine.compute_time - 1)
     assert priced.overhead >= theirs.plan.partition_seconds / mine.compute_time * (1 - 1e-9)
     assert priced.bound == "compute"
+    # max_overhead's seconds per run are of the min-cut pair's compute, as the check applied judges them
+    assert theirs.plan.overhead_bound == pytest.approx(0.9 * mine.compute_time)
+    # the no-offload curves run on that pair's own clock, to its end
+    assert priced.baseline_time == pytest.approx(mine.compute_time + theirs.plan.partition_seconds)
+    assert priced.baseline_activations[-1][0] <= priced.baseline_time * (1 + 1e-12)
     step = simulate_step([theirs] * 2, PROFILE)  # the step simulator, over two runs of each
     assert step.compute_time == pytest.approx(simulate_step([joint] * 2, PROFILE).compute_time, rel=1e-9)
     assert step.overhead >= 2 * theirs.plan.partition_seconds / step.compute_time * (1 - 1e-9)
+    assert step.baseline_time == pytest.approx(step.compute_time + 2 * theirs.plan.partition_seconds)
+    assert step.baseline_activations[-1][0] <= step.baseline_time * (1 + 1e-12)
 
 
 def _times(result) -> list[float]:

@@ -147,9 +147,9 @@ def _steps(points: Sequence[tuple[float, int]], end: float, scale: float, ticks:
 def _draw_memory(ax: Any, sim: Any, budget: int | None, units: tuple[str, float], ticks: float) -> None:
     unit, scale = units
     for points, end, color, label, width in (
-        (sim.baseline_activations, sim.compute_time, COLORS["baseline"], "saved activations, no offload", 1.8),
+        (sim.baseline_activations, sim.baseline_time, COLORS["baseline"], "saved activations, no offload", 1.8),
         (sim.activations, sim.step_time, COLORS["plan"], "saved activations, this plan", 1.8),
-        (sim.baseline_memory, sim.compute_time, COLORS["baseline"], "all device tensors, no offload", 0.7),
+        (sim.baseline_memory, sim.baseline_time, COLORS["baseline"], "all device tensors, no offload", 0.7),
         (sim.memory, sim.step_time, COLORS["plan"], "all device tensors, this plan", 0.7),
     ):
         if points:
