@@ -49,14 +49,8 @@ def pair_and_repartition(fn, *inputs):
     return (*captured["pair"], recompute_only)
 
 
-@pytest.mark.parametrize("runs", [1, 4])
-def test_a_graph_of_several_runs_asks_pytorch_for_the_budgets_fraction(runs):
-    """The budget of a graph that runs several times a step (one compiled block serving every layer) bounds
-    the step's peak over its runs, and a fraction is of that peak. Strategy auto's PyTorch alternative must
-    ask PyTorch's partitioner for the same fraction. Taken of one run's peak, a graph serving 4 layers at
-    0.75 asked for 1.0 (clipped: 0.75 of the 4 runs' peak is more than one run's), which gives PyTorch's
-    own min-cut pair: its recompute-only partition was never a candidate of a per-block compile (frontier
-    run 8 listed "activation_memory_budget=1" at every budget). One run: the same fraction as before."""
+def _asking_pair():
+    """three_tanh's min-cut pair, and a repartition that notes each fraction asked and hands that pair back."""
     torch.manual_seed(0)
     fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
     asked = []
@@ -65,6 +59,18 @@ def test_a_graph_of_several_runs_asks_pytorch_for_the_budgets_fraction(runs):
         asked.append(fraction)
         return fw, bw
 
+    return fw, bw, outputs, repartition, asked
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_a_graph_of_several_runs_asks_pytorch_for_the_budgets_fraction(runs):
+    """The budget of a graph that runs several times a step (one compiled block serving every layer) bounds
+    the step's peak over its runs, and a fraction is of that peak. Strategy auto's PyTorch alternative must
+    ask PyTorch's partitioner for the same fraction. Taken of one run's peak, a graph serving 4 layers at
+    0.75 asked for 1.0 (clipped: 0.75 of the 4 runs' peak is more than one run's), which gives PyTorch's
+    own min-cut pair: its recompute-only partition was never a candidate of a per-block compile (frontier
+    run 8 listed "activation_memory_budget=1" at every budget). One run: the same fraction as before."""
+    fw, bw, outputs, repartition, asked = _asking_pair()
     options = PlanOptions(min_bytes=0, budget=Budget(fraction=0.75), strategy="auto", runs=runs)
     *_, result = plan_best_partition(fw, bw, outputs, repartition, options=options, horizon="auto",
                                      profile=PROFILE, compare_all=True)
@@ -81,14 +87,7 @@ def test_a_region_held_to_a_cap_asks_pytorch_for_the_caps_fraction(runs):
     the backward (``held_cap``, ``fxoffload.passes.shares``); the share is often above the region's own peak,
     and the cap binds. PyTorch is asked for the cap's fraction of what the region leaves, not for the share's
     (1.0, clipped: its own min-cut pair again)."""
-    torch.manual_seed(0)
-    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
-    asked = []
-
-    def repartition(fraction: float):
-        asked.append(fraction)
-        return fw, bw
-
+    fw, bw, outputs, repartition, asked = _asking_pair()
     common = dict(horizon="auto", profile=PROFILE, compare_all=True)
     unbound = PlanOptions(min_bytes=0, budget=Budget(fraction=1.0), strategy="offload", runs=runs)
     *_, reference = plan_best_partition(fw, bw, outputs, None, options=unbound, **common)
