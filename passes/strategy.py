@@ -14,10 +14,10 @@ plan with room under the budget: :func:`_with_room`); simulate each (``fxoffload
 runs several times a step, one graph per layer: the step of its runs, per run,
 ``fxoffload.passes.step``, since its runs differ) and keep
 the fastest predicted that meets the budget without a total peak above the
-min-cut pair's (under ``max_overhead``, checked against it: the overhead is the predicted step less
-the min-cut pair's compute, so PyTorch's recomputation counts; the plan kept records that pair's compute over
-the min-cut pair's, ``Plan.partition_seconds``, so that the simulators' overhead counts it too). The result lists
-those that qualify
+min-cut pair's (the step's, for a graph of several runs; under ``max_overhead``, checked against it: the
+overhead is the predicted step less the min-cut pair's compute, so PyTorch's recomputation counts; the plan
+kept records that pair's compute over the min-cut pair's, ``Plan.partition_seconds``, so that the
+simulators' overhead counts it too). The result lists those that qualify
 (:class:`CandidatePlan`, fastest predicted first, plans alike counted once), so that measured selection
 (``fxoffload.backend.selection``) can time them: ``compare_all`` plans the alternatives
 even when the first plan predicts no cost, and ``choose`` returns the one a
@@ -103,9 +103,10 @@ def plan_best_partition(
     """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
     predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
     PyTorch's recompute-only partitioner makes at that budget (``repartition(fraction)``, its
-    ``activation_memory_budget``), held to the same bytes. Return the pair (not rewritten) and the
+    ``activation_memory_budget``: the budget's fraction of the peak it bounds, or a cap's of what the
+    graph leaves for its backward), held to the same bytes. Return the pair (not rewritten) and the
     plan predicted fastest (simulator) among those that meet the budget without a predicted total
-    peak above the min-cut pair's unoffloaded one.
+    peak (the step's, over several runs) above the min-cut pair's unoffloaded one.
 
     (1) guards the joint program's queue model, which is optimistic about copies under tight
     memory; it reuses the min-cut pair's analysis. (2) recomputes what our chains cannot: it may
@@ -229,8 +230,8 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repar
         # PyTorch takes a fraction in [0, 1]; a share of the step's budget can be below nothing (what the
         # regions before hold already exceeds the budget): then recompute all it can.
         fraction = plan.budget_bytes / max(plan.step_peak_before, 1)
-        if plan.held_cap is not None:
-            fraction = min(fraction, plan.held_cap / max(plan.held_before, 1))
+        if plan.held_cap is not None and plan.held_before:
+            fraction = min(fraction, plan.held_cap / plan.held_before)
         fraction = max(0.0, min(1.0, fraction))
         watch.restart()
         fw2, bw2 = repartition(fraction)
@@ -326,12 +327,15 @@ def _over_total(entry: _Tried, joint: _Tried) -> bool:
 
 
 def _step_total(plan, after: bool) -> int:
-    """The total peak of a graph's runs in a step, before or after its plan: the last run's on top of what every
-    other run leaves for its backward (``Plan.held_*`` is over the runs). One run's total peak for one run. A
-    plan of PyTorch's recompute-only pair may peak above the min-cut pair in a run and hold less for every
-    other: over 8 runs (frontier run 8's model at 0.5) it peaked 127 MiB higher per run, and held less."""
-    total, held = (plan.total_peak_after, plan.held_after) if after else (plan.total_peak_before, plan.held_before)
-    return total + (plan.runs - 1) * held // max(plan.runs, 1)
+    """The total peak a graph's runs reach in a step, inputs left out, before or after its plan: one run's total
+    peak for one run; over several, their device peak (``memory.device_peak_of_runs``: the last run's on top of
+    what every other run holds for its backward, with what the schedule holds longer,
+    ``scheduling.with_scheduled_peaks``). A plan of PyTorch's recompute-only pair may peak above the min-cut
+    pair in a run and hold less for every other: over 8 runs (frontier run 8's model at 0.5) it peaked 127 MiB
+    higher per run, and held less."""
+    if plan.runs == 1:
+        return plan.total_peak_after if after else plan.total_peak_before
+    return (plan.device_peak_after if after else plan.device_peak_before) - plan.input_bytes
 
 
 def _distinct(entries: list[_Tried]) -> list[_Tried]:

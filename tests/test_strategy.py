@@ -4,6 +4,7 @@ cap's), and the plan of that partition priced over the min-cut pair's compute (`
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -170,19 +171,26 @@ def test_the_plan_command_prices_pytorchs_pair_over_the_min_cut_pairs_compute(ca
 @pytest.mark.parametrize("runs", [1, 8])
 def test_a_pair_that_peaks_higher_in_a_run_but_holds_less_qualifies_over_several_runs(runs):
     """An alternative never raises the min-cut pair's total peak (recomputing piles temporaries up); for a
-    graph of several runs that peak is the step's: the last run's on top of what the other runs hold for
-    their backward. PyTorch's pair at frontier run 8's 0.5 peaked 127 MiB higher in one run and held a
-    fraction per run, and was dropped; over 8 runs its step peaks far lower. Over one run it stays dropped."""
+    graph of several runs that peak is the step's: the device peak of its runs, inputs left out (the last
+    run's on top of what the others hold for their backward). PyTorch's pair at frontier run 8's 0.5 peaked
+    127 MiB higher in one run and held a fraction per run, and was dropped; over 8 runs its step peaks far
+    lower. Over one run it stays dropped."""
     from types import SimpleNamespace
 
     from fxoffload.passes.plan import Plan
     from fxoffload.passes.strategy import _over_total, _Tried
 
-    mib = 2**20
-    joint = Plan((), (), 0, runs=runs, total_peak_before=2627 * mib, held_before=runs * 1155 * mib,
-                 total_peak_after=2435 * mib, held_after=runs * 531 * mib)
-    theirs = Plan((), (), 0, runs=runs, total_peak_after=2754 * mib, held_after=runs * 577 * mib)
+    mib, inputs = 2**20, 500 * 2**20
+    others = runs - 1
+    joint = Plan((), (), 0, runs=runs, input_bytes=inputs, total_peak_before=2627 * mib, total_peak_after=2435 * mib,
+                 device_peak_before=inputs + (2627 + others * 1155) * mib,
+                 device_peak_after=inputs + (2435 + others * 531) * mib)
+    theirs = Plan((), (), 0, runs=runs, input_bytes=inputs, total_peak_after=2754 * mib,
+                  device_peak_after=inputs + (2754 + others * 577) * mib)
     tried = [_Tried(None, None, SimpleNamespace(plan=p), key, 0.0, key, 0.0) for p, key in
              ((joint, "min-cut"), (theirs, "pytorch"))]
     assert _over_total(tried[1], tried[0]) == (runs == 1)
     assert not _over_total(tried[0], tried[0])
+    # over the runs, the step's figure: the same pair peaking 4 GiB higher across its runs is dropped
+    higher = dataclasses.replace(theirs, device_peak_after=joint.device_peak_before + 4096 * mib)
+    assert _over_total(_Tried(None, None, SimpleNamespace(plan=higher), "pytorch", 0.0, "pytorch", 0.0), tried[0])
