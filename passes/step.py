@@ -253,11 +253,12 @@ def simulate_step(invocations: Sequence[Any], profile: DeviceProfile | None = No
             while q < c.copy.wait and run.starts[q] < finish:
                 act[q] += c.nbytes
                 q += 1
+    partitions = sum(r.plan.partition_seconds for r in invocations)  # PyTorch's pairs' own recomputations
     return StepSimulation(
         invocations=len(graphs),
         step_time=run.step_time,
-        compute_time=sum(base_times) - sum(r.plan.partition_seconds for r in invocations),
-        partition_time=sum(r.plan.partition_seconds for r in invocations),
+        compute_time=sum(base_times) - partitions,
+        partition_time=partitions,
         backward_start=run.starts[first_backward],
         activation_peak=max(act, default=0),
         activation_peak_before=max(base, default=0),

@@ -140,7 +140,7 @@ def plan_best_partition(
         only = (CandidatePlan(MIN_CUT, first.plan.partition, step),)
         first = check_overhead(first, step, plain, options)
         return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
-    tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT, plain)]
+    tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
     tried += _alternatives(planner, fw_module, bw_module, analysis, first.plan, repartition, options)
     fw, bw, best = _best_of(tried, watch, choose)
     if not best.plan.feasible:
@@ -203,7 +203,9 @@ class _Tried:
     label: str
     step: float  # predicted step time (simulator)
     key: str  # one of CANDIDATE_KEYS
-    compute: float  # the pair's predicted compute per run, without offloading or our recomputations
+    # the pair's predicted compute per run over the min-cut pair's, without offloading (PyTorch's pair: its
+    # own recomputations; 0 for the min-cut pair): Plan.partition_seconds
+    partition_seconds: float = 0.0
 
 
 def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repartition, options) -> list[_Tried]:
@@ -218,8 +220,7 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repar
         result = alternative(analysis, dataclasses.replace(held, strategy=single))
         tried.append(_Tried(fw_module, bw_module, result, f"min-cut, {single} only predicted fastest",
                             _predicted_step(result, profile, watch), {"offload": OFFLOAD_ONLY,
-                                                                     "recompute": RECOMPUTE_ONLY}[single],
-                            sum(analysis.times)))
+                                                                     "recompute": RECOMPUTE_ONLY}[single]))
     tried += _with_room(planner, fw_module, bw_module, analysis, plan, held)
     if repartition is not None:
         # The budget's fraction of the peak it bounds: the step's over the graph's runs (one run's activation
@@ -241,7 +242,8 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repar
             result = alternative(theirs, held)
             tried.append(_Tried(fw2, bw2, result,
                                 f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
-                                _predicted_step(result, profile, watch), PYTORCH_RECOMPUTE, sum(theirs.times)))
+                                _predicted_step(result, profile, watch), PYTORCH_RECOMPUTE,
+                                sum(theirs.times) - sum(analysis.times)))
     return tried
 
 
@@ -269,8 +271,7 @@ def _with_room(planner: _Planner, fw_module, bw_module, analysis, plan, held: Pl
             continue
         tried.append(_Tried(fw_module, bw_module, result,
                             f"min-cut, copies chosen for {margin / 2**20:g} MiB under the budget, predicted fastest",
-                            _predicted_step(result, planner.settings.profile, planner.watch), key,
-                            sum(analysis.times)))
+                            _predicted_step(result, planner.settings.profile, planner.watch), key))
     return tried
 
 
@@ -304,10 +305,9 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
         partition=best.label if choose is None else _plain_label(best.label) + ", a candidate of measured selection",
         sizes=tuple(dataclasses.replace(size, step_peak_before=reference.step_peak_before)
                     for size, reference in zip(best.result.plan.sizes, plan.sizes)),
-        partition_seconds=best.compute - tried[0].compute,
+        partition_seconds=best.partition_seconds,
         # max_overhead's seconds per run: of the min-cut pair's compute, as ``check_overhead`` judges it
-        overhead_bound=None if best.result.plan.overhead_bound is None else (
-            best.result.plan.max_overhead * tried[0].compute),
+        overhead_bound=plan.overhead_bound,
     )
     candidates = tuple(CandidatePlan(e.key, _plain_label(e.label), e.step) for e in qualified)
     return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times,

@@ -255,9 +255,28 @@ def compile_mlp(**options):
 
 def partitioned_pair(fn, *inputs):
     """The (forward, backward, num_user_outputs) that the min-cut partitioner makes for ``fn``."""
+    return _partitioned(fn, *inputs)["pair"]
+
+
+def pair_and_repartition(fn, *inputs):
+    """:func:`partitioned_pair` and the backend's ``recompute_only``: PyTorch's partitioner run again on the same
+    joint graph at an ``activation_memory_budget``. Traced without decompositions: ``tanh_backward`` stays one op."""
+    gm, joint_inputs, kwargs = (captured := _partitioned(fn, *inputs, decompose=False))["joint"]
+
+    def recompute_only(fraction: float):
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
+
+    return (*captured["pair"], recompute_only)
+
+
+def _partitioned(fn, *inputs, decompose: bool = True) -> dict:
+    """What the min-cut partition of ``fn`` was handed (``joint``: the joint graph, its inputs and options)
+    and made (``pair``: as :func:`partitioned_pair` returns it); traced with Inductor's decompositions, or none."""
     captured = {}
 
     def partition(gm, joint_inputs, **kwargs):
+        captured["joint"] = (gm, joint_inputs, kwargs)  # as the partition leaves it, as the backend reuses it
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         captured["pair"] = (copy.deepcopy(fw), copy.deepcopy(bw), kwargs["num_fwd_outputs"])
         return fw, bw
@@ -266,10 +285,10 @@ def partitioned_pair(fn, *inputs):
         return gm
 
     backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition,
-                           decompositions=select_decomp_table())
+                           decompositions=select_decomp_table() if decompose else None)
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*inputs)
-    return captured["pair"]
+    return captured
 
 
 def viewed_relu(x, w1, w2):

@@ -3,51 +3,23 @@ cap's), and the plan of that partition priced over the min-cut pair's compute (`
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-from functorch.compile import min_cut_rematerialization_partition
-from torch._dynamo.backends.common import aot_autograd
 
 from fxoffload.passes import Budget, PlanOptions
 from fxoffload.passes.simulator import simulate
 from fxoffload.passes.step import simulate_step
 from fxoffload.passes.strategy import plan_best_partition
 from fxoffload.profiles import PROFILES
-from tests.conftest import partitioned_pair
+from tests.conftest import pair_and_repartition, partitioned_pair
 
 PROFILE = PROFILES["h100-pcie5"]
 
 
 def three_tanh(x, w1, w2, w3):
     return torch.tanh(torch.tanh(torch.tanh(x @ w1) @ w2) @ w3).sum()
-
-
-def pair_and_repartition(fn, *inputs):
-    """The min-cut pair of ``fn`` (forward, backward, num_user_outputs) and the backend's ``recompute_only``:
-    PyTorch's partitioner run again on the same joint graph at an ``activation_memory_budget``."""
-    captured = {}
-
-    def partition(gm, joint_inputs, **kwargs):
-        captured["joint"] = (copy.deepcopy(gm), joint_inputs, kwargs)
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        captured["pair"] = (copy.deepcopy(fw), copy.deepcopy(bw), kwargs["num_fwd_outputs"])
-        return fw, bw
-
-    def nop(gm, _):
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition))(*inputs)
-    gm, joint_inputs, kwargs = captured["joint"]
-
-    def recompute_only(fraction: float):
-        with torch._functorch.config.patch(activation_memory_budget=fraction):
-            return min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
-
-    return (*captured["pair"], recompute_only)
 
 
 def _asking_pair():
