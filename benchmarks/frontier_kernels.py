@@ -67,12 +67,15 @@ def code_only() -> Iterator[list[Written]]:
     compile order. The C++ kernels are not compiled (:func:`kernels_not_compiled`): the code names them all."""
     import torch._inductor.compile_fx as compile_fx
 
+    from fxoffload.backend.ordering import follow_source_layouts
+
     written: list[Written] = []
     original = compile_fx.fx_codegen_and_compile
 
     def codegen(gm, example_inputs, inputs_to_check, *args, **kwargs):
         graph = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         output = original(gm, example_inputs, inputs_to_check, *args, **kwargs)
+        follow_source_layouts(graph)  # the layouts lowering gave the copies, taken before it
         written.append(Written(bool(kwargs.get("is_backward")), output.source_code))
 
         def run(inputs: list) -> list:

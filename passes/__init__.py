@@ -28,7 +28,9 @@ from .cost_model import OPTIMIZERS, DeviceProfile, Work, op_work, optimizer_step
 from .digest import plan_digest
 from .layer_copies import TRACED_LAYERS, CopiedLayers, LayerCopyError, copy_layers
 from .memory import Timeline, curve, on_device
-from .ops import DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, one_block, same_layout
+from .ops import (
+    DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, TRANSFER_META, WAIT, one_block, same_layout,
+)
 from .pipeline import (
     PassResult, plan_pair, rewrite_planned, unbounded_size_warning, unoffloaded_total_peak,
 )
@@ -57,7 +59,8 @@ __all__ = [
     "PlanOptions",
     "RELEASES", "RegionDemand", "RunPeaks",
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
-    "Strategy", "TIME_GUARD", "TRACED_LAYERS", "Timeline", "Transfer", "WAIT", "Why", "Work", "activation_peaks_at",
+    "Strategy", "TIME_GUARD", "TRACED_LAYERS", "TRANSFER_META", "Timeline", "Transfer", "WAIT", "Why", "Work",
+    "activation_peaks_at",
     "copy_layers", "curve",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
     "kept_in_last_run",

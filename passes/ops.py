@@ -12,16 +12,18 @@ free of any engine while letting it trace and type the nodes it creates.
     defer(Tensor(a) host, Tensor source) -> Tensor(a)            returns host at once; see below
     prefetch_ahead(Tensor after, int nbytes) -> Tensor           see below; returns an empty tensor
 
-The host buffer's bytes (its contract with ``prefetch``). ``offload`` is given the strides
-``prefetch`` will ask for (the traced ones; default: ``x``'s own). When that layout fills one block
-of memory (:func:`one_block`: non-overlapping and dense, its dimensions in some order: contiguous,
-transposed, channels-last), the buffer holds the block as the layout lays it out, so each copy is
-one block copy, with no device-side copy to reorder it: the buffer is read by ``prefetch`` alone,
-which copies the block back under the same strides. Otherwise (a layout with gaps or overlaps) it
-holds ``x``'s elements in row-major order. The buffer is shaped as ``x`` and contiguous either way
-(its fake kernel: a compiler may lay ``x`` out otherwise than traced, and the buffer leaves the
-forward graph, whose output strides must match the trace); read as a tensor, a transposed
-source's buffer holds its elements in another order.
+The host buffer's bytes (its contract with ``prefetch``). ``offload`` is given the strides ``prefetch``
+will ask for (the traced ones; default: ``x``'s own; under Inductor, the strides it wrote ``x`` in where
+they differ from the traced ones and fill one block, given to both ops by
+``fxoffload.backend.ordering``, save where the prefetched value is read through ``as_strided``). When
+that layout fills one block of memory (:func:`one_block`: non-overlapping and dense, its dimensions in
+some order: contiguous, transposed, channels-last), the buffer holds the block as the layout lays it
+out, so each copy is one block copy, with no device-side copy to reorder it: the buffer is read by
+``prefetch`` alone, which copies the block back under the same strides. Otherwise (a layout with gaps or
+overlaps) it holds ``x``'s elements in row-major order. The buffer is shaped as ``x`` and contiguous
+either way (its fake kernel: a compiler may lay ``x`` out otherwise than traced, and the buffer leaves
+the forward graph, whose output strides must match the trace); read as a tensor, a transposed source's
+buffer holds its elements in another order.
 
 ``wait`` aliases its first argument, so consumers read the waited value through
 a data edge from the wait itself. A forward's release with ``defer_before_last``
@@ -89,8 +91,8 @@ LIB.define("prefetch_ahead(Tensor after, int nbytes) -> Tensor", tags=_UNSAFE)
 def _offload_fake(x, order=-1, stride=None):
     # Contiguous whatever x's strides: a compiler may lay x out differently from
     # the traced strides (Inductor does), and the host buffer leaves the forward
-    # graph, whose output strides must match the trace. The prefetch restores
-    # the traced strides from its own arguments.
+    # graph, whose output strides must match the trace. The prefetch lays the
+    # elements out again from its own arguments (the offload's strides).
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
@@ -142,6 +144,9 @@ DEFER = torch.ops.fxoffload.defer.default
 PREFETCH_AHEAD = torch.ops.fxoffload.prefetch_ahead.default
 RELEASES = frozenset({WAIT, DEFER})  # ops that end the graph's hold on their second argument
 FXOFFLOAD_OPS = frozenset({OFFLOAD, PREFETCH, WAIT, DEFER, PREFETCH_AHEAD})
+# The rewrite marks each offload and its prefetch with the transfer's index in the plan (``node.meta``), so that a
+# compiler pass can pair the two across the forward and the backward (``fxoffload.backend.ordering``).
+TRANSFER_META = "fxoffload_transfer"
 for _op in FXOFFLOAD_OPS:
     has_side_effect(_op)
 

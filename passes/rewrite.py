@@ -45,7 +45,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from .analysis import SavedActivation, SavedInterface, reads_size_only, symbol_sources
-from .ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, WAIT
+from .ops import DEFER, OFFLOAD, PREFETCH, PREFETCH_AHEAD, TRANSFER_META, WAIT
 from .eligibility import replayable
 from .plan import Plan
 from .scheduling import Schedule, kept_in_last_run
@@ -103,6 +103,7 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     sizes = _Sizes(fw, list(fw.find_nodes(op="placeholder")))
     for k, (transfer, place) in enumerate(zip(plan.transfers, schedule.placements)):
         host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k], *_layout(sizes, transfer.base)))
+        host.meta[TRANSFER_META] = k
         release = DEFER if place.deferred else WAIT
         # A release deferred in the runs before the step's last waits in that one (``passes.ops``); one kept
         # keeps its source in the last run, for that run's backward.
@@ -245,6 +246,7 @@ def _rewrite_backward(
         val = transfer.base.meta["val"]
         dev = _before(bw, place.prefetch_before, PREFETCH,
                       (host, val.device, sizes.of(val.shape), sizes.of(val.stride())))
+        dev.meta[TRANSFER_META] = k
         ready = _before(bw, place.wait_before, WAIT, (dev, host))
         for index in transfer.members:
             act = activations[index]

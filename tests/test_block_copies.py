@@ -217,6 +217,88 @@ def test_inductor_hands_the_offload_its_traced_transposed_layout_so_nothing_is_s
     assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
 
 
+class Convolutions(torch.nn.Module):
+    """Two convolutions: Inductor's layout optimisation (on the CPU with mkldnn, for any graph with a
+    convolution) writes the first's output channels-last, where its trace is contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.second = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.second(torch.nn.functional.gelu(self.first(x)))).square().sum()
+
+
+@pytest.mark.compat
+def test_a_source_inductor_wrote_channels_last_goes_to_the_host_and_back_as_written():
+    """A convolution's output, traced contiguous, written channels-last by Inductor: its offload is given
+    the strides it was written in, and its prefetch asks for them (``ordering.follow_source_layouts``), so
+    the CUDA engine copies it as its block at both ends (it reordered it on the device before the copy:
+    one staged copy, one kernel on a GPU) and the backward reads it as plain compile's backward reads the
+    saved convolution output; the step matches eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager, model, x = Convolutions(), Convolutions(), torch.randn(4, 8, 16, 16)
+    model.load_state_dict(eager.state_dict())
+    backend = fxoffload.offload_backend(min_bytes=0, all_eligible=True, strategy="offload")
+    compiled = torch.compile(model, backend=backend)
+    expected = train_step(eager, eager, x)
+    with cuda_engine_on_cpu() as fake, runtime.debugging():
+        runtime.debug_counts(reset=True)
+        got, (forward, backward) = run_and_get_code(lambda: train_step(compiled, model, x))
+        counts = runtime.debug_counts(reset=True)
+    transfers = backend.records[0].plan.transfers
+    assert all(t.base.meta["val"].is_contiguous() for t in transfers)  # as traced
+    written = str(list(torch.empty(4, 16, 16, 16).to(memory_format=torch.channels_last).stride()))
+    assert f", {written})" in forward and f", {written})" in backward  # the offload's and the prefetch's strides
+    assert counts.filled == 2 * len(transfers) and counts.staged == 0 and fake.violations == []
+    assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
+
+
+def paired_graphs(reader: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """A forward that offloads ``x`` and a backward that prefetches and waits for it, marked as the rewrite marks
+    them (``passes.TRANSFER_META``); the waited value read by ``relu``, by ``as_strided`` (a member rebuilt from
+    the traced strides), or by an ``as_strided`` of its ``permute``."""
+    from fxoffload.passes import TRANSFER_META
+
+    fw, bw = torch.fx.Graph(), torch.fx.Graph()
+    offload = fw.call_function(ops.offload.default, (fw.placeholder("x"), 0, [64, 1, 16, 4]))
+    offload.meta[TRANSFER_META] = 0
+    fw.output((offload,))
+    host = bw.placeholder("x_host")
+    prefetch = bw.call_function(ops.prefetch.default, (host, CPU, [2, 4, 4, 4], [64, 1, 16, 4]))
+    prefetch.meta[TRANSFER_META] = 0
+    ready = bw.call_function(ops.wait.default, (prefetch, host))
+    if reader == "relu":
+        read = bw.call_function(torch.ops.aten.relu.default, (ready,))
+    else:
+        if reader == "view":
+            ready = bw.call_function(torch.ops.aten.permute.default, (ready, [0, 2, 3, 1]))
+        read = bw.call_function(torch.ops.aten.as_strided.default, (ready, [2, 4, 16], [64, 16, 1], 0))
+    bw.output((read,))
+    return torch.fx.GraphModule({}, fw), torch.fx.GraphModule({}, bw)
+
+
+def test_an_offload_shares_its_layout_with_its_prefetch_and_wait_unless_an_as_strided_reads_them():
+    """The written layout reaches a transfer's prefetch and wait through one shared record; a waited value an
+    ``as_strided`` reads (its strides address the base as traced) keeps the traced layout at both ends."""
+    from fxoffload.backend.ordering import OFFLOADED_AS, PREFETCHED_AS, share_source_layouts
+
+    fw, bw = paired_graphs("relu")
+    assert share_source_layouts(fw, bw) == 1
+    (offload,) = fw.graph.find_nodes(op="call_function", target=ops.offload.default)
+    (prefetch,) = bw.graph.find_nodes(op="call_function", target=ops.prefetch.default)
+    (ready,) = bw.graph.find_nodes(op="call_function", target=ops.wait.default)
+    assert offload.meta[OFFLOADED_AS] is prefetch.meta[PREFETCHED_AS] is ready.meta[PREFETCHED_AS]
+    for reader in ("as_strided", "view"):
+        fw, bw = paired_graphs(reader)
+        assert share_source_layouts(fw, bw) == 0, reader
+        assert not any(OFFLOADED_AS in n.meta or PREFETCHED_AS in n.meta for g in (fw, bw) for n in g.graph.nodes)
+
+
 class DynTransposed(torch.nn.Module):
     """Attention over a dynamic sequence: the CPU's attention saves its log-sum-exp of shape (B, heads, T)
     laid out as (B, T, heads), strides (heads * T, 1, heads): one block, symbolic strides."""

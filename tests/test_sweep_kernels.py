@@ -32,7 +32,7 @@ def test_a_row_says_more_where_any_graph_has_more_kernels_and_compares_only_grap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox", "mixtral", "swin", "roberta"])
 def test_a_model_compiles_to_plains_kernels_at_half_the_budget(model_type):
     """At budget 0.5 each wrote a kernel more: Gemma's (tied embeddings) backward, an ``add`` over the embedding
     weight, a prefetch anchored on the head's weight-gradient matmul hiding it from Inductor's ``addmm`` pattern
@@ -40,7 +40,11 @@ def test_a_model_compiles_to_plains_kernels_at_half_the_budget(model_type):
     attention's, its offload anchored after the attention's output projection (``ordering._rise_anchor``);
     Mixtral's forward, two more: the sum over each token's two routed experts, the residual add and the next
     RMSNorm in three kernels, a release following the sum as if Inductor wrote it out (it unrolls a reduction
-    over fewer than 8 elements into a pointwise op: ``ordering._reduces``)."""
+    over fewer than 8 elements into a pointwise op: ``ordering._reduces``); Swin's backward, one more: its patch
+    embedding's convolution output, written channels-last, came back from the host contiguous, and its LayerNorm's
+    backward split (``ordering.follow_source_layouts``). RoBERTa offloads a view of a value Inductor had not laid out
+    when it lowered the offload (a LayerNorm's affine output): a first version of that function asked it for its
+    strides, and the compile raised."""
     arch = next(a for a in sweep.ARCHITECTURES if a.model_type == model_type)
     plain = sweep_kernels.compile_model(arch, None)
     mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
@@ -57,7 +61,11 @@ def test_a_convnexts_host_buffers_keep_their_layout_its_forward_plains_kernels_a
     the runtime now also refuses such a buffer). A release that followed the embedding's LayerNorm took the
     LayerNorm itself, not the permuted view the next convolution reads: a second reader, and Inductor laid the
     LayerNorm out channels-last too and copied it back for the convolution, two forward kernels more
-    (``ordering._fusion_ends``). Its backward still calls two kernels more than plain's (DEVELOPING.md)."""
+    (``ordering._fusion_ends``). Its backward called two kernels more than plain's: Inductor wrote the stem's
+    convolution output channels-last, traced contiguous, and the prefetch brought it back contiguous, where plain's
+    backward reads the saved output as written (the LayerNorm backward over the stem split). The offload is now
+    given the strides it was written in and the prefetch asks for them, its wait's fake value restrided too
+    (Inductor copies a ``control_deps`` subgraph's result to its fake value's strides: one kernel more)."""
     arch = next(a for a in sweep.ARCHITECTURES if a.model_type == "convnext")
     eager, batch = sweep.build(arch)
     expected = sweep.loss_and_grads(eager, batch)
@@ -73,5 +81,4 @@ def test_a_convnexts_host_buffers_keep_their_layout_its_forward_plains_kernels_a
     plain = sweep_kernels.compile_model(arch, None)
     mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
     assert mine.backward == plain.backward and any(not words.startswith("0 ") for words in mine.plans.split("; "))
-    forwards = [(m, p) for m, p, backward in zip(mine.graphs, plain.graphs, mine.backward) if not backward]
-    assert all(sum(m.values()) <= sum(p.values()) for m, p in forwards), sweep_kernels.row("convnext", mine, plain)
+    assert sweep_kernels.verdict(mine, plain) == "same or fewer", sweep_kernels.row("convnext", mine, plain)

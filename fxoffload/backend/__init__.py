@@ -32,7 +32,10 @@ happen under ``fxoffload.backend.partition.quick_min_cut``: the same cuts, in le
 Limits: graphs compiled for inference (no grad) go through unchanged and
 leave no record. AOTAutograd's cache is off for our graphs, so that every
 compile runs the passes and leaves its record; Inductor's FX-graph cache (keyed
-by the rewritten graphs) stays on.
+by the rewritten graphs) stays on, except for a forward with offloads: its
+lowering tells the backward the layouts it wrote its offloaded sources in
+(``ordering.share_source_layouts``), which a cached forward would not (Inductor
+bypasses the cache for a graph with ``control_deps`` anyway).
 
 Owns: the backend and the step it compiles for. This package's ``__init__`` is the backend; beside
 it, what a compile call says (``compile_call``), the partition hook (``partition``), the inserted ops'
@@ -70,7 +73,9 @@ from fxoffload.backend.compile_call import (
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
-from fxoffload.backend.ordering import constrain_offload_sources, pin_offload_order
+from fxoffload.backend.ordering import (
+    constrain_offload_sources, follow_source_layouts, pairs_layouts, pin_offload_order, share_source_layouts,
+)
 from fxoffload.backend.partition import PartitionMemo, Partitioner, lazy_graph_modules, module_copy, with_stack_headroom
 from fxoffload.runtime.pinned import reservation
 from fxoffload.passes import (
@@ -250,9 +255,23 @@ class _Compilation:
         is_backward = kwargs.get("is_backward", False)
         if not kwargs.get("is_inference", False):
             self.capture(gm, is_backward)
-        with _no_buffer_reuse(self.record if not is_backward else None):
+        if is_backward:
+            follow_source_layouts(gm)  # the layouts the forward's lowering wrote its offloaded sources in
+        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(gm, is_backward):
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        if not is_backward:
+            follow_source_layouts(gm)  # the graph kept in the record says what its code does
         return _run_backward(compiled, self.backend.config.debug, self) if is_backward else compiled
+
+
+def _lowered_here(gm: fx.GraphModule, is_backward: bool) -> contextlib.AbstractContextManager:
+    """Inductor's FX graph cache off for a forward whose offloads tell their prefetches the layouts they are
+    lowered in (``ordering.pairs_layouts``); as it is for every other graph."""
+    if is_backward or not pairs_layouts(gm):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(fx_graph_cache=False)
 
 
 def _no_buffer_reuse(record: GraphRecord | None) -> contextlib.AbstractContextManager:
@@ -412,6 +431,7 @@ class OffloadBackend:
             self._compared_latest[region] = self._compared_as(region, graph, input_activations, options)
             check.planned(self._compared_latest[region], record.index, plan_digest(record.plan, record.schedule))
         if self.config.inner == "inductor" and not compilation.read_only:
+            share_source_layouts(fw, bw)
             for module in (fw, bw):
                 pin_offload_order(module)
         return record
@@ -445,7 +465,8 @@ class OffloadBackend:
         patches = mode_patches(mode, unknown)
         # AOTAutograd's cache would return compiled graphs without running the
         # partitioner, so without our passes' record: keep it off for our graphs.
-        # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs.)
+        # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs; off for a forward with
+        # offloads, whose lowering must run here: _lowered_here.)
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return with_stack_headroom(self._compile, gm, example_inputs, patches)
 

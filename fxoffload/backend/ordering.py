@@ -68,7 +68,11 @@ Inductor would freeze it in the order its own reads are cheapest, and a later
 matmul would need a copy kernel of it. Our ops' results keep the layouts their
 fake kernels give, out of Inductor's channels-last preference, which reaches every
 4-D value on a path from a convolution and re-laid-out a forward's host buffers
-(:func:`_keep_our_layouts`: a copy over the host, and wrong gradients). A ``prefetch_ahead`` reads a value for
+(:func:`_keep_our_layouts`: a copy over the host, and wrong gradients). A source Inductor wrote in
+other strides than traced that fill one block (a convolution's output, channels-last) is offloaded as
+written and prefetched back so laid out (:class:`SourceLayout`, :func:`follow_source_layouts`), as
+AOTAutograd restrides a saved value for the backward: no device copy at either end, and the backward
+reads it as plain compile's does. A ``prefetch_ahead`` reads a value for
 its place only (its edges keep it there), so it reads one Inductor writes out
 anyway (:func:`_ahead_after_written`): the fusible value it read had to be
 written out, and its kernel split there. Its result is read by edges alone, which Inductor's
@@ -133,6 +137,7 @@ name.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import operator
 from typing import Callable
 
@@ -147,11 +152,12 @@ from torch.utils._ordered_set import OrderedSet
 
 from fxoffload.backend.compat import ensure_control_deps
 from fxoffload.passes import (
-    DEFER, FXOFFLOAD_OPS, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, WAIT, is_anchored_compute, is_compute,
-    storage_key,
+    DEFER, FXOFFLOAD_OPS, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, TRANSFER_META, WAIT, is_anchored_compute,
+    is_compute, one_block, same_layout, storage_key,
 )
 
-__all__ = ["constrain_offload_sources", "pin_offload_order"]
+__all__ = ["SourceLayout", "constrain_offload_sources", "follow_source_layouts", "pairs_layouts", "pin_offload_order",
+           "share_source_layouts"]
 
 ensure_control_deps()
 
@@ -160,9 +166,11 @@ def _offload_source_layout(node: fx.Node, x, *args, **kwargs):
     """Inductor's layout constraint for ``offload``'s source: one whose layout Inductor has not fixed
     yet (a pointwise result not yet written, or written in a flexible layout) is realized and frozen at
     its traced strides, which its other readers expect; one already fixed is handed over as it is
-    (the op's ``flexible_layout`` tag). Without it, an offload that is the first reader freezes the
-    source in the order its own reads are cheapest: the attention's transposed clone kept the
-    transposed layout, and the output projection's matmul then needed a copy kernel of it."""
+    (the op's ``flexible_layout`` tag), and where Inductor wrote it in another layout than traced that
+    fills one block, the offload is given that layout (:func:`_as_written`). Without the freeze, an
+    offload that is the first reader fixes the source in the order its own reads are cheapest: the
+    attention's transposed clone kept the transposed layout, and the output projection's matmul then
+    needed a copy kernel of it."""
     from torch._inductor import ir  # Inductor: loaded under inner="inductor"
 
     value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
@@ -170,7 +178,165 @@ def _offload_source_layout(node: fx.Node, x, *args, **kwargs):
         x.realize()
         if ir.is_storage_and_layout(x) and isinstance(x.get_layout(), ir.FlexibleLayout):
             x = ir.ExternKernel.require_exact_strides(x, value.stride())
+        else:
+            args = _as_written(node.meta.get(OFFLOADED_AS), x, args)
     return (x, *args), kwargs
+
+
+@dataclasses.dataclass
+class SourceLayout:
+    """The strides Inductor wrote one offloaded source in, where they are not the traced ones and fill one
+    block of memory: set while the forward is lowered (:func:`_as_written`), read before the backward is
+    (:func:`follow_source_layouts`). Shared by the transfer's offload and prefetch nodes
+    (:func:`share_source_layouts`); ``None`` until then, and where the traced strides stand."""
+
+    stride: tuple[int, ...] | None = None
+
+
+# node.meta keys of a transfer's SourceLayout, one for each end: ``control_deps`` copies a node's meta to the node
+# wrapping it and to the placeholders standing for it in other subgraphs, and only the prefetch's end is restrided.
+OFFLOADED_AS, PREFETCHED_AS = "fxoffload_offloaded_as", "fxoffload_prefetched_as"
+
+
+def share_source_layouts(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
+    """Give each transfer's offload (in ``fw``), its prefetch and the waits that alias it (in ``bw``) one
+    :class:`SourceLayout`, paired by the rewrite's transfer index (``passes.TRANSFER_META``); return how many.
+    Before :func:`pin_offload_order`, whose ``control_deps`` subgraphs copy the nodes' meta. A transfer whose
+    waited value an ``as_strided`` reads (a member the rewrite rebuilds from the traced strides:
+    ``rewrite._Sizes.view``) gets none: its strides address the base as traced, and read in the written layout
+    they would pick other elements; it keeps the traced layout (the engine reorders it, one device copy)."""
+    prefetched: dict[int, list[fx.Node]] = {}
+    for node in bw.graph.find_nodes(op="call_function", target=PREFETCH):
+        waits = [user for user in node.users if user.target is WAIT and user.args[0] is node]
+        if TRANSFER_META in node.meta and not _read_as_strided(waits):
+            prefetched[node.meta[TRANSFER_META]] = [node, *waits]
+    layouts: dict[int, SourceLayout] = {}
+    for node in fw.graph.find_nodes(op="call_function", target=OFFLOAD):
+        if node.meta.get(TRANSFER_META) in prefetched:
+            node.meta[OFFLOADED_AS] = layouts.setdefault(node.meta[TRANSFER_META], SourceLayout())
+    for transfer, nodes in prefetched.items():
+        for node in nodes if transfer in layouts else ():
+            node.meta[PREFETCHED_AS] = layouts[transfer]
+    return len(layouts)
+
+
+def _read_as_strided(values: list[fx.Node]) -> bool:
+    """Whether an ``as_strided`` reads one of ``values`` or a view of one (through ops whose result aliases
+    their input): its strides address the storage as traced."""
+    seen, stack = set(values), list(values)
+    while stack:
+        for user in stack.pop().users:
+            if user.target in _AS_STRIDED:
+                return True
+            if user not in seen and _aliases(user):
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether ``node``'s result is a view of an input (its schema says its result aliases one)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def pairs_layouts(module: fx.GraphModule) -> bool:
+    """Whether a forward holds an offload paired with its prefetch (:func:`share_source_layouts`): its lowering
+    must run in this process, where it tells the backward the layouts it wrote (Inductor's FX graph cache would
+    hand back code lowered elsewhere, the written strides in it and none here; the runtime would then refuse the
+    backward's prefetch)."""
+    return any(OFFLOADED_AS in node.meta for graph_module in (module, *module.children())
+               if isinstance(graph_module, fx.GraphModule)
+               for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD))
+
+
+_AS_STRIDED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+               torch.ops.aten.as_strided_scatter.default}
+
+
+def _as_written(layout: SourceLayout | None, x, args: tuple) -> tuple:
+    """``offload``'s arguments after its source ``x`` (its order and the strides its prefetch asks for),
+    given the strides Inductor wrote ``x`` in where they are not the traced ones and fill one block
+    (a convolution's output written channels-last under Inductor's layout optimisation): the copy then
+    takes the block as it lies, where the traced strides made the CUDA engine reorder it on the device
+    first (one kernel a transfer), and the backward's prefetch brings the source back as Inductor laid it
+    out, as plain compile's backward reads a saved value (AOTAutograd restrides it to the forward's
+    output). ``layout`` takes the strides for the prefetch. Symbolic strides, and a transfer the rewrite did
+    not pair (``layout`` None), keep the traced ones."""
+    stride = x.maybe_get_stride()  # none for a view of a buffer not yet laid out
+    if layout is None or len(args) < 2 or args[1] is None or stride is None:
+        return args
+    size, written, traced = _ints(x.get_size()), _ints(stride), _ints(args[1])
+    if None in (size, written, traced) or same_layout(size, written, traced) or not one_block(size, written):
+        return args
+    layout.stride = written
+    return (args[0], list(written), *args[2:])
+
+
+def _ints(values) -> tuple[int, ...] | None:
+    """``values`` as plain ints; None where one is symbolic."""
+    try:
+        return tuple(int(v) for v in values)
+    except TypeError:
+        return None
+
+
+def follow_source_layouts(module: fx.GraphModule) -> int:
+    """Give each offload and prefetch of ``module`` whose source the forward's lowering found written in
+    other strides than traced (:func:`_as_written`) those strides; return how many ops changed. Before a
+    backward is lowered, so that its prefetches bring the sources back so laid out, their fake values
+    restrided as AOTAutograd restrides a saved value's placeholder, with the waits that alias them, the
+    ``control_deps`` nodes wrapping either and the placeholders standing for them in other subgraphs
+    (Inductor copies a subgraph's result to its fake value's strides: a kernel a transfer); after a
+    forward is, so that its graph says what its code does. The
+    runtime checks that a prefetch asks for its offload's strides (``fxoffload.runtime``): a pairing lost
+    on the way raises there, and never reads the elements in another order."""
+    changed, restrided, fakes = 0, set(), {}
+    for graph_module in (module, *(m for m in module.children() if isinstance(m, fx.GraphModule))):
+        edited = 0
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and node.target in _STRIDE_ARGUMENT:
+                edited += _ask_as_written(node)
+            stride = _prefetched_as(node)
+            if stride is not None and tuple(node.meta["val"].stride()) != stride:
+                # One fake value for the prefetch's end, as the wait aliases the prefetch's value.
+                layout = node.meta[PREFETCHED_AS]
+                if id(layout) not in fakes:
+                    fakes[id(layout)] = node.meta["val"].new_empty_strided(node.meta["val"].shape, stride)
+                node.meta["val"] = fakes[id(layout)]
+                restrided.add(node)
+            elif node.op == "output" and isinstance(node.args[0], fx.Node) and node.args[0] in restrided:
+                # a subgraph's result
+                node.meta["val"] = node.args[0].meta["val"]
+        changed += edited
+        if edited:
+            graph_module.recompile()
+    for node in module.graph.find_nodes(op="call_function", target=control_deps):
+        subgraph = getattr(module, str(node.args[1].target), None) if isinstance(node.args[1], fx.Node) else None
+        result = subgraph.graph.output_node().args[0] if isinstance(subgraph, fx.GraphModule) else None
+        if result in restrided:
+            node.meta["val"] = result.meta["val"]
+    return changed
+
+
+def _ask_as_written(node: fx.Node) -> bool:
+    """An offload or prefetch given the strides its source was written in (set in its meta); whether it changed."""
+    position = _STRIDE_ARGUMENT[node.target]
+    layout = node.meta.get(OFFLOADED_AS if node.target is OFFLOAD else PREFETCHED_AS)
+    if layout is None or layout.stride is None or list(node.args[position]) == list(layout.stride):
+        return False
+    node.args = (*node.args[:position], list(layout.stride), *node.args[position + 1:])
+    return True
+
+
+def _prefetched_as(node) -> tuple[int, ...] | None:
+    """The strides a prefetch or a wait aliasing it (the node, a node wrapping it, or a placeholder standing for
+    either) holds its source in, where the forward wrote the source in other strides than traced; else None."""
+    layout = node.meta.get(PREFETCHED_AS) if isinstance(node, fx.Node) else None
+    return None if layout is None else layout.stride
+
+
+_STRIDE_ARGUMENT = {OFFLOAD: 2, PREFETCH: 3}  # the position of the strides a prefetch asks for among the op's arguments
 
 
 def constrain_offload_sources() -> None:

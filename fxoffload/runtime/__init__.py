@@ -8,9 +8,9 @@ Protocol (the rewrite emits exactly these pairs)::
     dev  = fxoffload.prefetch(host, device, size, stride)   # start host->device copy
     dev  = fxoffload.wait(dev, host)         # compute waits for the copy
 
-The offload's ``stride`` is the one its prefetch asks for (the traced strides): the host buffer's
-bytes follow it, so a transposed or channels-last tensor travels as the one block it fills
-(``fxoffload.passes.ops``).
+The offload's ``stride`` is the one its prefetch asks for (the traced strides, or those Inductor wrote
+the source in): the host buffer's bytes follow it, so a transposed or channels-last tensor travels as
+the one block it fills (``fxoffload.passes.ops``).
 
 ``offload`` and ``prefetch`` return at once; the copy runs on the engine of the tensor's device
 type (``fxoffload.runtime.engines``: a CPU engine with background threads, a CUDA engine with copy streams and
@@ -482,7 +482,8 @@ def _check_layout(host: torch.Tensor, size: Sequence[int], stride: Sequence[int]
             f"fxoffload.prefetch: asked for strides {tuple(stride)} of a host buffer whose offload was given "
             f"strides {entry.stride} (size {entry.size}): the buffer holds the source's elements as the "
             "offload's strides lay them out, so a prefetch must ask for the same ones (the rewrite gives both "
-            "the base's traced strides)")
+            "the base's traced strides; under Inductor, both take the strides it wrote the base in: "
+            "fxoffload.backend.ordering.follow_source_layouts)")
 
 
 def _complete_deferred(host: torch.Tensor) -> None:
