@@ -95,7 +95,8 @@ kernel it fuses into writes out (:func:`_fusion_ends`: walking the reader's
 users through fusible ops and views, each value read by a barrier, one of our
 ops or the output, and each reduction, save one over fewer elements than Inductor
 unrolls into a pointwise op: :func:`_reduces`), moving to right after the last of
-those where no barrier, fxoffload op or user of the release lies between
+those where no barrier, fxoffload op (but, for a forward release, an offload of
+another storage: it only starts a copy) or user of the release lies between
 (:func:`_follow_fused_readers`): the storage is then freed after the fused
 kernel that reads it last, as plain compile reads it, instead of the reader's
 value being written out and read again (the same bytes held, one kernel and
@@ -515,7 +516,8 @@ def _follow_fused_readers(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], list
     after the fused kernel that reads it last, instead of that kernel's first part being written out
     apart to be read again (SwiGLU's ``silu`` of an offloaded gate projection, split from its ``mul``
     under a partition that recomputes the ``silu``). A reader whose values are written out past such
-    a node stays what the release follows."""
+    a node stays what the release follows. A forward release may pass an offload of another storage
+    (:func:`_passes_offload`)."""
     reach = _Reach(graph)
     follow: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
     for op, readers in _readers_before(graph).items():
@@ -626,15 +628,28 @@ def _reduces(node: fx.Node) -> bool:
 
 def _move_after(op: fx.Node, last: fx.Node, reach: "_Reach") -> bool:
     """Move ``op`` to right after ``last`` if ``last`` comes after it with no barrier, fxoffload op or
-    user of ``op`` between them; whether it moved."""
+    user of ``op`` between them; whether it moved. A forward release may pass an offload that reads
+    none of the storage it frees (:func:`_passes_offload`)."""
     start, end = reach.index[op], reach.index[last]
     if end <= start:
         return False
     between = [n for n in op.graph.nodes if start < reach.index[n] <= end]
-    if any(n in op.users or n.target in FXOFFLOAD_OPS or (is_compute(n) and is_fusion_barrier(n)) for n in between):
+    if any(n in op.users or (n.target in FXOFFLOAD_OPS and not _passes_offload(op, n))
+           or (is_compute(n) and is_fusion_barrier(n)) for n in between):
         return False
     last.append(op)
     return True
+
+
+def _passes_offload(release: fx.Node, node: fx.Node) -> bool:
+    """Whether the forward ``release`` may move past ``node``: an offload of another storage. An offload
+    only starts a copy to the host: the release after it frees its own storage later, and the copy stream
+    keeps its order (a GPT-2 loss's release of the padded labels, held before the offload of the
+    log-softmax's ``amax`` that sits inside the labels' reader's kernel, wrote the reader apart)."""
+    if not _forward_release(release) or node.target is not OFFLOAD or not isinstance(node.args[0], fx.Node):
+        return False
+    passed, freed = storage_key(node.args[0]), storage_key(release.args[1])
+    return passed is not None and freed is not None and passed != freed  # a value not traced: not known apart
 
 
 def _folds_into_addmm(node: fx.Node) -> bool:
