@@ -70,6 +70,7 @@ from fxoffload.backend.compat import compiled_autograd_on
 from fxoffload.backend.compile_call import (
     EAGER_REGIONS, InputFacts, eager_region_breaks, input_facts, mode_patches, no_cudagraphs, pipeline_inference,
 )
+from fxoffload.backend.fusion_distance import distances_without_our_ops
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
@@ -257,7 +258,8 @@ class _Compilation:
             self.capture(gm, is_backward)
         if is_backward:
             follow_source_layouts(gm)  # the layouts the forward's lowering wrote its offloaded sources in
-        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(gm, is_backward):
+        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(gm, is_backward), \
+                distances_without_our_ops(gm):
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         if not is_backward:
             follow_source_layouts(gm)  # the graph kept in the record says what its code does

@@ -1,0 +1,128 @@
+"""Inductor's fusion distance, counted without fxoffload's ops.
+
+Inductor refuses a side-by-side fusion of two kernels more than 64 scheduler nodes apart
+(``Scheduler.are_long_distant_nodes``: such a fusion lengthens a buffer's life). Each fxoffload op is two
+scheduler nodes (a ``FallbackKernel`` and its ``MultiOutput``), so our ops between two kernels that plain
+compile fuses can take the pair past the limit: OLMoE's backward (the sweep's small config) fused a row sum
+of each layer's query/key RMSNorm backward side by side, 51 nodes apart, and with 22 of our ops in the graph
+called two kernels more than plain.
+
+While a graph holding our ops compiles, Inductor's choices handler (``V.set_choices_handler``, its hook for
+fusion heuristics) is a subclass of the one in place whose horizontal-fusion test sees the scheduler through
+a view that measures distances over the other nodes only: Inductor's own test, on each node's rank among
+the nodes that are not ours. So the fusions made are those plain compile makes at the same distance, and
+hold buffers as long as plain compile's do (the plan's memory model, in graph order, sees neither).
+
+Algorithm: at a scheduler's first horizontal-fusion question, each original position (a node's
+``min_order`` before fusion) is marked ours or not (:func:`ranks_without`, on plain lists), and a fused
+node's range maps through those ranks. Limits: only the distance test changes, and only for horizontal
+fusion (a vertical fusion has no distance test); a handler that cannot be subclassed without arguments is
+left as it is, and so is a torch without this hook or without node positions (2.11 to 2.14 have both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch.fx as fx
+
+from fxoffload.passes import FXOFFLOAD_OPS
+
+__all__ = ["distances_without_our_ops", "ranks_without"]
+
+
+def ranks_without(ours: Sequence[bool]) -> list[int]:
+    """For each position, how many positions before it are not ``ours``: its rank among the others (one of
+    ours takes the rank of the next other node)."""
+    ranks, count = [], 0
+    for flag in ours:
+        ranks.append(count)
+        count += 0 if flag else 1
+    return ranks
+
+
+@contextlib.contextmanager
+def distances_without_our_ops(gm: fx.GraphModule) -> Iterator[None]:
+    """Inductor's choices handler counts fusion distances without our ops while ``gm`` compiles, if it
+    holds any (plain graphs compile as they would without fxoffload)."""
+    if not any(n.op == "call_function" and n.target in FXOFFLOAD_OPS for n in gm.graph.nodes):
+        yield
+        return
+    from torch._inductor.virtualized import V
+
+    base = type(V.choices)
+    try:
+        handler = _handler_class(base)() if hasattr(base, "can_fuse_horizontal") else None
+    except TypeError:  # a handler of the user's that takes arguments: we cannot make it anew
+        handler = None
+    if handler is None:
+        yield
+        return
+    with V.set_choices_handler(handler):
+        yield
+
+
+def _handler_class(base: type) -> type:
+    """A subclass of ``base`` whose horizontal-fusion test measures distances without our ops."""
+    ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+        if scheduler not in ranks:
+            ranks[scheduler] = _scheduler_ranks(scheduler)
+        if ranks[scheduler] is None:  # a scheduler without the positions this reads: Inductor's own test
+            return base.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+        return base.can_fuse_horizontal(_RankedDistances(scheduler, ranks[scheduler]), node1, node2,
+                                        shared_data_score)
+
+    return type(f"WithoutOurOps{base.__name__}", (base,),
+                {"can_fuse_horizontal": staticmethod(can_fuse_horizontal), "__module__": __name__})
+
+
+def _scheduler_ranks(scheduler: Any) -> list[int] | None:
+    """Each original position's rank among the scheduler's nodes that are not ours; None where the
+    scheduler's nodes carry no positions (a torch release that reads distances otherwise)."""
+    ours: dict[int, bool] = {}
+    for node in scheduler.nodes:
+        for snode in node.get_nodes():
+            if not isinstance(getattr(snode, "min_order", None), int):
+                return None
+            ours[snode.min_order] = _is_ours(snode)
+    size = max(ours, default=-1) + 1
+    return ranks_without([ours.get(i, False) for i in range(size)]) + [size]
+
+
+def _is_ours(snode: Any) -> bool:
+    """Whether a scheduler node runs one of our ops, or unpacks one's result (its ``MultiOutput``)."""
+    from torch._inductor import ir
+
+    node = getattr(snode, "node", None)
+    if isinstance(node, ir.MultiOutput) and node.inputs:
+        node = node.inputs[0]
+    return isinstance(node, ir.FallbackKernel) and getattr(node, "op_overload", None) in FXOFFLOAD_OPS
+
+
+class _RankedDistances:
+    """The scheduler as Inductor's horizontal-fusion test sees it, its distance test on ranks."""
+
+    def __init__(self, scheduler: Any, ranks: list[int]):
+        self._scheduler, self._ranks = scheduler, ranks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+    def are_long_distant_nodes(self, node1: Any, node2: Any) -> bool:
+        return type(self._scheduler).are_long_distant_nodes(self._scheduler, self._ranked(node1),
+                                                            self._ranked(node2))
+
+    def _ranked(self, node: Any) -> Any:
+        last = len(self._ranks) - 1
+        return _Range(self._ranks[min(node.min_order, last)], self._ranks[min(node.max_order, last)])
+
+
+class _Range:
+    """A node's range of positions, as ``are_long_distant_nodes`` reads it."""
+
+    def __init__(self, min_order: int, max_order: int):
+        self.min_order, self.max_order = min_order, max_order
