@@ -38,3 +38,10 @@ def test_the_handler_changes_only_while_a_graph_of_ours_compiles():
         assert handler is not plain_handler and issubclass(handler, plain_handler)
         assert handler.can_fuse_horizontal is not plain_handler.can_fuse_horizontal
     assert type(V.choices) is plain_handler
+
+
+def test_a_compile_inside_a_compile_counts_our_ops_out_once():
+    with distances_without_our_ops(_graph(with_offload=True)):
+        outer = V.choices
+        with distances_without_our_ops(_graph(with_offload=True)):
+            assert V.choices is outer  # not wrapped twice: ranks of ranks would halve every distance again

@@ -17,7 +17,10 @@ Algorithm: at a scheduler's first horizontal-fusion question, each original posi
 ``min_order`` before fusion) is marked ours or not (:func:`ranks_without`, on plain lists), and a fused
 node's range maps through those ranks. Limits: only the distance test changes, and only for horizontal
 fusion (a vertical fusion has no distance test); a handler that cannot be subclassed without arguments is
-left as it is, and so is a torch without this hook or without node positions (2.11 to 2.14 have both).
+left as it is, and so is a torch without this hook or without node positions (2.11 to 2.14 have both). The
+class is made at compile time: Inductor's subprocess compile mode cannot pickle it and compiles in process
+(with a warning). Inductor's FX graph cache does not key on the handler: an entry written without it (an
+earlier fxoffload) is reused as it is (its kernels, not its results, differ).
 """
 
 from __future__ import annotations
@@ -52,32 +55,41 @@ def distances_without_our_ops(gm: fx.GraphModule) -> Iterator[None]:
         return
     from torch._inductor.virtualized import V
 
-    base = type(V.choices)
-    try:
-        handler = _handler_class(base)() if hasattr(base, "can_fuse_horizontal") else None
-    except TypeError:  # a handler of the user's that takes arguments: we cannot make it anew
-        handler = None
+    current = V.choices
+    base = type(current)
+    handler = None
+    if hasattr(base, "can_fuse_horizontal") and not getattr(base, _OURS, False):  # not ours already (nested)
+        try:
+            handler = _handler_class(base)()
+        except TypeError:  # a handler of the user's that takes arguments: we cannot make it anew
+            handler = None
     if handler is None:
         yield
         return
+    handler.__dict__.update(getattr(current, "__dict__", {}))  # the handler's own settings, as they were
     with V.set_choices_handler(handler):
         yield
+
+
+_OURS = "_fxoffload_distances_without_our_ops"
 
 
 def _handler_class(base: type) -> type:
     """A subclass of ``base`` whose horizontal-fusion test measures distances without our ops."""
     ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+    def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score):
+        # A plain method: ``super`` gives Inductor's static method, or a handler's own bound one.
+        test = super(cls, self).can_fuse_horizontal
         if scheduler not in ranks:
             ranks[scheduler] = _scheduler_ranks(scheduler)
         if ranks[scheduler] is None:  # a scheduler without the positions this reads: Inductor's own test
-            return base.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
-        return base.can_fuse_horizontal(_RankedDistances(scheduler, ranks[scheduler]), node1, node2,
-                                        shared_data_score)
+            return test(scheduler, node1, node2, shared_data_score)
+        return test(_RankedDistances(scheduler, ranks[scheduler]), node1, node2, shared_data_score)
 
-    return type(f"WithoutOurOps{base.__name__}", (base,),
-                {"can_fuse_horizontal": staticmethod(can_fuse_horizontal), "__module__": __name__})
+    cls = type(f"WithoutOurOps{base.__name__}", (base,),
+               {"can_fuse_horizontal": can_fuse_horizontal, "__module__": __name__, _OURS: True})
+    return cls
 
 
 def _scheduler_ranks(scheduler: Any) -> list[int] | None:
