@@ -40,6 +40,18 @@ def test_the_handler_changes_only_while_a_graph_of_ours_compiles():
     assert type(V.choices) is plain_handler
 
 
+def test_a_graph_whose_ops_are_all_wrapped_in_subgraphs_is_one_of_ours():
+    """``pin_offload_order`` wraps our ops in ``control_deps``: the op is in a child graph, not the graph."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (x,)))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    module.add_submodule("subgraph_offload", _graph(with_offload=True))
+    plain_handler = type(V.choices)
+    with distances_without_our_ops(module):
+        assert type(V.choices) is not plain_handler
+
+
 def test_a_compile_inside_a_compile_counts_our_ops_out_once():
     with distances_without_our_ops(_graph(with_offload=True)):
         outer = V.choices

@@ -50,7 +50,7 @@ def ranks_without(ours: Sequence[bool]) -> list[int]:
 def distances_without_our_ops(gm: fx.GraphModule) -> Iterator[None]:
     """Inductor's choices handler counts fusion distances without our ops while ``gm`` compiles, if it
     holds any (plain graphs compile as they would without fxoffload)."""
-    if not any(n.op == "call_function" and n.target in FXOFFLOAD_OPS for n in gm.graph.nodes):
+    if not _holds_our_ops(gm):
         yield
         return
     from torch._inductor.virtualized import V
@@ -69,6 +69,13 @@ def distances_without_our_ops(gm: fx.GraphModule) -> Iterator[None]:
     handler.__dict__.update(getattr(current, "__dict__", {}))  # the handler's own settings, as they were
     with V.set_choices_handler(handler):
         yield
+
+
+def _holds_our_ops(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls one of our ops, itself or inside a subgraph (``pin_offload_order`` wraps most of
+    them in ``control_deps``, whose subgraphs are ``gm``'s children)."""
+    return any(n.op == "call_function" and n.target in FXOFFLOAD_OPS
+               for module in (gm, *gm.children()) if isinstance(module, fx.GraphModule) for n in module.graph.nodes)
 
 
 _OURS = "_fxoffload_distances_without_our_ops"
