@@ -1,11 +1,17 @@
-"""Inductor's fusion distance counted without our ops (``fxoffload.backend.fusion_distance``). The fusions it
-brings back are checked on OLMoE's backward (``tests/test_sweep_kernels.py``)."""
+"""Inductor's fusion distance counted without our ops (``fxoffload.backend.fusion_distance``; the fusions it
+brings back are checked on OLMoE's backward, ``tests/test_sweep_kernels.py``), and its FX graph cache keyed
+on our source."""
 
+import pytest
 import torch
 import torch.fx as fx
 from torch._inductor.virtualized import V
 
-from fxoffload.backend.fusion_distance import distances_without_our_ops, ranks_without
+import fxoffload
+from fxoffload.backend import fusion_distance
+from fxoffload.backend.fusion_distance import (
+    cached_under_our_source, distances_without_our_ops, ranks_without, source_digest,
+)
 from fxoffload.passes import OFFLOAD
 
 
@@ -57,3 +63,80 @@ def test_a_compile_inside_a_compile_counts_our_ops_out_once():
         outer = V.choices
         with distances_without_our_ops(_graph(with_offload=True)):
             assert V.choices is outer  # not wrapped twice: ranks of ranks would halve every distance again
+
+
+# ------------------------------------------------------------------- the FX graph cache, keyed on our source
+
+
+def test_the_source_digest_names_every_python_file_by_its_place_and_bytes(tmp_path):
+    first, second = tmp_path / "a" / "fxoffload", tmp_path / "b" / "fxoffload"
+    for root in (first, second):
+        (root / "backend").mkdir(parents=True)
+        (root / "__init__.py").write_text("x = 1\n")
+        (root / "backend" / "ordering.py").write_text("y = 2\n")
+        (root / "notes.txt").write_text("not source")
+    assert source_digest([first]) == source_digest([second])  # wherever the checkout lies
+    (second / "notes.txt").write_text("another text")
+    assert source_digest([first]) == source_digest([second])  # Python files only
+    (second / "backend" / "ordering.py").write_text("y = 3\n")
+    assert source_digest([first]) != source_digest([second])
+    (second / "backend" / "ordering.py").write_text("y = 2\n")
+    (second / "backend" / "ordering.py").rename(second / "ordering.py")
+    assert source_digest([first]) != source_digest([second])  # the same bytes at another place
+
+
+def test_control_deps_is_cacheable_under_our_source_only_while_a_graph_of_ours_compiles():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    users = {"torch.ops.their_op": "their key"}
+    with inductor_config.patch(unsafe_marked_cacheable_functions=users):
+        with cached_under_our_source(_graph(with_offload=False)):
+            assert not control_deps.cacheable()  # a plain graph is keyed as without fxoffload
+        with cached_under_our_source(_graph(with_offload=True)):
+            assert control_deps.cacheable()
+            marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+        assert inductor_config.unsafe_marked_cacheable_functions == users
+    assert not control_deps.cacheable()
+    assert marked["torch.ops.their_op"] == "their key"  # the user's marks kept
+    assert fusion_distance._our_digest() in marked["torch.ops.higher_order.control_deps"]
+
+
+def _compile_step(monkeypatch, digest: str) -> fxoffload.OffloadBackend:
+    """One step of a small MLP under fxoffload and Inductor, as an fxoffload whose source has ``digest``."""
+    monkeypatch.setattr(fusion_distance, "_our_digest", lambda: digest)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    backend = fxoffload.offload_backend(inner="inductor", memory_budget=0.5, strategy="offload", min_bytes=0)
+    torch.compile(model, backend=backend)(torch.randn(16, 32)).square().sum().backward()
+    assert backend.records and backend.records[0].plan.transfers, "nothing offloaded: no graph of ours"
+    return backend
+
+
+def _cache_counts(step) -> dict[str, int]:
+    """How many of the FX graph cache's hits, misses and bypasses ``step()`` made."""
+    from torch._dynamo.utils import counters
+
+    names = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+    before = {name: counters["inductor"][name] for name in names}
+    step()
+    return {name.removeprefix("fxgraph_cache_"): counters["inductor"][name] - before[name] for name in names}
+
+
+@pytest.mark.compat  # 7 s or more, and what it checks (Inductor's cache hooks) differs between releases
+def test_an_entry_another_fxoffload_wrote_is_not_reused(monkeypatch):
+    """Inductor's FX graph cache, on, in a fresh folder: the same source hits the backward's entry its first
+    compile wrote (a graph of ours, ordered by ``control_deps``, was bypassed); the forward, whose offloads
+    tell the prefetches their layouts as it is lowered, is lowered again (``backend._lowered_here``); another
+    source (another fxoffload, whose lowering may differ) misses every entry."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache(), inductor_config.patch(fx_graph_cache=True):
+        first = _cache_counts(lambda: _compile_step(monkeypatch, "0123456789abcdef"))
+        assert first == {"hit": 0, "miss": 1, "bypass": 0}, first  # the backward; the forward is not looked up
+        again = _cache_counts(lambda: _compile_step(monkeypatch, "0123456789abcdef"))
+        assert again == {"hit": 1, "miss": 0, "bypass": 0}, again
+        other = _cache_counts(lambda: _compile_step(monkeypatch, "fedcba9876543210"))
+        assert other == {"hit": 0, "miss": 1, "bypass": 0}, other

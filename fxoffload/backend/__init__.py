@@ -70,7 +70,7 @@ from fxoffload.backend.compat import compiled_autograd_on
 from fxoffload.backend.compile_call import (
     EAGER_REGIONS, InputFacts, eager_region_breaks, input_facts, mode_patches, no_cudagraphs, pipeline_inference,
 )
-from fxoffload.backend.fusion_distance import distances_without_our_ops
+from fxoffload.backend.fusion_distance import distances_without_our_ops, cached_under_our_source
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
@@ -258,22 +258,29 @@ class _Compilation:
             self.capture(gm, is_backward)
         if is_backward:
             follow_source_layouts(gm)  # the layouts the forward's lowering wrote its offloaded sources in
-        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(gm, is_backward), \
-                distances_without_our_ops(gm):
+        lowered_here = not is_backward and pairs_layouts(gm)
+        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(lowered_here), \
+                distances_without_our_ops(gm), _cached_unless(lowered_here, gm):
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         if not is_backward:
             follow_source_layouts(gm)  # the graph kept in the record says what its code does
         return _run_backward(compiled, self.backend.config.debug, self) if is_backward else compiled
 
 
-def _lowered_here(gm: fx.GraphModule, is_backward: bool) -> contextlib.AbstractContextManager:
-    """Inductor's FX graph cache off for a forward whose offloads tell their prefetches the layouts they are
-    lowered in (``ordering.pairs_layouts``); as it is for every other graph."""
-    if is_backward or not pairs_layouts(gm):
+def _lowered_here(here: bool) -> contextlib.AbstractContextManager:
+    """Inductor's FX graph caches (local and remote) off for a forward whose offloads tell their prefetches the
+    layouts they are lowered in (``ordering.pairs_layouts``: a hit would skip that lowering)."""
+    if not here:
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
 
-    return inductor_config.patch(fx_graph_cache=False)
+    return inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False)
+
+
+def _cached_unless(lowered_here: bool, gm: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """The FX graph cache takes ``gm`` keyed on our source (``fusion_distance.cached_under_our_source``), unless
+    it must be lowered here: its ``control_deps`` then stay uncacheable, a second guard beside the config."""
+    return contextlib.nullcontext() if lowered_here else cached_under_our_source(gm)
 
 
 def _no_buffer_reuse(record: GraphRecord | None) -> contextlib.AbstractContextManager:
@@ -467,8 +474,9 @@ class OffloadBackend:
         patches = mode_patches(mode, unknown)
         # AOTAutograd's cache would return compiled graphs without running the
         # partitioner, so without our passes' record: keep it off for our graphs.
-        # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs; off for a forward with
-        # offloads, whose lowering must run here: _lowered_here.)
+        # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs and, for ours, fxoffload's
+        # source (fusion_distance.cached_under_our_source); off for a forward whose offloads are prefetched,
+        # whose lowering must run here: _lowered_here.)
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return with_stack_headroom(self._compile, gm, example_inputs, patches)
 

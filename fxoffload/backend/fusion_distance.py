@@ -1,4 +1,4 @@
-"""Inductor's fusion distance, counted without fxoffload's ops.
+"""Inductor's fusion distance, counted without fxoffload's ops; its FX graph cache, keyed on our source.
 
 Inductor refuses a side-by-side fusion of two kernels more than 64 scheduler nodes apart
 (``Scheduler.are_long_distant_nodes``: such a fusion lengthens a buffer's life). Each fxoffload op is two
@@ -19,21 +19,42 @@ node's range maps through those ranks. Limits: only the distance test changes, a
 fusion (a vertical fusion has no distance test); a handler that cannot be subclassed without arguments is
 left as it is, and so is a torch without this hook or without node positions (2.11 to 2.14 have both). The
 class is made at compile time: Inductor's subprocess compile mode cannot pickle it and compiles in process
-(with a warning). Inductor's FX graph cache does not key on the handler: an entry written without it (an
-earlier fxoffload) is reused as it is (its kernels, not its results, differ).
+(with a warning). The FX graph cache keys such a graph on fxoffload's source (below), so an entry another
+fxoffload wrote, with or without this handler, is not reused.
+
+The FX graph cache. Inductor keeps each compiled graph on disk under a key of the graph (its code, its
+subgraphs' code among it), its inputs, its configuration and the torch build, and bypasses a graph that calls
+a higher-order op not marked cacheable: ``control_deps``, which holds our ops' order
+(``ordering.pin_offload_order``), is not. So no graph of ours was cached, and each restart compiled every one
+anew. While a graph holding our ops compiles, ``control_deps`` is marked cacheable the way Inductor offers
+(``unsafe_marked_cacheable_functions``, its name -> a string the key takes in, on 2.11 to 2.14), with a digest
+of fxoffload's own source as that string: the ``fxoffload`` and ``fxoffload.passes`` packages' Python files
+(:func:`source_digest`, read once a process). How fxoffload changes a graph's lowering is otherwise in no part
+of the key (the offload's layout constraint, our results kept out of the channels-last preference:
+``ordering.constrain_offload_sources``; our ops' results kept from dead-code elimination:
+``compat._keep_ordering_outputs``; the distance above), so another source gets another key, and an entry
+another fxoffload wrote is never reused; the same source, the same entries. A forward whose offloads tell
+their prefetches the layouts they are lowered in stays uncached (``backend._lowered_here``, which does not
+call this: a hit would skip that lowering). Graphs without our ops keep their keys. Limits: the digest reads
+the files, not the modules loaded (an edit made after import keys a compile on the new text); it keys every
+graph of ours, whether or not the edit changes its lowering.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import weakref
-from typing import Any, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch.fx as fx
 
+from fxoffload import passes
 from fxoffload.passes import FXOFFLOAD_OPS
 
-__all__ = ["distances_without_our_ops", "ranks_without"]
+__all__ = ["cached_under_our_source", "distances_without_our_ops", "holds_our_ops", "ranks_without", "source_digest"]
 
 
 def ranks_without(ours: Sequence[bool]) -> list[int]:
@@ -50,7 +71,7 @@ def ranks_without(ours: Sequence[bool]) -> list[int]:
 def distances_without_our_ops(gm: fx.GraphModule) -> Iterator[None]:
     """Inductor's choices handler counts fusion distances without our ops while ``gm`` compiles, if it
     holds any (plain graphs compile as they would without fxoffload)."""
-    if not _holds_our_ops(gm):
+    if not holds_our_ops(gm):
         yield
         return
     from torch._inductor.virtualized import V
@@ -71,7 +92,7 @@ def distances_without_our_ops(gm: fx.GraphModule) -> Iterator[None]:
         yield
 
 
-def _holds_our_ops(gm: fx.GraphModule) -> bool:
+def holds_our_ops(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` calls one of our ops, itself or inside a subgraph (``pin_offload_order`` wraps most of
     them in ``control_deps``, whose subgraphs are ``gm``'s children)."""
     return any(n.op == "call_function" and n.target in FXOFFLOAD_OPS
@@ -145,3 +166,37 @@ class _Range:
 
     def __init__(self, min_order: int, max_order: int):
         self.min_order, self.max_order = min_order, max_order
+
+_CONTROL_DEPS = "torch.ops.higher_order.control_deps"  # the name ``HigherOrderOperator.cacheable`` looks up
+
+
+def source_digest(roots: Iterable[Path]) -> str:
+    """A digest of every ``.py`` file under ``roots``: each one's path below its root and its bytes, in
+    path order (so that the same files give the same digest wherever the checkout lies)."""
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _our_digest() -> str:
+    """Our packages' digest: ``fxoffload`` (this file's grandparent) and ``fxoffload.passes`` (in a checkout, a
+    folder beside it)."""
+    return source_digest((Path(__file__).resolve().parents[1], Path(passes.__file__).resolve().parent))
+
+
+@contextlib.contextmanager
+def cached_under_our_source(gm: fx.GraphModule) -> Iterator[None]:
+    """Inductor's FX graph cache takes ``gm``, if it holds our ops, keyed on fxoffload's source."""
+    from torch._inductor import config as inductor_config
+
+    marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if not holds_our_ops(gm) or not isinstance(marked, dict):
+        yield
+        return
+    with inductor_config.patch(unsafe_marked_cacheable_functions={
+            **marked, _CONTROL_DEPS: f"fxoffload-source-{_our_digest()}"}):
+        yield
