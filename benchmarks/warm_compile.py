@@ -11,8 +11,11 @@ meets). Per graph, the seconds in ``compile_fx_inner`` (Inductor's lowering, cod
 compiler; measured by Dynamo's own timer, ``compilation_time_metrics``) and the FX graph cache's hits,
 misses and bypasses. Until 2026-12-06 every graph of fxoffload's bypassed the cache (``control_deps``, our
 ordering edges, is not marked cacheable; ``fxoffload.backend.fusion_distance.cached_under_our_source``):
-the third way, "bypassed as before", runs fxoffload so. A
-forward whose offloads the backward prefetches is still lowered in every process (``backend._lowered_here``).
+the last way, "bypassed as before", runs fxoffload so. Then, until later that day, a forward whose offloads
+the backward prefetches was lowered in every process, its lowering telling the prefetches the strides its
+offloads write; now a forward handed back from the cache tells them through its code
+(``ordering.layouts_from_code``). The third way, "forward lowered in each process", runs fxoffload as in
+between (as under a C++ wrapper now: ``backend._no_python_wrapper``).
 The C++ compiler's outputs are cached by their source either way: a warm run's graph that misses the FX
 graph cache still skips it.
 """
@@ -33,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples"), str(ROOT)]
 
 HEADING = "Compile time again in a new process: Inductor's FX graph cache (measured, CPU)"
-WAYS = ("plain", "fxoffload", "fxoffload, bypassed as before")
+LOWERED, BYPASSED = "fxoffload, forward lowered in each process", "fxoffload, bypassed as before"
+WAYS = ("plain", "fxoffload", LOWERED, BYPASSED)
 CACHE = ("hit", "miss", "bypass")
 
 
@@ -49,12 +53,16 @@ def child(way: str, layers: int, hidden: int, seq: int) -> dict:
     torch.manual_seed(0)
     model = LlamaStack(shape)
     tokens = torch.randint(0, shape.vocab, (1, seq))
-    if way == "fxoffload, bypassed as before":  # what fxoffload did before 2026-12-06: control_deps unmarked
+    if way == BYPASSED:  # what fxoffload did before 2026-12-06: control_deps unmarked
         import contextlib
 
         import fxoffload.backend
 
         fxoffload.backend.cached_under_our_source = lambda gm: contextlib.nullcontext()
+    if way == LOWERED:  # what it did later that day: a forward of paired offloads kept out of the cache
+        import fxoffload.backend
+
+        fxoffload.backend._no_python_wrapper = lambda kwargs: True
     backend = "inductor" if way == "plain" else fxoffload.offload_backend(
         inner="inductor", memory_budget=0.5, strategy="offload", min_bytes=0)
     start = time.perf_counter()
@@ -122,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             "over one fresh Inductor cache folder, each run a fresh process: cold, then warm. Compile: seconds in "
             "`compile_fx_inner` per graph (Dynamo's timer: Inductor's lowering, code generation, the C++ compiler), "
             "measured on this machine. The C++ compiler's outputs are cached by their source in both ways. "
-            "fxoffload's forward is lowered in every process: its offloads tell the backward's prefetches the "
-            "layouts they were written in (`backend._lowered_here`). \"bypassed as before\": fxoffload as it was "
+            "fxoffload's forward, handed back from the cache, tells the backward's prefetches the strides its "
+            "offloads write through its code (`ordering.layouts_from_code`). \"forward lowered in each process\": "
+            "fxoffload as it was earlier on 2026-12-06, such a forward kept out of the cache (as under a C++ "
+            "wrapper now), its lowering telling the prefetches. \"bypassed as before\": fxoffload as it was "
             "until 2026-12-06, its `control_deps` not marked cacheable, so that every graph of its bypassed the "
             "cache. No figure: the graph was not compiled (plain compile's warm run found the whole pair in "
             "AOTAutograd's cache, which fxoffload keeps off for its graphs: a hit would skip its passes).\n\n"

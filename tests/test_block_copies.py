@@ -258,6 +258,90 @@ def test_a_source_inductor_wrote_channels_last_goes_to_the_host_and_back_as_writ
     assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
 
 
+def convolutions_from_the_cache() -> tuple[list[dict], list]:
+    """The channels-last step above compiled twice over one fresh Inductor cache folder, the cache on, Dynamo
+    reset between (as a restarted job compiles again): per compile, the FX graph cache's counts and the
+    offloads' layouts (``ordering.SourceLayout``); each step checked against eager, its copies unstaged."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import fresh_cache
+
+    from fxoffload.backend.ordering import OFFLOADED_AS
+
+    names = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+    counts, layouts = [], []
+    with fresh_cache(), inductor_config.patch(fx_graph_cache=True):
+        for _ in range(2):
+            torch.manual_seed(0)
+            torch._dynamo.reset()
+            eager, model, x = Convolutions(), Convolutions(), torch.randn(4, 8, 16, 16)
+            model.load_state_dict(eager.state_dict())
+            backend = fxoffload.offload_backend(min_bytes=0, all_eligible=True, strategy="offload")
+            before = {name: counters["inductor"][name] for name in names}
+            with cuda_engine_on_cpu() as fake, runtime.debugging():
+                runtime.debug_counts(reset=True)
+                got = train_step(torch.compile(model, backend=backend), model, x)
+                staged = runtime.debug_counts(reset=True).staged
+            counts.append({name.removeprefix("fxgraph_cache_"): counters["inductor"][name] - before[name]
+                           for name in names})
+            assert_same_step(train_step(eager, eager, x), got, rtol=1e-4, atol=1e-4)
+            assert staged == 0 and fake.violations == []
+            forward = backend.records[0].forward
+            layouts.append([node.meta[OFFLOADED_AS] for module in (forward, *forward.children())
+                            if isinstance(module, torch.fx.GraphModule)
+                            for node in module.graph.find_nodes(op="call_function", target=ops.offload.default)
+                            if OFFLOADED_AS in node.meta])
+    return counts, layouts
+
+
+@pytest.mark.compat  # what it checks (Inductor's cache and its wrapper's text) may differ between releases
+def test_a_forward_from_inductors_cache_tells_its_prefetches_the_strides_its_code_writes():
+    """A restarted job: the forward comes back from Inductor's FX graph cache, unlowered, and its code tells the
+    prefetches the strides its offloads write (``ordering.layouts_from_code``): the channels-last ones, as its
+    lowering told them in the first process; the backward is then the first's, a hit too."""
+    counts, (cold, warm) = convolutions_from_the_cache()
+    assert counts == [{"hit": 0, "miss": 2, "bypass": 0}, {"hit": 2, "miss": 0, "bypass": 0}], counts
+    written = tuple(torch.empty(4, 16, 16, 16).to(memory_format=torch.channels_last).stride())
+    assert cold and all(layout.lowered for layout in cold)
+    assert warm and not any(layout.lowered for layout in warm)  # not lowered again
+    assert [layout.stride for layout in warm] == [layout.stride for layout in cold]
+    assert written in [layout.stride for layout in warm]
+
+
+@pytest.mark.compat
+def test_a_forward_whose_cached_code_cannot_tell_the_strides_is_lowered_again(monkeypatch):
+    """Where the cached code does not name each offload once (here: read as none), the forward is lowered again
+    in this process, the cache off, and its lowering tells the prefetches as in the first."""
+    from fxoffload.backend import ordering
+
+    monkeypatch.setattr(ordering, "offload_strides_in_code", lambda code: None)
+    counts, (cold, warm) = convolutions_from_the_cache()
+    assert counts == [{"hit": 0, "miss": 2, "bypass": 0}, {"hit": 2, "miss": 0, "bypass": 0}], counts
+    assert warm and all(layout.lowered for layout in warm)
+    assert [layout.stride for layout in warm] == [layout.stride for layout in cold]
+
+
+def test_the_strides_of_each_offload_call_are_read_from_inductors_code():
+    """``offload_strides_in_code`` on wrapper text as Inductor writes it (2.11 to 2.14): ``order`` -> strides,
+    symbolic or absent strides as None (the traced ones stand), and no answer where an order is called twice
+    or a call does not read as expected."""
+    from fxoffload.backend.ordering import offload_strides_in_code
+
+    code = """
+        buf3 = torch.ops.fxoffload.offload.default(buf2, 1, [4096, 1, 256, 16])
+        assert_size_stride(buf4, (4, 16, 16, 16), (4096, 1, 256, 16), 'torch.ops.fxoffload.offload.default')
+        buf8 = torch.ops.fxoffload.offload.default(buf5, 0, [s0*16, 1])
+        buf9 = torch.ops.fxoffload.offload.default(buf6, 2, None)
+        buf10 = torch.ops.fxoffload.offload.default(arg3_1, 3, [])
+    """
+    assert offload_strides_in_code(code) == {1: (4096, 1, 256, 16), 0: None, 2: None, 3: None}
+    assert offload_strides_in_code("") == {}
+    twice = code + "buf11 = torch.ops.fxoffload.offload.default(buf7, 1, [16, 1])\n"
+    assert offload_strides_in_code(twice) is None
+    unread = code + "buf11 = torch.ops.fxoffload.offload.default(buf7, order=4, stride=[16, 1])\n"
+    assert offload_strides_in_code(unread) is None
+
+
 def paired_graphs(reader: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """A forward that offloads ``x`` and a backward that prefetches and waits for it, marked as the rewrite marks
     them (``passes.TRANSFER_META``); the waited value read by ``relu``, by ``as_strided`` (a member rebuilt from

@@ -75,7 +75,8 @@ from fxoffload.config import OffloadConfig, OptionError, config_from_options
 from fxoffload.errors import CompiledAutogradError
 from fxoffload.explain import explain, format_bytes
 from fxoffload.backend.ordering import (
-    constrain_offload_sources, follow_source_layouts, pairs_layouts, pin_offload_order, share_source_layouts,
+    constrain_offload_sources, follow_source_layouts, layouts_from_code, pairs_layouts, pin_offload_order,
+    share_source_layouts,
 )
 from fxoffload.backend.partition import PartitionMemo, Partitioner, lazy_graph_modules, module_copy, with_stack_headroom
 from fxoffload.runtime.pinned import reservation
@@ -251,25 +252,56 @@ class _Compilation:
         return compile_graph
 
     def inductor_inner(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx_inner  # Inductor: loaded only under inner="inductor"
-
         is_backward = kwargs.get("is_backward", False)
         if not kwargs.get("is_inference", False):
             self.capture(gm, is_backward)
         if is_backward:
             follow_source_layouts(gm)  # the layouts the forward's lowering wrote its offloaded sources in
-        lowered_here = not is_backward and pairs_layouts(gm)
-        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(lowered_here), \
-                distances_without_our_ops(gm), _cached_unless(lowered_here, gm):
-            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        pairs = not is_backward and pairs_layouts(gm)
+        compiled = self._lower(gm, example_inputs, kwargs, lowered_here=pairs and _no_python_wrapper(kwargs))
+        code = getattr(compiled, "source_code", None)  # Inductor's compiled graph's (none: another compiler's)
+        if pairs and isinstance(code, str) and not layouts_from_code(gm, code):
+            # Its code came from the cache, and it does not say each offload's strides: lower it here.
+            _forget_output_strides()
+            compiled = self._lower(gm, example_inputs, kwargs, lowered_here=True)
         if not is_backward:
             follow_source_layouts(gm)  # the graph kept in the record says what its code does
         return _run_backward(compiled, self.backend.config.debug, self) if is_backward else compiled
 
+    def _lower(self, gm: fx.GraphModule, example_inputs: Any, kwargs: dict, lowered_here: bool) -> Any:
+        """``compile_fx_inner`` on ``gm`` under our lowering's settings; ``lowered_here``: without Inductor's FX graph
+        cache (``_lowered_here``)."""
+        from torch._inductor.compile_fx import compile_fx_inner  # Inductor: loaded only under inner="inductor"
+
+        is_backward = kwargs.get("is_backward", False)
+        with _no_buffer_reuse(self.record if not is_backward else None), _lowered_here(lowered_here), \
+                distances_without_our_ops(gm), _cached_unless(lowered_here, gm):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _forget_output_strides() -> None:
+    """Empty the output strides a compile handed AOTAutograd (``TracingContext.output_strides``), before the same
+    graph is compiled again: Inductor hands them over once per graph and refuses a second set."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.output_strides is not None:
+        context.output_strides.clear()
+
+
+def _no_python_wrapper(kwargs: dict) -> bool:
+    """Whether Inductor writes the graph's wrapper in another language than Python (C++, or FX), whose code
+    :func:`ordering.layouts_from_code` cannot read: a forward whose offloads are prefetched is then lowered in
+    every process."""
+    from torch._inductor import config as inductor_config
+
+    return bool(kwargs.get("cpp_wrapper") or kwargs.get("fx_wrapper") or inductor_config.cpp_wrapper
+                or getattr(inductor_config, "fx_wrapper", False))
+
 
 def _lowered_here(here: bool) -> contextlib.AbstractContextManager:
     """Inductor's FX graph caches (local and remote) off for a forward whose offloads tell their prefetches the
-    layouts they are lowered in (``ordering.pairs_layouts``: a hit would skip that lowering)."""
+    layouts they are lowered in (``ordering.pairs_layouts``: a hit would skip that lowering), where its code
+    cannot tell them instead (``ordering.layouts_from_code``: a wrapper not in Python, or code that does not
+    name each offload once)."""
     if not here:
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
@@ -475,8 +507,8 @@ class OffloadBackend:
         # AOTAutograd's cache would return compiled graphs without running the
         # partitioner, so without our passes' record: keep it off for our graphs.
         # (Inductor's FX-graph cache stays on: it keys the already-rewritten graphs and, for ours, fxoffload's
-        # source (fusion_distance.cached_under_our_source); off for a forward whose offloads are prefetched,
-        # whose lowering must run here: _lowered_here.)
+        # source (fusion_distance.cached_under_our_source); a forward handed back from it tells its prefetches
+        # the layouts its offloads write through its code (ordering.layouts_from_code), or is lowered again.)
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return with_stack_headroom(self._compile, gm, example_inputs, patches)
 

@@ -140,6 +140,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import operator
+import re
 from typing import Callable
 
 import torch
@@ -157,7 +158,8 @@ from fxoffload.passes import (
     is_compute, one_block, same_layout, storage_key,
 )
 
-__all__ = ["SourceLayout", "constrain_offload_sources", "follow_source_layouts", "pairs_layouts", "pin_offload_order",
+__all__ = ["SourceLayout", "constrain_offload_sources", "follow_source_layouts", "layouts_from_code",
+           "offload_strides_in_code", "pairs_layouts", "pin_offload_order",
            "share_source_layouts"]
 
 ensure_control_deps()
@@ -181,6 +183,8 @@ def _offload_source_layout(node: fx.Node, x, *args, **kwargs):
             x = ir.ExternKernel.require_exact_strides(x, value.stride())
         else:
             args = _as_written(node.meta.get(OFFLOADED_AS), x, args)
+    if isinstance(node.meta.get(OFFLOADED_AS), SourceLayout):
+        node.meta[OFFLOADED_AS].lowered = True
     return (x, *args), kwargs
 
 
@@ -189,9 +193,12 @@ class SourceLayout:
     """The strides Inductor wrote one offloaded source in, where they are not the traced ones and fill one
     block of memory: set while the forward is lowered (:func:`_as_written`), read before the backward is
     (:func:`follow_source_layouts`). Shared by the transfer's offload and prefetch nodes
-    (:func:`share_source_layouts`); ``None`` until then, and where the traced strides stand."""
+    (:func:`share_source_layouts`); ``None`` until then, and where the traced strides stand. ``lowered``: the
+    forward's lowering met the offload in this process; where Inductor's FX graph cache handed back its code
+    instead, the strides are read from that code (:func:`layouts_from_code`)."""
 
     stride: tuple[int, ...] | None = None
+    lowered: bool = False
 
 
 # node.meta keys of a transfer's SourceLayout, one for each end: ``control_deps`` copies a node's meta to the node
@@ -249,6 +256,51 @@ def pairs_layouts(module: fx.GraphModule) -> bool:
     return any(OFFLOADED_AS in node.meta for graph_module in (module, *module.children())
                if isinstance(graph_module, fx.GraphModule)
                for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD))
+
+
+def layouts_from_code(module: fx.GraphModule, code: str | None) -> bool:
+    """Give each paired offload of the forward ``module`` that this process did not lower (its code came from
+    Inductor's FX graph cache) the strides its compiled ``code`` hands it (:func:`offload_strides_in_code`),
+    where they are not the traced ones, as its lowering would have (:func:`_as_written`); return whether every
+    paired offload has its layout now. False, and nothing set, where ``code`` is missing (a wrapper in C++) or
+    does not name each such offload exactly once by its ``order`` (unique among a forward's offloads, as the
+    rewrite numbers them): the forward must then be lowered here."""
+    offloads = [node for graph_module in (module, *module.children()) if isinstance(graph_module, fx.GraphModule)
+                for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD)
+                if isinstance(node.meta.get(OFFLOADED_AS), SourceLayout) and not node.meta[OFFLOADED_AS].lowered]
+    if not offloads:
+        return True
+    calls = offload_strides_in_code(code) if code is not None else None
+    orders = [node.args[1] if len(node.args) > 1 else None for node in offloads]
+    if calls is None or len(set(orders)) < len(orders) or not all(order in calls for order in orders):
+        return False
+    for node, order in zip(offloads, orders):
+        written, traced = calls[order], _ints(node.args[2]) if len(node.args) > 2 and node.args[2] else None
+        if written is not None and traced is not None and written != traced:
+            node.meta[OFFLOADED_AS].stride = written
+    return True
+
+
+# An offload's call in Inductor's Python wrapper: ``torch.ops.fxoffload.offload.default(buf3, 1, [4096, 1, 256, 16])``.
+_OFFLOAD_CALL = re.compile(
+    r"torch\.ops\.fxoffload\.offload\.default\(\s*\w+\s*,\s*(-?\d+)\s*,\s*(\[[^\]]*\]|None)\s*\)")
+
+
+def offload_strides_in_code(code: str) -> dict[int, tuple[int, ...] | None] | None:
+    """Each offload call's ``order`` in Inductor's Python wrapper ``code`` -> the strides it hands the op (None
+    where they are symbolic or absent: the traced ones stand, as :func:`_as_written` leaves them); None where
+    an order is called twice, or where an offload call does not read as expected."""
+    found: dict[int, tuple[int, ...] | None] = {}
+    for match in _OFFLOAD_CALL.finditer(code):
+        order = int(match.group(1))
+        if order in found:
+            return None
+        items = match.group(2).strip("[]").split(",") if match.group(2) != "None" else []
+        found[order] = tuple(int(i) for i in items) if items and all(
+            i.strip().lstrip("-").isdigit() for i in items) else None
+    if code.count("torch.ops.fxoffload.offload.default(") != len(found):
+        return None
+    return found
 
 
 _AS_STRIDED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
