@@ -322,9 +322,9 @@ def test_a_forward_whose_cached_code_cannot_tell_the_strides_is_lowered_again(mo
 
 
 def test_the_strides_of_each_offload_call_are_read_from_inductors_code():
-    """``offload_strides_in_code`` on wrapper text as Inductor writes it (2.11 to 2.14): ``order`` -> strides,
-    symbolic or absent strides as None (the traced ones stand), and no answer where an order is called twice
-    or a call does not read as expected."""
+    """``offload_strides_in_code`` on wrapper lines as Inductor writes them (2.11 to 2.14): ``order`` -> strides,
+    symbolic or absent strides as None (the traced ones stand), a view's source as an expression; no answer
+    where an order is called twice or a line naming the op does not read as one call with a literal order."""
     from fxoffload.backend.ordering import offload_strides_in_code
 
     code = """
@@ -333,13 +333,49 @@ def test_the_strides_of_each_offload_call_are_read_from_inductors_code():
         buf8 = torch.ops.fxoffload.offload.default(buf5, 0, [s0*16, 1])
         buf9 = torch.ops.fxoffload.offload.default(buf6, 2, None)
         buf10 = torch.ops.fxoffload.offload.default(arg3_1, 3, [])
+        buf11 = torch.ops.fxoffload.offload.default(buf7, order=4, stride=[16, 1])
+        buf12 = torch.ops.fxoffload.offload.default(reinterpret_tensor(buf0, (2, 32), (64, 1), 0), 5, [64, 1])
+        buf13 = torch.ops.fxoffload.offload.default(buf1, 6)
     """
-    assert offload_strides_in_code(code) == {1: (4096, 1, 256, 16), 0: None, 2: None, 3: None}
+    assert offload_strides_in_code(code) == {1: (4096, 1, 256, 16), 0: None, 2: None, 3: None, 4: (16, 1),
+                                             5: (64, 1), 6: None}
     assert offload_strides_in_code("") == {}
-    twice = code + "buf11 = torch.ops.fxoffload.offload.default(buf7, 1, [16, 1])\n"
-    assert offload_strides_in_code(twice) is None
-    unread = code + "buf11 = torch.ops.fxoffload.offload.default(buf7, order=4, stride=[16, 1])\n"
-    assert offload_strides_in_code(unread) is None
+    for unread in ("buf14 = torch.ops.fxoffload.offload.default(buf7, 1, [16, 1])",  # order 1 twice
+                   "buf14 = torch.ops.fxoffload.offload.default(buf7, order_of(x), [16, 1])",
+                   "RAIIAtenTensorHandle buf14(torch.ops.fxoffload.offload.default(buf7, 7, {16, 1}));"):
+        assert offload_strides_in_code(code + unread + "\n") is None, unread
+
+
+def test_a_forward_takes_from_its_code_the_strides_of_the_offloads_it_did_not_lower():
+    """``layouts_from_code`` on a forward of two paired offloads and one unpaired: an unlowered paired offload
+    takes the code's strides where they are not the traced ones, a lowered one keeps its own; the answer is
+    no (nothing set) where the code misses an offload, or hands the unpaired one other strides than traced
+    (an entry written where it was paired)."""
+    from fxoffload.backend.ordering import OFFLOADED_AS, SourceLayout, layouts_from_code
+
+    def forward():
+        graph = torch.fx.Graph()
+        offloads = [graph.call_function(ops.offload.default, (graph.placeholder(f"x{i}"), i, [64, 16, 4, 1]))
+                    for i in range(3)]
+        graph.output(tuple(offloads))
+        layouts = [SourceLayout(), SourceLayout(stride=(64, 1, 16, 4), lowered=True)]
+        for node, layout in zip(offloads, layouts):  # the third is unpaired
+            node.meta[OFFLOADED_AS] = layout
+        return torch.fx.GraphModule({}, graph), layouts
+
+    def code(*strides):
+        return "\n".join(f"buf{i} = torch.ops.fxoffload.offload.default(buf, {i}, {list(s)})"
+                         for i, s in enumerate(strides))
+
+    traced, written = (64, 16, 4, 1), (64, 1, 16, 4)
+    module, (unlowered, lowered) = forward()
+    assert layouts_from_code(module, code(written, traced, traced))
+    assert unlowered.stride == written and lowered.stride == written and not unlowered.lowered
+    module, (unlowered, _) = forward()
+    assert layouts_from_code(module, code(traced, traced, traced)) and unlowered.stride is None
+    for missing_or_moved in (code(written, traced), code(written, traced, written), None):
+        module, (unlowered, _) = forward()
+        assert not layouts_from_code(module, missing_or_moved) and unlowered.stride is None
 
 
 def paired_graphs(reader: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

@@ -7,6 +7,17 @@ from fxoffload.passes.analysis import is_anchored_compute, storage_key
 from fxoffload.passes.ops import RELEASES
 
 
+@pytest.fixture
+def inductor_cache_off():
+    """Inductor's FX graph cache off, for a test whose stub stands in for Inductor's compile and writes no code:
+    with the cache on, the backend would take a forward whose code does not tell its offloads' strides for one
+    handed back from the cache, and compile it again (``ordering.layouts_from_code``)."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False):
+        yield
+
+
 def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees(offloaded_llama_record):
     """Fast (no Inductor compile): on the rewritten forward of a small Llama, each ``wait``/``defer``
     gets an ordering edge from every earlier compute op that reads its storage through any alias,
@@ -34,7 +45,7 @@ def test_every_release_is_ordered_after_every_reader_of_the_storage_it_frees(off
     assert through_ends, "no reader followed through its fused kernel's outputs: the test would prove less"
 
 
-def test_the_graphs_handed_to_inductor_carry_the_ordering_edges(monkeypatch):
+def test_the_graphs_handed_to_inductor_carry_the_ordering_edges(monkeypatch, inductor_cache_off):
     """Fast (Inductor's code generation stubbed out): under ``inner="inductor"`` the backend pins
     the rewritten pair before Inductor sees it: one ``control_deps`` node for every fxoffload op or
     compute op that ``_ordering_edges`` finds edges for on the same rewritten pair (the eager
@@ -67,7 +78,7 @@ def test_the_graphs_handed_to_inductor_carry_the_ordering_edges(monkeypatch):
         assert wanted > 0 and pinned == wanted, (wanted, pinned)
 
 
-def test_every_ordering_edge_handed_to_inductor_ends_at_a_tensor(monkeypatch):
+def test_every_ordering_edge_handed_to_inductor_ends_at_a_tensor(monkeypatch, inductor_cache_off):
     """Fast (Inductor's code generation stubbed out): torch 2.11's lowering of ``control_deps`` keeps
     an edge only to a node that yields one tensor and drops the rest without a word. On a tiny Llama
     (attention is a multi-output op on the CPU, in both graphs) every dependency of every

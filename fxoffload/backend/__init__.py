@@ -32,10 +32,12 @@ happen under ``fxoffload.backend.partition.quick_min_cut``: the same cuts, in le
 Limits: graphs compiled for inference (no grad) go through unchanged and
 leave no record. AOTAutograd's cache is off for our graphs, so that every
 compile runs the passes and leaves its record; Inductor's FX-graph cache (keyed
-by the rewritten graphs) stays on, except for a forward with offloads: its
-lowering tells the backward the layouts it wrote its offloaded sources in
-(``ordering.share_source_layouts``), which a cached forward would not (Inductor
-bypasses the cache for a graph with ``control_deps`` anyway).
+by the rewritten graphs and fxoffload's source: ``fusion_distance``) stays on. A
+forward's lowering tells the backward the layouts it wrote its offloaded sources
+in (``ordering.share_source_layouts``); a forward the cache hands back tells them
+through its Python wrapper (``ordering.layouts_from_code``), and where that code
+cannot (a C++ or FX wrapper, a call it cannot read), it is compiled again without
+the cache.
 
 Owns: the backend and the step it compiles for. This package's ``__init__`` is the backend; beside
 it, what a compile call says (``compile_call``), the partition hook (``partition``), the inserted ops'
@@ -258,11 +260,12 @@ class _Compilation:
         if is_backward:
             follow_source_layouts(gm)  # the layouts the forward's lowering wrote its offloaded sources in
         pairs = not is_backward and pairs_layouts(gm)
-        compiled = self._lower(gm, example_inputs, kwargs, lowered_here=pairs and _no_python_wrapper(kwargs))
-        code = getattr(compiled, "source_code", None)  # Inductor's compiled graph's (none: another compiler's)
-        if pairs and isinstance(code, str) and not layouts_from_code(gm, code):
+        lowered_here = pairs and (_no_python_wrapper(kwargs) or not _fx_graph_cache_on())
+        compiled = self._lower(gm, example_inputs, kwargs, lowered_here=lowered_here)
+        code = getattr(compiled, "source_code", None)  # Inductor's wrapper (none where it is no CompiledFxGraph)
+        if pairs and not lowered_here and not layouts_from_code(gm, code if isinstance(code, str) else None):
             # Its code came from the cache, and it does not say each offload's strides: lower it here.
-            _forget_output_strides()
+            _forget_compile(compiled)
             compiled = self._lower(gm, example_inputs, kwargs, lowered_here=True)
         if not is_backward:
             follow_source_layouts(gm)  # the graph kept in the record says what its code does
@@ -279,12 +282,27 @@ class _Compilation:
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _forget_output_strides() -> None:
-    """Empty the output strides a compile handed AOTAutograd (``TracingContext.output_strides``), before the same
-    graph is compiled again: Inductor hands them over once per graph and refuses a second set."""
+def _forget_compile(compiled: Any) -> None:
+    """Undo what handing back ``compiled`` began, before its graph is compiled again: the output strides it
+    gave AOTAutograd (``TracingContext.output_strides``: Inductor hands them over once per graph and asserts
+    so), and the autotune cache bundle a cache hit opens (``AutotuneCacheBundler``, closed only by running the
+    graph; a second compile's opening asserts there is none)."""
     context = torch._guards.TracingContext.try_get()
     if context is not None and context.output_strides is not None:
         context.output_strides.clear()
+    try:
+        from torch._inductor.runtime.autotune_cache import AutotuneCacheBundler
+    except ImportError:  # a torch without it
+        return
+    AutotuneCacheBundler.end_compile()
+
+
+def _fx_graph_cache_on() -> bool:
+    """Whether Inductor's FX graph cache, local or remote, may hand back a compiled graph now."""
+    from torch._inductor import config as inductor_config
+
+    return not getattr(inductor_config, "force_disable_caches", False) and bool(
+        inductor_config.fx_graph_cache or inductor_config.fx_graph_remote_cache)
 
 
 def _no_python_wrapper(kwargs: dict) -> bool:

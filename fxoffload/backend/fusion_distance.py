@@ -35,7 +35,8 @@ of the key (the offload's layout constraint, our results kept out of the channel
 ``compat._keep_ordering_outputs``; the distance above), so another source gets another key, and an entry
 another fxoffload wrote is never reused; the same source, the same entries. A forward whose offloads tell
 their prefetches the layouts they are lowered in is cached too: on a hit its code tells them instead
-(``ordering.layouts_from_code``); where it cannot (a wrapper not in Python), the forward stays uncached
+(``ordering.layouts_from_code``); under a wrapper not in Python it stays uncached, and where a hit's code
+cannot tell them (a line it cannot read), the hit is dropped and the forward compiled again uncached
 (``backend._lowered_here``, which does not call this). Graphs without our ops keep their keys. Limits: the digest reads
 the files, not the modules loaded (an edit made after import keys a compile on the new text); it keys every
 graph of ours, whether or not the edit changes its lowering.

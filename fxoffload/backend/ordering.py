@@ -137,10 +137,10 @@ name.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import dataclasses
 import operator
-import re
 from typing import Callable
 
 import torch
@@ -250,9 +250,9 @@ def _aliases(node: fx.Node) -> bool:
 
 def pairs_layouts(module: fx.GraphModule) -> bool:
     """Whether a forward holds an offload paired with its prefetch (:func:`share_source_layouts`): its lowering
-    must run in this process, where it tells the backward the layouts it wrote (Inductor's FX graph cache would
-    hand back code lowered elsewhere, the written strides in it and none here; the runtime would then refuse the
-    backward's prefetch)."""
+    tells the backward the layouts it wrote; where Inductor's FX graph cache hands back code lowered elsewhere,
+    that code must tell them (:func:`layouts_from_code`), or the forward be lowered here (the runtime would
+    refuse the backward's prefetch)."""
     return any(OFFLOADED_AS in node.meta for graph_module in (module, *module.children())
                if isinstance(graph_module, fx.GraphModule)
                for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD))
@@ -262,45 +262,82 @@ def layouts_from_code(module: fx.GraphModule, code: str | None) -> bool:
     """Give each paired offload of the forward ``module`` that this process did not lower (its code came from
     Inductor's FX graph cache) the strides its compiled ``code`` hands it (:func:`offload_strides_in_code`),
     where they are not the traced ones, as its lowering would have (:func:`_as_written`); return whether every
-    paired offload has its layout now. False, and nothing set, where ``code`` is missing (a wrapper in C++) or
-    does not name each such offload exactly once by its ``order`` (unique among a forward's offloads, as the
-    rewrite numbers them): the forward must then be lowered here."""
+    offload's layout is known now. False, and nothing set, where ``code`` is missing (a wrapper in C++) or
+    does not name each offload exactly once by its ``order`` (unique among a forward's offloads, as the
+    rewrite numbers them), or hands an unpaired offload other strides than traced (an entry written where
+    it was paired): the forward must then be lowered here."""
     offloads = [node for graph_module in (module, *module.children()) if isinstance(graph_module, fx.GraphModule)
-                for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD)
-                if isinstance(node.meta.get(OFFLOADED_AS), SourceLayout) and not node.meta[OFFLOADED_AS].lowered]
-    if not offloads:
+                for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD)]
+    unlowered = [node for node in offloads
+                 if isinstance(node.meta.get(OFFLOADED_AS), SourceLayout) and not node.meta[OFFLOADED_AS].lowered]
+    if not unlowered:
         return True
     calls = offload_strides_in_code(code) if code is not None else None
     orders = [node.args[1] if len(node.args) > 1 else None for node in offloads]
     if calls is None or len(set(orders)) < len(orders) or not all(order in calls for order in orders):
         return False
-    for node, order in zip(offloads, orders):
-        written, traced = calls[order], _ints(node.args[2]) if len(node.args) > 2 and node.args[2] else None
-        if written is not None and traced is not None and written != traced:
-            node.meta[OFFLOADED_AS].stride = written
+    written = {node: _written_unlike_traced(node, calls[order]) for node, order in zip(offloads, orders)}
+    if any(written[node] is not None for node in offloads if node not in unlowered and OFFLOADED_AS not in node.meta):
+        return False
+    for node in unlowered:
+        node.meta[OFFLOADED_AS].stride = written[node]
     return True
 
 
-# An offload's call in Inductor's Python wrapper: ``torch.ops.fxoffload.offload.default(buf3, 1, [4096, 1, 256, 16])``.
-_OFFLOAD_CALL = re.compile(
-    r"torch\.ops\.fxoffload\.offload\.default\(\s*\w+\s*,\s*(-?\d+)\s*,\s*(\[[^\]]*\]|None)\s*\)")
+def _written_unlike_traced(node: fx.Node, written: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """``written``, the strides an offload's code hands it, where they are not the traced ones in ``node``'s
+    arguments (both plain ints); else None."""
+    traced = _ints(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+    return written if written is not None and traced is not None and written != traced else None
+
+
+_OFFLOAD_OP = "torch.ops.fxoffload.offload.default"
 
 
 def offload_strides_in_code(code: str) -> dict[int, tuple[int, ...] | None] | None:
     """Each offload call's ``order`` in Inductor's Python wrapper ``code`` -> the strides it hands the op (None
-    where they are symbolic or absent: the traced ones stand, as :func:`_as_written` leaves them); None where
-    an order is called twice, or where an offload call does not read as expected."""
+    where they are symbolic or absent: the traced ones stand, as :func:`_as_written` leaves them). Each line
+    naming the op is read as Python (``buf3 = torch.ops.fxoffload.offload.default(buf2, 1, [4096, 1, 256,
+    16])``; its source may be an expression, ``reinterpret_tensor(buf0, ...)`` of a view). None where an order
+    is called twice, or a line naming the op does not read as one such call with a literal order."""
     found: dict[int, tuple[int, ...] | None] = {}
-    for match in _OFFLOAD_CALL.finditer(code):
-        order = int(match.group(1))
+    for line in code.splitlines():
+        if _OFFLOAD_OP + "(" not in line:
+            continue
+        call = _offload_call(line.strip())
+        if call is None:
+            return None
+        order, stride = call
         if order in found:
             return None
-        items = match.group(2).strip("[]").split(",") if match.group(2) != "None" else []
-        found[order] = tuple(int(i) for i in items) if items and all(
-            i.strip().lstrip("-").isdigit() for i in items) else None
-    if code.count("torch.ops.fxoffload.offload.default(") != len(found):
-        return None
+        found[order] = stride
     return found
+
+
+def _offload_call(statement: str) -> tuple[int, tuple[int, ...] | None] | None:
+    """The order and strides of the one offload call in a line of wrapper code; None where the line is not
+    a statement holding exactly one such call with a literal int order."""
+    try:
+        tree = ast.parse(statement)
+    except SyntaxError:
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == _OFFLOAD_OP]
+    if len(calls) != 1:
+        return None
+    arguments = list(calls[0].args) + [None] * 3
+    keywords = {k.arg: k.value for k in calls[0].keywords}
+    order, stride = keywords.get("order", arguments[1]), keywords.get("stride", arguments[2])
+    if not (isinstance(order, ast.Constant) and type(order.value) is int) and not (
+            isinstance(order, ast.UnaryOp) and isinstance(order.op, ast.USub)
+            and isinstance(order.operand, ast.Constant) and type(order.operand.value) is int):
+        return None
+    try:
+        strides = ast.literal_eval(stride) if stride is not None else None
+    except ValueError:  # symbolic (``s0*16``): the traced strides stand
+        strides = None
+    if not isinstance(strides, list) or not strides or not all(type(v) is int for v in strides):
+        strides = None
+    return ast.literal_eval(order), None if strides is None else tuple(strides)
 
 
 _AS_STRIDED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
