@@ -333,7 +333,7 @@ def _offload_call(statement: str) -> tuple[int, tuple[int, ...] | None] | None:
         return None
     try:
         strides = ast.literal_eval(stride) if stride is not None else None
-    except ValueError:  # symbolic (``s0*16``): the traced strides stand
+    except (ValueError, TypeError, SyntaxError):  # symbolic (``s0*16``): the traced strides stand
         strides = None
     if not isinstance(strides, list) or not strides or not all(type(v) is int for v in strides):
         strides = None
