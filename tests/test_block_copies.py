@@ -258,10 +258,11 @@ def test_a_source_inductor_wrote_channels_last_goes_to_the_host_and_back_as_writ
     assert_same_step(expected, got, rtol=1e-4, atol=1e-4)
 
 
-def convolutions_from_the_cache() -> tuple[list[dict], list]:
-    """The channels-last step above compiled twice over one fresh Inductor cache folder, the cache on, Dynamo
-    reset between (as a restarted job compiles again): per compile, the FX graph cache's counts and the
-    offloads' layouts (``ordering.SourceLayout``); each step checked against eager, its copies unstaged."""
+def convolutions_from_the_cache(**settings) -> tuple[list[dict], list]:
+    """The channels-last step above compiled twice over one fresh Inductor cache folder, the cache on (and
+    Inductor's ``settings``), Dynamo reset between (as a restarted job compiles again): per compile, the FX
+    graph cache's counts and the offloads' layouts (``ordering.SourceLayout``); each step checked against
+    eager, its copies unstaged."""
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import fresh_cache
@@ -270,7 +271,7 @@ def convolutions_from_the_cache() -> tuple[list[dict], list]:
 
     names = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
     counts, layouts = [], []
-    with fresh_cache(), inductor_config.patch(fx_graph_cache=True):
+    with fresh_cache(), inductor_config.patch(fx_graph_cache=True, **settings):
         for _ in range(2):
             torch.manual_seed(0)
             torch._dynamo.reset()
@@ -317,6 +318,21 @@ def test_a_forward_whose_cached_code_cannot_tell_the_strides_is_lowered_again(mo
     monkeypatch.setattr(ordering, "offload_strides_in_code", lambda code: None)
     counts, (cold, warm) = convolutions_from_the_cache()
     assert counts == [{"hit": 0, "miss": 2, "bypass": 0}, {"hit": 2, "miss": 0, "bypass": 0}], counts
+    assert warm and all(layout.lowered for layout in warm)
+    assert [layout.stride for layout in warm] == [layout.stride for layout in cold]
+
+
+@pytest.mark.compat
+def test_under_a_cpp_wrapper_a_forward_that_pairs_layouts_is_lowered_in_every_process():
+    """Inductor's C++ wrapper (``cpp_wrapper``) is code ``layouts_from_code`` cannot read: such a forward is not
+    looked up in the cache (a hit would be loaded, then dropped) and is lowered again; the backward hits.
+    Torch 2.11's C++ wrapper cannot call our ops at all (README, limits): that refusal is checked there."""
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
+        with pytest.raises(Exception, match="List\\[int\\] is not yet supported by custom_op_wrapper"):
+            convolutions_from_the_cache(cpp_wrapper=True)
+        return
+    counts, (cold, warm) = convolutions_from_the_cache(cpp_wrapper=True)
+    assert counts == [{"hit": 0, "miss": 1, "bypass": 0}, {"hit": 1, "miss": 0, "bypass": 0}], counts
     assert warm and all(layout.lowered for layout in warm)
     assert [layout.stride for layout in warm] == [layout.stride for layout in cold]
 
