@@ -253,9 +253,14 @@ def pairs_layouts(module: fx.GraphModule) -> bool:
     tells the backward the layouts it wrote; where Inductor's FX graph cache hands back code lowered elsewhere,
     that code must tell them (:func:`layouts_from_code`), or the forward be lowered here (the runtime would
     refuse the backward's prefetch)."""
-    return any(OFFLOADED_AS in node.meta for graph_module in (module, *module.children())
-               if isinstance(graph_module, fx.GraphModule)
-               for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD))
+    return any(OFFLOADED_AS in node.meta for node in _offloads(module))
+
+
+def _offloads(module: fx.GraphModule) -> list[fx.Node]:
+    """The offloads of ``module`` and of its subgraphs (``pin_offload_order`` wraps them in ``control_deps``,
+    whose subgraphs are ``module``'s children)."""
+    return [node for graph_module in (module, *module.children()) if isinstance(graph_module, fx.GraphModule)
+            for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD)]
 
 
 def layouts_from_code(module: fx.GraphModule, code: str | None) -> bool:
@@ -266,8 +271,7 @@ def layouts_from_code(module: fx.GraphModule, code: str | None) -> bool:
     does not name each offload exactly once by its ``order`` (unique among a forward's offloads, as the
     rewrite numbers them), or hands an unpaired offload other strides than traced (an entry written where
     it was paired): the forward must then be lowered here."""
-    offloads = [node for graph_module in (module, *module.children()) if isinstance(graph_module, fx.GraphModule)
-                for node in graph_module.graph.find_nodes(op="call_function", target=OFFLOAD)]
+    offloads = _offloads(module)
     unlowered = [node for node in offloads
                  if isinstance(node.meta.get(OFFLOADED_AS), SourceLayout) and not node.meta[OFFLOADED_AS].lowered]
     if not unlowered:
@@ -326,18 +330,20 @@ def _offload_call(statement: str) -> tuple[int, tuple[int, ...] | None] | None:
         return None
     arguments = list(calls[0].args) + [None] * 3
     keywords = {k.arg: k.value for k in calls[0].keywords}
-    order, stride = keywords.get("order", arguments[1]), keywords.get("stride", arguments[2])
-    if not (isinstance(order, ast.Constant) and type(order.value) is int) and not (
-            isinstance(order, ast.UnaryOp) and isinstance(order.op, ast.USub)
-            and isinstance(order.operand, ast.Constant) and type(order.operand.value) is int):
+    order, strides = _literal(keywords.get("order", arguments[1])), _literal(keywords.get("stride", arguments[2]))
+    if type(order) is not int:
         return None
-    try:
-        strides = ast.literal_eval(stride) if stride is not None else None
-    except (ValueError, TypeError, SyntaxError):  # symbolic (``s0*16``): the traced strides stand
-        strides = None
     if not isinstance(strides, list) or not strides or not all(type(v) is int for v in strides):
-        strides = None
-    return ast.literal_eval(order), None if strides is None else tuple(strides)
+        strides = None  # symbolic (``s0*16``) or absent: the traced strides stand
+    return order, None if strides is None else tuple(strides)
+
+
+def _literal(node: ast.expr | None):
+    """The Python value an argument's expression spells, where it is a literal; else None."""
+    try:
+        return ast.literal_eval(node) if node is not None else None
+    except (ValueError, TypeError, SyntaxError):
+        return None
 
 
 _AS_STRIDED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
