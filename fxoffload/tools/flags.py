@@ -9,7 +9,7 @@ command passes what differs between commands (a default, its plot's file name) a
 Limits: flags whose meaning differs between commands stay with their command, and their help says how:
 ``--seq`` (``plan``: a length or a range; ``fit``: the length to search the largest batch at; ``check``:
 the small model's), ``--budget`` (``plan``'s default 0.5 and ``none``; ``check``'s model), ``--layers``
-(``check``: the small model's blocks) and ``--per-layer`` (refused by ``fit``).
+(``check``: the small model's blocks) and ``--per-layer`` (declared by ``plan`` and by ``fit``, each with its own help).
 ``tests/test_cli.py`` fails on a flag declared twice outside that list.
 """
 
