@@ -134,7 +134,9 @@ def test_offloading_any_one_saved_value_adds_no_kernel(one_by_one):
     projection's, its ``silu``'s, their product's offloaded): one backward kernel more each."""
     baseline, rows = one_by_one
     assert not baseline.offloaded
-    assert len(rows) >= 10, f"too few values offloaded for the count to say anything: {rows}"
+    # Each saved value moves under one op's mark (RESULTS: 14); fewer would say the rows are screened wrong
+    # (``fusions.moved_by_marks``) or the partition saves less, and the table must be written again.
+    assert len(rows) == 14, f"values offloaded one at a time: {[m.offloaded for m in rows]}"
     assert_no_kernel_more(baseline, rows)
 
 
@@ -199,7 +201,7 @@ def test_offloading_a_gpt2_blocks_saved_values_adds_no_kernel():
     nearest compute op), five of its eight values cost one or two kernels more each."""
     baseline, rows = one_at_a_time(GPT2)
     assert not baseline.offloaded
-    assert len(rows) >= 6, f"too few values offloaded for the count to say anything: {rows}"
+    assert len(rows) == 8, f"values offloaded one at a time (RESULTS: 8): {[m.offloaded for m in rows]}"
     assert_no_kernel_more(baseline, [*rows, all_at_once(rows, GPT2)], GPT2)
 
 
