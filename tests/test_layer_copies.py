@@ -1,8 +1,8 @@
 """``fxoffload.passes.copy_layers`` and fit's use of it: the joint graph of six layers made from a trace of
 four is, node for node, the graph a trace of six gives (ops, arguments, sizes, which values share a
 storage, checkpointing's tags); the figures beside the graph (parameters, optimizer) are the six-layer
-trace's; fit's rows are those of tracing every layer; layers that do not repeat are refused, and fit then
-traces them all."""
+trace's; fit's rows are those of tracing every layer, and ``plan``'s report that of tracing every layer;
+layers that do not repeat are refused, and fit then traces them all."""
 
 import argparse
 import dataclasses
@@ -124,6 +124,64 @@ def test_fit_s_rows_from_copied_layers_are_the_rows_of_every_layer_traced(small_
     copied, every = rows(), rows("--trace-every-layer")
     assert copied == every
     assert len({row["max_seq"] for row in copied}) > 1  # the rows differ: the comparison sees several answers
+
+
+def planned(config, *flags):
+    """``fxoffload plan --json`` of the small Llama (its config file ``config``): (records, report)."""
+    from fxoffload.tools.cli import _parser
+    from fxoffload.tools.plan_command import run_plan
+
+    args = _parser().parse_args(["plan", "--config", str(config), "--dtype", "fp32", "--min-bytes", "0", "--quiet",
+                                 "--json", "--no-plot", *flags])
+    return run_plan(args)
+
+
+def by_position(record) -> tuple:
+    """What ``plan_digest`` hashes of a record's plan, each node named by its place in the graph's timeline
+    instead of by its name (names the trace gave and the copies' differ, for the same graph)."""
+    place = {n.name: i for i, n in enumerate(record.timeline.nodes)}
+    at = lambda node: None if node is None else place[node.name]  # noqa: E731
+    plan, schedule = record.plan, record.schedule
+    return (plan.partition, [(place[d.name], d.action) for d in plan.decisions],
+            [(place[t.base_name], t.nbytes, t.members) for t in plan.transfers],
+            [(place[r.base_name], r.at, r.release, [at(n) for n in r.cost.chain]) for r in plan.recomputes],
+            [(p.transfer, at(p.offload_after), at(p.free_after), at(p.prefetch_before), at(p.wait_before), p.deferred)
+             for p in schedule.placements],
+            schedule.prefetch_order, at(schedule.ahead_before), schedule.ahead)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", [
+    ("--budget", "0.5", "--checkpointing", "none"),
+    ("--budget", "0.5", "--checkpointing", "full"),  # the seed's configuration
+    # the optimizer's state (of six layers, not four) reserved out of the device budget
+    ("--device-budget", "20MB", "--optimizer", "adamw"),
+], ids=["budget", "checkpointed", "device-budget"])
+def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tmp_path, setup):
+    """``fxoffload plan`` traces four of the six layers and copies them: each plan is the plan of
+    ``--trace-every-layer``, node for node by their places in the graph, and every figure of the report
+    is that report's, but the seconds and the digests (some nodes are named otherwise)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    flags = ("--seq", "256", "--strategy", "offload", *setup)
+    copied, copied_report = planned(config, *flags)
+    every, every_report = planned(config, *flags, "--trace-every-layer")
+    assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]
+    assert copied_report["layers"] == every_report["layers"] == LAYERS
+    assert every[0].plan.transfers  # the plan moves something to compare
+    assert [by_position(r) for r in copied] == [by_position(r) for r in every]
+    figures = lambda report: {**report, "seconds": None,  # noqa: E731
+                              "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
+    assert figures(copied_report) == figures(every_report)
+
+
+@pytest.mark.slow
+def test_plan_traces_every_layer_of_a_range_of_lengths(tmp_path):
+    """A range of lengths (one graph for them all, dynamic shapes) is traced whole: copies need one length."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    _, report = planned(config, "--seq", "128:256", "--budget", "0.5")
+    assert "layer_copies" not in report["seconds"] and report["layers"] == LAYERS
 
 
 def in_layer(graph: fx.Graph, layer: int) -> list[fx.Node]:

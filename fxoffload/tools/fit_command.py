@@ -76,11 +76,11 @@ from fxoffload.tools.fit import (
 from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
 from fxoffload.tools.layer_step import EagerParts, LayerStepError, layer_step_peak, measure_eager_parts
 from fxoffload.tools.models import (
-    DTYPES, PRESETS, ModelError, layer_list, one_line, unlike_layers, unpacked_sequences,
+    DTYPES, PRESETS, ModelError, layer_list, one_line, unpacked_sequences,
 )
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
-    Progress, UsageError, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
+    Progress, UsageError, layers_unlike, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
     reserve_optimizer_state, trace_step, with_layer_copies,
 )
 
@@ -116,9 +116,6 @@ def add_fit_parser(commands: Any) -> None:
                      help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
     fit.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                      help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
-    fit.add_argument("--trace-every-layer", action="store_true",
-                     help=f"trace all the model's layers (default for a preset or a config: trace "
-                          f"{TRACED_LAYERS} and copy the joint graph's layers, the same graph in seconds)")
     fit.add_argument("--jobs", type=int,
                      help="processes that search the checkpointing modes side by side (default: one per mode, at "
                           "most one per CPU; 1: one after the other, in this process)")
@@ -457,12 +454,7 @@ class _Traces:
             return None
 
     def _unlike_layers(self, batch: int) -> str | None:
-        """Why the model's layers are not all alike (``models.unlike_layers``: the graph's own check sees only
-        the four traced), built with fake tensors; None where they are."""
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            step, _, _ = self._source.build(batch, self._example, self._dtype)
-            layers = layer_list(step)
-            return "no list of layers of one class" if layers is None else unlike_layers(list(layers))
+        return layers_unlike(self._source, batch, self._example, self._dtype)
 
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)

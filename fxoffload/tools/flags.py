@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from fxoffload.tools.models import DTYPES, PRESETS
-from fxoffload.passes import OPTIMIZERS
+from fxoffload.passes import OPTIMIZERS, TRACED_LAYERS
 from fxoffload.profiles import PROFILES
 
 __all__ = ["FLAGS_MEANING_APART", "add_batch", "add_device", "add_model_source", "add_output", "add_shape"]
@@ -41,10 +41,14 @@ def add_batch(parser: argparse.ArgumentParser, default: int = 1) -> None:
 
 
 def add_shape(parser: argparse.ArgumentParser) -> None:
-    """``--dtype`` and ``--layers`` (a slice of the model's layers)."""
+    """``--dtype``, ``--layers`` (a slice of the model's layers) and ``--trace-every-layer``."""
     parser.add_argument("--dtype", default="bf16",
                         help=f"parameter and activation dtype: {', '.join(DTYPES)} (default bf16)")
     parser.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
+    parser.add_argument("--trace-every-layer", action="store_true",
+                        help=f"trace all the model's layers (default for a preset or a config compiled whole: trace "
+                             f"{TRACED_LAYERS} and copy the joint graph's layers, the same graph in seconds, some "
+                             "of its nodes named otherwise)")
 
 
 def add_device(parser: argparse.ArgumentParser, several_profiles: str | None = None) -> None:

@@ -1,6 +1,8 @@
 """The tracer of ``fxoffload plan`` and ``fxoffload fit``: a model source (a preset, a config file, a
 model file) built with fake tensors for a step (batch, length, dtype, checkpointing), compiled with the
-fxoffload backend, and what that gave (:func:`trace_step`). Also what the commands share to read their
+fxoffload backend, and what that gave (:func:`trace_step`); for a model of many alike layers, four of them
+traced and the joint graph's layers copied to the model's (:func:`trace_copying_layers`: the same joint graph,
+its nodes named by FX rather than by the trace). Also what the commands share to read their
 flags (:func:`number_or_text`, :func:`min_bytes_of`, :func:`seq_range`) and to report progress and bad
 input (:class:`Progress`, :class:`UsageError`).
 
@@ -33,8 +35,9 @@ from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line, unpacked_sequences
 
 
-__all__ = ["Progress", "UsageError", "min_bytes_of", "model_source", "number_or_text", "partitioned_anew", "plan_again",
-           "reserve_optimizer_state", "seq_range", "trace_step"]
+__all__ = ["Progress", "UsageError", "layers_unlike", "min_bytes_of", "model_source", "number_or_text",
+           "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state", "seq_range",
+           "trace_copying_layers", "trace_step"]
 
 
 class UsageError(ValueError):
@@ -171,16 +174,22 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
         progress(f"traced the step's joint graph in {seconds['trace_and_plan']:.1f} s (not planned)")
         return _Traced([], [], {**seconds, "fxoffload_passes": 0.0, "fxoffload_stages": {}}, optimizer, backend.joints)
     _check_compiled(backend, blocks, source)
-    stages: dict[str, float] = {}
-    for record in backend.records:
-        for stage, spent in record.pass_seconds:
-            stages[stage] = stages.get(stage, 0.0) + spent
+    stages = pass_stages(backend.records)
     seconds["fxoffload_passes"] = sum(stages.values())
     seconds["fxoffload_stages"] = stages
     progress(f"planned {len(backend.records)} graph(s) in {seconds['trace_and_plan']:.1f} s "
              f"(fxoffload passes {format_stages(tuple(stages.items()))})")
     return _Traced(backend.records, backend.step_invocations() or list(backend.records), seconds, optimizer,
                    backend.joints or [])
+
+
+def pass_stages(records: list) -> dict[str, float]:
+    """Seconds per fxoffload pass stage, summed over ``records`` (measured)."""
+    stages: dict[str, float] = {}
+    for record in records:
+        for stage, spent in record.pass_seconds:
+            stages[stage] = stages.get(stage, 0.0) + spent
+    return stages
 
 
 def checkpointed_side_effects_allowed() -> contextlib.AbstractContextManager:
@@ -219,6 +228,62 @@ def with_layer_copies(traced: "_Traced", layers: int, profile: Any) -> "_Traced"
     optimizer = {**traced.optimizer, "parameter_bytes": parameter_bytes, "state_bytes": cost.state_bytes,
                  "step_time": cost.seconds}
     return traced._replace(joints=[copy], optimizer=optimizer)
+
+
+def layers_unlike(source: Any, batch: int, seq: int, dtype: torch.dtype) -> str | None:
+    """Why the model's layers are not all alike (``models.unlike_layers``: the copied graph's own check sees
+    only the four traced), the model built with fake tensors; None where they are."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        step, _, _ = source.build(batch, seq, dtype)
+        layers = layer_list(step)
+        return "no list of layers of one class" if layers is None else models.unlike_layers(list(layers))
+
+
+def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict,
+                         progress: Progress) -> "_Traced | None":
+    """The step traced with ``TRACED_LAYERS`` layers to its one joint graph (the compile stopped there), the
+    graph's layers copied to the model's (:func:`with_layer_copies`): the joint graph a trace of every layer
+    gives, in a few seconds (``seconds["layer_copies"]``: the copying). None, for the caller to trace every
+    layer: under ``--per-layer`` or ``--trace-every-layer``, for a source of ``TRACED_LAYERS`` layers or fewer
+    or one that builds no fewer, where the model's layers are not all alike (:func:`layers_unlike`), and
+    where the traced graph's layers do not repeat as copies need (the last two said through ``progress``)."""
+    if (args.per_layer or getattr(args, "trace_every_layer", False) or source.with_layers is None
+            or (source.layers or 0) <= TRACED_LAYERS):
+        return None
+    unlike = layers_unlike(source, args.batch, seq, dtype)
+    if unlike is not None:
+        progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
+        return None
+    run = argparse.Namespace(**{**vars(args), "keep_joints": True, "joints_only": True})
+    try:
+        traced = trace_step(source.with_layers(TRACED_LAYERS), run, seq, dtype, options, progress)
+        start = time.perf_counter()
+        copied = with_layer_copies(traced, source.layers, options["device_profile"])
+    except LayerCopyError as e:
+        progress(f"the layers of a {TRACED_LAYERS}-layer trace do not repeat as copies need ({e}): tracing all "
+                 f"{source.layers}")
+        return None
+    spent = time.perf_counter() - start
+    progress(f"copied the joint graph's layers to {source.layers} in {spent:.1f} s")
+    return copied._replace(seconds={**copied.seconds, "layer_copies": spent})
+
+
+def plan_copied(copied: Any, options: dict, progress: Progress) -> tuple[list, dict, dict]:
+    """(records, seconds, optimizer) of planning ``copied`` (``trace_copying_layers``: one joint graph of every
+    layer) under ``options``, as ``trace_step`` plans a trace of its own, the optimizer's state reserved
+    under a device budget as there."""
+    if copied.optimizer["state_bytes"] and options.get("device_budget") is not None:
+        options = reserve_optimizer_state(options, copied.optimizer)
+    start = time.perf_counter()
+    records = plan_again(copied, options)
+    planned = time.perf_counter() - start
+    stages = pass_stages(records)
+    progress(f"planned {len(records)} graph(s) in {planned:.1f} s "
+             f"(fxoffload passes {format_stages(tuple(stages.items()))})")
+    seconds = copied.seconds
+    seconds = {**seconds, "trace_and_plan": seconds["trace_and_plan"] + seconds["layer_copies"] + planned,
+               "fxoffload_passes": sum(stages.values()), "fxoffload_stages": stages}
+    return records, seconds, copied.optimizer
 
 
 # AOTAutograd's functions that print its joint, forward and backward graphs as text for its structured log
