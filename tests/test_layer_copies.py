@@ -156,7 +156,9 @@ def by_position(record) -> tuple:
     ("--budget", "0.5", "--checkpointing", "full"),  # the seed's configuration
     # the optimizer's state (of six layers, not four) reserved out of the device budget
     ("--device-budget", "20MB", "--optimizer", "adamw"),
-], ids=["budget", "checkpointed", "device-budget"])
+    # out of reach: planned at the smallest peak and reported over the budget, not refused
+    ("--budget", "0.05"),
+], ids=["budget", "checkpointed", "device-budget", "out-of-reach"])
 def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tmp_path, setup):
     """``fxoffload plan`` traces four of the six layers and copies them: each plan is the plan of
     ``--trace-every-layer``, node for node by their places in the graph, and every figure of the report
@@ -177,7 +179,8 @@ def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tm
 
 @pytest.mark.slow
 def test_plan_traces_every_layer_of_a_range_of_lengths(tmp_path):
-    """A range of lengths (one graph for them all, dynamic shapes) is traced whole: copies need one length."""
+    """A range of lengths (one graph for them all, dynamic shapes) is traced whole: ``plan`` copies layers at one
+    length only (fit copies a symbolic trace, whose sizes it then fixes per probe)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))
     _, report = planned(config, "--seq", "128:256", "--budget", "0.5")

@@ -777,17 +777,21 @@ class OffloadBackend:
         reason = getattr(gm, "compile_subgraph_reason", None)  # dynamo's (GraphCompileReason); absent: not stopped
         return self._stop_at_joint and first and reason is not None and reason.graph_break is False
 
-    def plan_joint(self, joint: Joint, *, rewrite: bool = True) -> GraphRecord:
+    def plan_joint(self, joint: Joint, *, rewrite: bool = True, replannable: bool = False) -> GraphRecord:
         """Plan ``joint`` (kept by another backend) under this backend's options, as this backend would
         plan the region at its first compile: the partition hook runs on a copy of the joint graph, and
         the pair is planned and rewritten; the record joins ``records``. Nothing is compiled to run (the
         rewritten graphs are the record's only). ``rewrite=False``: the plan is only read (``fit``'s
         probes): it is made on the joint's kept default partition itself, which is left as it is (the
         record's graphs are that pair, not rewritten), and the pair's analysis is kept with it for the next
-        such plan (the same plan, the analysis made once). Limits: planned as a region of this backend's
-        step, which knows only the joints planned before it (a step of one graph is planned as at its compile)."""
+        such plan (the same plan, the analysis made once). ``replannable``: planned as a compile under
+        ``runs_per_step="auto"`` plans it, a budget out of its reach then planned provisionally at the smallest
+        peak (``fxoffload plan`` reports it so) where a fraction would otherwise raise. Limits: planned as a
+        region of this backend's step, which knows only the joints planned before it (a step of one graph is
+        planned as at its compile)."""
         analyses = None if rewrite else joint.partition.analyses
-        compilation = _Compilation(self, self._region_key(), joint.inputs, graph=joint.graph, analyses=analyses)
+        compilation = _Compilation(self, self._region_key(), joint.inputs, replannable, graph=joint.graph,
+                                   analyses=analyses)
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition,
                                   shared=not rewrite)
         with torch._guards.tracing(joint.context), lazy_graph_modules():  # its graphs are read, not run

@@ -1,7 +1,8 @@
 """The command-line flags that mean the same in ``plan``, ``fit`` and ``check``, each declared once.
 
 Inputs: an ``argparse`` parser (a subcommand's). Outputs: the flags added to it. Each function adds one
-family: the model source (``--preset``/``--config``/``--model``), the model's slice and dtype, the device
+family: the model source (``--preset``/``--config``/``--model``), the model's slice, dtype and tracing
+(``--trace-every-layer``), the device
 and its link (``--profile``, ``--reserved``, ``--optimizer``, ``--host-budget``, ``--min-bytes``), and
 what is printed or written (``--json``, ``--quiet``, ``--output``, ``--no-plot``, ``--traceback``). A
 command passes what differs between commands (a default, its plot's file name) as an argument.
@@ -47,8 +48,8 @@ def add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
     parser.add_argument("--trace-every-layer", action="store_true",
                         help=f"trace all the model's layers (default for a preset or a config compiled whole: trace "
-                             f"{TRACED_LAYERS} and copy the joint graph's layers, the same graph in seconds, some "
-                             "of its nodes named otherwise)")
+                             f"{TRACED_LAYERS} and copy the joint graph's layers: the same graph, faster, some of "
+                             "its nodes named otherwise)")
 
 
 def add_device(parser: argparse.ArgumentParser, several_profiles: str | None = None) -> None:

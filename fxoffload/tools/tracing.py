@@ -243,29 +243,37 @@ def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype:
                          progress: Progress) -> "_Traced | None":
     """The step traced with ``TRACED_LAYERS`` layers to its one joint graph (the compile stopped there), the
     graph's layers copied to the model's (:func:`with_layer_copies`): the joint graph a trace of every layer
-    gives, in a few seconds (``seconds["layer_copies"]``: the copying). None, for the caller to trace every
+    gives, in a few seconds (``seconds["layer_copies"]``: the copying; ``seconds["build"]`` counts the full
+    model's build that checks its layers). None, for the caller to trace every
     layer: under ``--per-layer`` or ``--trace-every-layer``, for a source of ``TRACED_LAYERS`` layers or fewer
     or one that builds no fewer, where the model's layers are not all alike (:func:`layers_unlike`), and
     where the traced graph's layers do not repeat as copies need (the last two said through ``progress``)."""
     if (args.per_layer or getattr(args, "trace_every_layer", False) or source.with_layers is None
             or (source.layers or 0) <= TRACED_LAYERS):
         return None
+    start = time.perf_counter()
     unlike = layers_unlike(source, args.batch, seq, dtype)
+    checked = time.perf_counter() - start
     if unlike is not None:
         progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
         return None
     run = argparse.Namespace(**{**vars(args), "keep_joints": True, "joints_only": True})
+    # The joint graph is kept before any plan: the trace plans nothing but where the step breaks into several
+    # graphs (then traced whole below), so it plans without a budget, as fit's traces do.
+    unbudgeted = {**options, "memory_budget": 1.0, "device_budget": None, "max_overhead": None}
+    traced = trace_step(source.with_layers(TRACED_LAYERS), run, seq, dtype, unbudgeted, progress)
+    start = time.perf_counter()
     try:
-        traced = trace_step(source.with_layers(TRACED_LAYERS), run, seq, dtype, options, progress)
-        start = time.perf_counter()
         copied = with_layer_copies(traced, source.layers, options["device_profile"])
-    except LayerCopyError as e:
-        progress(f"the layers of a {TRACED_LAYERS}-layer trace do not repeat as copies need ({e}): tracing all "
+    except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
+        why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
+        progress(f"the layers of a {TRACED_LAYERS}-layer trace do not repeat as copies need ({why}): tracing all "
                  f"{source.layers}")
         return None
     spent = time.perf_counter() - start
     progress(f"copied the joint graph's layers to {source.layers} in {spent:.1f} s")
-    return copied._replace(seconds={**copied.seconds, "layer_copies": spent})
+    seconds = copied.seconds
+    return copied._replace(seconds={**seconds, "build": seconds["build"] + checked, "layer_copies": spent})
 
 
 def plan_copied(copied: Any, options: dict, progress: Progress) -> tuple[list, dict, dict]:
@@ -275,7 +283,9 @@ def plan_copied(copied: Any, options: dict, progress: Progress) -> tuple[list, d
     if copied.optimizer["state_bytes"] and options.get("device_budget") is not None:
         options = reserve_optimizer_state(options, copied.optimizer)
     start = time.perf_counter()
-    records = plan_again(copied, options)
+    # As the step's compile plans it: under runs_per_step="auto" (the default) a fraction out of reach is
+    # planned at the smallest peak and reported over its budget, not refused.
+    records = plan_again(copied, options, replannable=config_from_options(options).runs_per_step == "auto")
     planned = time.perf_counter() - start
     stages = pass_stages(records)
     progress(f"planned {len(records)} graph(s) in {planned:.1f} s "
@@ -317,14 +327,16 @@ def unlogged_graphs() -> Iterator[None]:
             setattr(module, name, original)
 
 
-def plan_again(traced: "_Traced", options: dict, *, rewrite: bool = True) -> list:
+def plan_again(traced: "_Traced", options: dict, *, rewrite: bool = True, replannable: bool = False) -> list:
     """The records of planning each joint graph ``traced`` kept (``args.keep_joints``) under ``options``
     (checked as the backend's), one backend for all, without tracing again: the plans ``trace_step``
     would make under them. The caller reserves the optimizer's state (:func:`reserve_optimizer_state`).
-    ``rewrite=False``: records to read only (their graphs not rewritten; ``OffloadBackend.plan_joint``)."""
+    ``rewrite=False``: records to read only (their graphs not rewritten; ``OffloadBackend.plan_joint``);
+    ``replannable``: a budget out of reach planned at the smallest peak, as a compile under
+    ``runs_per_step="auto"`` plans it (``OffloadBackend.plan_joint``)."""
     backend = OffloadBackend(config_from_options(options))
     try:
-        return [backend.plan_joint(joint, rewrite=rewrite) for joint in traced.joints]
+        return [backend.plan_joint(joint, rewrite=rewrite, replannable=replannable) for joint in traced.joints]
     except BudgetInfeasibleError as error:
         raise _impossible(error) from None
 
