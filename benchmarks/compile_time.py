@@ -43,7 +43,15 @@ DIGEST_CHANGES = {
                   "(`passes.solvers.MIP_OPTIONS`; `benchmarks/solver_corpus.py` times seven 7B-class programs under "
                   "it): the same predicted step (+3.9%), peaks, transfers and recomputations in number and offloaded "
                   "bytes, and the same solver gap (0.46%), a tie broken otherwise; the plan stage 1.13-1.17 s -> "
-                  "0.90-0.95 s (its joint program 0.72 s -> 0.57 s).",
+                  "0.90-0.95 s (its joint program 0.72 s -> 0.57 s). ac28da317ab3d8a6 since 2026-12-06: "
+                  "`fxoffload plan` traces four layers and copies the joint graph's "
+                  "(`tracing.trace_copying_layers`), whose nodes FX names otherwise; the plan is the same, each "
+                  "decision, copy and place by its position in the graph, and every figure of the report (checked "
+                  "against `--trace-every-layer`, which still gives 79b7f30520437714).",
+    "gpt2-xl": "Digest 613f8a991270b2db since 2026-12-06 (3a88eefff56a0c1f before): `fxoffload plan` traces four "
+               "layers and copies the joint graph's, whose nodes FX names otherwise; the plan is the same by "
+               "position and every figure of the report (checked against `--trace-every-layer`, which still "
+               "gives 3a88eefff56a0c1f).",
 }
 
 

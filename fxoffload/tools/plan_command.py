@@ -8,7 +8,7 @@ Algorithm: build the model source, trace one step with fake tensors (``fxoffload
 graph and the step (``fxoffload.tools.report``), and plot each graph and the step (``fxoffload.plot``). A model
 of more than four alike layers (a preset, a config), compiled whole at one length, has four traced and its joint
 graph's layers copied (``tracing.trace_copying_layers``, as ``fxoffload fit`` traces), then planned
-(``tracing.plan_copied``): the plan of a trace of every layer (llama-2-7b at 4096 tokens: 17 s against 28 s here),
+(``tracing.plan_copied``): the plan of a trace of every layer (llama-2-7b at 4096 tokens: 19 s against 26 s here),
 some nodes named otherwise, so that its digest differs (``--trace-every-layer`` traces them all).
 Limits: every figure is a prediction (memory model, cost model, simulator); the seconds are measured.
 """
