@@ -80,7 +80,7 @@ from fxoffload.tools.models import (
 )
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
-    Progress, UsageError, layers_unlike, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
+    Progress, UsageError, may_copy_layers, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
     reserve_optimizer_state, trace_step, with_layer_copies,
 )
 
@@ -436,12 +436,7 @@ class _Traces:
         """The step traced with ``TRACED_LAYERS`` layers, its joint graph's layers copied to the model's
         (``with_layer_copies``), where the source builds fewer layers and they repeat; else None."""
         source = self._source
-        if (self._args.per_layer or getattr(self._args, "trace_every_layer", False) or source.with_layers is None
-                or (source.layers or 0) <= TRACED_LAYERS):
-            return None
-        unlike = self._unlike_layers(batch)
-        if unlike is not None:
-            self._progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
+        if not may_copy_layers(source, self._args, batch, self._example, self._dtype, self._progress):
             return None
         try:
             with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
@@ -452,9 +447,6 @@ class _Traces:
             self._progress(f"the layers of a {TRACED_LAYERS}-layer trace (checkpointing {checkpointing}) do not "
                            f"repeat as copies need ({e}): tracing all {source.layers}")
             return None
-
-    def _unlike_layers(self, batch: int) -> str | None:
-        return layers_unlike(self._source, batch, self._example, self._dtype)
 
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)

@@ -35,8 +35,8 @@ from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line, unpacked_sequences
 
 
-__all__ = ["Progress", "UsageError", "layers_unlike", "min_bytes_of", "model_source", "number_or_text",
-           "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state", "seq_range",
+__all__ = ["Progress", "UsageError", "layers_unlike", "may_copy_layers", "min_bytes_of", "model_source",
+           "number_or_text", "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state", "seq_range",
            "trace_copying_layers", "trace_step"]
 
 
@@ -239,6 +239,20 @@ def layers_unlike(source: Any, batch: int, seq: int, dtype: torch.dtype) -> str 
         return "no list of layers of one class" if layers is None else models.unlike_layers(list(layers))
 
 
+def may_copy_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype,
+                    progress: Progress) -> bool:
+    """Whether a trace of ``TRACED_LAYERS`` layers may be copied to the model's: not under ``--per-layer`` or
+    ``--trace-every-layer``, for a source that builds fewer layers than it has (more than ``TRACED_LAYERS``),
+    all alike (:func:`layers_unlike`; where they are not, said through ``progress``)."""
+    if (args.per_layer or getattr(args, "trace_every_layer", False) or source.with_layers is None
+            or (source.layers or 0) <= TRACED_LAYERS):
+        return False
+    unlike = layers_unlike(source, batch, seq, dtype)
+    if unlike is not None:
+        progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
+    return unlike is None
+
+
 def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict,
                          progress: Progress) -> "_Traced | None":
     """The step traced with ``TRACED_LAYERS`` layers to its one joint graph (the compile stopped there), the
@@ -248,15 +262,10 @@ def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype:
     layer: under ``--per-layer`` or ``--trace-every-layer``, for a source of ``TRACED_LAYERS`` layers or fewer
     or one that builds no fewer, where the model's layers are not all alike (:func:`layers_unlike`), and
     where the traced graph's layers do not repeat as copies need (the last two said through ``progress``)."""
-    if (args.per_layer or getattr(args, "trace_every_layer", False) or source.with_layers is None
-            or (source.layers or 0) <= TRACED_LAYERS):
-        return None
     start = time.perf_counter()
-    unlike = layers_unlike(source, args.batch, seq, dtype)
-    checked = time.perf_counter() - start
-    if unlike is not None:
-        progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
+    if not may_copy_layers(source, args, args.batch, seq, dtype, progress):
         return None
+    checked = time.perf_counter() - start
     run = argparse.Namespace(**{**vars(args), "keep_joints": True, "joints_only": True})
     # The joint graph is kept before any plan: the trace plans nothing but where the step breaks into several
     # graphs (then traced whole below), so it plans without a budget, as fit's traces do.
