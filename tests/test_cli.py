@@ -151,6 +151,19 @@ def test_missing_config_file(capsys, tmp_path):
     ('{"model_type": "no-such-model"}', "model_type 'no-such-model' is not one transformers knows"),
     ('{"model_type": "llama", "hidden_size": "wide"}',
      "config.json': transformers rejected the config: Validation error for field 'hidden_size'"),
+    # Another head than fxoffload builds: planned as a causal LM before 2026-12-06, another model, silently.
+    ('{"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}',
+     "architectures ['LlamaForSequenceClassification'] name no head fxoffload builds; accepted: ...ForCausalLM"),
+    ('{"model_type": "llama", "architectures": "LlamaForCausalLM"}',
+     '"architectures" must be a list of class names'),
+    # An encoder-decoder's causal LM is its decoder alone (its layer count the encoder's): BART was so planned.
+    ('{"model_type": "bart", "architectures": ["BartForConditionalGeneration"], "encoder_layers": 3, '
+     '"decoder_layers": 1}', "model_type 'bart' is an encoder-decoder model (is_encoder_decoder); accepted: one stack"),
+    ('{"model_type": "bart", "architectures": ["BartForCausalLM"]}', "model_type 'bart' is an encoder-decoder model"),
+    ('{"model_type": "whisper"}', "model_type 'whisper' is an encoder-decoder model"),
+    ('{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}', "model_type 't5' is an encoder-decoder"),
+    # A composite config has no layer count of its own: a traceback before 2026-12-06.
+    ('{"model_type": "clip"}', "model_type 'clip' has no num_hidden_layers (a composite config"),
 ])
 def test_malformed_config_file(capsys, tmp_path, text, message):
     path = tmp_path / "config.json"

@@ -159,7 +159,7 @@ def from_config_file(path: "str | Path", layers: int | None = None) -> ModelSour
     if not isinstance(model_type, str):
         raise ModelError(f"config file {str(path)!r} has no \"model_type\" field (a transformers config.json names "
                          "its model type, e.g. \"llama\")")
-    task = _task_of(fields.get("architectures"), model_type, path)
+    task = _task_of(fields, model_type, path)
     seq = fields.get("max_position_embeddings") or fields.get("n_positions") or fields.get("image_size") or 1024
     if task != "image-classification":
         seq = min(int(seq), 4096)
@@ -281,17 +281,33 @@ def _with_fake_tensors(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _task_of(architectures: Any, model_type: str, path: Path) -> str:
+# The heads a config's "architectures" may name, by the class name's ending, and the task each is built as.
+HEAD_ENDINGS = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+                ("ForImageClassification", "image-classification"))
+
+
+def _task_of(fields: dict, model_type: str, path: Path) -> str:
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         raise ModelError(f"config file {str(path)!r}: model_type {model_type!r} is not one transformers knows")
-    endings = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
-               ("ForImageClassification", "image-classification"))
+    if fields.get("is_encoder_decoder", _default_encoder_decoder(CONFIG_MAPPING[model_type])):
+        raise _encoder_decoder(f"config file {str(path)!r}", model_type)
+    architectures = fields.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(name, str) for name in architectures)):
+        raise ModelError(f"config file {str(path)!r}: \"architectures\" must be a list of class names, as "
+                         f"[\"LlamaForCausalLM\"]; got {architectures!r}")
     for name in architectures or ():
-        for ending, task in endings:
+        for ending, task in HEAD_ENDINGS:
             if str(name).endswith(ending):
                 return task
+    if architectures:
+        # Another head (sequence classification, a bare encoder, an encoder-decoder's): building a causal LM
+        # for it would plan another model, silently.
+        raise ModelError(f"config file {str(path)!r}: architectures {list(architectures)!r} name no head fxoffload "
+                         f"builds; accepted: {', '.join('...' + ending for ending, _ in HEAD_ENDINGS)} (edit "
+                         "\"architectures\" to plan the model with such a head)")
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -317,6 +333,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
         config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # transformers' own validation errors have several types
         raise ModelError(f"{origin or name}: transformers rejected the config: {e}") from None
+    _check_one_stack(origin or name, model_type, config)
     if layers is not None:
         if not 1 <= layers <= config.num_hidden_layers:
             raise ModelError(f"--layers: got {layers}; {name} has {config.num_hidden_layers} layers, accepted 1 to "
@@ -342,6 +359,31 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
                        vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification",
                        with_layers=with_layers)
+
+
+def _check_one_stack(origin: str, model_type: str, config: Any) -> None:
+    """Refuse a config whose model is not one stack of layers under a head: an encoder-decoder's (its
+    causal LM would be the decoder alone, its layer count the encoder's) or a composite one's (CLIP:
+    a text and a vision config, no layer count of its own)."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise _encoder_decoder(origin, model_type)
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise ModelError(f"{origin}: model_type {model_type!r} has no num_hidden_layers (a composite config, such as "
+                         "CLIP's text and vision configs); accepted: one stack of layers (give the sub-model's own "
+                         "config, or a --model file)")
+
+
+def _default_encoder_decoder(config_class: type) -> bool:
+    try:
+        return bool(getattr(config_class(), "is_encoder_decoder", False))
+    except Exception:  # a config that needs fields: the built config is checked (_check_one_stack)
+        return False
+
+
+def _encoder_decoder(origin: str, model_type: str) -> ModelError:
+    return ModelError(f"{origin}: model_type {model_type!r} is an encoder-decoder model (is_encoder_decoder); "
+                      "accepted: one stack of layers with a causal LM, masked LM or image classification head "
+                      "(an encoder-decoder model can be planned from a --model file that builds it)")
 
 
 def _check_size(name: str, config: Any, task: str, seq: int) -> None:
