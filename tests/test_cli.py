@@ -220,6 +220,23 @@ def test_bad_image_size(capsys):
     assert "needs a multiple of its patch size 16" in run_error(capsys, "--preset", "vit-l-16", "--image-size", "100")
 
 
+@pytest.mark.parametrize("argv, message", [
+    # --image-size on a text model planned that many tokens instead of --seq's, silently (before 2026-12-06)
+    (["--preset", "llama-2-7b", "--seq", "256", "--image-size", "224"], "--seq and --image-size: got both"),
+    (["--preset", "llama-2-7b", "--image-size", "224"], "--image-size: got 224; llama-2-7b is a text model"),
+    (["--preset", "vit-l-16", "--seq", "224"], "--seq: got '224'; vit-l-16 is an image model: accepted --image-size"),
+])
+def test_a_size_flag_of_another_kind_of_model_is_refused(capsys, argv, message):
+    assert message in run_error(capsys, *argv, "--layers", "1")
+
+
+def test_a_range_of_lengths_with_layers_compiled_apart_is_refused(capsys, tmp_path):
+    # Its range reported one length's figures at both ends (before 2026-12-06).
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    err = run_error(capsys, "--config", str(tmp_path), "--seq", "32:64", "--per-layer")
+    assert "--seq 32:64 with --per-layer: a layer compiled on its own is traced at one length" in err
+
+
 @pytest.mark.parametrize("text, message", [
     ("x = 1\n", "defines no function build(batch, seq, dtype)"),
     ("raise RuntimeError('boom')\n", "failed to import: RuntimeError: boom"),

@@ -131,6 +131,7 @@ class ModelSource:
     # The same model with fewer layers (a preset's or a config's), else None: ``fxoffload fit`` traces
     # four and copies them (``fxoffload.passes.copy_layers``).
     with_layers: Callable[[int], "ModelSource"] | None = field(default=None, repr=False)
+    task: str | None = None  # one of TASKS (a preset's or a config's); None: a model file's own
 
 
 def from_preset(name: str, layers: int | None = None) -> ModelSource:
@@ -358,7 +359,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     positions = getattr(config, "max_position_embeddings", None) if task != "image-classification" else None
     return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
                        vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification",
-                       with_layers=with_layers)
+                       with_layers=with_layers, task=task)
 
 
 def _check_one_stack(origin: str, model_type: str, config: Any) -> None:

@@ -64,7 +64,12 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
-    seq_range(args.seq)  # checked here with the other flags, before anything is built
+    lengths = seq_range(args.seq)  # checked here with the other flags, before anything is built
+    if lengths and len(lengths) == 2 and args.per_layer:
+        # Each layer is compiled from the eager embedding's output, at one length: its "range" was that
+        # length's figures at both ends (before 2026-12-06).
+        raise UsageError(f"--seq {args.seq} with --per-layer: a layer compiled on its own is traced at one length; "
+                         "accepted: one length with --per-layer, or a range without it")
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: got {args.dtype!r}; accepted: {', '.join(DTYPES)}")
     if not args.no_plot and Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -87,6 +92,18 @@ def _max_overhead(args: argparse.Namespace) -> Any:
     return None if text.lower() == "none" else text if text.endswith("%") else number_or_text(text)
 
 
+def _check_size_flag(args: argparse.Namespace, source: Any) -> None:
+    """One size flag, the model's own: ``--image-size`` once overrode ``--seq`` on a text model, silently."""
+    if args.image_size is not None and args.seq is not None:
+        raise UsageError(f"--seq and --image-size: got both ({args.seq!r} and {args.image_size}); accepted: one, "
+                         "--seq for a text model, --image-size for an image model")
+    if source.task == "image-classification" and args.seq is not None:
+        raise UsageError(f"--seq: got {args.seq!r}; {source.name} is an image model: accepted --image-size")
+    if source.task is not None and source.task != "image-classification" and args.image_size is not None:
+        raise UsageError(f"--image-size: got {args.image_size}; {source.name} is a text model ({source.task}): "
+                         "accepted --seq")
+
+
 def _device_budget_report(options: dict) -> dict:
     """The step's device budget and what is reserved of it, in bytes (None: no device budget)."""
     config = OffloadConfig(**options)
@@ -99,6 +116,7 @@ def run_plan(args: argparse.Namespace) -> PlanOutcome:
     options = plan_options(args)
     try:
         source = model_source(args)
+        _check_size_flag(args, source)
         lengths = seq_range(args.seq)
         seq = args.image_size or (lengths[-1] if lengths else None) or source.default_seq
         copied = None if lengths and len(lengths) == 2 else trace_copying_layers(
