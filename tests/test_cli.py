@@ -180,6 +180,16 @@ def test_impossible_budget(capsys, tmp_path):
     assert "raise the budget, lower min_bytes, or try strategy='auto'" in err and "on_infeasible" not in err
 
 
+def test_a_fraction_out_of_reach_is_an_impossible_budget(capsys, tmp_path):
+    # A step of one graph: its provisional plan at the smallest peak is what training's re-plan refuses, so the
+    # command refuses it too, as it does bytes (reported over its budget with status 0 before 2026-12-06).
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    err = run_error(capsys, "--config", str(tmp_path), "--seq", "64", "--budget", "0.05", "--strategy", "offload",
+                    "--min-bytes", "0")
+    assert "impossible budget: memory_budget: the smallest achievable activation peak" in err
+    assert "0.05 of the activation peak" in err and "on_infeasible" not in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "2.0"], "--budget: got 2.0; accepted"),
     (["--budget", "lots"], "--budget: got 'lots'; accepted"),

@@ -7,6 +7,7 @@ layers that do not repeat are refused, and fit then traces them all."""
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from fxoffload.passes import TRACED_LAYERS, LayerCopyError, copy_layers, tensor_
 from fxoffload.tools.fit import Grid
 from fxoffload.tools.fit_command import _common_options, _Traces
 from fxoffload.tools.models import from_config_file, layer_list
-from fxoffload.tools.tracing import with_layer_copies
+from fxoffload.tools.tracing import UsageError, with_layer_copies
 
 LAYERS = 6
 SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
@@ -156,9 +157,7 @@ def by_position(record) -> tuple:
     ("--budget", "0.5", "--checkpointing", "full"),  # the seed's configuration
     # the optimizer's state (of six layers, not four) reserved out of the device budget
     ("--device-budget", "20MB", "--optimizer", "adamw"),
-    # out of reach: planned at the smallest peak and reported over the budget, not refused
-    ("--budget", "0.05"),
-], ids=["budget", "checkpointed", "device-budget", "out-of-reach"])
+], ids=["budget", "checkpointed", "device-budget"])
 def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tmp_path, setup):
     """``fxoffload plan`` traces four of the six layers and copies them: each plan is the plan of
     ``--trace-every-layer``, node for node by their places in the graph, and every figure of the report
@@ -175,6 +174,24 @@ def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tm
     figures = lambda report: {**report, "seconds": None,  # noqa: E731
                               "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
     assert figures(copied_report) == figures(every_report)
+
+
+@pytest.mark.slow
+def test_a_budget_out_of_reach_is_refused_alike_with_copies_and_every_layer_traced(tmp_path):
+    """Out of reach, the one graph is planned provisionally at the smallest peak, as its compile plans it (a
+    step's first plan), and ``plan`` refuses the budget as its re-plan would (since 2026-12-06; reported
+    over its budget with status 0 before): the same smallest peak and budget either way."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    flags = ("--seq", "256", "--strategy", "offload", "--budget", "0.05")
+    figures = []
+    for extra in ((), ("--trace-every-layer",)):
+        with pytest.raises(UsageError) as raised:
+            planned(config, *flags, *extra)
+        message = str(raised.value)
+        assert message.startswith("impossible budget: memory_budget: the smallest achievable activation peak is ")
+        figures.append(re.findall(r"peak is (\d+) B|budget of (\d+) B", message))
+    assert figures[0] == figures[1] and len(figures[0]) == 2
 
 
 @pytest.mark.slow

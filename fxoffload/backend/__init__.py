@@ -440,6 +440,7 @@ class OffloadBackend:
             )
 
         provisional = short = False
+        out_of_reach = None
         retry = self._step.may_retry(region)
         try:
             with warnings.catch_warnings():
@@ -456,7 +457,7 @@ class OffloadBackend:
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
             # peak where out of reach, until the step re-plans it (see _track and fxoffload.backend.step_budget).
-            provisional = True
+            provisional, out_of_reach = True, error
             runs = PROVISIONAL_RUNS if input_activations and not self._step.has_share(region) else options.runs
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", BudgetInfeasibleWarning)
@@ -476,7 +477,7 @@ class OffloadBackend:
             pass_seconds=result.seconds, inner=self.config.inner, timeline=result.timeline,
             profile=self.config.profile, work=result.work, region=place, held_before=held_before,
             held_after=held_before + held, offloaded_inputs=offloaded_inputs(result.plan),
-            provisional=provisional, provisional_short=short, step_share=fields.share,
+            provisional=provisional, provisional_short=short, out_of_reach=out_of_reach, step_share=fields.share,
             step_budget=fields.budget_bytes, step_round=fields.round,
             largest_saved_input=_largest_saved_input(fw, result.plan, input_activations),
             gradient_bytes=compilation.gradient_bytes,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxoffload.backend.callers import OffloadedInput
-from fxoffload.passes import DeviceProfile, Plan, Schedule, Share, Timeline
+from fxoffload.passes import BudgetInfeasibleError, DeviceProfile, Plan, Schedule, Share, Timeline
 from fxoffload.backend.selection import Selection
 
 __all__ = ["GraphRecord"]
@@ -43,6 +43,10 @@ class GraphRecord:
     # counted; ``provisional_short``: out of reach for those too, so the smallest peak until the re-plan.
     provisional: bool = False
     provisional_short: bool = False
+    # The error a provisional plan was made in place of (its budget out of reach for the runs first planned):
+    # what the re-plan raises where the step shows nothing that brings the budget within reach (one region
+    # run once: ``fxoffload plan`` refuses the budget so).
+    out_of_reach: BudgetInfeasibleError | None = None
     offloaded_inputs: tuple[OffloadedInput, ...] = ()  # graph inputs the plan offloads (layer inputs)
     # Of the latest step's runs of this graph: those whose caller kept an offloaded input after the
     # graph returned (``fxoffload.backend.callers``), and the bytes that copy did not free.

@@ -24,8 +24,8 @@ from fxoffload.tools.models import DTYPES, ModelError
 from fxoffload.tools.plot import plot, plot_step
 from fxoffload.tools.report import plan_report, range_report, step_report, with_optimizer
 from fxoffload.tools.tracing import (
-    Progress, UsageError, min_bytes_of, model_source, number_or_text, plan_copied, seq_range, trace_copying_layers,
-    trace_step,
+    Progress, UsageError, impossible_budget, min_bytes_of, model_source, number_or_text, plan_copied, seq_range,
+    trace_copying_layers, trace_step,
 )
 
 __all__ = ["PlanOutcome", "budget_text", "plan_options", "run_plan"]
@@ -92,6 +92,15 @@ def _max_overhead(args: argparse.Namespace) -> Any:
     return None if text.lower() == "none" else text if text.endswith("%") else number_or_text(text)
 
 
+def _refuse_out_of_reach(records: list, invocations: list) -> None:
+    """A step of one graph run once whose budget (a fraction) was out of reach: its compile planned it
+    provisionally at the smallest peak, for the first step to count its runs and share the step's budget,
+    and the re-plan after it raises the same error (there is nothing else to share it with). Reported over
+    its budget with status 0 before 2026-12-06; refused as an impossible budget, as bytes are."""
+    if len(records) == 1 and len(invocations) == 1 and records[0].out_of_reach is not None:
+        raise impossible_budget(records[0].out_of_reach)
+
+
 def _check_size_flag(args: argparse.Namespace, source: Any) -> None:
     """One size flag, the model's own: ``--image-size`` once overrode ``--seq`` on a text model, silently."""
     if args.image_size is not None and args.seq is not None:
@@ -127,6 +136,7 @@ def run_plan(args: argparse.Namespace) -> PlanOutcome:
         else:
             records, seconds, optimizer = plan_copied(copied, options, progress)
             invocations = records
+        _refuse_out_of_reach(records, invocations)
     except ModelError as e:
         if args.traceback and e.__cause__ is not None:
             raise

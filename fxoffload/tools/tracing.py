@@ -35,9 +35,9 @@ from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line, unpacked_sequences
 
 
-__all__ = ["Progress", "UsageError", "layers_unlike", "may_copy_layers", "min_bytes_of", "model_source",
-           "number_or_text", "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state", "seq_range",
-           "trace_copying_layers", "trace_step"]
+__all__ = ["Progress", "UsageError", "impossible_budget", "layers_unlike", "may_copy_layers", "min_bytes_of",
+           "model_source", "number_or_text", "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state",
+           "seq_range", "trace_copying_layers", "trace_step"]
 
 
 class UsageError(ValueError):
@@ -347,7 +347,7 @@ def plan_again(traced: "_Traced", options: dict, *, rewrite: bool = True, replan
     try:
         return [backend.plan_joint(joint, rewrite=rewrite, replannable=replannable) for joint in traced.joints]
     except BudgetInfeasibleError as error:
-        raise _impossible(error) from None
+        raise impossible_budget(error) from None
 
 
 
@@ -406,7 +406,7 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):
-        return _impossible(cause)
+        return impossible_budget(cause)
     if isinstance(cause, ModelError):
         return UsageError(str(cause))
     if source.user_code and not traceback:
@@ -416,7 +416,7 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
 
 
 
-def _impossible(error: BudgetInfeasibleError) -> UsageError:
+def impossible_budget(error: BudgetInfeasibleError) -> UsageError:
     # The command plans for the budget it is given: the advice to warn instead does not apply.
     return UsageError(f"impossible budget: {error.explained([a for a in error.advice if a != ADVICE_WARN])}")
 
