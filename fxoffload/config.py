@@ -41,6 +41,9 @@ def parse_budget(value: Any) -> Budget | None:
     if isinstance(value, int):
         if value <= 0:
             raise bad
+        if value == 1:  # one byte, read as the whole peak: as fxoffload plan --budget 1 was (before 2026-12-06)
+            raise OptionError("memory_budget", f"got {value!r}, an int: bytes, and one byte is no budget; the whole "
+                                               f"activation peak is the float 1.0; accepted: {BUDGET_FORMS}")
         return Budget(nbytes=value)
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
@@ -65,8 +68,8 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 def parse_overhead(value: Any) -> float | None:
     """The fraction a ``max_overhead`` value stands for; :class:`OptionError` naming the accepted forms.
-    An int, or a float of 1 or more, is refused: ``1`` would read as 100%, and a user who writes it most
-    likely means 1%; a bound of 100% or more is written as a percentage, which says what it means."""
+    An int but 0, or a float of 1 or more, is refused: ``1`` would read as 100%, and a user who writes it
+    most likely means 1%; a bound of 100% or more is written as a percentage, which says what it means."""
     bad = OptionError("max_overhead", f"got {value!r}; accepted: {OVERHEAD_FORMS}")
     if value is None:
         return None
@@ -75,6 +78,8 @@ def parse_overhead(value: Any) -> float | None:
         if not match:
             raise bad
         return float(match.group(1)) / 100
+    if type(value) is int and value == 0:  # no overhead: no other reading (0.0 and "0%" were accepted, 0 refused)
+        return 0.0
     if not isinstance(value, float) or not 0.0 <= value < 1.0:  # (NaN fails this too)
         raise bad
     return value

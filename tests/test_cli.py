@@ -192,6 +192,7 @@ def test_a_fraction_out_of_reach_is_an_impossible_budget(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "2.0"], "--budget: got 2.0; accepted"),
+    (["--budget", "1"], "--budget: got 1, an int: bytes, and one byte is no budget; the whole activation peak is"),
     (["--budget", "lots"], "--budget: got 'lots'; accepted"),
     (["--dtype", "int8"], "--dtype: got 'int8'; accepted: fp32"),
     (["--profile", "v100"], "--profile: unknown profile 'v100'; known: a100-pcie4"),

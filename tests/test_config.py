@@ -70,10 +70,17 @@ def test_bad_memory_budget_forms(value):
         fxoffload.offload_backend(memory_budget=value)
 
 
+def test_a_budget_of_the_int_1_is_refused_as_one_byte():
+    # fxoffload plan --budget 1 planned for one byte, where "a fraction in (0, 1]" was read (before 2026-12-06).
+    with pytest.raises(ValueError, match=r"memory_budget: got 1, an int: bytes, and one byte is no budget; the whole "
+                                         r"activation peak is the float 1.0; accepted: None, a fraction"):
+        fxoffload.offload_backend(memory_budget=1)
+
+
 @pytest.mark.parametrize(
     "value, fraction, nbytes",
     [
-        (0.5, 0.5, None), (1.0, 1.0, None), (1, None, 1), (4096, None, 4096),
+        (0.5, 0.5, None), (1.0, 1.0, None), ("1B", None, 1), (2, None, 2), (4096, None, 4096),
         ("6GiB", None, 6 * 2**30), ("512MB", None, 512 * 10**6), ("1.5 GB", None, 1_500_000_000),
         ("64kib", None, 65536), ("100B", None, 100),
     ],

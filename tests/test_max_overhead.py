@@ -49,7 +49,7 @@ def checkpointed_file(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("given, fraction", [(None, None), (0.01, 0.01), ("1%", 0.01), (" 0.5 % ", 0.005),
-                                             (0.0, 0.0), ("0%", 0.0), ("150%", 1.5)])
+                                             (0.0, 0.0), (0, 0.0), ("0%", 0.0), ("150%", 1.5)])
 def test_max_overhead_is_a_fraction_or_a_percentage(given, fraction):
     assert parse_overhead(given) == fraction
     assert OffloadConfig(max_overhead=given).plan_options.max_overhead == fraction
