@@ -57,6 +57,7 @@ def test_a_broken_engine_fails_the_check():
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "1"], "--steps: got 1; accepted: an int >= 2"),
+    (["--steps", "0"], "--steps: got 0; accepted: an int >= 2"),  # ">= 1" before 2026-12-06
     (["--hidden", "30"], "--hidden: got 30; accepted: a multiple of heads=4"),
     (["--budget", "2.0"], "--budget: got 2.0; accepted"),
 ])

@@ -251,7 +251,10 @@ def test_a_range_of_lengths_with_layers_compiled_apart_is_refused(capsys, tmp_pa
 @pytest.mark.parametrize("text, message", [
     ("x = 1\n", "defines no function build(batch, seq, dtype)"),
     ("raise RuntimeError('boom')\n", "failed to import: RuntimeError: boom"),
-    ("def build(batch, seq, dtype):\n    return 1, 2\n", "must return (model, inputs)"),
+    ("def build(batch, seq, dtype):\n    return 1, 2\n", "must return (model, inputs) with model an nn.Module; got a "
+                                                       "tuple of 2: (int, int)"),
+    # A bare module was reported by its type alone ("got Linear"), which read as the accepted nn.Module.
+    ("import torch\ndef build(batch, seq, dtype):\n    return torch.nn.Linear(2, 2)\n", "got a Linear, not a tuple"),
 ])
 def test_bad_model_file(capsys, tmp_path, text, message):
     path = tmp_path / "m.py"

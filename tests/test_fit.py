@@ -502,6 +502,9 @@ def test_device_memory_is_required_and_checked(capsys):
     assert "--device-memory" in capsys.readouterr().err
     assert main(["fit", "--preset", "llama-2-7b", "--device-memory", "80 apples", "--quiet"]) == 2
     assert "--device-memory: got '80 apples'" in capsys.readouterr().err
+    # The flag is required: None is no accepted form of it (it was listed, before 2026-12-06)
+    assert main(["fit", "--preset", "llama-2-7b", "--device-memory", "0", "--quiet"]) == 2
+    assert "--device-memory: got 0; accepted: an int number of bytes > 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

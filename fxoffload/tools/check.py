@@ -69,12 +69,11 @@ class CheckConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "heads", "vocab", "batch", "steps"):
+        for name, least in (("layers", 1), ("heads", 1), ("vocab", 1), ("batch", 1), ("steps", 2)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: got {value!r}; accepted: an int >= 1")
-        if self.steps < 2:
-            raise ValueError(f"steps: got {self.steps}; accepted: an int >= 2 (the first step compiles)")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                why = " (the first step compiles)" if name == "steps" else ""
+                raise ValueError(f"{name}: got {value!r}; accepted: an int >= {least}{why}")
         for name in ("hidden", "seq"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

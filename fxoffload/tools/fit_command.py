@@ -309,7 +309,8 @@ def _device_figures(args: argparse.Namespace) -> tuple[int, int]:
                                reserved=number_or_text(args.reserved))
     except OptionError as e:
         flag = {"device_budget": "--device-memory", "reserved": "--reserved"}.get(e.option, e.option)
-        raise UsageError(f"{flag}: {e.detail}") from None
+        detail = e.detail.replace("accepted: None, ", "accepted: ") if flag == "--device-memory" else e.detail
+        raise UsageError(f"{flag}: {detail}") from None  # (the device's memory is required: no None)
     return config.device_budget_bytes, config.reserved_bytes
 
 

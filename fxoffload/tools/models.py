@@ -197,7 +197,7 @@ def from_python_file(path: "str | Path") -> ModelSource:
                                  f"{one_line(e)}") from e
         if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
             raise ModelError(f"model file {str(path)!r}: build() must return (model, inputs) with model an "
-                             f"nn.Module; got {type(built).__name__}")
+                             f"nn.Module; got {_shape_of(built)}")
         model, inputs = built
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
@@ -285,6 +285,14 @@ def _with_fake_tensors(model: torch.nn.Module) -> torch.nn.Module:
 # The heads a config's "architectures" may name, by the class name's ending, and the task each is built as.
 HEAD_ENDINGS = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
                 ("ForImageClassification", "image-classification"))
+
+
+def _shape_of(built: Any) -> str:
+    """What a model file's ``build`` returned, in words: its type, or a tuple's types (a bare module was
+    reported by its type alone, which read as the accepted nn.Module)."""
+    if isinstance(built, tuple):
+        return f"a tuple of {len(built)}: ({', '.join(type(v).__name__ for v in built)})"
+    return f"a {type(built).__name__}, not a tuple"
 
 
 def _task_of(fields: dict, model_type: str, path: Path) -> str:
