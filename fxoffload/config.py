@@ -32,7 +32,17 @@ BUDGET_FORMS = (
 
 
 def parse_budget(value: Any) -> Budget | None:
-    """The budget a ``memory_budget`` value stands for; :class:`OptionError` naming the accepted forms."""
+    """The budget a ``memory_budget`` value stands for; :class:`OptionError` naming the accepted forms. The
+    int 1 is refused: one byte is no budget, and its writer meant the whole peak (``fxoffload plan --budget 1``
+    planned for one byte before 2026-12-06); ``"1B"`` still says one byte."""
+    if type(value) is int and value == 1:
+        raise OptionError("memory_budget", f"got {value!r}, an int: bytes, and one byte is no budget; the whole "
+                                           f"activation peak is the float 1.0; accepted: {BUDGET_FORMS}")
+    return _budget_of(value)
+
+
+def _budget_of(value: Any) -> Budget | None:
+    """``value`` as a budget in any form ``memory_budget`` takes, the int 1 (one byte) too."""
     bad = OptionError("memory_budget", f"got {value!r}; accepted: {BUDGET_FORMS}")
     if value is None:
         return None
@@ -41,9 +51,6 @@ def parse_budget(value: Any) -> Budget | None:
     if isinstance(value, int):
         if value <= 0:
             raise bad
-        if value == 1:  # one byte, read as the whole peak: as fxoffload plan --budget 1 was (before 2026-12-06)
-            raise OptionError("memory_budget", f"got {value!r}, an int: bytes, and one byte is no budget; the whole "
-                                               f"activation peak is the float 1.0; accepted: {BUDGET_FORMS}")
         return Budget(nbytes=value)
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
@@ -315,7 +322,7 @@ def _device_bytes(name: str, value: Any, allow_zero: bool = False) -> int | None
     accepted = ("an int number of bytes > 0, or a size string such as '70GiB' or '512MB' (KB/MB/GB are powers "
                 "of 10, KiB/MiB/GiB of 2)")
     try:
-        budget = parse_budget(value)
+        budget = _budget_of(value)  # one byte too: fit plans a device budget of one byte for the smallest peak
     except ValueError:
         budget = None
     if budget is None or budget.nbytes is None:

@@ -134,6 +134,18 @@ def test_python_dash_m_runs_the_command():
     assert "--preset" in out.stdout and "llama-2-7b" in out.stdout
 
 
+@pytest.mark.slow
+def test_a_reader_that_goes_away_gets_no_traceback(tmp_path):
+    # `fxoffload fit ... | head`: a BrokenPipeError traceback before 2026-12-06. Here the reader (`true`) is gone
+    # before the report is written (seconds of tracing), so that the first write finds the pipe closed.
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    command = (f"{sys.executable} -m fxoffload plan --config {tmp_path} --seq 64 --min-bytes 0 --no-plot --quiet "
+               "| true; exit ${PIPESTATUS[0]}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
 def test_unknown_preset(capsys):
     err = run_error(capsys, "--preset", "llama-9b")
     assert "unknown preset 'llama-9b'" in err and "llama-2-7b" in err and "vit-l-16" in err

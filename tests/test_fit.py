@@ -962,3 +962,42 @@ def test_a_plan_that_moves_tensors_first_at_a_length_leaves_the_next_setup_s_par
             digests.setdefault(len(order), []).append(plan_digest(record.plan, record.schedule))
             assert options is plain or record.plan.transfers  # the premise: the first plan moves tensors
     assert digests[2][-1] == digests[1][0]
+
+
+BLIND_MODEL = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+def build(batch, seq, dtype):
+    return Net().to(dtype), (torch.randn(batch, {width}, dtype=dtype),)
+"""
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_grow_with_the_length_gets_no_tokens_per_second(tmp_path, capsys):
+    """A model file whose input ignores ``seq`` reached the largest length tried at one device peak, and its
+    tokens per second counted tokens it never saw (67 billion a second on a 4-layer MLP, before 2026-12-06)."""
+    import json
+
+    from fxoffload.tools.cli import main
+
+    reports = {}
+    for name, width in (("blind", "256"), ("growing", "seq, 256")):
+        path = tmp_path / f"{name}.py"
+        path.write_text(BLIND_MODEL.format(width=width))
+        assert main(["fit", "--model", str(path), "--dtype", "fp32", "--device-memory", "200MB", "--max-seq", "4096",
+                     "--jobs", "1", "--no-plot", "--json", "--quiet"]) == 0
+        reports[name] = json.loads(capsys.readouterr().out)
+    blind, growing = reports["blind"], reports["growing"]
+    assert blind["size_blind"] and all(row["tokens_per_second"] is None for row in blind["rows"])
+    assert all(row["limit"] == "largest-tried" for row in blind["rows"])
+    assert growing["size_blind"] == [] and all(row["tokens_per_second"] for row in growing["rows"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -116,6 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"fxoffload {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Standard output's reader went away (``fxoffload fit | head``): status 1 without a traceback, and
+    standard output pointed at the null device, so that Python's flush at exit raises nothing again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's captured stream): nothing to flush
+        pass
+    return 1
 
 
 def _check(args: argparse.Namespace) -> int:

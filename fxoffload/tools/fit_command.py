@@ -671,6 +671,7 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
                grid: Grid) -> dict:
     """The command's JSON: the setting, then one entry per row."""
     out = []
+    blind = [row.name for row in rows if _size_blind(row)]
     for row in rows:
         batch, seq = (row.size, args.seq) if grid.by_batch else (args.batch, row.size)
         fit = row.fit
@@ -678,7 +679,9 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
             "name": row.name, "max_seq": seq, "batch": batch, "checkpointing": row.checkpointing,
             "device_peak": fit.device_peak if fit else None,
             "step_time": fit.step_time if fit else None,
-            "tokens_per_second": batch * seq / fit.step_time if fit and fit.step_time else None,
+            # (a step blind to the size in one row is in every row: the rows that start from another's
+            # answer plan one size only, where the blindness cannot show)
+            "tokens_per_second": batch * seq / fit.step_time if fit and fit.step_time and not blind else None,
             "limit": row.limit.code.name.lower().replace("_", "-"), "limit_words": row.limit.words,
             "next": None if row.over is None else {"size": row.over.size, "device_peak": row.over.device_peak},
             "planned": [{"size": p.size, "device_peak": p.device_peak} for p in row.probes],
@@ -691,8 +694,17 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
         "reserved": reserved, "optimizer": args.optimizer, "granularity": grid.step, "most": grid.most,
         "note": "device peaks and step times are predictions (memory model, cost model, simulator), not "
                 "measurements; seconds is this command's own run time, measured",
+        "size_blind": blind,
         "rows": out,
     }
+
+
+def _size_blind(row: Row) -> bool:
+    """Whether the row's device peak was the same at every size it planned, up to the largest tried: a model
+    whose step does not grow with the size searched (a model file whose inputs ignore ``seq``), whose
+    tokens per second would count tokens it never sees (67 billion a second, before 2026-12-06)."""
+    return (row.limit.code == LimitCode.LARGEST_TRIED and len({p.size for p in row.probes}) > 1
+            and len({p.device_peak for p in row.probes}) == 1)
 
 
 def format_fit(report: dict) -> str:
@@ -721,8 +733,12 @@ def _format_profile(report: dict) -> str:
         rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
         chose = chooses_checkpointing(row["name"]) and row["checkpointing"] != "none"
         name = row["name"] + (" (ckpt)" if chose else "")
-        lines.append(f"{name:<30}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12}{rate:>11}  {row['limit']}")
+        lines.append(f"{name:<30}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12} {rate:>10}  {row['limit']}")
     lines.append("")
+    if report.get("size_blind"):
+        searched = "batch" if report["searched"] == "batch" else "sequence length"
+        lines += [f"the device peak was the same at every {searched} planned (rows {', '.join(report['size_blind'])}): "
+                  "the step does not grow with it (a model file whose inputs ignore it?); tokens/s not given", ""]
     for row in report["rows"]:
         up = row["next"]
         at = f"at {up['size']}, {up['device_peak'] / 1e9:.2f} GB: " if up else ""
