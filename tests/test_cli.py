@@ -192,6 +192,15 @@ def test_impossible_budget(capsys, tmp_path):
     assert "raise the budget, lower min_bytes, or try strategy='auto'" in err and "on_infeasible" not in err
 
 
+def test_an_impossible_device_budget_names_the_optimizer_s_state_among_what_is_reserved(capsys, tmp_path):
+    # "the 145472 B the budget leaves after reserved" read as --reserved's 0 (before 2026-12-06)
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    err = run_error(capsys, "--config", str(tmp_path), "--seq", "64", "--dtype", "fp32", "--device-budget", "1MB",
+                    "--optimizer", "adamw")
+    assert "impossible budget: device_budget: " in err and "the budget leaves after reserved" in err
+    assert "(reserved: --reserved and the state of --optimizer adamw, 854528 B, 834.5 KiB)" in err
+
+
 def test_a_fraction_out_of_reach_is_an_impossible_budget(capsys, tmp_path):
     # A step of one graph: its provisional plan at the smallest peak is what training's re-plan refuses, so the
     # command refuses it too, as it does bytes (reported over its budget with status 0 before 2026-12-06).
@@ -265,6 +274,10 @@ def test_a_range_of_lengths_with_layers_compiled_apart_is_refused(capsys, tmp_pa
     ("raise RuntimeError('boom')\n", "failed to import: RuntimeError: boom"),
     ("def build(batch, seq, dtype):\n    return 1, 2\n", "must return (model, inputs) with model an nn.Module; got a "
                                                        "tuple of 2: (int, int)"),
+    # A branch on a tensor's value was reported by the ATen op alone (aten._local_scalar_dense)
+    ("import torch\nclass N(torch.nn.Module):\n    def forward(self, x):\n        return x.sum() if x.sum() > 0 else "
+     "x.mean()\ndef build(batch, seq, dtype):\n    return N(), (torch.randn(batch, seq),)\n",
+     "DataDependentOutputException: aten._local_scalar_dense.default (the model reads a tensor's values"),
     # A bare module was reported by its type alone ("got Linear"), which read as the accepted nn.Module.
     ("import torch\ndef build(batch, seq, dtype):\n    return torch.nn.Linear(2, 2)\n", "got a Linear, not a tuple"),
 ])

@@ -225,7 +225,8 @@ def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origi
         with torch.no_grad():
             out = model(*args, **kwargs)
     except Exception as e:
-        raise ModelError(f"{origin}: running the model once on fake tensors (shapes only) raised {one_line(e)}") from e
+        raise ModelError(f"{origin}: running the model once on fake tensors (shapes only) raised {one_line(e)}"
+                         + _values_read(e)) from e
     if _loss_of(out) is None:
         raise ModelError(f"{origin}: the model must return a scalar loss, or an output with a scalar .loss; got "
                          f"{type(out).__name__}" + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
@@ -285,6 +286,17 @@ def _with_fake_tensors(model: torch.nn.Module) -> torch.nn.Module:
 # The heads a config's "architectures" may name, by the class name's ending, and the task each is built as.
 HEAD_ENDINGS = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
                 ("ForImageClassification", "image-classification"))
+
+
+def _values_read(error: Exception) -> str:
+    """What a fake tensor's refusal to give its values means, in a model's words (its error names an ATen op,
+    ``aten._local_scalar_dense``, that the model's code never names)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    if not isinstance(error, DataDependentOutputException):
+        return ""
+    return (" (the model reads a tensor's values: a branch on one, such as `if y.sum() > 0`, or .item(); fake "
+            "tensors have shapes only, so fxoffload plan cannot trace past it, where torch.compile breaks the graph)")
 
 
 def _shape_of(built: Any) -> str:

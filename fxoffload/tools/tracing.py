@@ -164,7 +164,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
         except Exception as e:
             stopped = _cause(e, (JointKept,)) is not None
             if not stopped:
-                error = _usage_error(e, source, args.traceback)
+                error = _usage_error(e, source, args.traceback, optimizer)
                 if error is e:
                     raise
                 raise error from None
@@ -293,7 +293,7 @@ def plan_copied(copied: Any, options: dict, progress: Progress) -> tuple[list, d
         options = reserve_optimizer_state(options, copied.optimizer)
     start = time.perf_counter()
     # As the step's compile plans it: under runs_per_step="auto" (the default) a fraction out of reach is
-    # planned at the smallest peak and reported over its budget, not refused.
+    # planned provisionally at the smallest peak (plan_command refuses it where the step is one graph run once).
     records = plan_again(copied, options, replannable=config_from_options(options).runs_per_step == "auto")
     planned = time.perf_counter() - start
     stages = pass_stages(records)
@@ -347,7 +347,7 @@ def plan_again(traced: "_Traced", options: dict, *, rewrite: bool = True, replan
     try:
         return [backend.plan_joint(joint, rewrite=rewrite, replannable=replannable) for joint in traced.joints]
     except BudgetInfeasibleError as error:
-        raise impossible_budget(error) from None
+        raise impossible_budget(error, traced.optimizer) from None
 
 
 
@@ -400,13 +400,13 @@ def reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
 
 
 
-def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
+def _usage_error(error: Exception, source: Any, traceback: bool, optimizer: dict | None = None) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
     budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):
-        return impossible_budget(cause)
+        return impossible_budget(cause, optimizer)
     if isinstance(cause, ModelError):
         return UsageError(str(cause))
     if source.user_code and not traceback:
@@ -416,9 +416,15 @@ def _usage_error(error: Exception, source: Any, traceback: bool) -> Exception:
 
 
 
-def impossible_budget(error: BudgetInfeasibleError) -> UsageError:
-    # The command plans for the budget it is given: the advice to warn instead does not apply.
-    return UsageError(f"impossible budget: {error.explained([a for a in error.advice if a != ADVICE_WARN])}")
+def impossible_budget(error: BudgetInfeasibleError, optimizer: dict | None = None) -> UsageError:
+    """The one line for a budget out of reach. The command plans for the budget it is given: the advice to
+    warn instead does not apply. Under a device budget, what is reserved holds ``optimizer``'s state beside
+    ``--reserved``, which the planner's words ("after reserved") leave unsaid."""
+    text = error.explained([a for a in error.advice if a != ADVICE_WARN])
+    if optimizer and optimizer.get("state_bytes") and error.reason.startswith("device_budget"):
+        text += (f" (reserved: --reserved and the state of --optimizer {optimizer['kind']}, "
+                 f"{optimizer['state_bytes']} B, {format_bytes(optimizer['state_bytes'])})")
+    return UsageError(f"impossible budget: {text}")
 
 
 
