@@ -1001,3 +1001,19 @@ def test_a_step_that_does_not_grow_with_the_length_gets_no_tokens_per_second(tmp
     assert blind["size_blind"] and all(row["tokens_per_second"] is None for row in blind["rows"])
     assert all(row["limit"] == "largest-tried" for row in blind["rows"])
     assert growing["size_blind"] == [] and all(row["tokens_per_second"] for row in growing["rows"])
+
+
+@pytest.mark.slow
+def test_an_image_model_s_rows_print_plan_commands_that_plan_their_answers():
+    """ViT's size is its image side: fit printed ``--seq`` in its commands, which ``plan`` refuses for an image
+    model since 2026-12-06 (--image-size overrode --seq on a text model, silently). The printed command plans
+    the row's answer: the same device peak."""
+    report = cli_json(["fit", "--preset", "vit-l-16", "--layers", "1", "--device-memory", "2GB", "--batch", "1",
+                       "--jobs", "1", "--no-plot", "--quiet", "--json"])
+    plain = next(row for row in report["rows"] if row["name"] == "plain")
+    assert f"--image-size {plain['max_seq']} " in plain["command"] and "--seq" not in plain["command"]
+    (graph,) = plan_json(plain["command"])["graphs"]
+    assert graph["input_bytes"] + graph["total_peak_after"] == plain["device_peak"]
+    # Its rate is images a second (batch over the step), not the image's side taken for tokens
+    assert report["image"] and plain["tokens_per_second"] is None
+    assert plain["images_per_second"] == pytest.approx(plain["batch"] / plain["step_time"])

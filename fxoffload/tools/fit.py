@@ -258,10 +258,6 @@ class Grid:
     most: int
     top: Limit = Limit(LimitCode.LARGEST_TRIED)
 
-    @property
-    def what(self) -> str:
-        return "the largest batch" if self.by_batch else "the longest sequence"
-
 
 def fit_rows(evaluate: Callable[[Setup, int, bool], Point], memory: int, grid: Grid, *,
              setups: Sequence[Setup] = SETUPS, progress: Callable[[str], None] = lambda _: None) -> list[Row]:

@@ -140,7 +140,8 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     grid = _grid(args, source)
     modes = checkpointing_modes()
     jobs = min(args.jobs or os.cpu_count() or 1, len(modes))
-    progress(f"searching {grid.what} for {len(SETUPS)} setups of {source.name} on {', '.join(profiles)}: grid "
+    what = _searched_words("batch" if grid.by_batch else "seq", source.task == "image-classification")
+    progress(f"searching {what} for {len(SETUPS)} setups of {source.name} on {', '.join(profiles)}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB"
              + (f"; {len(modes)} checkpointing modes in {jobs} processes" if jobs > 1 else ""))
     search = _search_kept if program else search_mode
@@ -640,12 +641,14 @@ def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, 
     return Point(size, fixed + peak.nbytes, step_time + optimizer.seconds, Limit(code, figures))
 
 
-def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int) -> str:
-    """The ``fxoffload plan`` command that plans the row's answer alone."""
+def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int, task: str | None) -> str:
+    """The ``fxoffload plan`` command that plans the row's answer alone (``task``: the model's, ``ModelSource.task``;
+    an image model's size is its ``--image-size``, which ``plan`` takes where it refuses ``--seq``)."""
     source = next(f"--{flag} {getattr(args, flag)}" for flag in ("preset", "config", "model") if getattr(args, flag))
     words = ["fxoffload plan", source] + ([f"--layers {args.layers}"] if args.layers else [])
     words += ["--per-layer"] if args.per_layer else []
-    words += [f"--seq {seq} --batch {batch} --dtype {args.dtype} --profile {args.profile}"]
+    size = "--image-size" if task == "image-classification" else "--seq"
+    words += [f"{size} {seq} --batch {batch} --dtype {args.dtype} --profile {args.profile}"]
     if row.checkpointing != "none":
         words.append(f"--checkpointing {row.checkpointing}")
     words.append({"plain": "--budget 1.0", "checkpointing": "--budget 1.0",
@@ -672,23 +675,27 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
     """The command's JSON: the setting, then one entry per row."""
     out = []
     blind = [row.name for row in rows if _size_blind(row)]
+    image = source.task == "image-classification"  # its size is the image's side: images, not tokens, a second
     for row in rows:
         batch, seq = (row.size, args.seq) if grid.by_batch else (args.batch, row.size)
         fit = row.fit
+        rate = fit.step_time and not blind if fit else False
         out.append({
             "name": row.name, "max_seq": seq, "batch": batch, "checkpointing": row.checkpointing,
             "device_peak": fit.device_peak if fit else None,
             "step_time": fit.step_time if fit else None,
             # (a step blind to the size in one row is in every row: the rows that start from another's
             # answer plan one size only, where the blindness cannot show)
-            "tokens_per_second": batch * seq / fit.step_time if fit and fit.step_time and not blind else None,
+            "tokens_per_second": batch * seq / fit.step_time if rate and not image else None,
+            "images_per_second": batch / fit.step_time if rate and image else None,
             "limit": row.limit.code.name.lower().replace("_", "-"), "limit_words": row.limit.words,
             "next": None if row.over is None else {"size": row.over.size, "device_peak": row.over.device_peak},
             "planned": [{"size": p.size, "device_peak": p.device_peak} for p in row.probes],
-            "command": _plan_command(args, row, batch, seq) if fit and not _smallest_per_layer(args, row) else None,
+            "command": (_plan_command(args, row, batch, seq, source.task)
+                        if fit and not _smallest_per_layer(args, row) else None),
         })
     return {
-        "model": source.name, "searched": "batch" if grid.by_batch else "seq", "batch": args.batch,
+        "model": source.name, "searched": "batch" if grid.by_batch else "seq", "image": image, "batch": args.batch,
         "per_layer": args.per_layer,
         "seq": args.seq, "dtype": args.dtype, "profile": args.profile, "device_memory": memory,
         "reserved": reserved, "optimizer": args.optimizer, "granularity": grid.step, "most": grid.most,
@@ -717,20 +724,29 @@ def format_fit(report: dict) -> str:
     return _format_profile(report) + f"\n\nfit ran {report['seconds']:.0f} s here (measured)"
 
 
+def _searched_words(searched: str, image: bool) -> str:
+    if searched == "batch":
+        return "the largest batch"
+    return "the largest image side" if image else "the longest sequence"
+
+
 def _format_profile(report: dict) -> str:
     memory = report["device_memory"] / 1e9
+    image = report.get("image", False)
     lines = [f"{report['model']}, {report['dtype']}, on {report['profile']} with {memory:.2f} GB "
              f"({report['reserved'] / 1e9:.2f} GB reserved, optimizer {report['optimizer']}), grid "
              f"{report['granularity']} up to {report['most']}: predicted (memory model, cost model, simulator), "
              "not measured",
-             f"searched: {'the largest batch' if report['searched'] == 'batch' else 'the longest sequence'}"
+             f"searched: {_searched_words(report['searched'], image)}"
              + ("; each layer compiled on its own, the embedding, head and loss eager beside them (step times: the "
                 "layer graph's runs, then the eager ops one after another)" if report.get("per_layer") else ""),
-             f"{'row':<30}{'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}{'tokens/s':>11}  limit"]
+             f"{'row':<30}{'image' if image else 'seq':>8}{'batch':>7}{'device peak':>14}{'step time':>12}"
+             f"{'images/s' if image else 'tokens/s':>11}  limit"]
     for row in report["rows"]:
         peak = "-" if row["device_peak"] is None else f"{row['device_peak'] / 1e9:.2f} GB"
         step = "-" if row["step_time"] is None else f"{row['step_time']:.3f} s"
-        rate = "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:,.0f}"
+        per_second = row["images_per_second"] if image else row["tokens_per_second"]
+        rate = "-" if per_second is None else f"{per_second:,.{1 if image else 0}f}"
         chose = chooses_checkpointing(row["name"]) and row["checkpointing"] != "none"
         name = row["name"] + (" (ckpt)" if chose else "")
         lines.append(f"{name:<30}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12} {rate:>10}  {row['limit']}")
