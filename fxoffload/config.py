@@ -27,7 +27,8 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)\s*$", re.IGNORECASE)
 BUDGET_FORMS = (
     "None, a fraction in (0, 1] of the activation peak without offloading, "
-    "an int number of bytes > 0, or a string such as '6GiB', '512MB' (KB/MB/GB are powers of 10, KiB/MiB/GiB of 2)"
+    "an int number of bytes >= 2, or a string such as '6GiB', '512MB', '1B' (KB/MB/GB are powers of 10, KiB/MiB/GiB "
+    "of 2)"
 )
 
 

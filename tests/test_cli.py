@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,21 @@ def test_a_config_file_and_its_folder_are_accepted(capsys, tmp_path):
         check_budget_held(report, 0.7)
 
 
+@pytest.mark.parametrize("fields", [
+    # transformers' own heads whose names end otherwise (the official distilled DeiT configs name this one)
+    {"model_type": "deit", "architectures": ["DeiTForImageClassificationWithTeacher"], "image_size": 32,
+     "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128},
+    # a bare backbone gets its type's head, as before (google/vit-base-patch16-224-in21k names ViTModel)
+    {"model_type": "vit", "architectures": ["ViTModel"], "image_size": 32, "patch_size": 8, "hidden_size": 64,
+     "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128},
+], ids=["deit-with-teacher", "vit-backbone"])
+def test_transformers_heads_of_the_tasks_and_bare_backbones_are_planned(capsys, tmp_path, fields):
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    report = run_json(capsys, "--config", str(tmp_path), "--image-size", "32", "--min-bytes", "0", "--budget", "0.9",
+                      "--no-plot")
+    assert report["layers"] == 1 and report["graphs"]
+
+
 def test_a_config_without_architectures_gets_its_task_from_the_model_type(capsys, tmp_path):
     bert = {"model_type": "bert", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 1,
             "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 64}
@@ -141,7 +157,9 @@ def test_a_reader_that_goes_away_gets_no_traceback(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     command = (f"{sys.executable} -m fxoffload plan --config {tmp_path} --seq 64 --min-bytes 0 --no-plot --quiet "
                "| true; exit ${PIPESTATUS[0]}")
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    # Buffered, as in a user's shell (this machine sets PYTHONUNBUFFERED): the report is written at the flush
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=environment)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
 
@@ -172,10 +190,13 @@ def test_missing_config_file(capsys, tmp_path):
     ('{"model_type": "bart", "architectures": ["BartForConditionalGeneration"], "encoder_layers": 3, '
      '"decoder_layers": 1}', "model_type 'bart' is an encoder-decoder model (is_encoder_decoder); accepted: one stack"),
     ('{"model_type": "bart", "architectures": ["BartForCausalLM"]}', "model_type 'bart' is an encoder-decoder model"),
+    # as BartForCausalLM saves its config: the field false, num_hidden_layers still the encoder's count
+    ('{"model_type": "bart", "architectures": ["BartForCausalLM"], "is_encoder_decoder": false, "encoder_layers": 12, '
+     '"decoder_layers": 2}', "model_type 'bart' is an encoder-decoder model"),
     ('{"model_type": "whisper"}', "model_type 'whisper' is an encoder-decoder model"),
     ('{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}', "model_type 't5' is an encoder-decoder"),
     # A composite config has no layer count of its own: a traceback before 2026-12-06.
-    ('{"model_type": "clip"}', "model_type 'clip' has no num_hidden_layers (a composite config"),
+    ('{"model_type": "clip"}', "model_type 'clip' has no num_hidden_layers (not one stack of layers: a composite"),
 ])
 def test_malformed_config_file(capsys, tmp_path, text, message):
     path = tmp_path / "config.json"

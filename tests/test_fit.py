@@ -1017,3 +1017,21 @@ def test_an_image_model_s_rows_print_plan_commands_that_plan_their_answers():
     # Its rate is images a second (batch over the step), not the image's side taken for tokens
     assert report["image"] and plain["tokens_per_second"] is None
     assert plain["images_per_second"] == pytest.approx(plain["batch"] / plain["step_time"])
+
+
+@pytest.mark.slow
+def test_fit_s_reader_gone_ends_it_with_status_1_and_no_traceback(tmp_path):
+    # Its own process ends at os._exit (not freeing its traces): the report is flushed before that, so that a
+    # reader gone away (`fxoffload fit ... | head`) is caught as plan's is, not in the exit hook (before 2026-12-06:
+    # a traceback there, buffered as in a user's shell).
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "net.py"
+    path.write_text(BLIND_MODEL.format(width="seq, 256"))
+    command = (f"{sys.executable} -m fxoffload fit --model {path} --dtype fp32 --device-memory 200MB --max-seq 1024 "
+               "--jobs 1 --no-plot --quiet | true; exit ${PIPESTATUS[0]}")
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=environment)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

@@ -457,7 +457,8 @@ class OffloadBackend:
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
             # peak where out of reach, until the step re-plans it (see _track and fxoffload.backend.step_budget).
-            provisional, out_of_reach = True, error
+            # (its fields, in an error never raised: the one caught holds the planner's frames in its traceback)
+            provisional, out_of_reach = True, error.within("")
             runs = PROVISIONAL_RUNS if input_activations and not self._step.has_share(region) else options.runs
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", BudgetInfeasibleWarning)

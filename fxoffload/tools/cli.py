@@ -112,8 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "fit":
-            return run_fit(args, program=argv is None)  # argv None: the command line's own process
-        return _check(args) if args.command == "check" else _plan(args)
+            status = run_fit(args, program=argv is None)  # argv None: the command line's own process
+        else:
+            status = _check(args) if args.command == "check" else _plan(args)
+        sys.stdout.flush()  # what is still buffered is written here, where a reader gone away is caught
+        return status
     except UsageError as e:
         print(f"fxoffload {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _reader_gone() -> int:
     """Standard output's reader went away (``fxoffload fit | head``): status 1 without a traceback, and
-    standard output pointed at the null device, so that Python's flush at exit raises nothing again."""
+    standard output pointed at the null device, so that Python's flush at exit raises nothing again (a
+    reader of standard error gone too would end the command as Python ends it)."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # no descriptor (a test's captured stream): nothing to flush

@@ -171,6 +171,7 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     report["traces"], report["jobs"] = sum(traced for _, traced in searched), jobs
     print(json.dumps(report, indent=2) if args.json else format_fit(report))
     if program:
+        sys.stdout.flush()  # a reader gone away raises here, for the command's status 1, before the exit at 0
         _exit_without_freeing()
     return 0
 
@@ -206,9 +207,13 @@ def _exit_without_freeing() -> None:
     trace is millions of Python objects, and freeing them at the process's end kept the command waiting
     for its workers (2.1 s after the answers for 8 layers of llama-3-8b; none since, 2026-11-29)."""
     def exit_now() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        status = 0
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # its reader gone (a pipe to `head`), or the stream closed
+                status = 1
+        os._exit(status)
 
     atexit.register(exit_now)
 
@@ -272,8 +277,10 @@ def _source(args: argparse.Namespace) -> Any:
 
 
 def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
-    fixed = f"sequence {args.seq}" if grid.by_batch else f"batch {args.batch}"
-    plot_fit(rows, memory, args.output, "batch" if grid.by_batch else "sequence length (tokens)",
+    image = source.task == "image-classification"
+    fixed = f"{'image side' if image else 'sequence'} {args.seq}" if grid.by_batch else f"batch {args.batch}"
+    searched = "image side (pixels)" if image else "sequence length (tokens)"
+    plot_fit(rows, memory, args.output, "batch" if grid.by_batch else searched,
              f"{source.name}{', per layer' if args.per_layer else ''}, {fixed}, {args.dtype}: device peak against "
              f"{memory / 1e9:.0f} GB, predicted on "
              f"{args.profile} (simulated, not measured)")
@@ -752,9 +759,10 @@ def _format_profile(report: dict) -> str:
         lines.append(f"{name:<30}{row['max_seq']:>8}{row['batch']:>7}{peak:>14}{step:>12} {rate:>10}  {row['limit']}")
     lines.append("")
     if report.get("size_blind"):
-        searched = "batch" if report["searched"] == "batch" else "sequence length"
+        searched = "batch" if report["searched"] == "batch" else "image side" if image else "sequence length"
         lines += [f"the device peak was the same at every {searched} planned (rows {', '.join(report['size_blind'])}): "
-                  "the step does not grow with it (a model file whose inputs ignore it?); tokens/s not given", ""]
+                  f"the step does not grow with it (a model file whose inputs ignore it?); "
+                  f"{'images/s' if image else 'tokens/s'} not given", ""]
     for row in report["rows"]:
         up = row["next"]
         at = f"at {up['size']}, {up['device_peak'] / 1e9:.2f} GB: " if up else ""

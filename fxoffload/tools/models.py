@@ -312,31 +312,28 @@ def _task_of(fields: dict, model_type: str, path: Path) -> str:
 
     if model_type not in CONFIG_MAPPING:
         raise ModelError(f"config file {str(path)!r}: model_type {model_type!r} is not one transformers knows")
-    if fields.get("is_encoder_decoder", _default_encoder_decoder(CONFIG_MAPPING[model_type])):
+    # By the model type's own default, not the file's field: BartForCausalLM saves is_encoder_decoder false,
+    # and its num_hidden_layers is still the encoder's count.
+    if fields.get("is_encoder_decoder") or _default_encoder_decoder(CONFIG_MAPPING[model_type]):
         raise _encoder_decoder(f"config file {str(path)!r}", model_type)
     architectures = fields.get("architectures")
     if architectures is not None and not (isinstance(architectures, list)
                                           and all(isinstance(name, str) for name in architectures)):
         raise ModelError(f"config file {str(path)!r}: \"architectures\" must be a list of class names, as "
                          f"[\"LlamaForCausalLM\"]; got {architectures!r}")
+    heads = _heads()
     for name in architectures or ():
-        for ending, task in HEAD_ENDINGS:
-            if str(name).endswith(ending):
-                return task
-    if architectures:
-        # Another head (sequence classification, a bare encoder, an encoder-decoder's): building a causal LM
-        # for it would plan another model, silently.
+        task = heads.get(name) or next((task for ending, task in HEAD_ENDINGS if name.endswith(ending)), None)
+        if task is not None:
+            return task
+    if any(not name.endswith("Model") for name in architectures or ()):
+        # Another head (sequence classification, question answering, an encoder-decoder's): building a causal LM
+        # for it would plan another model, silently. (A bare backbone, ...Model, gets its type's head, below.)
         raise ModelError(f"config file {str(path)!r}: architectures {list(architectures)!r} name no head fxoffload "
-                         f"builds; accepted: {', '.join('...' + ending for ending, _ in HEAD_ENDINGS)} (edit "
-                         "\"architectures\" to plan the model with such a head)")
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    for names, task in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal-lm"),
-                        (MODEL_FOR_MASKED_LM_MAPPING_NAMES, "masked-lm"),
-                        (MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "image-classification")):
+                         f"builds; accepted: {', '.join('...' + ending for ending, _ in HEAD_ENDINGS)}, another "
+                         "transformers head of those tasks, or a bare ...Model (edit \"architectures\" to plan the "
+                         "model with such a head)")
+    for task, names in _task_mappings().items():
         if model_type in names:
             return task
     raise ModelError(f"config file {str(path)!r}: cannot tell the task of model_type {model_type!r}; accepted: "
@@ -347,13 +344,15 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
                               default_seq: int, origin: str = "") -> ModelSource:
     from transformers import AutoConfig
 
-    fields.pop("architectures", None)
+    architectures = fields.pop("architectures", None)
     fields.pop("torch_dtype", None)
     fields.pop("dtype", None)
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # transformers' own validation errors have several types
         raise ModelError(f"{origin or name}: transformers rejected the config: {e}") from None
+    # The Auto class picks the named head among a type's several (DeiT's), and iterates the list: never None.
+    config.architectures = list(architectures or [])
     _check_one_stack(origin or name, model_type, config)
     if layers is not None:
         if not 1 <= layers <= config.num_hidden_layers:
@@ -363,7 +362,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     config.use_cache = False
     config._attn_implementation = "sdpa"
     full_layers = config.num_hidden_layers
-    unchanged = dict(fields)
+    unchanged = dict(fields, **({"architectures": architectures} if architectures is not None else {}))
 
     def with_layers(count: int) -> ModelSource:
         return _from_transformers_config(name, model_type, dict(unchanged), task, count, default_seq, origin)
@@ -386,15 +385,38 @@ def _check_one_stack(origin: str, model_type: str, config: Any) -> None:
     """Refuse a config whose model is not one stack of layers under a head: an encoder-decoder's (its
     causal LM would be the decoder alone, its layer count the encoder's) or a composite one's (CLIP:
     a text and a vision config, no layer count of its own)."""
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False) or _default_encoder_decoder(type(config)):
         raise _encoder_decoder(origin, model_type)
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
-        raise ModelError(f"{origin}: model_type {model_type!r} has no num_hidden_layers (a composite config, such as "
-                         "CLIP's text and vision configs); accepted: one stack of layers (give the sub-model's own "
-                         "config, or a --model file)")
+        raise ModelError(f"{origin}: model_type {model_type!r} has no num_hidden_layers (not one stack of layers: "
+                         "a composite config, such as CLIP's text and vision configs, or a convolutional network's "
+                         "stages); accepted: one stack of layers (give the sub-model's own config, or a --model file)")
+
+
+def _task_mappings() -> dict[str, dict[str, str]]:
+    """transformers' own model types -> head class names, by the task fxoffload builds each as."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    return {"causal-lm": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked-lm": MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            "image-classification": MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+
+
+def _heads() -> dict[str, str]:
+    """Every head class transformers builds for those tasks -> its task (DeiT's ...WithTeacher, Reformer's
+    ...ModelWithLMHead: heads whose names end otherwise)."""
+    heads: dict[str, str] = {}
+    for task, names in _task_mappings().items():
+        for value in names.values():
+            for name in (value,) if isinstance(value, str) else value:
+                heads.setdefault(name, task)
+    return heads
 
 
 def _default_encoder_decoder(config_class: type) -> bool:
+    """Whether a model type is an encoder-decoder model by its config class's default."""
     try:
         return bool(getattr(config_class(), "is_encoder_decoder", False))
     except Exception:  # a config that needs fields: the built config is checked (_check_one_stack)
