@@ -48,6 +48,7 @@ sizes are evaluated at their hints. All times are predictions, in seconds.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
@@ -81,9 +82,37 @@ class DeviceProfile:
     # that issues compute: the device waits for it only when the host falls behind.
     op_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        # Checked where it is made (a user's own, or one replaced from a named profile): a NaN rate hung the
+        # greedy solver, a zero one divided by zero, a negative one predicted copies that cost nothing.
+        rates = "a finite number > 0"
+        flops = self.flops
+        if not (isinstance(flops, tuple) and flops and all(
+                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], torch.dtype)
+                and _finite(pair[1], above=0) for pair in flops)):
+            raise ValueError(f"DeviceProfile {self.name!r}: flops: got {flops!r}; accepted: a non-empty tuple of "
+                             f"(torch.dtype, FLOP/s) pairs, each rate {rates}")
+        for field in ("memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth"):
+            if not _finite(getattr(self, field), above=0):
+                raise ValueError(f"DeviceProfile {self.name!r}: {field}: got {getattr(self, field)!r}; accepted: "
+                                 f"{rates} (bytes per second)")
+        for field in ("copy_latency", "op_seconds"):
+            if not _finite(getattr(self, field), above=None):
+                raise ValueError(f"DeviceProfile {self.name!r}: {field}: got {getattr(self, field)!r}; accepted: a "
+                                 "finite number of seconds >= 0")
+        if not isinstance(self.duplex, bool):
+            raise ValueError(f"DeviceProfile {self.name!r}: duplex: got {self.duplex!r}; accepted: True or False")
+
     def throughput(self, dtype: torch.dtype) -> float:
         table = dict(self.flops)
         return table.get(dtype, table.get(torch.float32, min(table.values())))
+
+
+def _finite(value: Any, above: float | None) -> bool:
+    """A real number (not a bool), finite, and above ``above`` (None: at least 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > above if above is not None else value >= 0
 
 
 OPS_PER_TRANSFER = 4  # offload, its release (wait or defer), prefetch, its wait

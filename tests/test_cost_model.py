@@ -7,6 +7,8 @@ priced at the fp32 rate whatever its dtype.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -150,3 +152,25 @@ def test_grouped_query_attention_counts_its_flops_per_query_head():
                         torch.empty(0, dtype=torch.bfloat16, device="meta"))
     # Q K^T and P V over the query's 8 heads: two batched matmuls of B*8 x S x S x D multiply-adds each.
     assert node_work(node).flops == 2 * 2 * B * 8 * S * S * D
+
+
+@pytest.mark.parametrize("field, value, accepted", [
+    # a NaN rate hung the greedy solver (its cheapest-per-byte pick never matched), before 2026-12-06
+    ("copy_latency", float("nan"), "a finite number of seconds >= 0"),
+    ("op_seconds", -1e-6, "a finite number of seconds >= 0"),
+    ("h2d_bandwidth", 0.0, "a finite number > 0 (bytes per second)"),  # divided by zero
+    ("d2h_bandwidth", -1e9, "a finite number > 0 (bytes per second)"),  # copies that cost nothing
+    ("memory_bandwidth", float("inf"), "a finite number > 0 (bytes per second)"),
+    ("h2d_bandwidth", "25GB", "a finite number > 0 (bytes per second)"),
+    ("flops", (), "a non-empty tuple of (torch.dtype, FLOP/s) pairs"),
+    ("flops", ((torch.float32, float("nan")),), "a non-empty tuple of (torch.dtype, FLOP/s) pairs"),
+    ("duplex", "yes", "True or False"),
+])
+def test_a_device_profile_with_a_bad_figure_is_refused_where_it_is_made(field, value, accepted):
+    import dataclasses
+
+    import fxoffload
+
+    message = rf"DeviceProfile 'h100-pcie5': {field}: got .*; accepted: {re.escape(accepted)}"
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(fxoffload.PROFILES["h100-pcie5"], **{field: value})

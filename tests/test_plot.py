@@ -26,6 +26,15 @@ def test_png_and_svg_are_written(record, tmp_path):
     assert "a100-pcie4" in text and "simulated" in text and "budget" in text
 
 
+def test_a_profile_is_given_by_its_name_too(record, tmp_path):
+    # as device_profile takes it: a name was an AttributeError ('str' object has no attribute 'throughput')
+    by_name = fxoffload.plot(record, tmp_path / "name.svg", profile="a100-pcie4")
+    given = fxoffload.plot(record, tmp_path / "given.svg", profile=fxoffload.PROFILES["a100-pcie4"])
+    assert by_name.step_time == given.step_time and "a100-pcie4" in (tmp_path / "name.svg").read_text()
+    with pytest.raises(ValueError, match="unknown profile 'v100'; known: a100-pcie4"):
+        fxoffload.plot(record, tmp_path / "bad.svg", profile="v100")
+
+
 def test_an_unknown_image_format_is_refused(record, tmp_path):
     with pytest.raises(ValueError, match=r"cannot tell the image format of .*plan\.jpg.*\.png, \.svg, \.pdf"):
         fxoffload.plot(record, tmp_path / "plan.jpg")

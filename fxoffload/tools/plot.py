@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes
 from fxoffload.passes import DeviceProfile, Simulation, simulate, simulate_step
+from fxoffload.profiles import resolve_profile
 from fxoffload.tools.fit import chooses_checkpointing
 
 
@@ -27,9 +28,12 @@ COLORS = {"compute": "#4c72b0", "stall": "#d62728", "forward": "#55a868", "backw
           "baseline": "#7f7f7f", "plan": "#1f77b4", "budget": "#d62728"}
 
 
-def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, title: str | None = None) -> Simulation:
-    """Simulate ``record`` on ``profile`` (default: its own) and draw it to ``path`` (.png, .svg or .pdf)."""
+def plot(record: Any, path: "str | Path", profile: "DeviceProfile | str | None" = None,
+         title: str | None = None) -> Simulation:
+    """Simulate ``record`` on ``profile`` (default: its own; a name as ``device_profile`` takes) and draw it to
+    ``path`` (.png, .svg or .pdf)."""
     path = _image_path(path)
+    profile = None if profile is None else resolve_profile(profile)  # a name was an AttributeError deep inside
     from matplotlib.figure import Figure
 
     sim = simulate(record, profile)
@@ -52,12 +56,14 @@ def plot(record: Any, path: "str | Path", profile: DeviceProfile | None = None, 
     return sim
 
 
-def plot_step(invocations: Sequence[Any], path: "str | Path", profile: DeviceProfile | None = None,
+def plot_step(invocations: Sequence[Any], path: "str | Path", profile: "DeviceProfile | str | None" = None,
               title: str | None = None, budget: int | None = None) -> Any:
     """Replay a step of several compiled-graph runs (``fxoffload.passes.step.simulate_step``: records in the
-    order they ran) and draw it to ``path``: every run, copies crossing run boundaries included."""
+    order they ran) and draw it to ``path``: every run, copies crossing run boundaries included. ``profile``:
+    as for :func:`plot`."""
 
     path = _image_path(path)
+    profile = None if profile is None else resolve_profile(profile)
     from matplotlib.figure import Figure
 
     sim = simulate_step(invocations, profile)
