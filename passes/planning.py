@@ -215,7 +215,8 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     worst = int(reached.argmax()) // length if total else 0  # the part (size) furthest over its budget
     runs = f" of the step ({options.runs} runs of this graph)" if options.runs > 1 else ""
     acting, smallest_words = _ALL[options.strategy], "smallest achievable"
-    if host_left is not None and host_of(items, first_options(items, conflicts)) > host_left:
+    host_bound = host_left is not None and host_of(items, first_options(items, conflicts)) > host_left
+    if host_bound:
         acting = f"as far as host_budget's {options.host_bytes} B of pinned host memory allows"
         smallest_words = "lowest"  # greedy's, by bisection: the host bound makes it a knapsack
     if problem.device:
@@ -241,7 +242,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
     # The bytes at the size where the peak lies (under a device budget every part is at the plan's size).
     at = problem if not worst or problem.device else held[worst - 1].problem
-    message += _floor(at, owners, forced, everything, int(reached.argmax()) % length if total else 0)
+    message += _floor(at, owners, forced, everything, int(reached.argmax()) % length if total else 0, host_bound)
     if options.on_infeasible == "error":
         other = () if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)
         advice = ("raise the budget", "lower min_bytes", *other, ADVICE_WARN)
@@ -319,9 +320,10 @@ def _kept_lifetimes(timeline: Timeline, reasons: Mapping[fx.Node, Ineligible | N
     return kept
 
 
-def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position: int) -> str:
+def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position: int, host_bound: bool = False) -> str:
     """"; at <node>, that peak holds: ..." -- the largest activations on the device where the smallest
-    achievable peak lies, each with why it is there: what sets the budget's floor."""
+    achievable peak lies, each with why it is there: what sets the budget's floor. ``host_bound``: host_budget
+    kept ``chosen`` from moving every candidate."""
     offloaded, recomputed = split_choice(owners, chosen)
     moved = problem.moved((*forced, *offloaded), recomputed)
     residents = residents_at(problem.timeline, moved, position)
@@ -330,7 +332,7 @@ def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position
     timeline = problem.timeline
     phase = "forward" if position < len(timeline.fw_nodes) else "backward"
     kept = _kept_lifetimes(timeline, problem.reasons)
-    named = ", ".join(f"{r.name} {r.nbytes} B ({_stays_why(problem, kept, moved, r, position)})"
+    named = ", ".join(f"{r.name} {r.nbytes} B ({_stays_why(problem, kept, moved, r, position, host_bound)})"
                       for r in residents[:FLOOR_NAMED])
     rest = residents[FLOOR_NAMED:]
     more = f", and {len(rest)} more ({sum(r.nbytes for r in rest)} B)" if rest else ""
@@ -342,14 +344,17 @@ def _floor(problem: Problem, owners, forced: Sequence[fx.Node], chosen, position
 
 
 def _stays_why(problem: Problem, kept: Mapping[int, Ineligible], moved: Mapping[int, tuple[int, int]],
-               resident: Resident, position: int) -> str:
-    """Why an activation is on the device at ``position`` when everything eligible is moved."""
+               resident: Resident, position: int, host_bound: bool = False) -> str:
+    """Why an activation is on the device at ``position`` when everything eligible is moved (or, ``host_bound``,
+    as much as host_budget's pinned memory holds)."""
     if (reason := kept.get(resident.lifetime)) is not None:
         return reason.words
     lifetime = problem.timeline.lifetimes[resident.lifetime]
     if lifetime.handed_on and not lifetime.residual:
         return "an output the graph hands to the rest of the step"
     if resident.lifetime not in moved:
+        if host_bound:  # (what a bound on pinned memory left: the strategy could have moved it, once blamed)
+            return f"eligible, but host_budget's {problem.options.host_bytes} B of pinned memory holds what is moved"
         return f"eligible, but strategy={problem.options.strategy!r} cannot move it"
     if position >= moved[resident.lifetime][1]:
         return "moved, and back on the device for its backward"

@@ -82,6 +82,17 @@ def test_a_memory_budget_out_of_reach_within_the_host_budget_raises_naming_it():
         measured_run(model, ids, memory_budget=0.5, strategy="offload", host_budget=4096)
 
 
+def test_what_the_host_budget_keeps_is_said_kept_by_it_not_by_the_strategy():
+    # The floor's tensors that host_budget kept were each said "eligible, but strategy='offload' cannot move it"
+    # (before 2026-12-06), though the strategy moves them where the host holds them.
+    model, ids = build()
+    with pytest.raises(Exception) as raised:
+        measured_run(model, ids, memory_budget=0.5, strategy="offload", host_budget=4096)
+    message = str(raised.value)
+    assert "(eligible, but host_budget's 4096 B of pinned memory holds what is moved)" in message
+    assert "strategy='offload' cannot move it" not in message
+
+
 @pytest.mark.slow
 def test_one_graph_serving_several_layers_holds_the_host_budget_over_its_runs():
     ids = torch.randint(0, 256, (2, 32))
