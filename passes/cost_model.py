@@ -49,6 +49,7 @@ sizes are evaluated at their hints. All times are predictions, in seconds.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
@@ -100,7 +101,7 @@ class DeviceProfile:
             if not _finite(getattr(self, field), above=None):
                 raise ValueError(f"DeviceProfile {self.name!r}: {field}: got {getattr(self, field)!r}; accepted: a "
                                  "finite number of seconds >= 0")
-        if not isinstance(self.duplex, bool):
+        if not (isinstance(self.duplex, bool) or type(self.duplex).__name__ in ("bool", "bool_")):  # (NumPy's too)
             raise ValueError(f"DeviceProfile {self.name!r}: duplex: got {self.duplex!r}; accepted: True or False")
 
     def throughput(self, dtype: torch.dtype) -> float:
@@ -109,8 +110,8 @@ class DeviceProfile:
 
 
 def _finite(value: Any, above: float | None) -> bool:
-    """A real number (not a bool), finite, and above ``above`` (None: at least 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A real number (not a bool; NumPy's scalars too), finite, and above ``above`` (None: at least 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         return False
     return value > above if above is not None else value >= 0
 

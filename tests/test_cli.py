@@ -186,6 +186,9 @@ def test_missing_config_file(capsys, tmp_path):
      "architectures ['LlamaForSequenceClassification'] name no head fxoffload builds; accepted: ...ForCausalLM"),
     ('{"model_type": "llama", "architectures": "LlamaForCausalLM"}',
      '"architectures" must be a list of class names'),
+    # a head whose name ends in Model, but not the type's bare backbone: its input is (batch, choices, seq)
+    ('{"model_type": "gpt2", "architectures": ["GPT2DoubleHeadsModel"]}',
+     "architectures ['GPT2DoubleHeadsModel'] name no head fxoffload builds"),
     # An encoder-decoder's causal LM is its decoder alone (its layer count the encoder's): BART was so planned.
     ('{"model_type": "bart", "architectures": ["BartForConditionalGeneration"], "encoder_layers": 3, '
      '"decoder_layers": 1}', "model_type 'bart' is an encoder-decoder model (is_encoder_decoder); accepted: one stack"),

@@ -174,3 +174,16 @@ def test_a_device_profile_with_a_bad_figure_is_refused_where_it_is_made(field, v
     message = rf"DeviceProfile 'h100-pcie5': {field}: got .*; accepted: {re.escape(accepted)}"
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(fxoffload.PROFILES["h100-pcie5"], **{field: value})
+
+
+def test_a_device_profile_of_numpy_figures_is_accepted():
+    # what a user's own measurement hands over: NumPy's scalars, which the check must not refuse
+    import dataclasses
+
+    import numpy as np
+
+    import fxoffload
+
+    made = dataclasses.replace(fxoffload.PROFILES["h100-pcie5"], h2d_bandwidth=np.float32(5e10),
+                               duplex=np.bool_(True), copy_latency=np.int64(0))
+    assert made.h2d_bandwidth == 5e10 and made.duplex

@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = run_fit(args, program=argv is None)  # argv None: the command line's own process
         else:
             status = _check(args) if args.command == "check" else _plan(args)
-        sys.stdout.flush()  # what is still buffered is written here, where a reader gone away is caught
+        if sys.stdout is not None:  # (None where it was closed: print wrote nothing)
+            sys.stdout.flush()  # what is still buffered is written here, where a reader gone away is caught
         return status
     except UsageError as e:
         print(f"fxoffload {args.command}: error: {e}", file=sys.stderr)

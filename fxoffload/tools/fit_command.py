@@ -171,7 +171,8 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     report["traces"], report["jobs"] = sum(traced for _, traced in searched), jobs
     print(json.dumps(report, indent=2) if args.json else format_fit(report))
     if program:
-        sys.stdout.flush()  # a reader gone away raises here, for the command's status 1, before the exit at 0
+        if sys.stdout is not None:  # a reader gone away raises here, for the command's status 1, before the exit
+            sys.stdout.flush()
         _exit_without_freeing()
     return 0
 
@@ -211,7 +212,7 @@ def _exit_without_freeing() -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):  # its reader gone (a pipe to `head`), or the stream closed
+            except (OSError, ValueError, AttributeError):  # its reader gone (a pipe to `head`), or closed (None)
                 status = 1
         os._exit(status)
 

@@ -326,13 +326,15 @@ def _task_of(fields: dict, model_type: str, path: Path) -> str:
         task = heads.get(name) or next((task for ending, task in HEAD_ENDINGS if name.endswith(ending)), None)
         if task is not None:
             return task
-    if any(not name.endswith("Model") for name in architectures or ()):
-        # Another head (sequence classification, question answering, an encoder-decoder's): building a causal LM
-        # for it would plan another model, silently. (A bare backbone, ...Model, gets its type's head, below.)
+    backbones = _backbones(model_type)
+    if any(name not in backbones for name in architectures or ()):
+        # Another head (sequence classification, question answering, GPT-2's double heads, an encoder-decoder's):
+        # building a causal LM for it would plan another model, silently. (The type's own bare backbone,
+        # ViTModel, gets its type's head, below.)
         raise ModelError(f"config file {str(path)!r}: architectures {list(architectures)!r} name no head fxoffload "
                          f"builds; accepted: {', '.join('...' + ending for ending, _ in HEAD_ENDINGS)}, another "
-                         "transformers head of those tasks, or a bare ...Model (edit \"architectures\" to plan the "
-                         "model with such a head)")
+                         f"transformers head of those tasks, or the type's bare backbone ({', '.join(backbones)}) "
+                         "(edit \"architectures\" to plan the model with such a head)")
     for task, names in _task_mappings().items():
         if model_type in names:
             return task
@@ -413,6 +415,14 @@ def _heads() -> dict[str, str]:
             for name in (value,) if isinstance(value, str) else value:
                 heads.setdefault(name, task)
     return heads
+
+
+def _backbones(model_type: str) -> tuple[str, ...]:
+    """The model type's bare backbone classes (ViTModel): a config naming one is planned with its type's head."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = MODEL_MAPPING_NAMES.get(model_type, ())
+    return (names,) if isinstance(names, str) else tuple(names)
 
 
 def _default_encoder_decoder(config_class: type) -> bool:
