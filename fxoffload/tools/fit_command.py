@@ -140,7 +140,7 @@ def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
     grid = _grid(args, source)
     modes = checkpointing_modes()
     jobs = min(args.jobs or os.cpu_count() or 1, len(modes))
-    what = _searched_words("batch" if grid.by_batch else "seq", source.task == "image-classification")
+    what = _searched_words("batch" if grid.by_batch else "seq", source.image)
     progress(f"searching {what} for {len(SETUPS)} setups of {source.name} on {', '.join(profiles)}: grid "
              f"{grid.step}, up to {grid.most}, against {memory / 1e9:.2f} GB"
              + (f"; {len(modes)} checkpointing modes in {jobs} processes" if jobs > 1 else ""))
@@ -278,7 +278,7 @@ def _source(args: argparse.Namespace) -> Any:
 
 
 def _plot(rows: list[Row], args: argparse.Namespace, source: Any, memory: int, grid: Grid) -> str:
-    image = source.task == "image-classification"
+    image = source.image
     fixed = f"{'image side' if image else 'sequence'} {args.seq}" if grid.by_batch else f"batch {args.batch}"
     searched = "image side (pixels)" if image else "sequence length (tokens)"
     plot_fit(rows, memory, args.output, "batch" if grid.by_batch else searched,
@@ -649,13 +649,13 @@ def _layer_step_point(size: int, record: Any, parts: EagerParts, reserved: int, 
     return Point(size, fixed + peak.nbytes, step_time + optimizer.seconds, Limit(code, figures))
 
 
-def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int, task: str | None) -> str:
-    """The ``fxoffload plan`` command that plans the row's answer alone (``task``: the model's, ``ModelSource.task``;
-    an image model's size is its ``--image-size``, which ``plan`` takes where it refuses ``--seq``)."""
+def _plan_command(args: argparse.Namespace, row: Row, batch: int, seq: int, image: bool) -> str:
+    """The ``fxoffload plan`` command that plans the row's answer alone (``image``: ``ModelSource.image``; an
+    image model's size is its ``--image-size``, which ``plan`` takes where it refuses ``--seq``)."""
     source = next(f"--{flag} {getattr(args, flag)}" for flag in ("preset", "config", "model") if getattr(args, flag))
     words = ["fxoffload plan", source] + ([f"--layers {args.layers}"] if args.layers else [])
     words += ["--per-layer"] if args.per_layer else []
-    size = "--image-size" if task == "image-classification" else "--seq"
+    size = "--image-size" if image else "--seq"
     words += [f"{size} {seq} --batch {batch} --dtype {args.dtype} --profile {args.profile}"]
     if row.checkpointing != "none":
         words.append(f"--checkpointing {row.checkpointing}")
@@ -683,7 +683,7 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
     """The command's JSON: the setting, then one entry per row."""
     out = []
     blind = [row.name for row in rows if _size_blind(row)]
-    image = source.task == "image-classification"  # its size is the image's side: images, not tokens, a second
+    image = source.image  # its size is the image's side: images, not tokens, a second
     for row in rows:
         batch, seq = (row.size, args.seq) if grid.by_batch else (args.batch, row.size)
         fit = row.fit
@@ -699,7 +699,7 @@ def fit_report(rows: list[Row], args: argparse.Namespace, source: Any, memory: i
             "limit": row.limit.code.name.lower().replace("_", "-"), "limit_words": row.limit.words,
             "next": None if row.over is None else {"size": row.over.size, "device_peak": row.over.device_peak},
             "planned": [{"size": p.size, "device_peak": p.device_peak} for p in row.probes],
-            "command": (_plan_command(args, row, batch, seq, source.task)
+            "command": (_plan_command(args, row, batch, seq, image)
                         if fit and not _smallest_per_layer(args, row) else None),
         })
     return {

@@ -133,6 +133,11 @@ class ModelSource:
     with_layers: Callable[[int], "ModelSource"] | None = field(default=None, repr=False)
     task: str | None = None  # one of TASKS (a preset's or a config's); None: a model file's own
 
+    @property
+    def image(self) -> bool:
+        """An image model: its size is the image's side (``--image-size``), not a sequence's length."""
+        return self.task == "image-classification"
+
 
 def from_preset(name: str, layers: int | None = None) -> ModelSource:
     if name not in PRESETS:

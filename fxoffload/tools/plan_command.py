@@ -106,9 +106,9 @@ def _check_size_flag(args: argparse.Namespace, source: Any) -> None:
     if args.image_size is not None and args.seq is not None:
         raise UsageError(f"--seq and --image-size: got both ({args.seq!r} and {args.image_size}); accepted: one, "
                          "--seq for a text model, --image-size for an image model")
-    if source.task == "image-classification" and args.seq is not None:
+    if source.image and args.seq is not None:
         raise UsageError(f"--seq: got {args.seq!r}; {source.name} is an image model: accepted --image-size")
-    if source.task is not None and source.task != "image-classification" and args.image_size is not None:
+    if source.task is not None and not source.image and args.image_size is not None:
         raise UsageError(f"--image-size: got {args.image_size}; {source.name} is a text model ({source.task}): "
                          "accepted --seq")
 
