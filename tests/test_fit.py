@@ -622,13 +622,15 @@ def test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_brea
 
 
 @pytest.mark.slow
-def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_trace_at_that_length_gets(
-        tmp_path):
-    """fit traces each checkpointing mode of a model it builds once, with the length symbolic, and plans
-    each probe at its length (``fixed_sizes``): each setup's plan there has the peaks, the step time
-    and the decisions (by action; node names differ: the symbolic graph reads its sizes) of the plan a
-    trace at that length gets. Planting a plan at the trace's largest length, or sizes priced as
-    kernels (``sym_size`` reading its tensor), fails it."""
+@pytest.mark.parametrize("searched", ["length", "batch"])
+def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_trace_at_that_size_gets(
+        tmp_path, searched):
+    """fit traces each checkpointing mode of a model it builds once, with the size searched symbolic (the
+    length, or the batch of a search with ``--seq``), and plans each probe at its size (``fixed_sizes``):
+    each setup's plan there has the peaks, the step time and the decisions (by action; node names differ:
+    the symbolic graph reads its sizes) of the plan a trace at that size gets. Planting a plan at the
+    trace's largest size, or sizes priced as kernels (``sym_size`` reading its tensor), fails it; so does
+    a batch search whose symbolic trace marks the length (before 2026-12-06 it traced every batch)."""
     import argparse
     import collections
     import json
@@ -647,7 +649,10 @@ def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_t
     args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
                               traceback=True, per_layer=False)
     common = _common_options(args)
-    traces = _Traces(args, source, torch.float32, common, Grid(False, GRID, 96, 1024))
+    by_batch = searched == "batch"
+    grid = Grid(True, 1, 4, 16) if by_batch else Grid(False, GRID, 96, 1024)
+    sizes = [(3, 64), (11, 64)] if by_batch else [(1, 48), (1, 400)]
+    traces = _Traces(args, source, torch.float32, common, grid)
 
     def figures(record):
         plan = record.plan
@@ -656,9 +661,10 @@ def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_t
                 pytest.approx(simulate(record).step_time, rel=1e-12))  # (sums of the same terms, reordered)
 
     compared = set()
-    for checkpointing in ("none", "full"):
-        for seq in (48, 400):
-            run = argparse.Namespace(batch=1, checkpointing=checkpointing, per_layer=False, optimizer="none",
+    modes = ("none",) if by_batch else ("none", "full")  # the batch's symbol read as the length's is
+    for checkpointing in modes:
+        for batch, seq in sizes:
+            run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False, optimizer="none",
                                      traceback=True, keep_joints=True)
             own = trace_step(source, run, seq, torch.float32, {**common, "memory_budget": 1.0}, Progress(True))
             for setup in (s for s in SETUPS if s.checkpointing == checkpointing):
@@ -668,14 +674,14 @@ def test_every_setup_planned_at_a_length_on_the_symbolic_trace_gets_the_plan_a_t
                         options.update(device_budget=budget, reserved=0, on_infeasible="warn")
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", BudgetInfeasibleWarning)
-                        with traces.at(checkpointing, 1, seq) as traced:
+                        with traces.at(checkpointing, batch, seq) as traced:
                             symbolic = figures(plan_again(traced, options)[0])
                             assert figures(plan_again(traced, options, rewrite=False)[0]) == symbolic
                         (alone,) = plan_again(own, options)
-                    assert figures(alone) == symbolic, (checkpointing, seq, setup, budget)
+                    assert figures(alone) == symbolic, (checkpointing, batch, seq, setup, budget)
                     compared.add(symbolic[:-1] + (symbolic[-1].expected,))
-    assert traces.traced == 2  # one trace per checkpointing mode served both lengths
-    assert len(compared) >= 8  # the setups and lengths plan differently: the comparison sees many plans
+    assert traces.traced == len(modes)  # one trace per checkpointing mode served both sizes
+    assert len(compared) >= 4 * len(modes)  # the setups and sizes plan differently: the comparison sees many plans
 
 
 class _BranchesOnLength(__import__("torch").nn.Module):
@@ -1008,9 +1014,12 @@ def test_an_image_model_s_rows_print_plan_commands_that_plan_their_answers():
     """ViT's size is its image side: fit printed ``--seq`` in its commands, which ``plan`` refuses for an image
     model since 2026-12-06 (--image-size overrode --seq on a text model, silently). The printed command plans
     the row's answer: the same device peak."""
-    report = cli_json(["fit", "--preset", "vit-l-16", "--layers", "1", "--device-memory", "2GB", "--batch", "1",
-                       "--jobs", "1", "--no-plot", "--quiet", "--json"])
+    # A small device and grid: an answer (768) inside the sides tried, in 12 traces (its image sides are
+    # traced one by one: 18 traces and 56 s in CI with 2 GB and the default grid)
+    report = cli_json(["fit", "--preset", "vit-l-16", "--layers", "1", "--device-memory", "0.3GB", "--batch", "1",
+                       "--max-seq", "1024", "--granularity", "128", "--jobs", "1", "--no-plot", "--quiet", "--json"])
     plain = next(row for row in report["rows"] if row["name"] == "plain")
+    assert plain["max_seq"] < 1024  # an answer, not the largest side tried
     assert f"--image-size {plain['max_seq']} " in plain["command"] and "--seq" not in plain["command"]
     (graph,) = plan_json(plain["command"])["graphs"]
     assert graph["input_bytes"] + graph["total_peak_after"] == plain["device_peak"]

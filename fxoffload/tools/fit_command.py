@@ -11,10 +11,11 @@ memory: each probe plans one training step as one graph and reads the plan's dev
 fake tensors, compiled with the fxoffload backend, ``inner="eager"``, nothing runs) once per
 checkpointing mode with the sequence length symbolic, where fit searches the lengths of a preset's or
 a config's text model: each probe is planned with every size evaluated at its length
-(``fxoffload.passes.fixed_sizes``), the plan a trace at that length gives (a test checks it). A batch
-search and a model file (whose own ``build`` may depend on the length) are traced once per size instead
-(the latest ``KEPT_TRACES`` kept), and so is each length where a guard of the symbolic trace on the
-length does not hold (a step whose ops depend on it; fit says so). Every setup that probes a mode and
+(``fxoffload.passes.fixed_sizes``), the plan a trace at that length gives (a test checks it); a batch
+search (``--seq``) of such a model likewise with the batch symbolic. A model file (whose own ``build``
+may depend on the sizes) and an image model are traced once per size instead (the latest ``KEPT_TRACES``
+kept), and so is each size where a guard of the symbolic trace on the size does not hold (a step whose
+ops depend on it; fit says so). Every setup that probes a mode and
 size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a trace of its own
 would give (a test checks it).
 Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
@@ -81,7 +82,7 @@ from fxoffload.tools.models import (
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
     Progress, UsageError, may_copy_layers, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
-    reserve_optimizer_state, trace_step, with_layer_copies,
+    reserve_optimizer_state, SizeRange, trace_step, with_layer_copies,
 )
 
 
@@ -339,10 +340,10 @@ KEPT_TRACES = 4
 
 
 class _Symbolic(NamedTuple):
-    """A step traced once with its sequence length symbolic: the trace, and the length's symbol, its
-    shape environment, the lengths its guards allow (``lower`` to ``upper``) and the guards (and runtime
-    asserts) on the length besides (sympy expressions). The trace stops at its joint graph
-    (``joints_only``), before dynamo would check its guards against the lengths marked: a length is
+    """A step traced once with the size searched symbolic (its sequence length, or its batch): the trace,
+    and the size's symbol, its shape environment, the sizes its guards allow (``lower`` to ``upper``) and
+    the guards (and runtime asserts) on the size besides (sympy expressions). The trace stops at its joint
+    graph (``joints_only``), before dynamo would check its guards against the sizes marked: a size is
     served where every guard holds there."""
 
     traced: Any
@@ -352,8 +353,8 @@ class _Symbolic(NamedTuple):
     upper: int
     guards: tuple = ()
 
-    def serves(self, seq: int) -> bool:
-        return self.lower <= seq <= self.upper and all(_holds(guard, self.symbol, seq) for guard in self.guards)
+    def serves(self, size: int) -> bool:
+        return self.lower <= size <= self.upper and all(_holds(guard, self.symbol, size) for guard in self.guards)
 
 
 def _holds(guard: Any, symbol: Any, value: int) -> bool:
@@ -371,70 +372,85 @@ def _guards_on(shape_env: Any, symbol: Any) -> tuple:
 
 
 class _Traces:
-    """The step traced per checkpointing mode. Where fit searches the lengths of a model that does not
-    depend on the length (``ModelSource.symbolic_length``: a preset or a config's text model), once per
-    mode with the length symbolic (dynamo's ``mark_dynamic``, bounded by the search's grid), each probe
-    planned at its length (``fixed_sizes``: the plan a trace at that length gives; a test checks it).
-    Else (a batch search, a model file, a symbolic trace that failed or whose guards leave a length
-    out) once per size, the latest ``KEPT_TRACES`` kept. Every setup of a mode and size plans the same
-    joint graph again (``plan_again``), as ``trace_step`` plans it."""
+    """The step traced per checkpointing mode. Where the model built does not depend on the sizes
+    (``ModelSource.symbolic_length``: a preset's or a config's text model), once per mode (and the size
+    held fixed) with the size searched symbolic (the token ids' length, or their batch: dynamo's
+    ``mark_dynamic``, bounded by the search's grid), each probe planned at its size (``fixed_sizes``: the
+    plan a trace at that size gives; a test checks it for both). Else (a model file, an image model, a
+    symbolic trace that failed or whose guards leave a size out) once per size, the latest
+    ``KEPT_TRACES`` kept. Every setup of a mode and size plans the same joint graph again
+    (``plan_again``), as ``trace_step`` plans it."""
 
     def __init__(self, args: argparse.Namespace, source: Any, dtype: Any, common: dict, grid: Grid,
                  progress: Callable[[str], None] = lambda _: None) -> None:
         self._args, self._source, self._dtype, self._common = args, source, dtype, common
-        lower = max(grid.step, 2)  # dynamo specializes lengths 0 and 1
-        symbolic = source.symbolic_length and not grid.by_batch and grid.most > lower
-        self._lengths = (lower, grid.most) if symbolic else None
+        lower = max(grid.step, 2)  # dynamo specializes sizes 0 and 1
+        symbolic = source.symbolic_length and grid.most > lower
+        self._range = (lower, grid.most) if symbolic else None
+        self._by_batch = grid.by_batch
+        self._what = "batch" if grid.by_batch else "length"
         self._example = min(max(grid.start, lower), grid.most)
         self._progress = progress
         self._kept: dict[tuple, Any] = {}  # per size: a trace of its own, or the symbolic one's joint to plan there
-        self._symbolic: dict[tuple, _Symbolic | None] = {}  # per (checkpointing, batch); None: it failed
+        # per (checkpointing, the size held fixed: the batch, or the length of a batch search); None: it failed
+        self._symbolic: dict[tuple, _Symbolic | None] = {}
         self._eager: dict[tuple, EagerParts] = {}  # per (batch, seq), under --per-layer
         self.traced = 0  # traces made (the rest of the probes planned a kept one)
+
+    def _split(self, batch: int, seq: int) -> tuple[int, int]:
+        """(the size held fixed, the size searched) of ``(batch, seq)``."""
+        return (seq, batch) if self._by_batch else (batch, seq)
+
+    def _joined(self, fixed: int, size: int) -> tuple[int, int]:
+        """(batch, seq) of the size held fixed and the size searched."""
+        return (size, fixed) if self._by_batch else (fixed, size)
 
     @contextlib.contextmanager
     def at(self, checkpointing: str, batch: int, seq: int) -> Iterator[Any]:
         """Within: the step's trace to plan at ``(batch, seq)`` (``plan_again``), and read (sizes, times)."""
-        symbolic = self._symbolic_trace(checkpointing, batch) if self._lengths else None
-        if symbolic is None or not symbolic.serves(seq):
+        fixed, size = self._split(batch, seq)
+        symbolic = self._symbolic_trace(checkpointing, fixed) if self._range else None
+        if symbolic is None or not symbolic.serves(size):
             if symbolic is not None and (checkpointing, batch, seq) not in self._kept:
-                self._progress(f"the trace with the length symbolic (checkpointing {checkpointing}) does not serve "
-                               f"length {seq} (its guards: {symbolic.lower} to {symbolic.upper}"
+                self._progress(f"the trace with the {self._what} symbolic (checkpointing {checkpointing}) does not "
+                               f"serve {self._what} {size} (its guards: {symbolic.lower} to {symbolic.upper}"
                                + (f"; {', '.join(map(str, symbolic.guards))}" if symbolic.guards else "")
-                               + "): traced at that length")
+                               + f"): traced at that {self._what}")
             yield self._per_size(checkpointing, batch, seq)
             return
         key = (checkpointing, batch, seq)
-        if key not in self._kept:  # its own default partition, made at this length
+        if key not in self._kept:  # its own default partition, made at this size
             self._keep(key, partitioned_anew(symbolic.traced))
-        with fixed_sizes(symbolic.shape_env, {symbolic.symbol: seq}):
+        with fixed_sizes(symbolic.shape_env, {symbolic.symbol: size}):
             yield self._kept[key]
 
     def serving(self, checkpointing: str, batch: int, seq: int) -> _Symbolic | None:
-        """The symbolic trace (made already) where it serves length ``seq``, else None."""
-        symbolic = self._symbolic.get((checkpointing, batch))
-        return symbolic if symbolic is not None and symbolic.serves(seq) else None
+        """The symbolic trace (made already) where it serves ``(batch, seq)``, else None."""
+        fixed, size = self._split(batch, seq)
+        symbolic = self._symbolic.get((checkpointing, fixed))
+        return symbolic if symbolic is not None and symbolic.serves(size) else None
 
-    def _symbolic_trace(self, checkpointing: str, batch: int) -> _Symbolic | None:
-        key = (checkpointing, batch)
+    def _symbolic_trace(self, checkpointing: str, fixed: int) -> _Symbolic | None:
+        key = (checkpointing, fixed)
         if key not in self._symbolic:
-            self._symbolic[key] = self._trace_symbolic(checkpointing, batch)
+            self._symbolic[key] = self._trace_symbolic(checkpointing, fixed)
         return self._symbolic[key]
 
-    def _trace_symbolic(self, checkpointing: str, batch: int) -> _Symbolic | None:
-        lower, upper = self._lengths
+    def _trace_symbolic(self, checkpointing: str, fixed: int) -> _Symbolic | None:
+        lower, upper = self._range
+        batch, seq = self._joined(fixed, self._example)
         try:
-            traced = (self._trace_copying_layers(checkpointing, batch)
-                      or self._trace(checkpointing, batch, self._example, self._lengths))
+            traced = (self._trace_copying_layers(checkpointing, batch, seq)
+                      or self._trace(checkpointing, batch, seq, symbolic=True))
         except Exception as e:  # noqa: BLE001 -- traced per size instead, which reports its own failure
-            self._progress(f"tracing with the length symbolic (checkpointing {checkpointing}) failed "
-                           f"({one_line(e)}): tracing each length instead")
+            self._progress(f"tracing with the {self._what} symbolic (checkpointing {checkpointing}) failed "
+                           f"({one_line(e)}): tracing each {self._what} instead")
             return None
         symbols = _input_symbols(traced.joints[0]) if len(traced.joints) == 1 else set()
         if len(symbols) != 1:
-            self._progress(f"tracing with the length symbolic (checkpointing {checkpointing}) gave "
+            self._progress(f"tracing with the {self._what} symbolic (checkpointing {checkpointing}) gave "
                            f"{len(traced.joints)} graph(s) and {len(symbols)} symbolic size(s), not one each: "
-                           "tracing each length instead")
+                           f"tracing each {self._what} instead")
             return None
         (symbol,) = symbols
         shape_env = traced.joints[0].context.fake_mode.shape_env
@@ -442,16 +458,16 @@ class _Traces:
         return _Symbolic(traced, shape_env, symbol, max(int(allowed.lower), lower), min(int(allowed.upper), upper),
                          _guards_on(shape_env, symbol))
 
-    def _trace_copying_layers(self, checkpointing: str, batch: int) -> Any:
+    def _trace_copying_layers(self, checkpointing: str, batch: int, seq: int) -> Any:
         """The step traced with ``TRACED_LAYERS`` layers, its joint graph's layers copied to the model's
         (``with_layer_copies``), where the source builds fewer layers and they repeat; else None."""
         source = self._source
-        if not may_copy_layers(source, self._args, batch, self._example, self._dtype, self._progress):
+        if not may_copy_layers(source, self._args, batch, seq, self._dtype, self._progress):
             return None
         try:
             with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
-                traced = self._trace(checkpointing, batch, self._example, self._lengths,
-                                     source.with_layers(TRACED_LAYERS))
+                traced = self._trace(checkpointing, batch, seq, symbolic=True,
+                                     source=source.with_layers(TRACED_LAYERS))
                 return with_layer_copies(traced, source.layers, self._common["device_profile"])
         except LayerCopyError as e:
             self._progress(f"the layers of a {TRACED_LAYERS}-layer trace (checkpointing {checkpointing}) do not "
@@ -461,23 +477,23 @@ class _Traces:
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)
         if key not in self._kept:
-            traced = self._trace(checkpointing, batch, seq, None)
+            traced = self._trace(checkpointing, batch, seq)
             if len(traced.joints) != 1:
                 raise FitError(f"{self._source.name}: the step compiled to {len(traced.joints)} graphs (graph "
                                "breaks); fit needs it as one graph, whose device peak sees every tensor of the step")
             self._keep(key, traced)
         return self._kept[key]
 
-    def _trace(self, checkpointing: str, batch: int, seq: int, lengths: tuple[int, int] | None,
-               source: Any = None) -> Any:
+    def _trace(self, checkpointing: str, batch: int, seq: int, symbolic: bool = False, source: Any = None) -> Any:
         # Traced to its joint graph, the compile stopped there (where the step is one graph; else planned
         # under the cheapest plan, keep everything): each setup plans the joint graph again.
         run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=self._args.per_layer,
                                  optimizer=self._args.optimizer, traceback=self._args.traceback, keep_joints=True,
                                  joints_only=True)
         with _paused_then_frozen():
+            ranged = SizeRange(0 if self._by_batch else 1, *self._range) if symbolic else None
             traced = trace_step(source or self._source, run, seq, self._dtype, {**self._common, "memory_budget": 1.0},
-                                Progress(True), lengths=lengths)
+                                Progress(True), ranged)
         self.traced += 1
         return traced
 
@@ -600,22 +616,23 @@ def _evaluator(args: argparse.Namespace, source: Any, traces: _Traces, memory: i
                      _estimate(record, peak, *_neighbour(setup, size))), record
 
     def _neighbour(setup: Setup, size: int) -> tuple[int, _Symbolic | None]:
-        """The next length up on the grid (down, at the largest), and the symbolic trace where it serves
-        both lengths (the plan is of that trace), else None."""
+        """The next size up on the grid (down, at the largest), and the symbolic trace where it serves
+        both sizes (the plan is of that trace), else None."""
         other = size + grid.step if size + grid.step <= grid.most else size - grid.step
-        if grid.by_batch or other < grid.step:
+        if other < grid.step:
             return other, None
-        served = [traces.serving(setup.checkpointing, args.batch, seq) for seq in (size, other)]
+        served = [traces.serving(setup.checkpointing, *((n, args.seq) if grid.by_batch else (args.batch, n)))
+                  for n in (size, other)]
         return other, None if None in served else served[0]
 
     return evaluate
 
 
 def _estimate(record: Any, peak: int, other: int, symbolic: _Symbolic | None) -> Probe | None:
-    """The device peak at length ``other`` of the plan ``record`` made at a device peak of ``peak`` from the
-    symbolic trace ``symbolic`` (None: no estimate): ``peak`` and the difference of its largest run peak
-    with the plan's sizes at ``other`` and as planned (the plan kept as it is, not planned there; every
-    other symbol at the value the plan gave it)."""
+    """The device peak at size ``other`` (a length, or a batch) of the plan ``record`` made at a device peak
+    of ``peak`` from the symbolic trace ``symbolic`` (None: no estimate): ``peak`` and the difference of its
+    largest run peak with the plan's sizes at ``other`` and as planned (the plan kept as it is, not planned
+    there; every other symbol at the value the plan gave it)."""
     if symbolic is None:
         return None
     symbols = {s for lt in record.timeline.lifetimes if not isinstance(lt.expr, int) for s in lt.expr.free_symbols}

@@ -25,7 +25,7 @@ from fxoffload.tools.plot import plot, plot_step
 from fxoffload.tools.report import plan_report, range_report, step_report, with_optimizer
 from fxoffload.tools.tracing import (
     Progress, UsageError, impossible_budget, min_bytes_of, model_source, number_or_text, plan_copied, seq_range,
-    trace_copying_layers, trace_step,
+    SizeRange, trace_copying_layers, trace_step,
 )
 
 __all__ = ["PlanOutcome", "budget_text", "plan_options", "run_plan"]
@@ -131,8 +131,9 @@ def run_plan(args: argparse.Namespace) -> PlanOutcome:
         copied = None if lengths and len(lengths) == 2 else trace_copying_layers(
             source, args, seq, DTYPES[args.dtype], options, progress)
         if copied is None:
+            symbolic = SizeRange(1, *lengths) if lengths and len(lengths) == 2 else None
             records, invocations, seconds, optimizer, _ = trace_step(source, args, seq, DTYPES[args.dtype], options,
-                                                                     progress, lengths)
+                                                                     progress, symbolic)
         else:
             records, seconds, optimizer = plan_copied(copied, options, progress)
             invocations = records

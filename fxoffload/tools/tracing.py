@@ -37,11 +37,25 @@ from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, on
 
 __all__ = ["Progress", "UsageError", "impossible_budget", "layers_unlike", "may_copy_layers", "min_bytes_of",
            "model_source", "number_or_text", "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state",
-           "seq_range", "trace_copying_layers", "trace_step"]
+           "seq_range", "SizeRange", "trace_copying_layers", "trace_step"]
 
 
 class UsageError(ValueError):
     """Bad input to the command; its message is printed as is."""
+
+
+class SizeRange(NamedTuple):
+    """One trace for every size from ``lower`` to ``upper`` of the token ids' dimension ``dim`` (1: the
+    length, as ``--seq LO:HI`` asks; 0: the batch, as fit's batch search asks), marked dynamic."""
+
+    dim: int
+    lower: int
+    upper: int
+
+    @property
+    def asked_by(self) -> str:
+        """What asked for the range, as an error names it."""
+        return "--seq LO:HI" if self.dim == 1 else "a batch search"
 
 
 
@@ -113,13 +127,14 @@ def model_source(args: argparse.Namespace):
 
 
 def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict, progress: Progress,
-           lengths: tuple[int, ...] | None = None):
+           symbolic: SizeRange | None = None):
     """Build and compile one fake training step (see :class:`_Traced`). The optimizer's state (see
     ``--optimizer``) joins what is reserved under a device budget. ``args``: the step's batch,
     checkpointing, per_layer, optimizer and traceback flags, and ``keep_joints`` (optional): keep each
     compile's joint graph (``_Traced.joints``) for :func:`plan_again`; ``joints_only`` (optional): keep it
     and stop the compile there (no plan, no record) where it is the step's one graph (dynamo compiled it at
-    the step's return; after a graph break every graph is compiled and planned, to be counted)."""
+    the step's return; after a graph break every graph is compiled and planned, to be counted).
+    ``symbolic``: one trace for every size in that range of the token ids' length or batch."""
 
 
     torch._dynamo.reset()
@@ -135,8 +150,8 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
         optimizer = _optimizer(step, args.optimizer, options)
         if optimizer["state_bytes"] and options.get("device_budget") is not None:
             options = reserve_optimizer_state(options, optimizer)
-        if lengths and len(lengths) == 2:
-            _mark_lengths(inputs, kwargs, *lengths)
+        if symbolic is not None:
+            _mark_token_ids(inputs, kwargs, symbolic)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
         start = time.perf_counter()
         blocks = list(layer_list(step) or ()) if args.per_layer else []
@@ -441,14 +456,14 @@ def _check_compiled(backend: Any, blocks: list, source: Any) -> None:
 
 
 
-def _mark_lengths(inputs: tuple, kwargs: dict, lo: int, hi: int) -> None:
-    """One graph for every length in [lo, hi]: the token ids' sequence dimension is dynamic, bounded."""
+def _mark_token_ids(inputs: tuple, kwargs: dict, size: SizeRange) -> None:
+    """The token ids' dimension ``size.dim`` dynamic, bounded to its range: one graph for every size there."""
     ids = kwargs.get("input_ids")
     if ids is None:
         ids = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
     if ids is None or kwargs.get("pixel_values") is not None:
-        raise UsageError("--seq LO:HI: needs a text model whose inputs are token ids (input_ids, batch x length)")
-    torch._dynamo.mark_dynamic(ids, 1, min=lo, max=hi)
+        raise UsageError(f"{size.asked_by}: needs a text model whose inputs are token ids (input_ids, batch x length)")
+    torch._dynamo.mark_dynamic(ids, size.dim, min=size.lower, max=size.upper)
 
 
 
