@@ -19,7 +19,11 @@ node of layer ``i + 1`` and every other node the same, the same sizes, dtypes an
 The new graph keeps layer 0 and the nodes outside the layers, copies layer 1 for layers ``1`` to
 ``n - 2`` and layer 3 for the last, in the traced order (forward up, backward down): a copy for layer
 ``j`` of a node of layer ``s`` reads, for a node of layer ``i``, the same node of layer ``j + i - s``.
-A node outside the layers reads layer 0 and the last layer only. Activation checkpointing's region ids
+A node outside the layers reads layer 0 and the last layer only. A node that computes a size from
+the graph's symbolic sizes alone (no tensor in or out: ``batch * length``, which a symbolic batch, or
+a batch above one beside a symbolic length, makes for every layer's views to read) belongs to no
+layer, wherever it sits: it is copied once, in its place, and every copy reads it (``_size_nodes``).
+Activation checkpointing's region ids
 (``ac_graph_id``) shift with the layer, so that they still grow along the forward.
 
 Fresh values: every copy of layer 1 but the first gets fake tensors of its own (the planner tells
@@ -88,11 +92,28 @@ def copy_layers(gm: fx.GraphModule, layers: int, fake_mode: Any) -> CopiedLayers
     module's docstring. ``fake_mode``: the trace's fake tensor mode (the copies' values are made in it)."""
     if layers < TRACED_LAYERS:
         raise LayerCopyError(f"{layers} layers: copies need at least {TRACED_LAYERS}")
-    blocks = _blocks(gm.graph)
+    sizes = _size_nodes(gm.graph)
+    spans = _blocks(gm.graph, sizes)
+    blocks = {key: [n for n in span if n not in sizes] for key, span in spans.items()}
     places = {node: Place(layer, kind, offset) for (layer, kind), nodes in blocks.items()
               for offset, node in enumerate(nodes)}
-    _check_repeats(blocks, places)
-    return _Copier(gm, blocks, places, layers, fake_mode).run()
+    _check_repeats(blocks, places, sizes)
+    return _Copier(gm, spans, places, layers, fake_mode, sizes).run()
+
+
+def _size_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
+    """The nodes that compute a size from the graph's symbolic sizes alone (``batch * length`` as a view
+    of every layer reads it): no tensor in or out. Such a node sits in the first layer that reads it,
+    and every layer reads that one node (a symbolic batch, or a batch above one beside a symbolic
+    length, makes them)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or isinstance(traced_value(node), torch.Tensor):
+            continue
+        if all(a in found or (a.op == "placeholder" and not isinstance(traced_value(a), torch.Tensor))
+               for a in node.all_input_nodes):
+            found.add(node)
+    return frozenset(found)
 
 
 def _layer_of(node: fx.Node) -> tuple[str, int] | None:
@@ -104,9 +125,10 @@ def _layer_of(node: fx.Node) -> tuple[str, int] | None:
     return None
 
 
-def _blocks(graph: fx.Graph) -> dict[tuple[int, str], list[fx.Node]]:
+def _blocks(graph: fx.Graph, sizes: frozenset = frozenset()) -> dict[tuple[int, str], list[fx.Node]]:
+    """Each layer's blocks, spans of the graph's order: a size node (``sizes``) in a span belongs to no layer."""
     nodes = list(graph.nodes)
-    owners = {n: _layer_of(n) for n in nodes if n.op == "call_function"}
+    owners = {n: None if n in sizes else _layer_of(n) for n in nodes if n.op == "call_function"}
     lists = {owner[0] for owner in owners.values() if owner}
     if len(lists) != 1:
         raise LayerCopyError(f"the graph's nodes sit in {len(lists)} numbered module lists, not one")
@@ -157,11 +179,13 @@ def _parameters(graph: fx.Graph, layer: int, blocks: dict) -> list[fx.Node]:
     return mine
 
 
-def _signature(node: fx.Node, places: dict, shift: int) -> tuple:
+def _signature(node: fx.Node, places: dict, shift: int, sizes: frozenset = frozenset()) -> tuple:
     """What must match between a node of layer 1 and its shifted twin of layer 2 (``shift`` added to
-    every layer it reads)."""
+    every layer it reads but a size node's, ``sizes``: one node, whichever layer it sits in)."""
 
     def read(a: Any) -> Any:
+        if isinstance(a, fx.Node) and a in sizes:
+            return ("size", a)
         if isinstance(a, fx.Node):
             place = places.get(a)
             return ("node", a) if place is None else (place.layer + shift, place.kind, place.offset)
@@ -175,19 +199,23 @@ def _signature(node: fx.Node, places: dict, shift: int) -> tuple:
             node.meta.get("recompute"), node.meta.get("partitioner_tag"))
 
 
-def _check_repeats(blocks: dict, places: dict) -> None:
+def _check_repeats(blocks: dict, places: dict, sizes: frozenset = frozenset()) -> None:
     for kind in _KINDS:
         one, two = blocks[(1, kind)], blocks[(2, kind)]
         if len(one) != len(two):
             raise LayerCopyError(f"layers 1 and 2 have {len(one)} and {len(two)} {kind} nodes")
         for a, b in zip(one, two):
-            if _signature(a, places, 1) != _signature(b, places, 0):
+            if _signature(a, places, 1, sizes) != _signature(b, places, 0, sizes):
                 raise LayerCopyError(f"layer 2's {kind} node {b.name} is not layer 1's {a.name} one layer on")
 
 
 class _Copier:
-    def __init__(self, gm: fx.GraphModule, blocks: dict, places: dict, layers: int, fake_mode: Any) -> None:
-        self.gm, self.blocks, self.places, self.layers, self.fake_mode = gm, blocks, places, layers, fake_mode
+    def __init__(self, gm: fx.GraphModule, spans: dict, places: dict, layers: int, fake_mode: Any,
+                 sizes: frozenset = frozenset()) -> None:
+        # spans: the blocks with the size nodes among them (``_size_nodes``: copied once, where they sit)
+        self.gm, self.spans, self.places, self.layers, self.fake_mode = gm, spans, places, layers, fake_mode
+        self.blocks = {key: [n for n in span if n not in sizes] for key, span in spans.items()}
+        self.sizes = sizes
         self.graph = fx.Graph()
         self.new: dict[tuple[int, str, int], fx.Node] = {}  # (new layer, kind, offset) -> its node
         self.shared: dict[fx.Node, fx.Node] = {}  # a traced node outside the layers -> its copy
@@ -195,7 +223,7 @@ class _Copier:
         self.copied_as: list[tuple[int, int] | None] = []  # per new placeholder: (traced layer, new layer)
         self.made: dict[tuple[int, int], Any] = {}  # (new layer, traced storage) -> the copy's storage
         self.owners = _storage_owners(gm.graph)
-        self.id_step = _ac_id_step(blocks)
+        self.id_step = _ac_id_step(self.blocks)
         self.primals = 0
         primals = [p for p in gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
         flat = list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
@@ -208,8 +236,10 @@ class _Copier:
             place = self.places.get(node)
             if node.op == "output":
                 self.graph.output(self.outputs(node))
-            elif place is None:
+            elif place is None and node not in self.shared:  # (a size node in a block: copied with it)
                 self.shared[node] = self.copy_node(node, self.read_from_shared)
+            elif place is None:
+                continue
             elif place.offset != 0 or place.layer == 2:
                 continue  # a block is copied whole at its first node; layer 2 only checked the repeat
             elif place.layer == 1:
@@ -227,8 +257,12 @@ class _Copier:
                    if isinstance(self.grad_of.get(p), fx.Node))
 
     def copy_block(self, kind: str, source: int, layer: int) -> None:
-        for offset, node in enumerate(self.blocks[(source, kind)]):
-            self.new[(layer, kind, offset)] = self.copy_node(
+        for node in self.spans[(source, kind)]:
+            if node in self.sizes:  # one node for every layer, copied once, in its place
+                if node not in self.shared:
+                    self.shared[node] = self.copy_node(node, self.read_from_shared)
+                continue
+            self.new[(layer, kind, self.places[node].offset)] = self.copy_node(
                 node, lambda a: self.read_from(a, source, layer), (source, layer))
 
     def copy_node(self, node: fx.Node, read: Callable[[fx.Node], fx.Node], layer: tuple | None = None) -> fx.Node:
@@ -256,6 +290,8 @@ class _Copier:
 
     def read_from(self, a: fx.Node, source: int, layer: int) -> fx.Node:
         place = self.places.get(a)
+        if place is None and a not in self.shared:
+            raise LayerCopyError(f"layer {source}'s node reads {a.name} before its place in the graph")
         if place is None:
             return self.shared[a]
         target = layer + place.layer - source

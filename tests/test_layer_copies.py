@@ -56,9 +56,9 @@ def fit_args(**flags) -> argparse.Namespace:
                               traceback=True, per_layer=False, **flags)
 
 
-def traces_of(source, said=None, **flags) -> _Traces:
+def traces_of(source, said=None, grid=Grid(False, 16, 64, 512), **flags) -> _Traces:
     args = fit_args(**flags)
-    return _Traces(args, source, torch.float32, _common_options(args), Grid(False, 16, 64, 512),
+    return _Traces(args, source, torch.float32, _common_options(args), grid,
                    said.append if said is not None else lambda _: None)
 
 
@@ -87,6 +87,25 @@ def test_four_traced_layers_copied_to_six_are_the_graph_a_trace_of_six_gives(sma
     (six,) = traced_every_layer[checkpointing].joints
     assert canonical(copied.joints[0].module) == canonical(six.module)
     assert len([n for n in six.module.graph.nodes if n.op == "placeholder"]) > 50  # six layers' parameters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid, fixed", [(Grid(True, 1, 4, 16), 64), (Grid(False, 16, 64, 512), 2)],
+                         ids=["a symbolic batch", "a symbolic length at batch 2"])
+def test_layers_that_read_one_size_node_are_copied_to_the_graph_a_trace_of_six_gives(small_llama, grid, fixed):
+    """Where the batch is symbolic, or above one beside a symbolic length, every layer's views read one node
+    computing batch x length, which sits in layer 0: the copies read that one node, and the graph is a
+    trace of six's (before 2026-12-06 the layers were refused as not repeating, and fit traced all of them:
+    seen failing so with the size nodes read as layer 0's)."""
+    said = []
+    traces = traces_of(small_llama, said, grid=grid)
+    copied = traces._symbolic_trace("none", fixed).traced
+    assert traces.traced == 1 and not said, said  # the four layers' trace, copied
+    (six,) = traces_of(small_llama, grid=grid, trace_every_layer=True)._symbolic_trace("none", fixed).traced.joints
+    sizes = [n for n in six.module.graph.nodes if n.op == "call_function" and not n.meta["val"].__class__.__name__
+             .endswith("Tensor") and len(n.users) > LAYERS]
+    assert sizes, "no size node read by every layer: the case is not made"
+    assert canonical(copied.joints[0].module) == canonical(six.module)
 
 
 @pytest.mark.slow
