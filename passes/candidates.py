@@ -100,7 +100,9 @@ class RecomputeCost:
     reads: tuple[fx.Node, ...]  # saved forward values the chain reads
     consumer: fx.Node  # backward node the chain runs right before (the first consumer)
     seconds: float  # compute time of the chain
-    transient: int  # bytes of the chain's other outputs, alive while it runs
+    # bytes the chain holds at its peak beyond its rebuilt base and its consumer's outputs (``_transient``):
+    # what the device curve adds at the consumer
+    transient: int
     read_bases: tuple[fx.Node, ...] = ()  # bases of the storages of ``reads`` (set by the planner)
     sizes: tuple[fx.Node, ...] = ()  # forward symbolic sizes the chain reads (the backward builds them)
 
@@ -232,8 +234,9 @@ def transfer_costs(
     return costs
 
 
-def _temporaries(chain: Sequence[fx.Node], base: fx.Node) -> int:
-    """Most bytes a chain holds at once besides ``base``: its other outputs, each freed after its last use."""
+def _chain_peak(chain: Sequence[fx.Node], base: fx.Node) -> int:
+    """Most bytes a chain's outputs hold at once, ``base``'s among them (kept to the chain's end), each other
+    freed after its last use within the chain."""
     owner: dict[fx.Node, fx.Node] = {}
     for node in chain:  # views and getitems live in their source's storage
         source = node.all_input_nodes[0] if not is_compute(node) and node.all_input_nodes else None
@@ -246,10 +249,8 @@ def _temporaries(chain: Sequence[fx.Node], base: fx.Node) -> int:
     live = top = 0
     sizes = {}
     for i, node in enumerate(chain):
-        if is_compute(node) and node is not base:
+        if is_compute(node):
             sizes[node] = value_nbytes(node.meta.get("val"))
-            if owner.get(base) is node:  # a multi-output op: the base is one of its outputs
-                sizes[node] -= value_nbytes(base.meta["val"])
             live += sizes[node]
         top = max(top, live)
         for arg in set(node.all_input_nodes):
@@ -267,16 +268,24 @@ def recompute_costs(
     symbols: frozenset = frozenset(),
 ) -> dict[fx.Node, RecomputeCost]:
     """Each base's recompute chain from the ``available`` (saved) values and the backward's size
-    ``symbols``, run right before its first consumer, with the chain's predicted compute time; bases
-    without a chain are left out."""
+    ``symbols``, run right before its first consumer, with the chain's predicted compute time and its
+    ``transient`` bytes: what the chain holds at its peak beyond what the timeline counts at the consumer
+    under the plan, the rebuilt base and the consumer's own outputs (born there), which the chain's
+    temporaries never meet (freed within the chain, before the consumer runs); bases without a chain
+    are left out."""
     pos = timeline.positions
     saved = set(available)
+    born: dict[int, int] = {}  # position -> bytes of the storages born there
+    for lt in timeline.lifetimes:
+        born[lt.birth] = born.get(lt.birth, 0) + lt.nbytes
     out = {}
     for base in bases:
         found = recompute_chain(base, saved, pos, symbols=symbols)
         if isinstance(found, str):
             continue
         seconds = sum(times[pos[n]] for n in found.ops)
-        out[base] = RecomputeCost(found.ops, found.reads, placements[base].wait_before, seconds,
-                                  _temporaries(found.ops, base), sizes=found.sizes)
+        consumer = placements[base].wait_before
+        held = timeline.forward_lifetime(base).nbytes + born.get(pos[consumer], 0)
+        out[base] = RecomputeCost(found.ops, found.reads, consumer, seconds,
+                                  max(0, _chain_peak(found.ops, base) - held), sizes=found.sizes)
     return out
