@@ -100,8 +100,8 @@ class RecomputeCost:
     reads: tuple[fx.Node, ...]  # saved forward values the chain reads
     consumer: fx.Node  # backward node the chain runs right before (the first consumer)
     seconds: float  # compute time of the chain
-    # bytes the chain holds at its peak beyond its rebuilt base and its consumer's outputs (``_transient``):
-    # what the device curve adds at the consumer
+    # bytes the chain holds at its peak beyond its rebuilt base and its consumer's outputs (see
+    # ``recompute_costs``): what the device curve adds at the consumer
     transient: int
     read_bases: tuple[fx.Node, ...] = ()  # bases of the storages of ``reads`` (set by the planner)
     sizes: tuple[fx.Node, ...] = ()  # forward symbolic sizes the chain reads (the backward builds them)

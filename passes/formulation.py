@@ -10,7 +10,7 @@ Algorithm. Every activation is an interval (birth, death, bytes) on the forward+
 (``fxoffload.passes.memory``). A candidate's interval is fixed; each of its options subtracts bytes over
 the positions where it is off the device (an offload: after its release until its prefetch; a
 recompute: after its last forward use until its rebuild), and adds what it makes there (a recompute
-chain's other outputs, a staging engine's buffers, under a device budget). Over ``runs`` runs of the
+chain's temporaries, a staging engine's buffers, under a device budget). Over ``runs`` runs of the
 graph, what a run leaves at the forward's end counts ``runs - 1`` more times everywhere
 (:func:`over_runs`). Copies are priced by their stall alone (or, under ``queued``, as work on the
 copy-engine queues, :func:`_queues`), plus a small weight on copy time; the host thread's op calls
@@ -259,7 +259,7 @@ def solver_items(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.
             until = prefetch if kind == OFFLOAD else problem.rebuilt_at(b)
             changes = _saving(release, until, problem.lifetime(b).nbytes)
             if kind == RECOMPUTE and problem.device and problem.recomputes[b].transient:
-                at = problem.rebuilt_at(b)  # the chain's other outputs, alive while it runs
+                at = problem.rebuilt_at(b)  # the chain's temporaries beyond its base and consumer's outputs
                 changes += ((at, at, problem.recomputes[b].transient),)
             if kind == OFFLOAD and problem.device:  # a staging engine's contiguous buffers
                 changes += tuple(staging_spans(problem, b))

@@ -108,12 +108,15 @@ def _size_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
     length, makes them)."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op != "call_function" or isinstance(traced_value(node), torch.Tensor):
+        if node.op != "call_function" or not node.all_input_nodes or _holds_tensor(node):
             continue
-        if all(a in found or (a.op == "placeholder" and not isinstance(traced_value(a), torch.Tensor))
-               for a in node.all_input_nodes):
+        if all(a in found or (a.op == "placeholder" and not _holds_tensor(a)) for a in node.all_input_nodes):
             found.add(node)
     return frozenset(found)
+
+
+def _holds_tensor(node: fx.Node) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in tree_flatten(traced_value(node))[0])
 
 
 def _layer_of(node: fx.Node) -> tuple[str, int] | None:
@@ -145,7 +148,7 @@ def _blocks(graph: fx.Graph, sizes: frozenset = frozenset()) -> dict[tuple[int, 
                                  ("backward", backward, reversed(range(TRACED_LAYERS)))):
         blocks.update(_runs(section, layer_of, list(order), kind))
     for layer in range(TRACED_LAYERS):
-        blocks[(layer, "params")] = _parameters(graph, layer, blocks)
+        blocks[(layer, "params")] = _parameters(graph, layer, blocks, sizes)
     return blocks
 
 
@@ -169,8 +172,8 @@ def _runs(section: list[fx.Node], layer_of: dict, order: list[int], kind: str) -
     return runs
 
 
-def _parameters(graph: fx.Graph, layer: int, blocks: dict) -> list[fx.Node]:
-    own = set(blocks[(layer, "forward")]) | set(blocks[(layer, "backward")])
+def _parameters(graph: fx.Graph, layer: int, blocks: dict, sizes: frozenset = frozenset()) -> list[fx.Node]:
+    own = (set(blocks[(layer, "forward")]) | set(blocks[(layer, "backward")])) - sizes
     placeholders = list(graph.find_nodes(op="placeholder"))
     mine = [p for p in placeholders if p.users and all(u in own for u in p.users)]
     positions = [placeholders.index(p) for p in mine]
@@ -301,6 +304,8 @@ class _Copier:
 
     def read_from_shared(self, a: fx.Node) -> fx.Node:
         place = self.places.get(a)
+        if place is None and a not in self.shared:
+            raise LayerCopyError(f"a node outside the layers reads {a.name} before its place in the graph")
         if place is None:
             return self.shared[a]
         if place.layer not in (0, TRACED_LAYERS - 1):

@@ -335,7 +335,7 @@ def intervals(
     (release position, prefetch or rebuild position): its device copy lives
     until the release, its returned copy from then to its last use.
     ``residual_only``: the activation curve (:attr:`Lifetime.activation`), else every storage.
-    ``temporaries`` (recompute chains' other outputs) count in the total only:
+    ``temporaries`` (recompute chains' temporaries beyond their base and consumer's outputs) count in the total only:
     they are not activations.
     """
     out = [] if residual_only else list(temporaries)

@@ -420,7 +420,7 @@ def recompute_moves(recomputes: Sequence[Recompute]) -> dict[int, tuple[int, int
 
 
 def recompute_temporaries(recomputes: Sequence[Recompute]) -> list[tuple[int, int, int]]:
-    """Device intervals of the recompute chains' other outputs (not activations)."""
+    """Device intervals of the recompute chains' temporaries (beyond their bases and consumers' outputs)."""
     return [(r.at, r.at, r.cost.transient) for r in recomputes if r.cost.transient]
 
 

@@ -21,7 +21,7 @@ offloading like the graph's own activations (never recomputed: no chain makes th
   saved values and graph inputs, runs again right before its first backward
   consumer, and the storage lives from there to its last use). A recomputed
   storage counts as activation memory from its rebuild on, like a prefetched
-  copy; the chain's other outputs count towards the total only, and so do
+  copy; the chain's temporaries count towards the total only, and so do
   a staged offload's buffers (``PlanOptions.staging_devices``: the CUDA engine
   copies a tensor whose layout fills no one block of memory through a contiguous
   device buffer at each end, ``plan.staging_bytes``), which a device budget prices.

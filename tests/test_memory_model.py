@@ -183,12 +183,14 @@ def _mlp(activation, widths):
     return torch.nn.Sequential(*layers[:-1])
 
 
-@pytest.mark.parametrize("activation, widths, options, offloads", [
-    (torch.nn.ReLU, (64, 256, 64, 256, 64), {"strategy": "auto", "min_bytes": 0}, True),
-    (torch.nn.ReLU, (64, 256, 64, 256, 64), {"strategy": "recompute", "min_bytes": 0}, False),
-    (torch.nn.SiLU, (128, 128, 128, 128, 128), {"strategy": "auto"}, True),
+# ``beyond``: the chain holds more at its peak than its base and its consumer's outputs (the ReLU chains' 256-wide
+# matmul): the term counts, and leaving it out fails the case.
+@pytest.mark.parametrize("activation, widths, options, offloads, beyond", [
+    (torch.nn.ReLU, (64, 256, 64, 256, 64), {"strategy": "auto", "min_bytes": 0}, True, True),
+    (torch.nn.ReLU, (64, 256, 64, 256, 64), {"strategy": "recompute", "min_bytes": 0}, False, True),
+    (torch.nn.SiLU, (128, 128, 128, 128, 128), {"strategy": "auto"}, True, False),
 ], ids=["relu-offload-and-recompute", "relu-recompute", "silu-chain-peak-before-its-base"])
-def test_a_recomputation_s_temporaries_are_predicted_as_measured(activation, widths, options, offloads):
+def test_a_recomputation_s_temporaries_are_predicted_as_measured(activation, widths, options, offloads, beyond):
     """A recomputed chain runs right before its consumer, and frees its temporaries within itself: they never
     meet the consumer's outputs, and where the chain peaks before its base is made (SiLU's neg and exp), never
     the base either. The total peak is predicted to the byte (but UNPLACED_BYTES). Before 2026-12-06 the
@@ -214,5 +216,6 @@ def test_a_recomputation_s_temporaries_are_predicted_as_measured(activation, wid
     plan = backend.records[0].plan
     assert plan.recomputes and bool(plan.transfers) == offloads  # the case is made
     assert any(r.cost.chain[-1] is not r.cost.chain[0] for r in plan.recomputes)  # a chain of several ops
+    assert any(r.cost.transient > 0 for r in plan.recomputes) == beyond
     assert measured.total_peak - plan.total_peak_after == UNPLACED_BYTES
     assert measured.activation_peak == plan.activation_peak_after

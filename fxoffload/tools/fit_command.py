@@ -469,9 +469,10 @@ class _Traces:
                 traced = self._trace(checkpointing, batch, seq, symbolic=True,
                                      source=source.with_layers(TRACED_LAYERS))
                 return with_layer_copies(traced, source.layers, self._common["device_profile"])
-        except LayerCopyError as e:
+        except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
+            why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
             self._progress(f"the layers of a {TRACED_LAYERS}-layer trace (checkpointing {checkpointing}) do not "
-                           f"repeat as copies need ({e}): tracing all {source.layers}")
+                           f"repeat as copies need ({why}): tracing all {source.layers}")
             return None
 
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
