@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxoffload.tools.cli import main
 from tests.conftest import check_budget_held, run_error, run_json
@@ -80,6 +81,55 @@ def test_a_model_file_that_raises_gets_one_line_and_exit_status_2(capsys, tmp_pa
     assert step in err and error in err and "second line" not in err
     with pytest.raises(Exception, match=error.split(": ")[1]):  # --traceback: the error itself, with its stack
         main(["plan", "--model", str(path), "--seq", "64", "--no-plot", "--quiet", "--traceback"])
+
+
+MIXED_DTYPES = """\
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.weight = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            if {cast}:
+                x = x.to(self.linear.weight.dtype)
+            if {op!r} == "linear":
+                y = self.linear(x)
+            else:
+                y = torch.bmm(x, self.weight.expand(x.shape[0], 8, 8))
+            return y.float().square().mean()
+
+    def build(batch, seq, dtype):
+        return Net().to(dtype), (torch.randn(batch, seq, 8),)
+    """
+
+
+@pytest.mark.parametrize("op, refused", [("linear", "addmm"), ("bmm", "bmm")])
+def test_a_model_file_whose_weights_and_inputs_differ_in_dtype_is_refused_as_eager_refuses_it(
+        capsys, tmp_path, op, refused):
+    """Fake tensors compute a matrix product of a float32 input and bfloat16 weights where eager raises
+    (fake convolutions and attention check their own): the file was planned for a step that cannot
+    run. The same file, casting its input first, plans; eager, on real tensors, refuses the first and
+    runs the second."""
+    namespace = {}
+    exec(textwrap.dedent(MIXED_DTYPES.format(cast=False, op=op)), namespace)  # eager, the file's own code
+    model, (x,) = namespace["build"](1, 4, torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        model(x)
+    path = tmp_path / "mixed.py"
+    path.write_text(textwrap.dedent(MIXED_DTYPES.format(cast=False, op=op)))
+    err = run_error(capsys, "--model", str(path), "--seq", "16")
+    assert err.startswith(f"fxoffload plan: error: model file {str(path)!r}: {refused}")
+    assert "different dtypes (torch.float32" in err and "torch.bfloat16" in err and "model.to(dtype)" in err
+    cast = tmp_path / "cast.py"
+    cast.write_text(textwrap.dedent(MIXED_DTYPES.format(cast=True, op=op)))
+    namespace = {}
+    exec(cast.read_text(), namespace)
+    model, (x,) = namespace["build"](1, 4, torch.bfloat16)
+    model(x)  # eager runs it
+    assert run_json(capsys, "--model", str(cast), "--seq", "16", "--budget", "none", "--no-plot")["graphs"]
 
 
 LAYER_INPUT_ARGS = ("--preset", "llama-2-7b", "--layers", "2", "--seq", "256", "--strategy", "offload", "--no-plot")

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
@@ -227,8 +228,12 @@ def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origi
     Not on the meta device: there some models take data-dependent branches (transformers'
     packed-sequence test) that they skip under fake tensors or while traced."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _SameDtypeOperands():
             out = model(*args, **kwargs)
+    except _DtypeMismatch as e:
+        raise ModelError(f"{origin}: {e}; eager PyTorch refuses this, fake tensors (shapes only) do not. build(batch, "
+                         "seq, dtype) must make the weights and the floating-point inputs in the dtype it is given "
+                         "(model.to(dtype), torch.randn(..., dtype=dtype))") from e
     except Exception as e:
         raise ModelError(f"{origin}: running the model once on fake tensors (shapes only) raised {one_line(e)}"
                          + _values_read(e)) from e
@@ -236,6 +241,37 @@ def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origi
         raise ModelError(f"{origin}: the model must return a scalar loss, or an output with a scalar .loss; got "
                          f"{type(out).__name__}" + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
                                                     else ""))
+
+
+class _DtypeMismatch(RuntimeError):
+    """A matrix product was given operands of different floating-point dtypes."""
+
+
+def _operand_positions() -> dict:
+    """Per op, the arguments eager PyTorch requires in one dtype (its kernels raise otherwise; fake
+    convolutions and attention check their own)."""
+    aten = torch.ops.aten
+    return {aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.mv.default: (0, 1), aten.dot.default: (0, 1),
+            aten.addmm.default: (1, 2), aten.baddbmm.default: (1, 2), aten.addbmm.default: (1, 2),
+            aten.addmv.default: (1, 2)}
+
+
+class _SameDtypeOperands(TorchDispatchMode):
+    """Raises :class:`_DtypeMismatch` where an op's operands differ in floating-point dtype, as eager's
+    kernels do: fake tensors compute shapes and dtypes without that check, so a model file whose
+    weights and inputs differ in dtype would otherwise be planned (for a step eager cannot run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = _operand_positions()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        checked = [args[i] for i in self.positions.get(func, ()) if i < len(args)]
+        dtypes = {t.dtype for t in checked if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if len(dtypes) > 1:
+            shown = " and ".join(f"{t.dtype} {tuple(t.shape)}" for t in checked if isinstance(t, torch.Tensor))
+            raise _DtypeMismatch(f"{func.overloadpacket.__name__} was given operands of different dtypes ({shown})")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
