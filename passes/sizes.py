@@ -191,8 +191,8 @@ def timeline_at(timeline: "Timeline", values: dict[Any, int]) -> "Timeline":
 def fixed_sizes(shape_env: Any, values: Mapping[Any, int]) -> Iterator[None]:
     """Within: each symbol of ``values`` (symbol -> int) is that size alone, as though the graph had been
     traced there: its range is the one value and its hint that value (what :func:`concrete` and
-    PyTorch's partitioner read). Restored on exit. Refused (ValueError) for a value outside the
-    range the graph's guards allow: the graph does not serve that size."""
+    PyTorch's partitioner read: see :func:`_hints_evaluated`). Restored on exit. Refused (ValueError)
+    for a value outside the range the graph's guards allow: the graph does not serve that size."""
     hints = _hints(shape_env)
     for symbol, value in values.items():
         allowed = shape_env.var_to_range[symbol]
@@ -204,11 +204,37 @@ def fixed_sizes(shape_env: Any, values: Mapping[Any, int]) -> Iterator[None]:
             shape_env.var_to_range[symbol] = ValueRanges(value, value)
             hints[symbol] = sympy.Integer(value)
         shape_env._update_version_counter()  # the shape environment's caches of evaluated expressions
-        yield
+        with _hints_evaluated(shape_env):
+            yield
     finally:
         for symbol, (allowed, hint) in saved.items():
             shape_env.var_to_range[symbol], hints[symbol] = allowed, hint
         shape_env._update_version_counter()
+
+
+@contextlib.contextmanager
+def _hints_evaluated(shape_env: Any) -> Iterator[None]:
+    """Within: PyTorch's partitioner sizes the tensors of ``shape_env`` at its hints as they are now (those
+    :func:`fixed_sizes` set), not at the hint each SymInt cached when it was traced (the partitioner's
+    ``optimization_hint``, ``size_hint`` before torch 2.13, reads that cache first)."""
+    from torch._functorch import partitioners
+
+    name = "optimization_hint" if hasattr(partitioners, "optimization_hint") else "size_hint"
+    cached = getattr(partitioners, name)
+    hints = _hints(shape_env)
+
+    def evaluated(a: Any, fallback: int | None = None) -> int:
+        if isinstance(a, torch.SymInt) and a.node.shape_env is shape_env:
+            value = a.node.expr.xreplace({s: hints[s] for s in a.node.expr.free_symbols if s in hints})
+            if getattr(value, "is_number", False):
+                return int(value)
+        return cached(a, fallback=fallback)
+
+    setattr(partitioners, name, evaluated)
+    try:
+        yield
+    finally:
+        setattr(partitioners, name, cached)
 
 
 def _hints(shape_env: Any) -> dict:

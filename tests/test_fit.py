@@ -621,8 +621,14 @@ def test_a_step_that_compiles_to_several_graphs_is_refused_naming_the_graph_brea
     assert code != 0 and "the step compiled to" in err and "graph breaks" in err, err
 
 
+TINY_VIT = {"model_type": "vit", "architectures": ["ViTForImageClassification"], "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
+            "patch_size": 8, "num_channels": 3, "num_labels": 10, "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("searched", ["length", "batch"])
+@pytest.mark.parametrize("searched", ["length", "batch", "image batch"])
 def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_trace_at_that_size_gets(
         tmp_path, searched):
     """fit traces each checkpointing mode of a model it builds once, with the size searched symbolic (the
@@ -644,14 +650,15 @@ def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_tra
     from fxoffload.tools.models import from_config_file
     from fxoffload.tools.tracing import Progress, plan_again, trace_step
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    image = searched == "image batch"
+    (tmp_path / "config.json").write_text(json.dumps(TINY_VIT if image else TINY_LLAMA))
     source = from_config_file(tmp_path)
     args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
                               traceback=True, per_layer=False)
     common = _common_options(args)
-    by_batch = searched == "batch"
+    by_batch = searched != "length"
     grid = Grid(True, 1, 4, 16) if by_batch else Grid(False, GRID, 96, 1024)
-    sizes = [(3, 64), (11, 64)] if by_batch else [(1, 48), (1, 400)]
+    sizes = [(3, 32 if image else 64), (11, 32 if image else 64)] if by_batch else [(1, 48), (1, 400)]
     traces = _Traces(args, source, torch.float32, common, grid)
 
     def figures(record):

@@ -12,12 +12,12 @@ fake tensors, compiled with the fxoffload backend, ``inner="eager"``, nothing ru
 checkpointing mode with the sequence length symbolic, where fit searches the lengths of a preset's or
 a config's text model: each probe is planned with every size evaluated at its length
 (``fxoffload.passes.fixed_sizes``), the plan a trace at that length gives (a test checks it); a batch
-search (``--seq``) of such a model likewise with the batch symbolic. A model file (whose own ``build``
-may depend on the sizes) and an image model are traced once per size instead (the latest ``KEPT_TRACES``
-kept), and so is each size where a guard of the symbolic trace on the size does not hold (a step whose
-ops depend on it; fit says so). Every setup that probes a mode and
-size plans its joint graph again (``fxoffload.tools.tracing.plan_again``): the plan a trace of its own
-would give (a test checks it).
+search (``--seq``) of a preset's or a config's model (an image model's too) likewise with the batch
+symbolic. A model file (whose own ``build`` may depend on the sizes) and an image model's size search
+are traced once per size instead (the latest ``KEPT_TRACES`` kept), and so is each size where a guard
+of the symbolic trace on the size does not hold (a step whose ops depend on it; fit says so). Every
+setup that probes a mode and size plans its joint graph again (``fxoffload.tools.tracing.plan_again``):
+the plan a trace of its own would give (a test checks it).
 Each checkpointing mode is searched in a process of its own (``--jobs``; spawned, each makes its
 traces again from the arguments), one per mode and at most one per CPU by default. The rows searched
 in both modes (fxoffload's) take the checkpointed answers as floors (``fxoffload.tools.fit.fit_rows``):
@@ -366,18 +366,22 @@ def _holds(guard: Any, symbol: Any, value: int) -> bool:
 
 
 def _guards_on(shape_env: Any, symbol: Any) -> tuple:
-    """The shape environment's guards and runtime asserts that read ``symbol``."""
+    """The shape environment's guards and runtime asserts that read ``symbol``, its replacements made in
+    them (an image's batch: the labels' and the pixel values' sizes, marked apart, are one symbol in the
+    graph by the replacement their equality guard made; that guard then holds at every size)."""
     asserts = [a.expr for found in getattr(shape_env, "deferred_runtime_asserts", {}).values() for a in found]
-    return tuple(expr for expr in [g.expr for g in shape_env.guards] + asserts if symbol in expr.free_symbols)
+    replaced = (expr.xreplace(shape_env.replacements) for expr in [g.expr for g in shape_env.guards] + asserts)
+    return tuple(expr for expr in replaced if symbol in getattr(expr, "free_symbols", ()))
 
 
 class _Traces:
-    """The step traced per checkpointing mode. Where the model built does not depend on the sizes
-    (``ModelSource.symbolic_length``: a preset's or a config's text model), once per mode (and the size
-    held fixed) with the size searched symbolic (the token ids' length, or their batch: dynamo's
-    ``mark_dynamic``, bounded by the search's grid), each probe planned at its size (``fixed_sizes``: the
-    plan a trace at that size gives; a test checks it for both). Else (a model file, an image model, a
-    symbolic trace that failed or whose guards leave a size out) once per size, the latest
+    """The step traced per checkpointing mode. Where the model built does not depend on the size
+    searched (``ModelSource.symbolic_length``: a preset's or a config's text model; ``symbolic_batch``:
+    a preset's or a config's model, text or image), once per mode (and the size held fixed) with the size
+    searched symbolic (the token ids' length, or the inputs' batch: dynamo's ``mark_dynamic``, bounded by
+    the search's grid), each probe planned at its size (``fixed_sizes``: the plan a trace at that size
+    gives; a test checks it for each). Else (a model file, an image model's size, a symbolic trace that
+    failed or whose guards leave a size out) once per size, the latest
     ``KEPT_TRACES`` kept. Every setup of a mode and size plans the same joint graph again
     (``plan_again``), as ``trace_step`` plans it."""
 
@@ -385,7 +389,7 @@ class _Traces:
                  progress: Callable[[str], None] = lambda _: None) -> None:
         self._args, self._source, self._dtype, self._common = args, source, dtype, common
         lower = max(grid.step, 2)  # dynamo specializes sizes 0 and 1
-        symbolic = source.symbolic_length and grid.most > lower
+        symbolic = (source.symbolic_batch if grid.by_batch else source.symbolic_length) and grid.most > lower
         self._range = (lower, grid.most) if symbolic else None
         self._by_batch = grid.by_batch
         self._what = "batch" if grid.by_batch else "length"

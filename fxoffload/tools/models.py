@@ -129,6 +129,9 @@ class ModelSource:
     # The model built does not depend on the sequence length, only its token ids do: one trace with the
     # length symbolic serves every length (``fxoffload fit``). Not known of a model file's own build.
     symbolic_length: bool = False
+    # The model built does not depend on the batch (a preset's or a config's, text or image): one trace with
+    # the batch symbolic serves every batch. Not known of a model file's own build.
+    symbolic_batch: bool = False
     # The same model with fewer layers (a preset's or a config's), else None: ``fxoffload fit`` traces
     # four and copies them (``fxoffload.passes.copy_layers``).
     with_layers: Callable[[int], "ModelSource"] | None = field(default=None, repr=False)
@@ -421,7 +424,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     positions = getattr(config, "max_position_embeddings", None) if task != "image-classification" else None
     return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
                        vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification",
-                       with_layers=with_layers, task=task)
+                       symbolic_batch=True, with_layers=with_layers, task=task)
 
 
 def _check_one_stack(origin: str, model_type: str, config: Any) -> None:

@@ -151,7 +151,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
         if optimizer["state_bytes"] and options.get("device_budget") is not None:
             options = reserve_optimizer_state(options, optimizer)
         if symbolic is not None:
-            _mark_token_ids(inputs, kwargs, symbolic)
+            _mark_sizes(inputs, kwargs, symbolic)
         progress("tracing and planning: dynamo, AOTAutograd, min-cut partitioner, fxoffload passes")
         start = time.perf_counter()
         blocks = list(layer_list(step) or ()) if args.per_layer else []
@@ -457,13 +457,22 @@ def _check_compiled(backend: Any, blocks: list, source: Any) -> None:
 
 
 
-def _mark_token_ids(inputs: tuple, kwargs: dict, size: SizeRange) -> None:
-    """The token ids' dimension ``size.dim`` dynamic, bounded to its range: one graph for every size there."""
+def _mark_sizes(inputs: tuple, kwargs: dict, size: SizeRange) -> None:
+    """The token ids' dimension ``size.dim`` dynamic, bounded to its range: one graph for every size there.
+    An image model's batch: its pixel values' and labels' first dimension (one symbol, as the loss
+    equates them); its images' side stays as traced (the model built depends on it)."""
+    pixels = kwargs.get("pixel_values")
+    if pixels is not None and size.dim == 0:
+        for batched in (pixels, kwargs.get("labels")):
+            if isinstance(batched, torch.Tensor):
+                torch._dynamo.mark_dynamic(batched, 0, min=size.lower, max=size.upper)
+        return
     ids = kwargs.get("input_ids")
     if ids is None:
         ids = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
-    if ids is None or kwargs.get("pixel_values") is not None:
-        raise UsageError(f"{size.asked_by}: needs a text model whose inputs are token ids (input_ids, batch x length)")
+    if ids is None or pixels is not None:
+        raise UsageError(f"{size.asked_by}: needs a text model whose inputs are token ids (input_ids, batch x length)"
+                         + ("" if size.dim else ", or an image model's batch"))
     torch._dynamo.mark_dynamic(ids, size.dim, min=size.lower, max=size.upper)
 
 
