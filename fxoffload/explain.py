@@ -158,16 +158,18 @@ def _sizes(record: Any) -> list[str]:
     """Under dynamic shapes: the size the plan (and its copy times) is made for, the other sizes it
     holds a fractional budget at, and the worst predicted share across that range; else the peaks
     at the smallest size the graph serves."""
-    sizes = plan_sizes(record.timeline)
+    plan = record.plan
+    # As planned: a later compile's guards (Inductor's) may have narrowed the shape environment since.
+    sizes = {symbol: (value, bounded) for symbol, value, bounded in plan.planned_at} or plan_sizes(record.timeline)
     if not sizes:
         return []
-    plan = record.plan
     planned = ", ".join(f"{s}={v}" for s, (v, _) in sizes.items())
     how = ("the largest the guards allow" if all(b for _, b in sizes.values())
            else "the traced size where no upper bound is known")
     lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})"]
     if plan.sizes:
-        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in size_ranges(record.timeline).items() if lo < hi)
+        held = {symbol: (lo, hi) for symbol, lo, hi in plan.size_range} or size_ranges(record.timeline)
+        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in held.items() if lo < hi)
         lines.append(f"the fraction is held across {ranges}: " + "; ".join(
             f"at {size.label}: budget {format_bytes(size.budget_bytes)}, predicted activation peak "
             f"{format_bytes(size.step_peak_before)} -> {format_bytes(size.step_peak_after)}"

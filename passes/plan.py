@@ -343,6 +343,11 @@ class Plan:
     # Under symbolic sizes and a fractional budget: the other sizes the plan holds the fraction at
     # (``fxoffload.passes.sizes.held_sizes``), each with its budget and the predicted peaks there.
     sizes: tuple[SizeBudget, ...] = ()
+    # Under symbolic sizes, as they were when planned (a later compile's guards, Inductor's, may narrow
+    # them): each symbol's size the plan was made for, (symbol, size, bounded: the largest its guards
+    # allowed, else the traced one), and the range it holds a fraction over, (symbol, smallest, largest).
+    planned_at: tuple[tuple[Any, int, bool], ...] = ()
+    size_range: tuple[tuple[Any, int, int], ...] = ()
     # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
     host_budget_bytes: int | None = None
     held_cap: int | None = None  # PlanOptions.held_cap

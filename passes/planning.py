@@ -122,7 +122,7 @@ from .plan import (
     Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
-from .sizes import concrete, held_sizes, timeline_at
+from .sizes import concrete, held_sizes, plan_sizes, size_ranges, timeline_at
 from .solvers import ACCEPTED_GAP, SolverInput, curve_with, host_of, solve
 
 __all__ = ["Choosable", "PeakWithin", "SmallestPeak", "plan_offloads"]
@@ -560,6 +560,8 @@ def plan_offloads(
         shortfall=choice.shortfall,
         sizes=tuple(SizeBudget(tuple(values.items()), n, at.step_peak((), ()),
                                at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
+        planned_at=tuple((symbol, value, bounded) for symbol, (value, bounded) in plan_sizes(problem.timeline).items()),
+        size_range=tuple((symbol, lo, hi) for symbol, (lo, hi) in size_ranges(problem.timeline).items()),
         host_budget_bytes=options.host_bytes,
         held_cap=options.held_cap,
         backward_gradients=options.backward_gradients,

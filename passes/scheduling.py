@@ -723,9 +723,10 @@ def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,
 
 def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Schedule) -> list[tuple[dict, int, int]]:
     """The step's activation peaks without and with the plan, at sizes across the range the plan
-    holds a fraction over (``fxoffload.passes.sizes.sizes_between``): (sizes, before, after) each."""
-    return [(values, *activation_peaks_at(plan, timeline, schedule, values))
-            for values in sizes_between(size_ranges(timeline))]
+    holds a fraction over (``fxoffload.passes.sizes.sizes_between``; ``Plan.size_range``, as it was when
+    planned): (sizes, before, after) each."""
+    ranges = {symbol: (lo, hi) for symbol, lo, hi in plan.size_range} or size_ranges(timeline)
+    return [(values, *activation_peaks_at(plan, timeline, schedule, values)) for values in sizes_between(ranges)]
 
 
 def held_after_forward(plan: Plan, timeline: Timeline, schedule: Schedule) -> int:

@@ -94,6 +94,33 @@ def test_a_fraction_is_held_at_both_ends_of_a_bounded_range():
     assert "worst predicted share across the range: 0." in text
 
 
+def test_explain_names_the_sizes_as_planned_after_inductor_narrows_them():
+    """Inductor, compiling the rewritten graphs for this CPU, adds a guard on the batch (at most 4096) to the
+    shape environment after the plan is made at the traced batch (8, no upper bound then) and held over
+    [2, 16]. explain read the sizes and ranges at its own call: "planned and timed at s=4096 (the largest
+    the guards allow)", "held across [2, 4096]" (a new-user trial, 2026-12-06; seen failing so). It now
+    reads them from the plan (``Plan.planned_at``, ``Plan.size_range``), as planned."""
+    from fxoffload.passes import plan_sizes
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh())
+    backend = fxoffload.offload_backend(strategy="offload", min_bytes=0, memory_budget=0.5, inner="inductor")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unbounded size's warning, tested above
+        compiled(torch.randn(8, 64)).sum().backward()
+    (record,) = backend.records
+    ((symbol, (now, bounded)),) = plan_sizes(record.timeline).items()
+    assert bounded and now > 16  # the case is made: the guards bound the size now
+    assert record.plan.planned_at == ((symbol, 8, False),) and record.plan.size_range == ((symbol, 2, 16),)
+    assert record.plan.activation_peak_before == 2 * 8 * 64 * 4  # the two Tanh outputs, at the traced batch
+    text = fxoffload.explain(record)
+    assert f"planned and timed at {symbol}=8 (the traced size where no upper bound is known)" in text
+    assert f"the fraction is held across {symbol} in [2, 16]: at {symbol}=2: budget" in text
+    assert str(now) not in text.split("sizes: ")[1]
+
+
 def test_strategy_auto_ranks_an_alternative_that_misses_another_size_without_warning():
     # Traced at 16 with no upper bound, the fraction is held up to 32: the recompute-only
     # alternative cannot reach it there, which only ranks it last.

@@ -45,7 +45,8 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
     """The graph's predicted activation peaks at both ends of the range (planned at the longest);
     a fractional budget is the same fraction at every length."""
 
-    plan, sizes, limit = record.plan, plan_sizes(record.timeline), parse_budget(memory_budget)
+    plan, limit = record.plan, parse_budget(memory_budget)
+    sizes = {symbol: (value, bounded) for symbol, value, bounded in plan.planned_at} or plan_sizes(record.timeline)
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
     out = []
     for length in lengths:
