@@ -10,8 +10,7 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, plan_sizes, simulate_runs, size_ranges,
-    smallest_sizes,
+    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, simulate_runs, smallest_sizes,
 )
 
 __all__ = ["explain", "format_bytes", "format_stages"]
@@ -159,8 +158,7 @@ def _sizes(record: Any) -> list[str]:
     holds a fractional budget at, and the worst predicted share across that range; else the peaks
     at the smallest size the graph serves."""
     plan = record.plan
-    # As planned: a later compile's guards (Inductor's) may have narrowed the shape environment since.
-    sizes = {symbol: (value, bounded) for symbol, value, bounded in plan.planned_at} or plan_sizes(record.timeline)
+    sizes = plan.sizes_planned()  # as planned: a later compile's guards (Inductor's) may have narrowed them since
     if not sizes:
         return []
     planned = ", ".join(f"{s}={v}" for s, (v, _) in sizes.items())
@@ -168,8 +166,7 @@ def _sizes(record: Any) -> list[str]:
            else "the traced size where no upper bound is known")
     lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})"]
     if plan.sizes:
-        held = {symbol: (lo, hi) for symbol, lo, hi in plan.size_range} or size_ranges(record.timeline)
-        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in held.items() if lo < hi)
+        ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in plan.ranges_held().items() if lo < hi)
         lines.append(f"the fraction is held across {ranges}: " + "; ".join(
             f"at {size.label}: budget {format_bytes(size.budget_bytes)}, predicted activation peak "
             f"{format_bytes(size.step_peak_before)} -> {format_bytes(size.step_peak_after)}"

@@ -347,7 +347,7 @@ class Plan:
     # them): each symbol's size the plan was made for, (symbol, size, bounded: the largest its guards
     # allowed, else the traced one), and the range it holds a fraction over, (symbol, smallest, largest).
     planned_at: tuple[tuple[Any, int, bool], ...] = ()
-    size_range: tuple[tuple[Any, int, int], ...] = ()
+    size_ranges: tuple[tuple[Any, int, int], ...] = ()
     # PlanOptions.host_bytes: the pinned host bytes the plan may take over its runs
     host_budget_bytes: int | None = None
     held_cap: int | None = None  # PlanOptions.held_cap
@@ -394,6 +394,14 @@ class Plan:
 
     def recompute_moves(self) -> dict[int, tuple[int, int]]:
         return recompute_moves(self.recomputes)
+
+    def sizes_planned(self) -> dict[Any, tuple[int, bool]]:
+        """Under symbolic sizes: symbol -> (size the plan was made for, bounded), as planned."""
+        return {symbol: (value, bounded) for symbol, value, bounded in self.planned_at}
+
+    def ranges_held(self) -> dict[Any, tuple[int, int]]:
+        """Under symbolic sizes: symbol -> (smallest, largest) of the range it holds a fraction over, as planned."""
+        return {symbol: (lo, hi) for symbol, lo, hi in self.size_ranges}
 
     def recompute_temporaries(self) -> list[tuple[int, int, int]]:
         return recompute_temporaries(self.recomputes)

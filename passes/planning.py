@@ -561,7 +561,7 @@ def plan_offloads(
         sizes=tuple(SizeBudget(tuple(values.items()), n, at.step_peak((), ()),
                                at.step_peak(choice.offloaded, choice.recomputed)) for values, at, n in held),
         planned_at=tuple((symbol, value, bounded) for symbol, (value, bounded) in plan_sizes(problem.timeline).items()),
-        size_range=tuple((symbol, lo, hi) for symbol, (lo, hi) in size_ranges(problem.timeline).items()),
+        size_ranges=tuple((symbol, lo, hi) for symbol, (lo, hi) in size_ranges(problem.timeline).items()),
         host_budget_bytes=options.host_bytes,
         held_cap=options.held_cap,
         backward_gradients=options.backward_gradients,

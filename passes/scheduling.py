@@ -112,7 +112,7 @@ import torch.fx as fx
 from .candidates import AUTO_HORIZON, Placement, prefix_sums
 from .cost_model import DeviceProfile, transfer_time
 from .memory import Timeline, curve, device_peak_of_runs, intervals, peak, staging_intervals, step_peak
-from .sizes import size_ranges, sizes_between, timeline_at
+from .sizes import sizes_between, timeline_at
 from .plan import Plan
 from .replay import Copy, replay
 
@@ -723,10 +723,10 @@ def activation_peaks_at(plan: Plan, timeline: Timeline, schedule: Schedule,
 
 def peaks_over_range(plan: Plan, timeline: Timeline, schedule: Schedule) -> list[tuple[dict, int, int]]:
     """The step's activation peaks without and with the plan, at sizes across the range the plan
-    holds a fraction over (``fxoffload.passes.sizes.sizes_between``; ``Plan.size_range``, as it was when
-    planned): (sizes, before, after) each."""
-    ranges = {symbol: (lo, hi) for symbol, lo, hi in plan.size_range} or size_ranges(timeline)
-    return [(values, *activation_peaks_at(plan, timeline, schedule, values)) for values in sizes_between(ranges)]
+    holds a fraction over as planned (``Plan.ranges_held``; ``fxoffload.passes.sizes.sizes_between``): (sizes,
+    before, after) each."""
+    return [(values, *activation_peaks_at(plan, timeline, schedule, values))
+            for values in sizes_between(plan.ranges_held())]
 
 
 def held_after_forward(plan: Plan, timeline: Timeline, schedule: Schedule) -> int:

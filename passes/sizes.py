@@ -220,12 +220,16 @@ def _hints_evaluated(shape_env: Any) -> Iterator[None]:
     from torch._functorch import partitioners
 
     name = "optimization_hint" if hasattr(partitioners, "optimization_hint") else "size_hint"
-    cached = getattr(partitioners, name)
+    cached = getattr(partitioners, name, None)
+    if cached is None:  # a release that sizes them otherwise: nothing to patch
+        yield
+        return
     hints = _hints(shape_env)
 
     def evaluated(a: Any, fallback: int | None = None) -> int:
-        if isinstance(a, torch.SymInt) and a.node.shape_env is shape_env:
-            value = a.node.expr.xreplace({s: hints[s] for s in a.node.expr.free_symbols if s in hints})
+        expr = a.node.expr if isinstance(a, torch.SymInt) and a.node.shape_env is shape_env else None
+        if isinstance(expr, sympy.Basic):
+            value = expr.xreplace({s: hints[s] for s in expr.free_symbols if s in hints})
             if getattr(value, "is_number", False):
                 return int(value)
         return cached(a, fallback=fallback)

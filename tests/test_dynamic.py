@@ -99,8 +99,9 @@ def test_explain_names_the_sizes_as_planned_after_inductor_narrows_them():
     shape environment after the plan is made at the traced batch (8, no upper bound then) and held over
     [2, 16]. explain read the sizes and ranges at its own call: "planned and timed at s=4096 (the largest
     the guards allow)", "held across [2, 4096]" (a new-user trial, 2026-12-06; seen failing so). It now
-    reads them from the plan (``Plan.planned_at``, ``Plan.size_range``), as planned."""
-    from fxoffload.passes import plan_sizes
+    reads them from the plan (``Plan.planned_at``, ``Plan.size_ranges``), as planned, and so does the worst
+    share's walk over the range (``peaks_over_range``)."""
+    from fxoffload.passes import peaks_over_range, plan_sizes
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -113,7 +114,9 @@ def test_explain_names_the_sizes_as_planned_after_inductor_narrows_them():
     (record,) = backend.records
     ((symbol, (now, bounded)),) = plan_sizes(record.timeline).items()
     assert bounded and now > 16  # the case is made: the guards bound the size now
-    assert record.plan.planned_at == ((symbol, 8, False),) and record.plan.size_range == ((symbol, 2, 16),)
+    assert record.plan.planned_at == ((symbol, 8, False),) and record.plan.size_ranges == ((symbol, 2, 16),)
+    walked = [values[symbol] for values, _, _ in peaks_over_range(record.plan, record.timeline, record.schedule)]
+    assert min(walked) == 2 and max(walked) == 16
     assert record.plan.activation_peak_before == 2 * 8 * 64 * 4  # the two Tanh outputs, at the traced batch
     text = fxoffload.explain(record)
     assert f"planned and timed at {symbol}=8 (the traced size where no upper bound is known)" in text

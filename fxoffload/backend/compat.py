@@ -1,9 +1,10 @@
 """What differs between the torch releases fxoffload supports (2.11 to 2.14), in one place.
 
 Every shim here detects a capability of the installed torch, never its version string, and names
-what differs. Two older checks stay beside the code they serve, each a ``getattr`` with a default:
-``passes/ops.py`` (Inductor's ``cudagraph_unsafe`` tag) and ``partition.quick_min_cut`` (the
-partitioner's ``solve_min_cut``). Nothing branches on a version string.
+what differs. Three older checks stay beside the code they serve, each a ``getattr`` with a default:
+``passes/ops.py`` (Inductor's ``cudagraph_unsafe`` tag), ``partition.quick_min_cut`` (the
+partitioner's ``solve_min_cut``) and ``passes/sizes._hints_evaluated`` (the partitioner's size hint,
+``optimization_hint`` from 2.13, ``size_hint`` before). Nothing branches on a version string.
 
 * ``control_deps`` (Inductor's ordering higher-order op, ``fxoffload.backend.ordering`` wraps our ops in
   it) gained in later releases what 2.11 lacks:

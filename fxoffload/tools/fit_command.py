@@ -370,7 +370,7 @@ def _guards_on(shape_env: Any, symbol: Any) -> tuple:
     them (an image's batch: the labels' and the pixel values' sizes, marked apart, are one symbol in the
     graph by the replacement their equality guard made; that guard then holds at every size)."""
     asserts = [a.expr for found in getattr(shape_env, "deferred_runtime_asserts", {}).values() for a in found]
-    replaced = (expr.xreplace(shape_env.replacements) for expr in [g.expr for g in shape_env.guards] + asserts)
+    replaced = (shape_env.replace(expr) for expr in [g.expr for g in shape_env.guards] + asserts)
     return tuple(expr for expr in replaced if symbol in getattr(expr, "free_symbols", ()))
 
 

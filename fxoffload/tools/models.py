@@ -16,7 +16,9 @@ so a 7B model costs no memory.
   with a ``.loss``. ``build`` runs on the meta device (``nn.Module.to`` and
   ``torch.randn`` work, nothing is allocated); its parameters, buffers and
   inputs are then swapped for fake CPU tensors, and the model runs once on
-  them to check that it returns a loss. A failure of the file's own code
+  them to check that it returns a loss and that no matrix product is given
+  matrices of two floating-point dtypes (eager refuses it; fake tensors do
+  not). A failure of the file's own code
   becomes a :class:`ModelError` naming the file and the step that failed.
 
 :func:`checkpoint_layers` wraps the layers of any of these in activation
@@ -226,7 +228,8 @@ def from_python_file(path: "str | Path") -> ModelSource:
 
 
 def _check_returns_loss(model: torch.nn.Module, args: tuple, kwargs: dict, origin: str) -> None:
-    """Run the model once on its fake tensors (shapes only) to check that it returns a loss.
+    """Run the model once on its fake tensors (shapes only) to check that it returns a loss, and that no
+    matrix product is given matrices of two floating-point dtypes (``_SameDtypeOperands``).
 
     Not on the meta device: there some models take data-dependent branches (transformers'
     packed-sequence test) that they skip under fake tensors or while traced."""

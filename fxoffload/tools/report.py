@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from fxoffload.config import parse_budget
 from fxoffload.explain import explain, format_bytes, format_stages
-from fxoffload.passes import Why, activation_peaks_at, plan_digest, plan_sizes, simulate, simulate_step
+from fxoffload.passes import Why, activation_peaks_at, plan_digest, simulate, simulate_step
 from fxoffload.tools.plot import format_seconds
 
 
@@ -46,7 +46,7 @@ def range_report(record: Any, lengths: tuple[int, int], memory_budget: Any) -> l
     a fractional budget is the same fraction at every length."""
 
     plan, limit = record.plan, parse_budget(memory_budget)
-    sizes = {symbol: (value, bounded) for symbol, value, bounded in plan.planned_at} or plan_sizes(record.timeline)
+    sizes = plan.sizes_planned()
     held = {size.values: size for size in plan.sizes}  # the other sizes the plan holds its budget at
     out = []
     for length in lengths:
