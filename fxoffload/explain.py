@@ -10,7 +10,7 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, simulate_runs, smallest_sizes,
+    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, simulate_runs,
 )
 
 __all__ = ["explain", "format_bytes", "format_stages"]
@@ -177,7 +177,8 @@ def _sizes(record: Any) -> list[str]:
             lines.append(f"worst predicted share across the range: {after / max(before, 1):.3f} at "
                          f"{', '.join(f'{s}={v}' for s, v in values.items())}")
         return lines
-    smallest = smallest_sizes(record.timeline)
+    # The smallest of each symbol's range as planned (a size no graph input carries stays at its traced value)
+    smallest = {symbol: lo for symbol, (lo, _) in plan.ranges_held().items()}
     before, after = activation_peaks_at(plan, record.timeline, record.schedule, smallest)
     share = f", {after / before:.3f} of it" if before else ""
     if plan.partition != "min-cut":  # "before" is then this partition's, not the budget's reference
