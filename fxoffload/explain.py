@@ -10,10 +10,10 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, simulate_runs,
+    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, simulate, simulate_runs,
 )
 
-__all__ = ["explain", "format_bytes", "format_stages"]
+__all__ = ["explain", "format_bytes", "format_seconds", "format_stages"]
 
 
 def format_bytes(n: Any) -> str:
@@ -23,6 +23,13 @@ def format_bytes(n: Any) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def format_seconds(seconds: float) -> str:
+    for unit, size in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1e6:.3g} us"
 
 
 def format_stages(seconds: Sequence[tuple[str, float]]) -> str:
@@ -66,6 +73,7 @@ def _summary(record: Any) -> str:
            else ""),
         f"predicted stall on {record.profile.name}: {schedule.predicted_stall * 1e6:.1f} us{_step_stall(record)} "
         "(copies served in order per direction; see the placements)",
+        _predicted_step(record),
         f"predicted host memory:     {format_bytes(plan.host_bytes * plan.runs)} of host copies when the forward "
         f"ends{_runs(plan)}; {format_bytes(plan.pinned_host_bytes * plan.runs)} pinned on CUDA (the caching host "
         "allocator's power-of-two blocks, kept for later steps)"
@@ -136,6 +144,23 @@ def _summary(record: Any) -> str:
     if plan.note:
         lines.append(f"note: {plan.note}")
     return "\n".join(lines)
+
+
+def _predicted_step(record: Any) -> str:
+    """The graph's step as the simulator replays it (what ``plot`` draws), and what its plan adds to the
+    compute of the min-cut pair without fxoffload, part by part: on a graph of microseconds the host's
+    op calls are most of it, where the stall above is none."""
+    sim = simulate(record)
+    stalls = sum(c.stall for c in sim.copies)
+    parts = [f"{name} {format_seconds(seconds)}" for name, seconds in (
+        (f"the device idle while the host makes fxoffload's {len(sim.copies) * 2} op calls (copies issued and "
+         f"waited for, {format_seconds(record.profile.op_seconds)} each):", sim.host_wait),
+        ("waits for copies:", stalls), ("recomputation:", sim.recompute_time), ("staging copies:", sim.staging_time),
+        ("the partition's own recomputations:", sim.partition_time)) if seconds > 0]
+    return (f"predicted step on {record.profile.name}: {format_seconds(sim.step_time)}"
+            f"{' in one run' if record.plan.runs > 1 else ''}, against {format_seconds(sim.compute_time)} "
+            f"computing without fxoffload (+{sim.overhead:.1%})" + (f"; {'; '.join(parts)}" if parts else "")
+            + " (simulated, as fxoffload.plot draws it)")
 
 
 def _step_stall(record: Any) -> str:

@@ -7,6 +7,7 @@ reason next to each fxoffload op, and checked against the printed graphs.
 import torch
 
 import fxoffload
+from fxoffload.explain import format_seconds
 from fxoffload.passes.plan import Ineligible, Kept
 from tests.conftest import MLP, compile_mlp, fxoffload_args, op_sequence
 
@@ -238,3 +239,19 @@ def test_explain_shows_symbolic_bytes_under_dynamic_shapes():
     assert ("torch.ops.fxoffload.prefetch.default(tanh_host, device(type='cpu'), "
             "[sym_size_int, sym_size_int_1, 16], [mul, 16, 1])") in code
     assert "torch.ops.aten.as_strided.default(wait_default_2, [mul_56, 16], [16, 1], 0)" in code
+
+
+def test_explain_prints_the_step_the_plot_draws_and_the_host_s_op_calls_in_it(tmp_path):
+    # A graph of microseconds: its copies are hidden (no stall), and the host's op calls are its step.
+    record = compile_mlp(horizon=2)
+    text = fxoffload.explain(record)
+    sim = fxoffload.plot(record, tmp_path / "plan.png")
+    (line,) = [line for line in text.splitlines() if line.startswith("predicted step on")]
+    assert f": {format_seconds(sim.step_time)}, against {format_seconds(sim.compute_time)} " in line
+    assert f"(+{sim.overhead:.1%})" in line
+    calls = sum(1 for graph in (record.forward, record.backward) for node in graph.graph.nodes
+                if node.op == "call_function" and getattr(node.target, "namespace", None) == "fxoffload")
+    assert calls == 4 * len(record.plan.transfers) > 0  # each transfer: offload, wait, prefetch, wait
+    assert f"fxoffload's {calls} op calls" in line
+    assert sim.step_time - sim.compute_time > 0.9 * calls * record.profile.op_seconds  # they are most of it
+    assert f"each): {format_seconds(sim.host_wait)}" in line and "waits for copies" not in line

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from fxoffload.explain import format_bytes
+from fxoffload.explain import format_bytes, format_seconds
 from fxoffload.passes import DeviceProfile, Simulation, simulate, simulate_step
 from fxoffload.profiles import resolve_profile
 from fxoffload.tools.fit import chooses_checkpointing
@@ -135,13 +135,6 @@ def _unit(nbytes: int) -> tuple[str, float]:
         if nbytes >= size:
             return unit, float(size)
     return "B", 1.0
-
-
-def format_seconds(seconds: float) -> str:
-    for unit, size in (("s", 1.0), ("ms", 1e-3)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1e6:.3g} us"
 
 
 def _steps(points: Sequence[tuple[float, int]], end: float, scale: float, ticks: float):
