@@ -101,15 +101,16 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     order = {k: i for i, k in enumerate(schedule.prefetch_order or range(len(plan.transfers)))}
     kept = set(kept_in_last_run(plan, schedule))
     sizes = _Sizes(fw, list(fw.find_nodes(op="placeholder")))
+    layouts = [_layout(sizes, transfer.base) for transfer in plan.transfers]  # their sizes first, at the top
     for k, (transfer, place) in enumerate(zip(plan.transfers, schedule.placements)):
-        host = inserter.after(place.offload_after, OFFLOAD, (transfer.base, order[k], *_layout(sizes, transfer.base)))
+        host = inserter.after(_after_sizes(place.offload_after, sizes), OFFLOAD, (transfer.base, order[k], *layouts[k]))
         host.meta[TRANSFER_META] = k
         release = DEFER if place.deferred else WAIT
         # A release deferred in the runs before the step's last waits in that one (``passes.ops``); one kept
         # keeps its source in the last run, for that run's backward.
         before_last = place.deferred_before_last and not place.deferred
         flags = (before_last, True) if k in kept else (True,) if before_last else ()
-        hosts.append(inserter.after(place.free_after, release, (host, transfer.base, *flags)))
+        hosts.append(inserter.after(_after_sizes(place.free_after, sizes), release, (host, transfer.base, *flags)))
         _unpadded(transfer.base, host, hosts[-1])
     saved: list[fx.Node] = []
     for decision, node in zip(plan.decisions, interface.fw_saved):
@@ -125,6 +126,12 @@ def _rewrite_forward(fw: fx.Graph, plan: Plan, schedule: Schedule, interface: Sa
     rest = old[interface.num_user_outputs + len(interface.fw_saved) :]
     out.args = (old[: interface.num_user_outputs] + tuple(saved) + rest,)
     return hosts
+
+
+def _after_sizes(anchor: fx.Node, sizes: "_Sizes") -> fx.Node:
+    """Where an op placed after ``anchor`` goes: a graph input's offload or release (a layer's input) goes
+    after the symbolic sizes made at the top of the graph, which its layout may read, not among the inputs."""
+    return sizes.last if anchor.op == "placeholder" and sizes.last is not None else anchor
 
 
 def _layout(sizes: "_Sizes", base: fx.Node) -> tuple[Any, ...]:
