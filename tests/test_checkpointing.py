@@ -318,3 +318,50 @@ def test_checkpointed_layers_that_change_python_state_are_compiled_once_dynamo_s
     else:
         assert len(said) == 1 and "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in said[0]
         assert matmuls == 1  # the head's
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x))) * torch.sigmoid(x)
+
+
+class _CheckpointedAround(torch.nn.Module):
+    """Each block under ``torch.utils.checkpoint`` (non-reentrant) from outside its compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return (x ** 2).mean()
+
+
+def test_a_checkpoint_around_a_compiled_block_recomputes_the_graph_its_forward_ran():
+    """Blocks compiled one at a time, each checkpointed from outside: the first step counts each graph's runs,
+    and the graph is re-planned for them at the next step's forward. It was re-planned at the first forward
+    that came after the count, the checkpoint's recomputation inside the backward, whose new plan saves
+    other values than the forward's: "Recomputed values ... have different metadata" (a trial's find)."""
+    import copy
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CheckpointedAround()
+    reference = copy.deepcopy(model)
+    backend = fxoffload.offload_backend(inner="eager", strategy="offload", min_bytes=0, memory_budget=0.5,
+                                        on_infeasible="warn")
+    for block in model.blocks:
+        block.compile(backend=backend)
+    with runtime.copy_delay(0.002), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the caller (the checkpoint) keeps each block's input: said, not tested
+        for _ in range(3):
+            x = torch.randn(4, 8, 32)
+            assert_same_step(loss_and_grads(reference, x), loss_and_grads(model, x))
+    # Two graphs (the first block's input needs no gradient), re-planned for their runs: one and two.
+    replanned = [r for r in backend.records if r.runs_learned]
+    assert {r.plan.runs for r in replanned} == {1, 2} and all(r.plan.transfers for r in replanned)

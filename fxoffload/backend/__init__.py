@@ -580,7 +580,9 @@ class OffloadBackend:
                             and not pipeline_inference())
             if step_forward:
                 self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
-            if state.replan is not None and self._step.counted(region):  # a step has shown how often it runs
+            # Re-planned at a step's forward only: a checkpoint's recomputation inside the backward must run the
+            # graph its forward ran, whose saved values it recomputes (a new plan saves others).
+            if step_forward and state.replan is not None and self._step.counted(region):  # a step has shown its runs
                 share = self._step.share(region)
                 if self._step.needs_replan(region, state.compiled.compilation.record, share):
                     state.compiled = self._replan(region, state.replan, share)  # a failure raises here, every time
