@@ -56,15 +56,34 @@ def test_double_backward_is_refused_clearly():
         grad.sum().backward()
 
 
+def fxoffload_compile(model, by_name: bool, options: dict | None = None, **compile_kwargs):
+    """``model`` compiled by a backend object, or by name (``backend="fxoffload"``, whose options reach it
+    from ``torch.compile``'s own, as ``mode`` does; torch.compile takes one of the two, so a mode goes
+    with the default options there)."""
+    if by_name:
+        given = {"options": options} if options and "mode" not in compile_kwargs else {}
+        return torch.compile(model, backend="fxoffload", **given, **compile_kwargs)
+    return torch.compile(model, backend=fxoffload.offload_backend(**(options or {})), **compile_kwargs)
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["object", "name"])
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "turbo"])
-def test_compile_modes_with_cuda_graphs_are_refused_by_name(mode):
-    step = torch.compile(Tanh(), backend=fxoffload.offload_backend(), mode=mode)
+def test_compile_modes_with_cuda_graphs_are_refused_by_name(mode, by_name):
+    # (by name, torch.compile's mode was a TypeError of the registered function before 2026-12-06, night)
+    step = fxoffload_compile(Tanh(), by_name, mode=mode)
     with pytest.raises(Exception, match=f"torch.compile\\(mode='{mode}'\\) is not supported; accepted: no mode, "
                                         "'default' or 'max-autotune-no-cudagraphs'"):
         step(torch.randn(2, 16))
 
 
-def inductor_settings_seen(monkeypatch, **compile_kwargs):
+def test_options_given_to_torch_compile_beside_a_backend_object_are_refused_naming_both_ways():
+    step = torch.compile(Tanh(), backend=fxoffload.offload_backend(), options={"memory_budget": 0.5})
+    with pytest.raises(Exception, match=r"torch.compile\(backend=offload_backend\(...\), options=\{...\}\) is not "
+                                        "supported: a backend object carries its own options"):
+        step(torch.randn(2, 16))
+
+
+def inductor_settings_seen(monkeypatch, by_name: bool = False, **compile_kwargs):
     """Compile Tanh with fxoffload's Inductor path; the CUDA-graph and autotune settings Inductor's
     inner compile saw for each graph, and the warnings."""
     import torch._inductor.compile_fx as compile_fx
@@ -80,7 +99,7 @@ def inductor_settings_seen(monkeypatch, **compile_kwargs):
     expected = loss_and_grads(model, x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = torch.compile(model, backend=fxoffload.offload_backend(min_bytes=0, all_eligible=True), **compile_kwargs)
+        step = fxoffload_compile(model, by_name, {"min_bytes": 0, "all_eligible": True}, **compile_kwargs)
         assert_same_step(expected, loss_and_grads(step, x))
     return seen, [str(w.message) for w in caught if "cudagraphs" in str(w.message)]
 
@@ -93,8 +112,9 @@ def test_the_global_cuda_graphs_setting_is_turned_off_for_our_graphs_with_a_warn
     assert len(warned) == 1 and "compiles its graphs without CUDA graphs" in warned[0]
 
 
-def test_max_autotune_without_cuda_graphs_is_accepted_and_reaches_inductor(monkeypatch):
-    seen, warned = inductor_settings_seen(monkeypatch, mode="max-autotune-no-cudagraphs")
+@pytest.mark.parametrize("by_name", [False, True], ids=["object", "name"])
+def test_max_autotune_without_cuda_graphs_is_accepted_and_reaches_inductor(monkeypatch, by_name):
+    seen, warned = inductor_settings_seen(monkeypatch, by_name, mode="max-autotune-no-cudagraphs")
     assert seen and all(autotune and not cudagraphs for cudagraphs, autotune in seen) and warned == []
 
 

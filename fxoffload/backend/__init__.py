@@ -920,9 +920,10 @@ def named_backend(**options: Any) -> OffloadBackend:
     return _named.setdefault(config, OffloadBackend(config))
 
 
-def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Callable:
-    """Entry point for ``torch.compile(backend="fxoffload", options=...)``."""
-    return named_backend(**(options or {}))(gm, example_inputs)
+def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
+                   mode: str | None = None, **unknown: Any) -> Callable:
+    """Entry point for ``torch.compile(backend="fxoffload", options=..., mode=...)``."""
+    return named_backend(**(options or {}))(gm, example_inputs, mode, **unknown)
 
 
 def register_backend_name() -> None:

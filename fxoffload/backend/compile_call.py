@@ -37,6 +37,11 @@ def mode_patches(mode: str | None, unknown: dict) -> dict:
         from torch._inductor import list_mode_options  # Inductor: loaded when a mode asks for it
 
         return dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+    if mode in MODES and "options" in unknown:  # torch.compile hands options={...} to a backend object too
+        raise ValueError(
+            "fxoffload: torch.compile(backend=offload_backend(...), options={...}) is not supported: a backend "
+            "object carries its own options; accepted: offload_backend(memory_budget=..., ...) with no options, "
+            "or backend='fxoffload' with options={...}")
     given = f"mode={mode!r}" if mode not in MODES else ", ".join(map(repr, unknown))
     raise ValueError(
         f"fxoffload: torch.compile({given}) is not supported; accepted: no mode, 'default' or "
