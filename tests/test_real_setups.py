@@ -216,3 +216,27 @@ def test_an_exception_in_the_middle_of_a_step_leaves_the_next_step_correct():
     assert runtime.pending_transfers() == 0  # no stale transfer in the CPU engine's registry
     with runtime.copy_delay(0.001):
         assert_same_step(expected, loss_and_grads(step, x))
+
+
+def test_a_deepcopy_of_a_compiled_model_after_a_step_trains_through_the_same_backend():
+    """``copy.deepcopy`` of a compiled model (an EMA copy) after its first step: the backend's records hold
+    fake tensors, which cannot be copied ("Cannot access data pointer of Tensor"; a trial's find). The
+    backend is not copied: the copy runs what it compiled (here Dynamo's cached graph, its parameters
+    being inputs), and both train as eager does."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = Tanh(), torch.randn(8, 16)
+    step, backend = compiled(model)
+    assert_same_step(loss_and_grads(model, x), loss_and_grads(step, x))
+    assert backend.records and backend.records[0].plan.transfers
+    twin, reference = copy.deepcopy(step), copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(0.5)  # the copy's own parameters: moved apart from the original's
+        for p in twin.parameters():
+            p.mul_(0.5)
+    y = torch.randn(8, 16)
+    with runtime.copy_delay(0.002):
+        assert_same_step(loss_and_grads(reference, y), loss_and_grads(twin, y))
+        assert_same_step(loss_and_grads(model, y), loss_and_grads(step, y))

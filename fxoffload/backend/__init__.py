@@ -385,6 +385,12 @@ class OffloadBackend:
         self._compared_graph: dict[tuple, str] = {}  # each region's first key for the rank check
         self._compared_latest: dict[tuple, str] = {}  # each region's latest key (measured selection's, across ranks)
 
+    def __deepcopy__(self, memo: dict) -> "OffloadBackend":
+        """Not copied: ``copy.deepcopy`` of a compiled model (an EMA copy) compiles the copy's graphs through
+        this backend, as two models compiled with one backend, or by name, do. Its records hold fake
+        tensors, which cannot be copied."""
+        return self
+
     @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
         """This backend's side of the plan check across ranks (``check_ranks``), made when first needed:
