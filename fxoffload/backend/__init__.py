@@ -59,6 +59,7 @@ import functools
 import hashlib
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -624,6 +625,8 @@ class OffloadBackend:
             if tracked and (node := _backward_node(out)) is not None:
                 run_index = self._step.note_forward(record, region)
                 node.register_prehook(functools.partial(self._on_backward, invocation))
+                if isinstance(node, torch.autograd.function.BackwardCFunction):  # lives as long as its graph
+                    weakref.finalize(node, fxoffload.runtime.forward_abandoned, invocation)
                 if warn:
                     self._step.warn_held(region)
                 self._callers.after_forward(run_index, record.offloaded_inputs, args)

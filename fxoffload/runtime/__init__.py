@@ -130,7 +130,8 @@ from fxoffload.runtime.state import retire as _retire
 
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
-    "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_invocation", "kept_storages",
+    "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_abandoned", "forward_invocation",
+    "kept_storages",
     "pending_transfers",
     "release_host_memory",
     "reserve_host", "reset", "settle", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
@@ -211,6 +212,8 @@ def forward_invocation(before_last: bool = False) -> Iterator[Invocation]:
     ``before_last``: this is not its graph's last run of the step (its releases marked
     ``defer_before_last`` then defer instead of waiting); a forward run inside a backward never is."""
     outer = _in_backward()  # a forward recomputed inside a backward (checkpointing) is not the step's
+    if not outer:
+        _forget_abandoned()
     if not outer and not STATE.open:
         _drop_ahead(orphans_only=bool(STATE.waiting))  # copies ahead for a forward still waiting stay
         if not STATE.waiting:  # a new step
@@ -243,6 +246,21 @@ def forward_invocation(before_last: bool = False) -> Iterator[Invocation]:
             STATE.waiting.append(invocation)
             if len(STATE.waiting) > _WAITING_KEPT:  # forwards whose backward never began: forget the oldest
                 del STATE.waiting[: len(STATE.waiting) - _WAITING_KEPT]
+
+
+def forward_abandoned(invocation: Invocation) -> None:
+    """The autograd graph of ``invocation`` is freed (a finalizer calls this, at any moment, on any thread).
+    If its backward never began (a forward whose loss was only logged, or skipped), it waits no longer:
+    the next forward forgets it, so that a step can begin anew and the order of the step's backwards is
+    learnt again (left waiting, it kept every later step from beginning)."""
+    STATE.abandoned.append(invocation)
+
+
+def _forget_abandoned() -> None:
+    while STATE.abandoned:
+        gone = STATE.abandoned.popleft()
+        with STATE.lock:
+            STATE.waiting[:] = [w for w in STATE.waiting if w is not gone]
 
 
 def _drop_invocation(index: int) -> None:

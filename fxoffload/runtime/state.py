@@ -17,6 +17,7 @@ Limits: one process-wide state, as the ops are process-wide; the engines in use
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -117,6 +118,9 @@ class RuntimeState:
     kept: dict[int, Kept] = field(default_factory=dict)  # host data_ptr -> its source, kept for the backward
     layouts: dict[int, HostLayout] = field(default_factory=dict)  # host data_ptr -> the layout its bytes follow
     waiting: list[Invocation] = field(default_factory=list)  # forwards whose backward has not begun, in order
+    # Forwards whose autograd graph was freed before their backward began (a finalizer's, at any moment;
+    # appended without the lock, read at the next forward): no longer waiting.
+    abandoned: collections.deque = field(default_factory=collections.deque)
     open: list[Invocation] = field(default_factory=list)  # forwards running now (innermost last)
     counter: Iterator[int] = field(default_factory=itertools.count)  # the step's forward invocations
     backwards: list[int] = field(default_factory=list)  # invocations whose backward began this step, in order
@@ -141,6 +145,7 @@ class RuntimeState:
             self.ahead_hosts.clear()
             self.kept.clear()
             self.waiting.clear()
+            self.abandoned.clear()
             self.backwards.clear()
             self.last_backwards.clear()
             self.counter = itertools.count()
