@@ -10,7 +10,8 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    Why, activation_peaks_at, kept_in_last_run, peaks_over_range, plan_digest, simulate, simulate_runs,
+    UNBACKED_SIZE, Why, activation_peaks_at, data_dependent, kept_in_last_run, peaks_over_range, plan_digest, simulate,
+    simulate_runs,
 )
 
 __all__ = ["explain", "format_bytes", "format_seconds", "format_stages"]
@@ -187,9 +188,13 @@ def _sizes(record: Any) -> list[str]:
     if not sizes:
         return []
     planned = ", ".join(f"{s}={v}" for s, (v, _) in sizes.items())
-    how = ("the largest the guards allow" if all(b for _, b in sizes.values())
-           else "the traced size where no upper bound is known")
-    lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({how})"]
+    traced = {s: b for s, (_, b) in sizes.items() if not data_dependent(s)}
+    how = [] if not traced else ["the largest the guards allow" if all(traced.values())
+                                 else "the traced size where no upper bound is known"]
+    if dependent := [str(s) for s in sizes if data_dependent(s)]:
+        how.append(f"{', '.join(dependent)} data-dependent, without a traced value: counted at {UNBACKED_SIZE} "
+                   "within the guards' range, and a step whose data makes them larger may hold more")
+    lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({'; '.join(how)})"]
     if plan.sizes:
         ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in plan.ranges_held().items() if lo < hi)
         lines.append(f"the fraction is held across {ranges}: " + "; ".join(

@@ -45,7 +45,9 @@ from .scheduling import (
 )
 from .shares import RegionDemand, Share, share_for, step_peak
 from .simulator import Simulation, simulate
-from .sizes import fixed_sizes, plan_sizes, size_ranges, smallest_sizes, symbol_value, timeline_at
+from .sizes import (
+    UNBACKED_SIZE, data_dependent, fixed_sizes, plan_sizes, size_ranges, smallest_sizes, symbol_value, timeline_at,
+)
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_runs, simulate_step
 from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
@@ -61,7 +63,7 @@ __all__ = [
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
     "Strategy", "TIME_GUARD", "TRACED_LAYERS", "TRANSFER_META", "Timeline", "Transfer", "WAIT", "Why", "Work",
     "activation_peaks_at",
-    "copy_layers", "curve",
+    "UNBACKED_SIZE", "copy_layers", "curve", "data_dependent",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
     "kept_in_last_run",
     "offload_marked", "one_block", "op_work",

@@ -40,7 +40,7 @@ from .planning import Choosable, PeakWithin, SmallestPeak, plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 from .simulator import simulate
-from .sizes import concrete, unbounded_symbols
+from .sizes import concrete, data_dependent_sizes, unbounded_symbols
 
 __all__ = [
     "Analysis", "AnalysisSettings", "PassResult", "Stopwatch", "analyse_pair", "check_overhead", "counted_inputs",
@@ -329,16 +329,26 @@ def unoffloaded_total_peak(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
 
 
 def unbounded_size_warning(result: PassResult) -> str | None:
-    """What a budgeted plan cannot promise when its graph serves sizes above the traced ones."""
-    symbols = unbounded_symbols(result.timeline)
-    if not symbols or result.plan.budget_bytes is None:
+    """What a budgeted plan cannot promise when its graph serves sizes above the traced ones, or sizes
+    that depend on the data."""
+    if result.plan.budget_bytes is None:
         return None
-    traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
-    return (f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
-            f"meets memory_budget={result.plan.budget} ({result.plan.budget_bytes} B) with a predicted activation "
-            f"peak of {result.plan.activation_peak_after} B at the traced sizes only, and larger inputs may exceed "
-            "it. Bound the dimension with torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans "
-            "for the largest size the guards allow.")
+    symbols, dependent = unbounded_symbols(result.timeline), data_dependent_sizes(result.timeline)
+    meets = (f"meets memory_budget={result.plan.budget} ({result.plan.budget_bytes} B) with a predicted activation "
+             f"peak of {result.plan.activation_peak_after} B")
+    said = []
+    if symbols:
+        traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
+        said.append(f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
+                    f"{meets} at the traced sizes only, and larger inputs may exceed it. Bound the dimension with "
+                    "torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans for the largest size the "
+                    "guards allow.")
+    if dependent:
+        counted = ", ".join(f"{symbol}={value}" for symbol, value in sorted(dependent.items(), key=str))
+        said.append(f"fxoffload: this graph has sizes that depend on the data ({counted}: no traced value; each "
+                    "counted at fxoffload.passes.sizes.UNBACKED_SIZE within its guards' range): its plan "
+                    f"{meets} at those sizes only, and a step whose data makes them larger may exceed it.")
+    return " ".join(said) or None
 
 
 def rewrite_planned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, result: PassResult) -> PassResult:

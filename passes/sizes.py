@@ -21,7 +21,8 @@ value); more than three symbols are held at two corners only. :func:`fixed_sizes
 environment itself (each symbol's range and hint) for as long as it is entered: what reads the
 graph's sizes meanwhile (the planner, PyTorch's partitioner, the simulator) sees the graph as traced
 at those sizes; it is exact only where the graph's ops do not depend on the size (its guards allow
-every size it is asked for).
+every size it is asked for). A data-dependent size (an unbacked symbol) has no traced value: it is
+evaluated at ``UNBACKED_SIZE`` within its guards' range (:func:`data_dependent_sizes`).
 """
 
 from __future__ import annotations
@@ -34,18 +35,24 @@ from typing import Any, Iterator, Mapping
 import sympy
 import torch
 from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from .analysis import symbol_sources
 
-__all__ = ["GRID_POINTS", "UNBOUNDED_REACH", "concrete", "fixed_sizes", "held_sizes", "input_symbols", "plan_sizes",
-           "size_ranges", "sizes_between", "smallest_sizes", "symbol_value", "timeline_at", "unbounded_symbols"]
+__all__ = ["GRID_POINTS", "UNBACKED_SIZE", "UNBOUNDED_REACH", "concrete", "data_dependent", "data_dependent_sizes",
+           "fixed_sizes", "held_sizes", "input_symbols", "plan_sizes", "size_ranges", "sizes_between", "smallest_sizes",
+           "symbol_value", "timeline_at", "unbounded_symbols"]
 
 # Without an upper bound, a fraction is held up to this many times the traced size (automatic
 # dynamic shapes trace the second length a run meets: lengths of one dataset stay near it).
 UNBOUNDED_REACH = 2
 # Sizes :func:`sizes_between` checks along a range wider than this are spaced geometrically.
 GRID_POINTS = 64
+# A data-dependent size (an unbacked symbol: nonzero's count, a captured ``.item()``, ``mark_unbacked``) has
+# no traced value, and its guards' upper bound may be 2**63: it is evaluated at this, within its range
+# (Inductor's ``unbacked_symint_fallback``, for the same want).
+UNBACKED_SIZE = 8192
 Timeline = Any  # fxoffload.passes.memory.Timeline (not imported here: memory imports this module)
 
 
@@ -66,8 +73,22 @@ def concrete(expr: Any, val: Any = None) -> int:
 def symbol_value(shape_env: Any, symbol: Any) -> int:
     """The value :func:`concrete` gives ``symbol``: the largest its guards allow where that is finite
     (one value, under :func:`fixed_sizes`), else its hint."""
+    if data_dependent(symbol):
+        return _unbacked_value(shape_env, symbol)
     upper = _largest(shape_env, symbol)
     return upper if upper is not None else int(_hints(shape_env)[symbol])
+
+
+def _unbacked_value(shape_env: Any, symbol: Any) -> int:
+    """``UNBACKED_SIZE`` within the range the guards allow a data-dependent ``symbol``."""
+    allowed = shape_env.var_to_range.get(symbol)
+    value = UNBACKED_SIZE
+    lower, upper = getattr(allowed, "lower", None), getattr(allowed, "upper", None)
+    if getattr(upper, "is_Integer", False) or isinstance(upper, int):
+        value = min(value, int(upper))
+    if getattr(lower, "is_Integer", False) or isinstance(lower, int):
+        value = max(value, int(lower))
+    return value
 
 
 def _largest(shape_env: Any, symbol: Any) -> int | None:
@@ -82,7 +103,17 @@ def unbounded_symbols(timeline: "Timeline") -> dict[Any, int]:
     """Symbols of the inputs' sizes whose guards allow any size above the traced one (symbol -> hint)."""
     varying = input_symbols(timeline)
     return {symbol: value for symbol, (value, bounded) in plan_sizes(timeline).items()
-            if not bounded and symbol in varying}
+            if not bounded and symbol in varying and not data_dependent(symbol)}
+
+
+def data_dependent(symbol: Any) -> bool:
+    """Whether ``symbol`` is a data-dependent size (unbacked: no traced value; see ``UNBACKED_SIZE``)."""
+    return symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
+
+
+def data_dependent_sizes(timeline: "Timeline") -> dict[Any, int]:
+    """The data-dependent symbols of the timeline's sizes, each at the value the plan counts it at."""
+    return {symbol: value for symbol, (value, _) in plan_sizes(timeline).items() if data_dependent(symbol)}
 
 
 def _symbols(timeline: "Timeline") -> set:
@@ -103,6 +134,9 @@ def plan_sizes(timeline: "Timeline") -> dict[Any, tuple[int, bool]]:
     hints = _hints(shape_env)
     out = {}
     for symbol in sorted(_symbols(timeline), key=str):
+        if data_dependent(symbol):  # data-dependent: no traced size, and no meaningful bound
+            out[symbol] = (_unbacked_value(shape_env, symbol), False)
+            continue
         upper = _largest(shape_env, symbol)
         out[symbol] = (upper, True) if upper is not None else (int(hints[symbol]), False)
     return out

@@ -240,3 +240,64 @@ def test_a_layer_input_is_offloaded_after_the_symbolic_sizes_its_layout_reads():
     inputs_moved = [t for r in backend.records for t in r.plan.transfers if t.base.op == "placeholder"]
     assert inputs_moved and all(any(isinstance(size, torch.SymInt) for size in t.base.meta["val"].shape)
                                 for t in inputs_moved)  # offloaded, of symbolic sizes
+
+
+class _Selects(torch.nn.Module):
+    """Sizes that depend on the data: rows picked by ``nonzero`` and a tensor sized by a captured ``.item()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        picked = h.index_select(0, torch.nonzero(h[:, 0] > 0).squeeze(1))
+        ones = h.new_ones((h[:, 0] > 0).sum().item())
+        return (torch.sigmoid(self.b(picked)) * picked).sum() + (h * h).mean() + ones.sum()
+
+
+def test_sizes_that_depend_on_the_data_are_planned_at_a_stated_size_and_their_tensors_round_trip():
+    """Unbacked sizes (no traced value; the guards' upper bound may be 2**63) crashed the planner: KeyError
+    at the missing hint, or an int64 overflow at the bound (a trial's find). Each is now counted at
+    ``UNBACKED_SIZE`` within its range, which explain states, and tensors of such sizes are offloaded
+    and come back exact."""
+    import copy
+
+    from fxoffload.passes import UNBACKED_SIZE, data_dependent
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Selects()
+    reference = copy.deepcopy(model)
+    backend = fxoffload.offload_backend(inner="eager", strategy="offload", min_bytes=0, all_eligible=True)
+    compiled = torch.compile(model, backend=backend)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True), \
+            fxoffload.runtime.copy_delay(0.002):
+        for rows in (40, 24, 56):  # the second compiles with the rows symbolic too
+            x = torch.randn(rows, 32)
+            assert_same_step(loss_and_grads(reference, x), loss_and_grads(compiled, x))
+    record = backend.records[-1]
+    moved = [t for t in record.plan.transfers
+             if any(isinstance(d, torch.SymInt) and any(data_dependent(s) for s in d.node.expr.free_symbols)
+                    for d in t.base.meta["val"].shape)]
+    assert moved  # offloaded, of a data-dependent size
+    sizes = record.plan.sizes_planned()
+    dependent = {s: v for s, (v, _) in sizes.items() if data_dependent(s)}
+    assert len(dependent) == 2 and set(dependent.values()) == {UNBACKED_SIZE}  # unbounded above: the stated size
+    text = fxoffload.explain(record)
+    assert "data-dependent, without a traced value: counted at 8192" in text
+    # In the first graph the rows were 40: nonzero's count is bounded by them, and counted so.
+    first = {str(s): v for s, (v, _) in backend.records[0].plan.sizes_planned().items() if data_dependent(s)}
+    assert sorted(first.values()) == [40, UNBACKED_SIZE]
+
+
+def test_a_budget_over_data_dependent_sizes_warns_that_it_holds_at_the_sizes_counted():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5)
+    x = torch.randn(16, 8)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    compiled = torch.compile(model, backend=backend)
+    with pytest.warns(UserWarning, match=r"sizes that depend on the data \(u\d+=8192: no traced value"):
+        assert_same_step(loss_and_grads(model, x), loss_and_grads(compiled, x))
