@@ -27,6 +27,7 @@ def format_bytes(n: Any) -> str:
 
 
 def format_seconds(seconds: float) -> str:
+    """Seconds in s, ms or us, three significant figures."""
     for unit, size in (("s", 1.0), ("ms", 1e-3)):
         if seconds >= size:
             return f"{seconds / size:.3g} {unit}"
@@ -191,9 +192,11 @@ def _sizes(record: Any) -> list[str]:
     traced = {s: b for s, (_, b) in sizes.items() if not data_dependent(s)}
     how = [] if not traced else ["the largest the guards allow" if all(traced.values())
                                  else "the traced size where no upper bound is known"]
-    if dependent := [str(s) for s in sizes if data_dependent(s)]:
-        how.append(f"{', '.join(dependent)} data-dependent, without a traced value: counted at {UNBACKED_SIZE} "
-                   "within the guards' range, and a step whose data makes them larger may hold more")
+    if bounded := [str(s) for s, (_, b) in sizes.items() if data_dependent(s) and b]:
+        how.append(f"{', '.join(bounded)} data-dependent: the most the guards allow")
+    if unbounded := [str(s) for s, (_, b) in sizes.items() if data_dependent(s) and not b]:
+        how.append(f"{', '.join(unbounded)} data-dependent, without a traced value or a bound under "
+                   f"{UNBACKED_SIZE}: counted at {UNBACKED_SIZE}; a step whose data makes them larger may hold more")
     lines = [f"sizes: symbolic (shapes and bytes are formulas); planned and timed at {planned} ({'; '.join(how)})"]
     if plan.sizes:
         ranges = ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in plan.ranges_held().items() if lo < hi)

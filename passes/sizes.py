@@ -74,21 +74,22 @@ def symbol_value(shape_env: Any, symbol: Any) -> int:
     """The value :func:`concrete` gives ``symbol``: the largest its guards allow where that is finite
     (one value, under :func:`fixed_sizes`), else its hint."""
     if data_dependent(symbol):
-        return _unbacked_value(shape_env, symbol)
+        return _unbacked_value(shape_env, symbol)[0]
     upper = _largest(shape_env, symbol)
     return upper if upper is not None else int(_hints(shape_env)[symbol])
 
 
-def _unbacked_value(shape_env: Any, symbol: Any) -> int:
-    """``UNBACKED_SIZE`` within the range the guards allow a data-dependent ``symbol``."""
+def _unbacked_value(shape_env: Any, symbol: Any) -> tuple[int, bool]:
+    """(``UNBACKED_SIZE`` within the range the guards allow a data-dependent ``symbol``, whether that is
+    the most they allow: nonzero's count of 40 rows is at most 40)."""
     allowed = shape_env.var_to_range.get(symbol)
-    value = UNBACKED_SIZE
     lower, upper = getattr(allowed, "lower", None), getattr(allowed, "upper", None)
-    if getattr(upper, "is_Integer", False) or isinstance(upper, int):
-        value = min(value, int(upper))
+    value, bounded = UNBACKED_SIZE, False
+    if (getattr(upper, "is_Integer", False) or isinstance(upper, int)) and int(upper) <= UNBACKED_SIZE:
+        value, bounded = int(upper), True
     if getattr(lower, "is_Integer", False) or isinstance(lower, int):
         value = max(value, int(lower))
-    return value
+    return value, bounded
 
 
 def _largest(shape_env: Any, symbol: Any) -> int | None:
@@ -112,8 +113,10 @@ def data_dependent(symbol: Any) -> bool:
 
 
 def data_dependent_sizes(timeline: "Timeline") -> dict[Any, int]:
-    """The data-dependent symbols of the timeline's sizes, each at the value the plan counts it at."""
-    return {symbol: value for symbol, (value, _) in plan_sizes(timeline).items() if data_dependent(symbol)}
+    """The data-dependent symbols of the timeline's sizes whose guards allow more than the plan counts them
+    at (``UNBACKED_SIZE``), each at that value."""
+    return {symbol: value for symbol, (value, bounded) in plan_sizes(timeline).items()
+            if data_dependent(symbol) and not bounded}
 
 
 def _symbols(timeline: "Timeline") -> set:
@@ -134,8 +137,8 @@ def plan_sizes(timeline: "Timeline") -> dict[Any, tuple[int, bool]]:
     hints = _hints(shape_env)
     out = {}
     for symbol in sorted(_symbols(timeline), key=str):
-        if data_dependent(symbol):  # data-dependent: no traced size, and no meaningful bound
-            out[symbol] = (_unbacked_value(shape_env, symbol), False)
+        if data_dependent(symbol):  # no traced size: bounded where its guards' bound is the size counted
+            out[symbol] = _unbacked_value(shape_env, symbol)
             continue
         upper = _largest(shape_env, symbol)
         out[symbol] = (upper, True) if upper is not None else (int(hints[symbol]), False)

@@ -342,11 +342,26 @@ class _CheckpointedAround(torch.nn.Module):
         return (x ** 2).mean()
 
 
-def test_a_checkpoint_around_a_compiled_block_recomputes_the_graph_its_forward_ran():
+def _one_f_one_b(model, batches):
+    """Three microbatches in 1F1B's order (the third forward before the second backward); the summed grads."""
+    model.zero_grad(set_to_none=True)
+    first, second = model(batches[0]), model(batches[1])
+    first.backward()
+    third = model(batches[2])
+    second.backward()
+    third.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("order", ["steps", "1f1b"])
+def test_a_checkpoint_around_a_compiled_block_recomputes_the_graph_its_forward_ran(order):
     """Blocks compiled one at a time, each checkpointed from outside: the first step counts each graph's runs,
     and the graph is re-planned for them at the next step's forward. It was re-planned at the first forward
     that came after the count, the checkpoint's recomputation inside the backward, whose new plan saves
-    other values than the forward's: "Recomputed values ... have different metadata" (a trial's find)."""
+    other values than the forward's: "Recomputed values ... have different metadata" (a trial's find); and,
+    in 1F1B's order, at the third forward, before the second's backward recomputed (a review's)."""
     import copy
 
     torch._dynamo.reset()
@@ -360,8 +375,17 @@ def test_a_checkpoint_around_a_compiled_block_recomputes_the_graph_its_forward_r
     with runtime.copy_delay(0.002), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the caller (the checkpoint) keeps each block's input: said, not tested
         for _ in range(3):
-            x = torch.randn(4, 8, 32)
-            assert_same_step(loss_and_grads(reference, x), loss_and_grads(model, x))
-    # Two graphs (the first block's input needs no gradient), re-planned for their runs: one and two.
+            if order == "steps":
+                x = torch.randn(4, 8, 32)
+                assert_same_step(loss_and_grads(reference, x), loss_and_grads(model, x))
+                continue
+            batches = [torch.randn(4, 8, 32) for _ in range(3)]
+            expected, got = _one_f_one_b(reference, batches), _one_f_one_b(model, batches)
+            assert got.keys() == expected.keys()
+            for name in expected:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    # Two graphs (the first block's input needs no gradient), re-planned for the runs counted.
     replanned = [r for r in backend.records if r.runs_learned]
-    assert {r.plan.runs for r in replanned} == {1, 2} and all(r.plan.transfers for r in replanned)
+    assert replanned and all(r.plan.transfers for r in replanned)
+    if order == "steps":  # the first block runs its graph once a step, the other two the other graph
+        assert {r.plan.runs for r in replanned} == {1, 2}

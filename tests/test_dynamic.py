@@ -285,10 +285,11 @@ def test_sizes_that_depend_on_the_data_are_planned_at_a_stated_size_and_their_te
     dependent = {s: v for s, (v, _) in sizes.items() if data_dependent(s)}
     assert len(dependent) == 2 and set(dependent.values()) == {UNBACKED_SIZE}  # unbounded above: the stated size
     text = fxoffload.explain(record)
-    assert "data-dependent, without a traced value: counted at 8192" in text
+    assert "data-dependent, without a traced value or a bound under 8192: counted at 8192" in text
     # In the first graph the rows were 40: nonzero's count is bounded by them, and counted so.
-    first = {str(s): v for s, (v, _) in backend.records[0].plan.sizes_planned().items() if data_dependent(s)}
-    assert sorted(first.values()) == [40, UNBACKED_SIZE]
+    first = {str(s): v for s, v in backend.records[0].plan.sizes_planned().items() if data_dependent(s)}
+    assert sorted(first.values()) == [(40, True), (UNBACKED_SIZE, False)]
+    assert "data-dependent: the most the guards allow" in fxoffload.explain(backend.records[0])
 
 
 def test_a_budget_over_data_dependent_sizes_warns_that_it_holds_at_the_sizes_counted():

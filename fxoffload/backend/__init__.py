@@ -60,7 +60,7 @@ import hashlib
 import logging
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -587,9 +587,14 @@ class OffloadBackend:
                             and not pipeline_inference())
             if step_forward:
                 self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
-            # Re-planned at a step's forward only: a checkpoint's recomputation inside the backward must run the
-            # graph its forward ran, whose saved values it recomputes (a new plan saves others).
-            if step_forward and state.replan is not None and self._step.counted(region):  # a step has shown its runs
+            elif torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+                state.recomputed = True  # a checkpoint around the region recomputes its forward in the backward
+            # The graph changes (a re-plan, measured selection's next candidate) only at a step's forward, and,
+            # for a region a checkpoint recomputes, only once none of its forwards waits for its backward: the
+            # recomputation must run the graph its forward ran (a new plan saves other values: 1F1B's third
+            # forward comes before the second's backward).
+            settled = step_forward and not _recomputes_pending(state)
+            if settled and state.replan is not None and self._step.counted(region):  # a step has shown its runs
                 share = self._step.share(region)
                 if self._step.needs_replan(region, state.compiled.compilation.record, share):
                     state.compiled = self._replan(region, state.replan, share)  # a failure raises here, every time
@@ -603,7 +608,8 @@ class OffloadBackend:
                 self._callers.next_forward()
                 if state.step != self._steps:  # the region's first forward of this step
                     state.step, state.runs = self._steps, 0
-                    self._select_step(region, state)
+                    if settled:
+                        self._select_step(region, state)
                 state.runs += 1
             # Compiled autograd re-traces the backward: copies cannot be re-traced (refused before the
             # forward runs), and the backward hook below trips its pre-hook reordering where an output's
@@ -620,6 +626,8 @@ class OffloadBackend:
             with _timed(timer, args), fxoffload.runtime.forward_invocation(before_last) as invocation, \
                     fxoffload.runtime.debugging(self.config.debug):
                 out = state.compiled.run(*args)
+            if step_forward:
+                state.ran.append(invocation)
             record = state.compiled.compilation.record
             tracked = step_forward and not traced_again and record is not None
             if tracked and (node := _backward_node(out)) is not None:
@@ -863,6 +871,16 @@ class _RegionRun:
     step: int = -1  # the backend's step in which it last ran a forward
     runs: int = 0  # its forwards in that step so far
     selected: bool = False  # measured selection is over (or off: no source; or nothing to choose)
+    recomputed: bool = False  # a checkpoint around it has recomputed its forward inside a backward
+    ran: list = field(default_factory=list)  # its forwards' runtime invocations, while they wait for their backward
+
+
+def _recomputes_pending(state: _RegionRun) -> bool:
+    """Whether a checkpoint may still recompute a forward of this region that waits for its backward (the
+    graph must not change until it has): its invocations no longer waiting are forgotten here."""
+    waiting = fxoffload.runtime.waiting_forwards()
+    state.ran = [run for run in state.ran if any(run is w for w in waiting)]
+    return state.recomputed and bool(state.ran)
 
 
 @contextlib.contextmanager

@@ -133,7 +133,7 @@ __all__ = [
     "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_abandoned", "forward_invocation",
     "kept_storages",
     "pending_transfers",
-    "release_host_memory",
+    "release_host_memory", "waiting_forwards",
     "reserve_host", "reset", "settle", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
 ]
 
@@ -257,10 +257,21 @@ def forward_abandoned(invocation: Invocation) -> None:
 
 
 def _forget_abandoned() -> None:
-    while STATE.abandoned:
-        gone = STATE.abandoned.popleft()
+    """Stop waiting for the forwards :func:`forward_abandoned` named (another thread may empty the queue)."""
+    while True:
+        try:
+            gone = STATE.abandoned.popleft()
+        except IndexError:
+            return
         with STATE.lock:
             STATE.waiting[:] = [w for w in STATE.waiting if w is not gone]
+
+
+def waiting_forwards() -> list[Invocation]:
+    """The forwards whose backward has not begun, in order (not those whose graph was freed)."""
+    _forget_abandoned()
+    with STATE.lock:
+        return list(STATE.waiting)
 
 
 def _drop_invocation(index: int) -> None:
