@@ -25,6 +25,45 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+class GatedBlock(torch.nn.Module):
+    """``x + tanh(Linear(x)) * sigmoid(x)``: a residual layer whose input its backward reads."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x)) * torch.sigmoid(x)
+
+
+class BlockStack(torch.nn.Module):
+    """Three :class:`GatedBlock` layers (``blocks``, to compile one at a time), then a squared mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(GatedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return (x ** 2).mean()
+
+
+def compiled_blocks(**compile_kwargs):
+    """A :class:`BlockStack` whose blocks are compiled one at a time by one fxoffload backend moving every
+    eligible tensor (inner eager), an eager copy made first, and the backend: (model, reference, backend)."""
+    import copy
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BlockStack()
+    reference = copy.deepcopy(model)
+    backend = fxoffload.offload_backend(inner="eager", strategy="offload", min_bytes=0, all_eligible=True)
+    for block in model.blocks:
+        block.compile(backend=backend, **compile_kwargs)
+    return model, reference, backend
+
+
 class MLP(torch.nn.Module):
     """Linear -> relu -> Linear -> tanh -> Linear -> sum: three activations, one saved as a view."""
 

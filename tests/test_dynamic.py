@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxoffload
-from tests.conftest import MLP, assert_same_step, loss_and_grads, loss_step
+from tests.conftest import MLP, assert_same_step, compiled_blocks, loss_and_grads, loss_step
 
 
 def compile_marked(mark, **options):
@@ -201,38 +201,12 @@ def test_a_size_read_off_a_moved_tensor_waits_for_neither_its_copy_nor_its_recom
     assert all(n.args[0].op == "placeholder" for n in record.backward.graph.nodes if reads_size_only(n))
 
 
-class _Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x)) * torch.sigmoid(x)
-
-
-class _Stack(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.Sequential(*[_Block() for _ in range(3)])
-
-    def forward(self, x):
-        return (self.blocks(x) ** 2).mean()
-
-
 def test_a_layer_input_is_offloaded_after_the_symbolic_sizes_its_layout_reads():
     """Blocks compiled one at a time with ``dynamic=True``: a block's input (a graph input, which its caller
     drops) is offloaded, and the offload's strides read sizes made at the top of the forward. The offload
     was placed among the graph's inputs, before those sizes: an invalid graph at the first compile (a
     trial's find, 2026-12-06)."""
-    import copy
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    stack = _Stack()
-    reference = copy.deepcopy(stack)
-    backend = fxoffload.offload_backend(inner="eager", strategy="offload", min_bytes=0, all_eligible=True)
-    for block in stack.blocks:
-        block.compile(backend=backend, dynamic=True)
+    stack, reference, backend = compiled_blocks(dynamic=True)
     with fxoffload.runtime.copy_delay(0.002):
         for batch, length in ((4, 8), (3, 5), (2, 7)):
             x = torch.randn(batch, length, 16)

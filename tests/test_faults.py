@@ -16,7 +16,7 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
-from tests.conftest import assert_same_step, loss_and_grads
+from tests.conftest import assert_same_step, compiled_blocks, loss_and_grads
 from tests.fake_cuda import FakeCuda
 
 
@@ -142,42 +142,15 @@ def test_a_graph_that_raises_mid_step_drops_its_transfers_and_the_next_step_is_e
         assert copier.api.violations == []
 
 
-class _Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
-
-
-class _Blocks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return (x ** 2).mean()
-
-
 @pytest.mark.parametrize("drop", ["output", "collect", "rebound"])
 def test_a_forward_whose_backward_never_runs_is_forgotten_once_its_graph_is_freed(drop):
     """A step's forward run with gradients but no backward (a loss only logged, or skipped): its graph
     is freed and the runtime stops waiting for it, so each later step begins anew. Left waiting, it kept
     every later step from beginning: the backwards of all later steps piled up as one step's (4194 after
     1400 steps in a trial), and the order learnt from the last step's backwards stayed the first's."""
-    import copy
     import gc
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Blocks()
-    reference = copy.deepcopy(model)
-    backend = fxoffload.offload_backend(inner="eager", strategy="offload", min_bytes=0, all_eligible=True)
-    for block in model.blocks:
-        block.compile(backend=backend)
+    model, reference, _ = compiled_blocks()
     with runtime.copy_delay(0.001):
         logged = None
         for step in range(6):
