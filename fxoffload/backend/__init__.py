@@ -583,11 +583,11 @@ class OffloadBackend:
             # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
             # stage's metadata inference (see compile_call.pipeline_inference). (Runs on fake tensors are:
             # fxoffload plan traces its steps so.)
-            step_forward = (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-                            and not pipeline_inference())
+            in_backward = torch._C._current_graph_task_id() != -1
+            step_forward = torch.is_grad_enabled() and not in_backward and not pipeline_inference()
             if step_forward:
                 self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
-            elif torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            elif torch.is_grad_enabled() and in_backward:
                 state.recomputed = True  # a checkpoint around the region recomputes its forward in the backward
             # The graph changes (a re-plan, measured selection's next candidate) only at a step's forward, and,
             # for a region a checkpoint recomputes, only once none of its forwards waits for its backward: the
@@ -878,8 +878,8 @@ class _RegionRun:
 def _recomputes_pending(state: _RegionRun) -> bool:
     """Whether a checkpoint may still recompute a forward of this region that waits for its backward (the
     graph must not change until it has): its invocations no longer waiting are forgotten here."""
-    waiting = fxoffload.runtime.waiting_forwards()
-    state.ran = [run for run in state.ran if any(run is w for w in waiting)]
+    waiting = fxoffload.runtime.waiting_forwards()  # (invocations compare by identity)
+    state.ran = [run for run in state.ran if run in waiting]
     return state.recomputed and bool(state.ran)
 
 
