@@ -141,6 +141,11 @@ class FakeStream:
         else:
             self.fake._run(other, len(other.queue))
 
+    def synchronize(self) -> None:
+        """Run every copy queued on it (the host waits for the stream)."""
+        if not self.compute:
+            self.fake._run(self, len(self.queue))
+
     def wait_event(self, event: "FakeEvent") -> None:
         if event.stream is not None and event.stream.compute:  # recorded on compute: ordered after its ops
             self.after_compute = True

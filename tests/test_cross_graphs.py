@@ -6,6 +6,7 @@ in flight. Shown on the CPU engine, whose copies run on background threads, land
 ``copy_delay`` and leave poison (NaN) until they land.
 """
 
+import contextlib
 import copy
 import gc
 import time
@@ -50,7 +51,7 @@ def test_a_deferred_source_is_dropped_once_its_copy_lands_without_the_garbage_co
             host = offload_deferred(x)
             del x
             assert not source.expired(), "held by the engine while the copy is in flight"
-            runtime._cpu_engine._workers["d2h"].submit(lambda: None).result()  # the copy has landed
+            runtime._cpu_engine.settle()  # the copy has landed, and its callback run
         assert source.expired()
         assert torch.isfinite(host).all()
     finally:
@@ -212,7 +213,7 @@ def test_a_deferred_copy_that_failed_raises_where_it_is_completed(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "copy_", broken)
     host = offload_deferred(x)
-    runtime._cpu_engine._workers["d2h"].submit(lambda: None).result()  # the copy has run (and raised)
+    runtime._cpu_engine.settle()  # the copy has run (and raised)
     monkeypatch.undo()
     ops.wait(ops.offload(torch.randn(2)), torch.randn(2))  # later ops do not drop the failed copy ...
     with pytest.raises(RuntimeError, match="the copy engine failed"):
@@ -377,4 +378,36 @@ def test_one_graph_per_layer_defers_its_releases_in_every_run_but_the_last_and_m
     assert sorted(set(deferred)) == [0, 1, 2] and len(deferred) == 3 * len(placements)  # the last run waits
     # Each run completes what it deferred before it returns: no copy of it is still in flight then.
     assert [e[2] for e in step if e[0] == "forward_end"] == [0, 0, 0, 0], step
+    assert runtime.pending_transfers() == 0
+
+
+def _copying_hooks(kind: str):
+    """A user's saved-tensor hooks around the step whose pack reads what it is handed: PyTorch's ``save_on_cpu``
+    (it copies each saved tensor into a host buffer of its own), or a pack that clones."""
+    if kind == "save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)  # on a CPU-only build: a pageable copy
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+@pytest.mark.parametrize("engine", ["cpu", "cuda-fake"])
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "clone"])
+def test_a_users_pack_hook_reads_offloaded_tensors_after_their_copies_land(engine, hooks):
+    """A compiled forward returns host buffers whose copies are in flight (``defer``), and autograd hands what
+    the graph saves to the user's pack hook before the forward's caller sees it: the hook must read landed
+    bytes. Before 2026-12-06 it read poison (a trial: ``save_on_cpu`` around a GPT-2 gave gradients 0.26 off;
+    NaN under Inductor). Blocks compiled apart, each step against eager under the same hooks."""
+    from tests.conftest import compiled_blocks, cuda_engine_on_cpu, loss_and_grads
+
+    model, reference, backend = compiled_blocks()
+    with contextlib.ExitStack() as stack:
+        if engine == "cuda-fake":
+            stack.enter_context(cuda_engine_on_cpu())
+        stack.enter_context(runtime.copy_delay(0.002))
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            with _copying_hooks(hooks):
+                expected = loss_and_grads(reference, x)
+            with _copying_hooks(hooks):
+                assert_same_step(expected, loss_and_grads(model, x))
+    assert sum(len(r.plan.transfers) for r in backend.records) > 0
     assert runtime.pending_transfers() == 0

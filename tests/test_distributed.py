@@ -24,6 +24,40 @@ def test_ddp_two_processes_match_eager_ddp_and_offload_on_each_rank():
 
 
 @pytest.mark.slow
+def test_ddp_graphs_split_at_buckets_match_eager_ddp_and_are_planned_for_one_run_each():
+    """The default ``optimize_ddp`` splits a frame's graph at DDP's buckets and runs each compiled piece on fake
+    tensors while compiling the next. Before 2026-12-06 that run was counted as the step's: every piece was
+    planned for two runs a step (a trial: a budget then raised at the second step, with twice the figures)."""
+    script = Path(__file__).parent / "distributed" / "ddp_step.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "split"],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = re.findall(r"rank (\d): graphs (\d+), transfers (\d+), same as eager DDP: (\w+), "
+                       r"plan digests [\w,]+; runs per step \[([\d, ]+)\]", run.stdout)
+    assert sorted(rank for rank, *_ in ranks) == ["0", "1"], run.stdout
+    for _, graphs, transfers, same, runs in ranks:
+        assert int(graphs) >= 2 and int(transfers) > 0 and same == "True" and runs == "1", run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "offload"])
+def test_tensor_parallel_layers_under_a_budget_match_eager_on_each_rank(strategy):
+    """Tensor parallelism's graphs take the process group as a script object: PyTorch's budgeted partition, one
+    of strategy auto's alternatives, refused to size it, and the compile failed (a trial, 2026-12-06)."""
+    script = Path(__file__).parent / "distributed" / "tp_step.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), strategy],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = re.findall(r"rank (\d): \w+: graphs (\d+), moved or recomputed (\d+), same as eager: (\w+)", run.stdout)
+    assert sorted(rank for rank, *_ in ranks) == ["0", "1"], run.stdout
+    assert all(int(graphs) >= 1 and int(moved) > 0 and same == "True" for _, graphs, moved, same in ranks), run.stdout
+
+
+@pytest.mark.slow
 def test_fsdp2_example_matches_fsdp2_without_fxoffload_and_offloads_on_each_rank():
     """examples/train_fsdp2.py --check: fully_shard per layer, each layer compiled with fxoffload;
     two optimizer steps, losses and local gradient shards equal the eager FSDP2 job's."""

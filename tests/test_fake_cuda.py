@@ -142,6 +142,19 @@ def test_round_trip_through_the_cuda_engine_copies_one_block_each_way(layout):
     assert fake.copies_run == 2 and fake.violations == []
 
 
+def test_landing_host_copies_has_the_host_wait_for_every_device_to_host_copy():
+    """What a user's pack hook needs before it reads a host buffer (``runtime.pack_hooks_read_landed``): an
+    offload's copy queued on its stream, and not yet waited for, has landed once ``land_host_copies`` returns."""
+    with cuda_engine_on_cpu() as fake:
+        x = torch.randn(8, 16)
+        host = ops.offload(x)
+        assert fake.pending() == 1 and torch.isnan(host).all()
+        runtime._engines["cpu"].land_host_copies()
+        assert fake.pending() == 0 and torch.equal(host, x)
+        ops.wait(host, x)
+    assert fake.violations == []
+
+
 class Forgetful:
     """The stream API, with every copy stream's waits swallowed: an engine that forgets to order its
     copies after compute."""

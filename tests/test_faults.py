@@ -9,7 +9,11 @@ op traced into the backward, raise when told to, with copies in flight.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +171,31 @@ def test_a_forward_whose_backward_never_runs_is_forgotten_once_its_graph_is_free
             if drop != "rebound" or step > 3:  # (the graph alive through steps 2 and 3: waited for there)
                 assert runtime.STATE.waiting == [] and runtime.STATE.backwards == [2, 1, 0], step
     assert runtime.pending_transfers() == 0
+
+
+@pytest.mark.slow  # a process of its own, about 8 s
+def test_copies_still_land_after_keyboard_interrupts_caught_mid_copy():
+    """Thousands of ``KeyboardInterrupt``s land in the CPU engine's offloads, prefetches and waits, each caught; the
+    round trips after them land with their values. Before 2026-12-06 one of them could leave a ``Future``'s
+    condition held, and the next copy hung (a trial's loop of training steps: 2 hangs in 7 runs; this loop of
+    bare copies: every run). A process of its own: it installs a SIGALRM handler, and a hang is killed there."""
+    run = subprocess.run([sys.executable, "-m", "tests.interrupted_copies", "2"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "later copies land" in run.stdout, run.stdout
+
+
+def test_a_copy_thread_serves_on_after_a_completion_callback_raises(caplog):
+    from fxoffload.runtime.engines import _CopyJob, _CopyThread
+
+    def broken() -> None:
+        raise RuntimeError("a callback's bug")
+
+    thread = _CopyThread("fxoffload-test")
+    thread.submit(_CopyJob(lambda: None, on_done=broken)).result()
+    later = thread.submit(_CopyJob(lambda: None))
+    deadline = time.monotonic() + 10
+    while not later.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert later.done(), "the copy thread died with the callback"
+    assert "completion callback raised" in caplog.text

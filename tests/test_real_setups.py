@@ -2,6 +2,7 @@
 and boolean saved tensors, channels-last and transposed tensors, in-place updates, compile modes,
 and an exception in the middle of a step. Numerics are compared with eager PyTorch."""
 
+import copy
 import warnings
 
 import pytest
@@ -110,6 +111,31 @@ def test_the_global_cuda_graphs_setting_is_turned_off_for_our_graphs_with_a_warn
         seen, warned = inductor_settings_seen(monkeypatch)
     assert seen and all(cudagraphs is False for cudagraphs, _ in seen)  # forward and backward
     assert len(warned) == 1 and "compiles its graphs without CUDA graphs" in warned[0]
+
+
+@pytest.mark.parametrize("theirs", [0.3, 1.0])
+def test_a_users_own_recompute_budget_beside_a_memory_budget_is_named_and_the_step_is_exact(theirs):
+    """``torch._functorch.config.activation_memory_budget`` set by the user: PyTorch's partition recomputes to
+    it before fxoffload plans (a trial, 2026-12-06: exact, and explain's "min-cut" was that budgeted pair).
+    Said once, with the two settings; at 1.0 (PyTorch's default) nothing is said."""
+    from tests.conftest import MLP
+
+    fxoffload.backend.compile_call._warned_recompute_budget.clear()
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(3, 5, 8)
+    reference = copy.deepcopy(model)
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0, on_infeasible="warn")
+    with torch._functorch.config.patch(activation_memory_budget=theirs), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(2):
+            assert_same_step(loss_and_grads(reference, x), loss_and_grads(compiled, x))
+    named = [str(w.message) for w in caught if "activation_memory_budget" in str(w.message)]
+    if theirs < 1.0:
+        assert len(named) == 1, named
+        assert "activation_memory_budget=0.3 is set" in named[0] and "memory_budget=0.5" in named[0]
+    else:
+        assert named == []
 
 
 @pytest.mark.parametrize("by_name", [False, True], ids=["object", "name"])

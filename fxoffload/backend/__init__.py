@@ -72,6 +72,7 @@ from fxoffload.backend.callers import CallerWatch, offloaded_inputs
 from fxoffload.backend.compat import compiled_autograd_on
 from fxoffload.backend.compile_call import (
     EAGER_REGIONS, InputFacts, eager_region_breaks, input_facts, mode_patches, no_cudagraphs, pipeline_inference,
+    run_while_compiling, warn_user_recompute_budget,
 )
 from fxoffload.backend.fusion_distance import distances_without_our_ops, cached_under_our_source
 from fxoffload.config import OffloadConfig, OptionError, config_from_options
@@ -581,10 +582,12 @@ class OffloadBackend:
 
         def run(*args: Any) -> Any:
             # Forwards run inside a backward (checkpoint recomputation) are not the step's, nor is a pipeline
-            # stage's metadata inference (see compile_call.pipeline_inference). (Runs on fake tensors are:
-            # fxoffload plan traces its steps so.)
+            # stage's metadata inference (see compile_call.pipeline_inference), nor a run while Dynamo compiles
+            # (DDP's graph splitting: compile_call.run_while_compiling). (Runs on fake tensors are: fxoffload
+            # plan traces its steps so.)
             in_backward = torch._C._current_graph_task_id() != -1
-            step_forward = torch.is_grad_enabled() and not in_backward and not pipeline_inference()
+            step_forward = (torch.is_grad_enabled() and not in_backward and not pipeline_inference()
+                            and not run_while_compiling())
             if step_forward:
                 self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
             elif torch.is_grad_enabled() and in_backward:
@@ -624,7 +627,8 @@ class OffloadBackend:
             # Not the graph's last run of the step: releases planned so (``defer_before_last``) defer.
             before_last = step_forward and record is not None and state.runs < record.plan.runs
             with _timed(timer, args), fxoffload.runtime.forward_invocation(before_last) as invocation, \
-                    fxoffload.runtime.debugging(self.config.debug):
+                    fxoffload.runtime.debugging(self.config.debug), \
+                    fxoffload.runtime.pack_hooks_read_landed(invocation):  # a user's hooks read landed bytes
                 out = state.compiled.run(*args)
             if step_forward:
                 state.ran.append(invocation)
@@ -824,6 +828,7 @@ class OffloadBackend:
                       patches: dict) -> Callable:
         """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
         stop = self._stops_at_joint(gm)
+        warn_user_recompute_budget(self.config.memory_budget)
         keep = None if self.joints is None else functools.partial(self._keep_joint, compilation, stop=stop)
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, keep)
         if self.config.inner == "inductor":

@@ -25,7 +25,8 @@ import torch
 from fxoffload.passes import tensor_storage_key
 
 __all__ = ["EAGER_REGIONS", "MODES", "InputFacts", "eager_region_breaks", "input_activations", "input_facts",
-           "leaf_gradient_bytes", "mode_patches", "no_cudagraphs", "pipeline_inference"]
+           "leaf_gradient_bytes", "mode_patches", "no_cudagraphs", "pipeline_inference", "run_while_compiling",
+           "warn_user_recompute_budget"]
 
 
 MODES = (None, "default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
@@ -51,6 +52,25 @@ def mode_patches(mode: str | None, unknown: dict) -> dict:
 
 
 _warned_cudagraphs: list[bool] = []
+
+
+_warned_recompute_budget: list[float] = []
+
+
+def warn_user_recompute_budget(memory_budget: object) -> None:
+    """Once per value: a user's ``torch._functorch.config.activation_memory_budget`` below 1 beside a budget of
+    fxoffload's. PyTorch's partition under it (recomputing to its own budget) is the pair fxoffload plans from,
+    so the fraction is of that pair's peak, and ``explain``'s "min-cut" is that budgeted one (a trial,
+    2026-12-06: exact, and 0.5 of a pair PyTorch had cut to 0.3)."""
+    fraction = torch._functorch.config.activation_memory_budget
+    if memory_budget is None or fraction >= 1.0 or fraction in _warned_recompute_budget:
+        return
+    _warned_recompute_budget.append(fraction)
+    warnings.warn(
+        f"fxoffload: torch._functorch.config.activation_memory_budget={fraction:g} is set: PyTorch's partition "
+        f"recomputes to it first, and memory_budget={memory_budget!r} then applies to that partition's peak "
+        "(what explain calls min-cut). Leave it at 1.0 to let fxoffload weigh recomputation against "
+        "offloading (strategy auto tries PyTorch's budgeted partition among its alternatives)", stacklevel=3)
 
 
 def no_cudagraphs() -> dict:
@@ -106,6 +126,14 @@ def pipeline_inference(depth: int = 16) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def run_while_compiling() -> bool:
+    """Whether this forward runs while Dynamo compiles a frame (its tracing context is set only then): DDP's
+    graph splitting (``optimize_ddp``, the default) compiles the pieces of a frame's graph one after another and
+    runs each compiled piece on fake tensors, to hand the next its inputs. That run is not the step's: counted,
+    every piece would be planned for two runs a step."""
+    return torch._guards.TracingContext.try_get() is not None
 
 
 def input_activations(example_inputs: list[Any]) -> frozenset[int]:

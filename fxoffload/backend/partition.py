@@ -43,6 +43,15 @@ __all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMe
            "module_copy", "partition_by_cut", "quick_min_cut", "with_stack_headroom"]
 
 
+# PyTorch's budgeted partition sizes every node it may save, and refuses a script object (tensor parallelism's
+# process group, a graph input): it may hold tensors. It holds no activation of the step, and fxoffload's own
+# memory model (which weighs the pair it returns) counts tensors alone; so, where this torch has the switch,
+# such objects count as nothing there too (without it, strategy auto's alternative failed the compile of every
+# tensor-parallel graph under a budget).
+_SCRIPT_OBJECTS_ARE_INPUTS = ({"unsafe_treat_script_objects_as_zero_size": True}
+                              if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size") else {})
+
+
 def module_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with a graph of its own (the same nodes, copied, their meta dicts too), sharing its
     submodules and attributes. Its Python code is generated when first needed where PyTorch makes graph
@@ -116,7 +125,7 @@ class Partitioner(CustomPartitionerFn):
                                                                                            kwargs)
 
         def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
-            with torch._functorch.config.patch(activation_memory_budget=fraction):
+            with torch._functorch.config.patch(activation_memory_budget=fraction, **_SCRIPT_OBJECTS_ARE_INPUTS):
                 return min_cut_rematerialization_partition(partitioned(), joint_inputs, **kwargs)
 
         return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,

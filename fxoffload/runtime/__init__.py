@@ -131,7 +131,7 @@ from fxoffload.runtime.state import retire as _retire
 __all__ = [
     "CpuEngine", "CudaEngine", "DebugCounts", "Invocation", "backward_begins", "backward_graph", "copy_delay",
     "copies_in_flight", "debug_counts", "debugging", "elapsed_seconds", "forward_abandoned", "forward_invocation",
-    "kept_storages",
+    "kept_storages", "pack_hooks_read_landed",
     "pending_transfers",
     "release_host_memory", "waiting_forwards",
     "reserve_host", "reset", "settle", "staging_device_types", "started_ahead", "timing_mark", "trace", "use_engine",
@@ -348,6 +348,44 @@ def backward_begins(invocation: Invocation) -> None:
         deferred = list(STATE.deferred)
     for transfer in deferred:
         _retire(transfer, complete=True)
+
+
+@contextlib.contextmanager
+def pack_hooks_read_landed(invocation: Invocation) -> Iterator[None]:
+    """Around a compiled forward's call (the backend's run wrapper): a user's saved-tensor hooks
+    (``torch.autograd.graph.save_on_cpu``, a compressing pack) are handed what the forward saves as it returns,
+    host buffers among them whose copies are still in flight (deferred; on CUDA, ordered for the compute
+    stream alone), and their pack reads them on the host. Under such hooks each pack first completes the
+    copies this forward deferred and has the host wait for the engines' device-to-host copies
+    (:func:`_land_host_copies`): what the hook reads has landed, at the price of the overlap across the
+    forward's end. Left as they are: no hooks, checkpoint's (``torch.utils.checkpoint``: its pack reads
+    nothing, a recomputation replaces what it is handed) and hooks AOTAutograd inlines into the graph."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or not _pack_reads(hooks[0]):
+        yield
+        return
+    pack, unpack = hooks
+
+    def pack_landed(t: torch.Tensor) -> Any:
+        _land_host_copies(invocation.index)
+        return pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_landed, unpack):
+        yield
+
+
+def _pack_reads(pack: Callable) -> bool:
+    """Whether a pack hook may read the tensor it is handed on the host."""
+    return not isinstance(pack, torch.fx.GraphModule) and getattr(pack, "__module__", None) != "torch.utils.checkpoint"
+
+
+def _land_host_copies(index: int) -> None:
+    with STATE.lock:
+        due = [t for t in STATE.deferred if t.invocation == index]
+    for transfer in due:
+        _retire(transfer, complete=True)
+    for engine in {id(e): e for e in _engines.values()}.values():
+        engine.land_host_copies()
 
 
 def kept_storages() -> list[torch.UntypedStorage]:

@@ -1,7 +1,9 @@
 """The copy engines: how ``offload`` and ``prefetch`` copy, per device type.
 
 * :class:`CpuEngine`: the runtime's protocol with real asynchrony. Each direction has one
-  background worker thread; ``offload``/``prefetch`` submit the copy and ``wait`` joins it.
+  background copy thread (:class:`_CopyThread`); ``offload``/``prefetch`` submit the copy and ``wait`` joins it.
+  Nothing the copy thread needs is a lock the calling thread takes in Python code: a ``KeyboardInterrupt``
+  caught mid-step must not leave such a lock held (``concurrent.futures`` did: a ``Future``'s condition).
   Destinations are poisoned (NaN for floating dtypes) before the copy is submitted, so a consumer
   that reads before its ``wait`` sees poison, not stale memory that happens to hold the right
   values. Tests inject a delay (``fxoffload.runtime.copy_delay``) to widen every race.
@@ -20,10 +22,15 @@ engine call; the CUDA engine's copies of several devices share nothing but the r
 
 from __future__ import annotations
 
+import _thread
+import atexit
+import logging
 import math
+import os
+import queue
+import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -33,6 +40,8 @@ from fxoffload.runtime import pinned
 from fxoffload.runtime.state import STATE, CopyRecord, event, register, retire
 
 __all__ = ["CpuEngine", "CudaEngine"]
+
+_log = logging.getLogger(__name__)
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -47,17 +56,100 @@ def _nothing() -> None:
     whose host buffers are not PyTorch's pinned ones."""
 
 
+class _CopyJob:
+    """One job of a copy thread, done once ``finished``. Completion is a raw lock held from the start and
+    released by the copy thread, never a ``concurrent.futures.Future``: its methods take a condition in
+    Python code, so a ``KeyboardInterrupt`` in the calling thread could leave that held, and the copy thread
+    then blocked for ever completing the job (a trial, 2026-12-06: the next step hung). Releasing a raw lock
+    never blocks, and a wait interrupted while it holds the lock leaves ``finished`` set for the next."""
+
+    __slots__ = ("run", "on_done", "finished", "error", "_gate")
+
+    def __init__(self, run: Callable[[], None], on_done: Callable[[], None] | None = None) -> None:
+        self.run, self.on_done = run, on_done
+        self.finished, self.error = False, None
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()
+
+    def result(self) -> None:
+        """Wait for the job; raise what it raised. Interruptible (a raw lock's acquire is)."""
+        while not self.finished:
+            if self._gate.acquire(timeout=0.1):  # the timeout: another waiter interrupted while holding it
+                self._gate.release()
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self.finished
+
+    def failed(self) -> bool:
+        return self.finished and self.error is not None
+
+    def complete(self) -> None:
+        """Run by the copy thread."""
+        try:
+            self.run()
+        except BaseException as error:  # raised where the job is waited for
+            self.error = error
+        self.run = None  # let go of what the job's closure holds before anyone sees it done
+        self.finished = True
+        self._gate.release()
+        if self.on_done is not None:
+            try:
+                self.on_done()
+            except Exception:  # as a Future's callback: logged, and the copy thread serves on
+                _log.exception("fxoffload: a copy's completion callback raised")
+
+
+class _CopyThread:
+    """One daemon thread that runs jobs in the order submitted. Its queue is a ``queue.SimpleQueue``, whose
+    ``put`` takes no lock in Python code. Started at the first job, and again in a forked child (a thread
+    does not survive ``fork``); stopped at exit."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue | None = None
+        self._pid = -1
+        self._start = _thread.allocate_lock()
+
+    def submit(self, job: _CopyJob) -> _CopyJob:
+        if self._pid != os.getpid():
+            self._started()
+        self._jobs.put(job)
+        return job
+
+    def _started(self) -> None:
+        with self._start:  # a raw lock: two threads' first jobs start one copy thread
+            if self._pid == os.getpid():
+                return
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=_serve, args=(jobs,), name=self.name, daemon=True)
+            thread.start()
+            atexit.register(_stop, jobs, thread)
+            self._jobs, self._pid = jobs, os.getpid()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        job.complete()
+        del job  # the job's record may be the last holder of a source: not kept while the queue is empty
+
+
+def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """At exit: let the copies submitted finish (a copy thread cut off at shutdown may run into a dying
+    interpreter), a second at most."""
+    jobs.put(None)
+    thread.join(timeout=1.0)
+
+
 class CpuEngine:
-    """Copies on one background thread per direction; ``wait`` joins the future."""
+    """Copies on one background thread per direction; ``wait`` joins the job."""
 
     stages_strided = False  # copy_ reads and writes any layout in place: no temporary
 
     def __init__(self) -> None:
         self.delay_s = 0.0
-        self._workers = {
-            "d2h": ThreadPoolExecutor(1, thread_name_prefix="fxoffload-d2h"),
-            "h2d": ThreadPoolExecutor(1, thread_name_prefix="fxoffload-h2d"),
-        }
+        self._workers = {"d2h": _CopyThread("fxoffload-d2h"), "h2d": _CopyThread("fxoffload-h2d")}
 
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, invocation: int | None) -> CopyRecord:
         delay = self.delay_s
@@ -65,38 +157,34 @@ class CpuEngine:
         # has saved ``dst`` (the forward returned it), and must not look like an in-place change.
         target = torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage(), dst.storage_offset(), dst.shape,
                                                        dst.stride())
-        # The worker lets go of both tensors before the future completes: once a wait returns, only
-        # the transfer record holds the source (the executor drops its work item a moment later).
-        tensors = [target, src]
 
         def run() -> None:
             if delay:
                 time.sleep(delay)
-            tensors[0].copy_(tensors[1])
-            tensors.clear()
+            target.copy_(src)
             event(f"{direction}_done", invocation)
 
-        future = self._workers[direction].submit(run)
-        transfer = CopyRecord(future.result, (src,), direction, future.done,
-                             lambda: future.done() and future.exception() is not None, invocation=invocation)
-        # Weakly: the future keeps its callbacks, and the transfer holds the future (a cycle would
-        # keep every source alive until the garbage collector ran).
+        job = _CopyJob(run)
+        transfer = CopyRecord(job.result, (src,), direction, job.done, job.failed, invocation=invocation)
+        # Weakly: the job keeps its callback (a cycle would keep every source alive until the garbage
+        # collector ran). The job lets go of both tensors before it is done: once a wait returns, only
+        # the transfer record holds the source.
         weak = weakref.ref(transfer)
 
-        def landed(_: Future) -> None:  # a deferred source is dropped as soon as its copy lands
+        def landed() -> None:  # a deferred source is dropped as soon as its copy lands
             transfer = weak()
             if transfer is not None and transfer.deferred and not transfer.failed():
                 retire(transfer, complete=False)
 
-        future.add_done_callback(landed)
+        job.on_done = landed
+        self._workers[direction].submit(job)
         return transfer
 
     def settle(self) -> None:
-        """Return once each copy thread has let go of what it held for the copies before: a wait returns
-        when a copy's future completes, and the thread drops its work a moment later (a source may
-        outlive its retired record that long). A no-op job queued behind them and waited for."""
+        """Return once each copy thread has finished the copies before, and their callbacks (a deferred
+        source dropped as its copy lands): a no-op job queued behind them and waited for."""
         for worker in self._workers.values():
-            worker.submit(_nothing).result()
+            worker.submit(_CopyJob(_nothing)).result()
 
     def timing_mark(self, device: torch.device) -> float:
         """Now, for timing a graph (``fxoffload.backend.selection``): compute runs on the calling thread, and a
@@ -105,6 +193,9 @@ class CpuEngine:
 
     def elapsed_seconds(self, start: float, end: float) -> float:
         return end - start
+
+    def land_host_copies(self) -> None:
+        """Nothing: a wait joined its copy, and a deferred one is completed by joining it."""
 
     def reserve_host(self, nbytes: Sequence[int]) -> None:
         """Nothing to reserve: its host buffers are pageable ``torch.empty`` allocations."""
@@ -294,6 +385,13 @@ class CudaEngine:
         event.record(compute)
         stream.wait_event(event)
         self._free_events.append(event)
+
+    def land_host_copies(self) -> None:
+        """Have the host wait until every device-to-host copy issued so far has landed: a wait orders only the
+        compute stream after a copy, and a host reader (a user's pack hook) needs the bytes now."""
+        for (_, direction), stream in list(self._streams.items()):
+            if direction == "d2h":
+                stream.synchronize()
 
     def timing_mark(self, device: torch.device) -> Any:
         """A timing event recorded on ``device``'s compute stream now, for timing a graph on the device
