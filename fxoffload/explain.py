@@ -26,6 +26,14 @@ def format_bytes(n: Any) -> str:
     return f"{n} B"
 
 
+def _budget_bytes(nbytes: int) -> str:
+    """A graph's budget in bytes; one below nothing (a region's share of a step whose earlier regions hold more than
+    the step's budget) said so, not as negative bytes."""
+    if nbytes >= 0:
+        return format_bytes(nbytes)
+    return f"none left (earlier regions hold {format_bytes(-nbytes)} more than the step's budget)"
+
+
 def format_seconds(seconds: float) -> str:
     """Seconds in s, ms or us, three significant figures."""
     for unit, size in (("s", 1.0), ("ms", 1e-3)):
@@ -53,7 +61,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def _summary(record: Any) -> str:
     plan, schedule = record.plan, record.schedule
     gap = "n/a" if math.isnan(plan.gap) else f"{plan.gap:.2%}"
-    budget = "none" if plan.budget_bytes is None else f"{format_bytes(plan.budget_bytes)} ({plan.budget})"
+    budget = ("none" if plan.budget_bytes is None else _budget_bytes(plan.budget_bytes)
+              + (f" ({plan.budget})" if plan.budget_bytes >= 0 else ""))
     lines = [
         f"graph {record.index}: {len(plan.decisions)} saved activations, {len(plan.transfers)} transfers, "
         f"{format_bytes(plan.offloaded_bytes)} offloaded, {len(plan.recomputes)} recomputed "
@@ -130,7 +139,10 @@ def _summary(record: Any) -> str:
         cap = f", leaving at most {format_bytes(share.held_cap)} for its backward" if share.held_cap is not None else ""
         lines.append(
             f"share of the step's budget ({format_bytes(record.step_budget)} for the step's regions, predicted): "
-            f"a peak within {format_bytes(share.budget)} on top of what earlier regions hold{cap} "
+            + (f"a peak within {format_bytes(share.budget)} on top of what earlier regions hold{cap} "
+               if share.budget >= 0 else
+               f"nothing on top of what earlier regions hold: they exceed the step's budget by "
+               f"{format_bytes(-share.budget)}{cap} ") +
             f"({share.fraction:.2f} of "
             f"its own figures; re-planned once the first step had shown every region, round {record.step_round + 1})")
     lines += _layer_inputs(record)

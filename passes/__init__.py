@@ -36,7 +36,7 @@ from .pipeline import (
 )
 from .plan import (
     ADVICE_WARN, ON_INFEASIBLE, STRATEGIES, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    OnInfeasible, OverheadExceededError, Plan, PlanOptions, Strategy, Transfer, Why,
+    OnInfeasible, OverheadExceededError, Plan, PlanOptions, Strategy, Transfer, Why, warn_from_user,
 )
 from .policies import offload_marked, read_policies, save_offload_marks
 from .scheduling import (
@@ -72,5 +72,5 @@ __all__ = [
     "scheduled_moves", "share_for",
     "simulate", "simulate_runs", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
     "storage_key", "symbol_value", "tensor_nbytes", "tensor_storage_key", "timeline_at", "unbounded_size_warning",
-    "unoffloaded_total_peak",
+    "unoffloaded_total_peak", "warn_from_user",
 ]

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import gc
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -35,7 +34,9 @@ from .candidates import (
 from .cost_model import DeviceProfile, fused_work, node_work, roofline, staging_seconds
 from .memory import Timeline, build_timeline, curve, intervals, peak
 from .eligibility import backward_symbols, group_by_base
-from .plan import ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes
+from .plan import (
+    ADVICE_WARN, BudgetInfeasibleWarning, OverheadExceededError, Plan, PlanOptions, staging_bytes, warn_from_user,
+)
 from .planning import Choosable, PeakWithin, SmallestPeak, plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
@@ -265,7 +266,7 @@ def check_overhead(result: PassResult, step: float, plain: float, options: PlanO
         limit = options.device_bytes if options.device_bytes is not None else plan.budget_bytes
         raise OverheadExceededError(message, reached, limit, ("raise max_overhead", "raise the budget", ADVICE_WARN),
                                     seconds=over, bound=bound)
-    warnings.warn(BudgetInfeasibleWarning(message + "; meeting the budget anyway"), stacklevel=3)
+    warn_from_user(BudgetInfeasibleWarning(message + "; meeting the budget anyway"))
     return dataclasses.replace(result, plan=dataclasses.replace(plan, note=message))
 
 

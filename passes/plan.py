@@ -16,6 +16,10 @@ cite). An offload's or a recomputation's reason is words only: its figures are i
 from __future__ import annotations
 
 import enum
+import os
+import sys
+import sysconfig
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence, get_args
 
@@ -32,7 +36,7 @@ __all__ = [
     "Ineligible", "KEEP", "Kept", "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "OverheadExceededError", "Plan",
     "PlanOptions", "RECOMPUTE",
     "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves",
-    "recompute_temporaries", "staging_bytes",
+    "recompute_temporaries", "staging_bytes", "warn_from_user",
 ]
 
 OFFLOAD = "offload"
@@ -94,6 +98,28 @@ class OverheadExceededError(BudgetInfeasibleError):
 
 class BudgetInfeasibleWarning(UserWarning):
     """``on_infeasible="warn"``: the budget cannot be met; the plan is for the smallest achievable peak."""
+
+
+# Where the planner's own frames lie, fxoffload's (its sibling package), torch's and the standard library's
+# (contextlib's decorators sit between torch's frames): a warning is told from the first frame outside them.
+_PASSES_DIR = os.path.dirname(os.path.abspath(__file__))
+_INTERNAL_DIRS = tuple(os.path.join(path, "") for path in (
+    _PASSES_DIR, os.path.join(os.path.dirname(_PASSES_DIR), "fxoffload"),
+    os.path.dirname(os.path.abspath(torch.__file__)), sysconfig.get_paths()["stdlib"]))
+
+
+def warn_from_user(warning: Warning) -> None:
+    """Warn, told from the user's line that ran or compiled the model (the first frame outside the planner,
+    fxoffload and torch), not from the planner's own line, which Python would print as the warning's source
+    (a trial, 2026-12-06: every warning echoed ``choice = _choose(problem, ...)``)."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and _internal(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)
+
+
+def _internal(filename: str) -> bool:
+    return filename.startswith(_INTERNAL_DIRS) or filename.startswith("<eval_with_key")  # FX's generated code
 
 
 @dataclass(frozen=True)

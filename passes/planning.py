@@ -119,7 +119,7 @@ from .formulation import (
 from .memory import Resident, Timeline, residents_at
 from .plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes,
+    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes, warn_from_user,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import concrete, held_sizes, plan_sizes, size_ranges, timeline_at
@@ -252,7 +252,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     lowest = solve(_raised_cap(asked, bare, cap_at, reached, smallest), solver=options.solver,
                    node_limit=options.node_limit, time_limit=options.time_limit)
     chosen = lowest.chosen if lowest.feasible else everything
-    warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=2)
+    warn_from_user(BudgetInfeasibleWarning(message + "; planning for that peak instead"))
     offloaded, recomputed = split_choice(owners, chosen)
     return _Choice(tuple(forced) + offloaded, recomputed, lowest.solver, False, math.nan, False, message, shortfall,
                    least_held=least)
@@ -282,7 +282,7 @@ def _over_cap(problem: Problem, raised: SolverInput, forced: Sequence[fx.Node], 
     if options.on_infeasible == "error":
         raise BudgetInfeasibleError(message, *shortfall, (ADVICE_WARN,), least_held=least)
     found = solve(raised, solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit)
-    warnings.warn(BudgetInfeasibleWarning(message + "; planning for that instead"), stacklevel=3)
+    warn_from_user(BudgetInfeasibleWarning(message + "; planning for that instead"))
     offloaded, recomputed = split_choice(owners, found.chosen if found.feasible else everything)
     return _Choice(tuple(forced) + offloaded, recomputed, found.solver, False, math.nan, False, message, shortfall,
                    least_held=least)
@@ -584,7 +584,7 @@ def _check_forced_host(problem: Problem, forced: Sequence[fx.Node]) -> None:
     if problem.options.on_infeasible == "error":
         raise BudgetInfeasibleError(message, need, cap, ("raise host_budget", "drop some MUST_CPU_OFFLOAD marks",
                                                          ADVICE_WARN))
-    warnings.warn(BudgetInfeasibleWarning(message + "; offloading them anyway, and nothing else"), stacklevel=3)
+    warn_from_user(BudgetInfeasibleWarning(message + "; offloading them anyway, and nothing else"))
 
 
 def _budget_met(problem: Problem, choice: _Choice, goal: Goal | None, limit: int | None,

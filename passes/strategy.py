@@ -43,7 +43,7 @@ from .pipeline import (
     Analysis, AnalysisSettings, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs,
     gc_paused, plan_analysed,
 )
-from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions
+from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions, warn_from_user
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .digest import plan_digest
 from .simulator import simulate
@@ -149,7 +149,7 @@ def plan_best_partition(
             raise BudgetInfeasibleError(message, *best.plan.shortfall,
                                         ("raise the budget", "lower min_bytes", ADVICE_WARN),
                                         least_held=best.plan.held_least)
-        warnings.warn(BudgetInfeasibleWarning(message + "; planning for that peak instead"), stacklevel=3)
+        warn_from_user(BudgetInfeasibleWarning(message + "; planning for that peak instead"))
     elif options.max_overhead is not None:  # the fastest predicted is over max_overhead: so is every other
         best = check_overhead(best, _predicted_step(best, profile, watch), plain, options)
     return fw, bw, best

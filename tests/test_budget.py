@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fxoffload
+from tests import conftest
 from fxoffload.passes.plan import BudgetInfeasibleWarning, Why
 from tests.conftest import (
     MODELS, UNPLACED_BYTES, CausalLMLoss, assert_same_step, loss_and_grads, loss_step, measured_run,
@@ -127,6 +128,20 @@ def test_an_infeasible_budget_names_the_tensors_that_set_its_floor():
 
 
 @pytest.mark.slow
+def test_a_budget_warning_is_told_from_the_users_line_not_the_planners():
+    """Python prints a warning's source line: the planner's own (``choice = _choose(problem, ...)``, a trial,
+    2026-12-06) told the user nothing. The line that ran the compiled model is this test's."""
+    model, ids = build("llama")
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, on_infeasible="warn",
+                                        strategy="offload")
+    with pytest.warns(BudgetInfeasibleWarning) as caught:
+        loss_step(torch.compile(model, backend=backend), ids)
+    budget_warnings = [w for w in caught if issubclass(w.category, BudgetInfeasibleWarning)]
+    assert budget_warnings and all(w.filename in (__file__, conftest.__file__) for w in budget_warnings), [
+        (w.filename, w.lineno) for w in budget_warnings]
+
+
 def test_infeasible_budget_can_warn_and_plan_for_the_smallest_peak():
     model, ids = build("llama")
     torch._dynamo.reset()

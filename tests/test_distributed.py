@@ -35,7 +35,7 @@ def test_ddp_graphs_split_at_buckets_match_eager_ddp_and_are_planned_for_one_run
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks = re.findall(r"rank (\d): graphs (\d+), transfers (\d+), same as eager DDP: (\w+), "
-                       r"plan digests [\w,]+; runs per step \[([\d, ]+)\]", run.stdout)
+                       r"plan digests [\w,]+; runs per step \[([\d, ]+)\]; forwards waiting 0", run.stdout)
     assert sorted(rank for rank, *_ in ranks) == ["0", "1"], run.stdout
     for _, graphs, transfers, same, runs in ranks:
         assert int(graphs) >= 2 and int(transfers) > 0 and same == "True" and runs == "1", run.stdout

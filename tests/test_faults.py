@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -185,7 +186,7 @@ def test_copies_still_land_after_keyboard_interrupts_caught_mid_copy():
     assert "later copies land" in run.stdout, run.stdout
 
 
-def test_a_copy_thread_serves_on_after_a_completion_callback_raises(caplog):
+def test_a_copy_thread_serves_on_after_a_completion_callback_raises(capsys):
     from fxoffload.runtime.engines import _CopyJob, _CopyThread
 
     def broken() -> None:
@@ -198,4 +199,45 @@ def test_a_copy_thread_serves_on_after_a_completion_callback_raises(caplog):
     while not later.done() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert later.done(), "the copy thread died with the callback"
-    assert "completion callback raised" in caplog.text
+    del thread  # its thread ends with it
+    assert "completion callback raised" in capsys.readouterr().err
+
+
+def test_a_copy_thread_ends_with_its_engine():
+    """Tests make engines of their own: each one's copy threads end once it is garbage, not at exit."""
+    from fxoffload.runtime.engines import _CopyJob, _CopyThread
+
+    copier = _CopyThread("fxoffload-test-ends")
+    copier.submit(_CopyJob(lambda: None)).result()
+    threads = [t for t in threading.enumerate() if t.name == "fxoffload-test-ends"]
+    assert len(threads) == 1
+    del copier
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()
+
+
+_COPY_AT_EXIT = """
+import atexit, torch
+import fxoffload.runtime
+ops = torch.ops.fxoffload
+
+def late_copy():
+    x = torch.randn(64)
+    host = ops.offload(x, 0)
+    ops.wait(host, x)
+    assert torch.equal(host, x)
+    print("a copy at exit landed", flush=True)
+
+atexit.register(late_copy)  # runs after the engine's own exit handler (registered at its first copy)
+x = torch.randn(64)
+ops.wait(ops.offload(x, 0), x)
+"""
+
+
+@pytest.mark.slow  # a process of its own
+def test_a_copy_made_by_an_exit_handler_after_the_copy_threads_stopped_lands():
+    """At exit the copy threads stop; a copy an exit handler makes after that runs where it is made (it hung
+    for ever, a review found, 2026-12-06)."""
+    run = subprocess.run([sys.executable, "-c", _COPY_AT_EXIT], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0 and "a copy at exit landed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

@@ -3,6 +3,7 @@ and boolean saved tensors, channels-last and transposed tensors, in-place update
 and an exception in the middle of a step. Numerics are compared with eager PyTorch."""
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -134,6 +135,9 @@ def test_a_users_own_recompute_budget_beside_a_memory_budget_is_named_and_the_st
     if theirs < 1.0:
         assert len(named) == 1, named
         assert "activation_memory_budget=0.3 is set" in named[0] and "memory_budget=0.5" in named[0]
+        told_from = [w.filename for w in caught if "activation_memory_budget" in str(w.message)]
+        tests = os.path.dirname(__file__)
+        assert len(told_from) == 1 and told_from[0].startswith(tests), told_from  # the line that ran the model
     else:
         assert named == []
 

@@ -560,3 +560,33 @@ def test_a_share_below_nothing_is_said_in_words_not_as_negative_bytes():
     message = str(info.value)
     assert "above a budget below nothing: 10000 B more than all of it is taken before this graph runs" in message
     assert "-10000" not in message and "-0.0 MiB" not in message, message
+
+
+def test_explain_says_a_share_below_nothing_in_words_not_as_negative_bytes():
+    """Two regions under 4096 B, the first holding 32 KiB through the second: the second's share is 28 KiB below
+    nothing. ``explain`` said "budget -28.0 KiB (-28672 B)" and "a peak within -28.0 KiB" (a trial, 2026-12-06)."""
+
+    class TwoRegions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            torch._dynamo.graph_break()
+            return torch.tanh(self.b(h)).sum()
+
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(memory_budget=4096, strategy="offload", min_bytes=1 << 20, inner="eager",
+                                        on_infeasible="warn")
+    model = torch.compile(TwoRegions(), backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)
+        for _ in range(3):
+            model(torch.randn(32, 64)).backward()
+    record = backend.records[-1]
+    assert record.plan.budget_bytes == 4096 - 32 * 256 * 4  # the first region's tanh, held through the second
+    text = fxoffload.explain(record)
+    assert "budget none left (earlier regions hold 28.0 KiB more than the step's budget)" in text, text
+    assert "nothing on top of what earlier regions hold: they exceed the step's budget by 28.0 KiB" in text, text
+    assert "-28" not in text, text

@@ -586,8 +586,8 @@ class OffloadBackend:
             # (DDP's graph splitting: compile_call.run_while_compiling). (Runs on fake tensors are: fxoffload
             # plan traces its steps so.)
             in_backward = torch._C._current_graph_task_id() != -1
-            step_forward = (torch.is_grad_enabled() and not in_backward and not pipeline_inference()
-                            and not run_while_compiling())
+            compiling = run_while_compiling()
+            step_forward = torch.is_grad_enabled() and not in_backward and not pipeline_inference() and not compiling
             if step_forward:
                 self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
             elif torch.is_grad_enabled() and in_backward:
@@ -626,7 +626,7 @@ class OffloadBackend:
             timer = state.compiled.compilation.timer if step_forward else None
             # Not the graph's last run of the step: releases planned so (``defer_before_last``) defer.
             before_last = step_forward and record is not None and state.runs < record.plan.runs
-            with _timed(timer, args), fxoffload.runtime.forward_invocation(before_last) as invocation, \
+            with _timed(timer, args), fxoffload.runtime.forward_invocation(before_last, compiling) as invocation, \
                     fxoffload.runtime.debugging(self.config.debug), \
                     fxoffload.runtime.pack_hooks_read_landed(invocation):  # a user's hooks read landed bytes
                 out = state.compiled.run(*args)
@@ -828,7 +828,7 @@ class OffloadBackend:
                       patches: dict) -> Callable:
         """``gm`` through AOTAutograd with ``compilation``'s partition hook and inner compilers."""
         stop = self._stops_at_joint(gm)
-        warn_user_recompute_budget(self.config.memory_budget)
+        warn_user_recompute_budget(self.config.memory_budget, self.config.device_budget)
         keep = None if self.joints is None else functools.partial(self._keep_joint, compilation, stop=stop)
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, keep)
         if self.config.inner == "inductor":

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fxoffload.passes import tensor_storage_key
+from fxoffload.passes import tensor_storage_key, warn_from_user
 
 __all__ = ["EAGER_REGIONS", "MODES", "InputFacts", "eager_region_breaks", "input_activations", "input_facts",
            "leaf_gradient_bytes", "mode_patches", "no_cudagraphs", "pipeline_inference", "run_while_compiling",
@@ -57,20 +57,22 @@ _warned_cudagraphs: list[bool] = []
 _warned_recompute_budget: list[float] = []
 
 
-def warn_user_recompute_budget(memory_budget: object) -> None:
+def warn_user_recompute_budget(memory_budget: object, device_budget: object) -> None:
     """Once per value: a user's ``torch._functorch.config.activation_memory_budget`` below 1 beside a budget of
     fxoffload's. PyTorch's partition under it (recomputing to its own budget) is the pair fxoffload plans from,
-    so the fraction is of that pair's peak, and ``explain``'s "min-cut" is that budgeted one (a trial,
+    so a fraction is of that pair's peak, and ``explain``'s "min-cut" is that budgeted one (a trial,
     2026-12-06: exact, and 0.5 of a pair PyTorch had cut to 0.3)."""
     fraction = torch._functorch.config.activation_memory_budget
-    if memory_budget is None or fraction >= 1.0 or fraction in _warned_recompute_budget:
+    ours = [f"{name}={value!r}" for name, value in (("memory_budget", memory_budget), ("device_budget", device_budget))
+            if value is not None]
+    if not ours or fraction >= 1.0 or fraction in _warned_recompute_budget:
         return
     _warned_recompute_budget.append(fraction)
-    warnings.warn(
+    warn_from_user(UserWarning(
         f"fxoffload: torch._functorch.config.activation_memory_budget={fraction:g} is set: PyTorch's partition "
-        f"recomputes to it first, and memory_budget={memory_budget!r} then applies to that partition's peak "
-        "(what explain calls min-cut). Leave it at 1.0 to let fxoffload weigh recomputation against "
-        "offloading (strategy auto tries PyTorch's budgeted partition among its alternatives)", stacklevel=3)
+        f"recomputes to it first, and {' and '.join(ours)} then apply to that partition (what explain calls "
+        "min-cut; a fraction is of its peak). Leave it at 1.0 to let fxoffload weigh recomputation against "
+        "offloading (strategy auto tries PyTorch's budgeted partition among its alternatives)"))
 
 
 def no_cudagraphs() -> dict:

@@ -207,11 +207,14 @@ def _drop_ahead(orphans_only: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def forward_invocation(before_last: bool = False) -> Iterator[Invocation]:
+def forward_invocation(before_last: bool = False, outside_step: bool = False) -> Iterator[Invocation]:
     """Group the offloads of one compiled forward (the backend runs each forward inside this).
     ``before_last``: this is not its graph's last run of the step (its releases marked
-    ``defer_before_last`` then defer instead of waiting); a forward run inside a backward never is."""
-    outer = _in_backward()  # a forward recomputed inside a backward (checkpointing) is not the step's
+    ``defer_before_last`` then defer instead of waiting); a forward run inside a backward never is.
+    ``outside_step``: a run whose backward never runs (one Dynamo makes while compiling, on fake tensors):
+    kept out of the step's invocations, as a forward recomputed inside a backward is."""
+    # A forward recomputed inside a backward (checkpointing) is not the step's.
+    outer = _in_backward() or outside_step
     if not outer:
         _forget_abandoned()
     if not outer and not STATE.open:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import _thread
 import atexit
-import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -40,8 +41,6 @@ from fxoffload.runtime import pinned
 from fxoffload.runtime.state import STATE, CopyRecord, event, register, retire
 
 __all__ = ["CpuEngine", "CudaEngine"]
-
-_log = logging.getLogger(__name__)
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -97,22 +96,29 @@ class _CopyJob:
         if self.on_done is not None:
             try:
                 self.on_done()
-            except Exception:  # as a Future's callback: logged, and the copy thread serves on
-                _log.exception("fxoffload: a copy's completion callback raised")
+            except Exception:  # as a Future's callback: said, and the copy thread serves on. Not through logging:
+                # its handlers' locks are taken in Python code, which an interrupted training thread may hold.
+                sys.stderr.write("fxoffload: a copy's completion callback raised (the copy thread serves on):\n"
+                                 + traceback.format_exc())
 
 
 class _CopyThread:
     """One daemon thread that runs jobs in the order submitted. Its queue is a ``queue.SimpleQueue``, whose
     ``put`` takes no lock in Python code. Started at the first job, and again in a forked child (a thread
-    does not survive ``fork``); stopped at exit."""
+    does not survive ``fork``); ended when its engine is garbage (tests make engines of their own) or at exit,
+    after which a job runs in the thread that submits it (an exit handler's copy)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.closed = False
         self._jobs: queue.SimpleQueue | None = None
         self._pid = -1
         self._start = _thread.allocate_lock()
 
     def submit(self, job: _CopyJob) -> _CopyJob:
+        if self.closed:
+            job.complete()
+            return job
         if self._pid != os.getpid():
             self._started()
         self._jobs.put(job)
@@ -125,7 +131,8 @@ class _CopyThread:
             jobs: queue.SimpleQueue = queue.SimpleQueue()
             thread = threading.Thread(target=_serve, args=(jobs,), name=self.name, daemon=True)
             thread.start()
-            atexit.register(_stop, jobs, thread)
+            weakref.finalize(self, jobs.put, None).atexit = False  # garbage: its thread ends; at exit, _stop
+            atexit.register(_stop, weakref.ref(self), jobs, thread)
             self._jobs, self._pid = jobs, os.getpid()
 
 
@@ -135,9 +142,12 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         del job  # the job's record may be the last holder of a source: not kept while the queue is empty
 
 
-def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+def _stop(owner: weakref.ref, jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
     """At exit: let the copies submitted finish (a copy thread cut off at shutdown may run into a dying
-    interpreter), a second at most."""
+    interpreter), a second at most; later jobs run where they are submitted."""
+    copier = owner()
+    if copier is not None:
+        copier.closed = True
     jobs.put(None)
     thread.join(timeout=1.0)
 

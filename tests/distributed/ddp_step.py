@@ -58,22 +58,24 @@ def main(split: bool) -> int:
     inner = model(kind)
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, all_eligible=True)
     compiled = torch.compile(DDP(inner, **wrap), backend=backend)
-    same = True
+    same, waiting = True, 0
     for x in batches:
         expected, actual = step(eager_ddp, eager, x), step(compiled, inner, x)
         same = same and torch.allclose(expected[0], actual[0]) and all(
             torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(expected[1], actual[1]))
         for module in (eager, inner):
             module.zero_grad(set_to_none=True)
+        # Every forward of the step has had its backward (DDPOptimizer's runs while compiling are no forwards)
+        waiting = len(fxoffload.runtime.waiting_forwards())
     transfers = sum(len(r.plan.transfers) for r in backend.records)
     runs = sorted({r.plan.runs for r in backend.records})
     # One write, so that the ranks' lines do not interleave on a shared stdout.
     digests = ",".join(plan_digest(r.plan, r.schedule) for r in backend.records)
     sys.stdout.write(f"rank {rank}: graphs {len(backend.records)}, transfers {transfers}, same as eager DDP: {same}, "
-                     f"plan digests {digests}; runs per step {runs}\n")
+                     f"plan digests {digests}; runs per step {runs}; forwards waiting {waiting}\n")
     sys.stdout.flush()
     dist.destroy_process_group()
-    return 0 if same and transfers > 0 and runs == [1] else 1
+    return 0 if same and transfers > 0 and runs == [1] and waiting == 0 else 1
 
 
 if __name__ == "__main__":
