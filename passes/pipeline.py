@@ -41,7 +41,7 @@ from .planning import Choosable, PeakWithin, SmallestPeak, plan_offloads
 from .rewrite import rewrite_pair
 from .scheduling import Schedule, schedule_transfers, with_scheduled_peaks
 from .simulator import simulate
-from .sizes import concrete, data_dependent_sizes, unbounded_symbols
+from .sizes import UNBOUNDED_REACH, concrete, data_dependent_sizes, unbounded_symbols
 
 __all__ = [
     "Analysis", "AnalysisSettings", "PassResult", "Stopwatch", "analyse_pair", "check_overhead", "counted_inputs",
@@ -340,8 +340,11 @@ def unbounded_size_warning(result: PassResult) -> str | None:
     said = []
     if symbols:
         traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
+        # A fraction is held at the other sizes of its range (Plan.sizes), up to UNBOUNDED_REACH times the traced.
+        reach = (f"at the traced sizes, and holds the fraction up to {UNBOUNDED_REACH} times them"
+                 if result.plan.sizes else "at the traced sizes only")
         said.append(f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
-                    f"{meets} at the traced sizes only, and larger inputs may exceed it. Bound the dimension with "
+                    f"{meets} {reach}; larger inputs may exceed it. Bound the dimension with "
                     "torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans for the largest size the "
                     "guards allow.")
     if dependent:

@@ -1,5 +1,6 @@
 """Dynamic shapes: a plan is made for the largest size its graph serves, or says it cannot be."""
 
+import re
 import warnings
 
 import pytest
@@ -41,10 +42,14 @@ def test_bounded_sizes_are_planned_at_the_largest_size_the_guards_allow():
     assert measured.activation_peak <= plan.budget_bytes, (measured, fxoffload.explain(backend.records[0]))
 
 
-def test_unbounded_sizes_with_a_budget_warn_with_the_numbers():
+@pytest.mark.parametrize("budget, reach", [
+    (0.5, "at the traced sizes, and holds the fraction up to 2 times them;"),  # (said "only" before 2026-12-06)
+    (20000, "at the traced sizes only;"),  # bytes bind the plan's own size
+])
+def test_unbounded_sizes_with_a_budget_warn_with_the_numbers(budget, reach):
     with pytest.warns(UserWarning, match=r"serves sizes above the traced ones \(s\d+=16, no upper bound\): its plan "
-                                         r"meets memory_budget=0.5 .* \(\d+ B\)"):
-        compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=0.5)
+                                         rf"meets memory_budget={budget} .* \(\d+ B\).* {re.escape(reach)}"):
+        compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=budget)
 
 
 def test_no_budget_no_warning_and_no_specialisation():
