@@ -102,10 +102,12 @@ class BudgetInfeasibleWarning(UserWarning):
 
 # Where the planner's own frames lie, fxoffload's (its sibling package), torch's and the standard library's
 # (contextlib's decorators sit between torch's frames): a warning is told from the first frame outside them.
+# In the checkout the passes lie beside fxoffload/; a wheel installs them as fxoffload/passes/.
 _PASSES_DIR = os.path.dirname(os.path.abspath(__file__))
+_ABOVE = os.path.dirname(_PASSES_DIR)
+_FXOFFLOAD_DIR = _ABOVE if os.path.basename(_ABOVE) == "fxoffload" else os.path.join(_ABOVE, "fxoffload")
 _INTERNAL_DIRS = tuple(os.path.join(path, "") for path in (
-    _PASSES_DIR, os.path.join(os.path.dirname(_PASSES_DIR), "fxoffload"),
-    os.path.dirname(os.path.abspath(torch.__file__)), sysconfig.get_paths()["stdlib"]))
+    _PASSES_DIR, _FXOFFLOAD_DIR, os.path.dirname(os.path.abspath(torch.__file__)), sysconfig.get_paths()["stdlib"]))
 
 
 def warn_from_user(warning: Warning) -> None:
