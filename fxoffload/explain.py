@@ -26,12 +26,14 @@ def format_bytes(n: Any) -> str:
     return f"{n} B"
 
 
-def _budget_bytes(nbytes: int) -> str:
-    """A graph's budget in bytes; one below nothing (a region's share of a step whose earlier regions hold more than
-    the step's budget) said so, not as negative bytes."""
-    if nbytes >= 0:
-        return format_bytes(nbytes)
-    return f"none left (earlier regions hold {format_bytes(-nbytes)} more than the step's budget)"
+def _budget_words(plan: Any) -> str:
+    """A graph's budget, bytes and as given; one below nothing (a region's share of a step whose earlier regions
+    hold more than the step's budget) said so, not as negative bytes."""
+    if plan.budget_bytes is None:
+        return "none"
+    if plan.budget_bytes < 0:
+        return f"none left (earlier regions hold {format_bytes(-plan.budget_bytes)} more than the step's budget)"
+    return f"{format_bytes(plan.budget_bytes)} ({plan.budget})"
 
 
 def format_seconds(seconds: float) -> str:
@@ -61,8 +63,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def _summary(record: Any) -> str:
     plan, schedule = record.plan, record.schedule
     gap = "n/a" if math.isnan(plan.gap) else f"{plan.gap:.2%}"
-    budget = ("none" if plan.budget_bytes is None else _budget_bytes(plan.budget_bytes)
-              + (f" ({plan.budget})" if plan.budget_bytes >= 0 else ""))
+    budget = _budget_words(plan)
     lines = [
         f"graph {record.index}: {len(plan.decisions)} saved activations, {len(plan.transfers)} transfers, "
         f"{format_bytes(plan.offloaded_bytes)} offloaded, {len(plan.recomputes)} recomputed "

@@ -48,7 +48,7 @@ __all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMe
 # memory model (which weighs the pair it returns) counts tensors alone; so, where this torch has the switch,
 # such objects count as nothing there too (without it, strategy auto's alternative failed the compile of every
 # tensor-parallel graph under a budget).
-_SCRIPT_OBJECTS_ARE_INPUTS = ({"unsafe_treat_script_objects_as_zero_size": True}
+_SCRIPT_OBJECTS_COUNT_NOTHING = ({"unsafe_treat_script_objects_as_zero_size": True}
                               if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size") else {})
 
 
@@ -125,7 +125,7 @@ class Partitioner(CustomPartitionerFn):
                                                                                            kwargs)
 
         def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
-            with torch._functorch.config.patch(activation_memory_budget=fraction, **_SCRIPT_OBJECTS_ARE_INPUTS):
+            with torch._functorch.config.patch(activation_memory_budget=fraction, **_SCRIPT_OBJECTS_COUNT_NOTHING):
                 return min_cut_rematerialization_partition(partitioned(), joint_inputs, **kwargs)
 
         return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,

@@ -321,23 +321,25 @@ def backward_graph() -> Iterator[None]:
             engine.after_backward_graph()
 
 
+def _complete_deferred_where(which: Callable[[CopyRecord], bool]) -> None:
+    """Complete the deferred copies ``which`` picks (compute waits for them) and retire their records."""
+    with STATE.lock:
+        due = [t for t in STATE.deferred if which(t)]
+    for transfer in due:
+        _retire(transfer, complete=True)
+
+
 def _complete_deferred_before(index: int) -> None:
     """Complete the deferred copies of forward invocations before ``index``: a copy crosses one
     boundary at most, so a link that cannot keep up stalls compute instead of piling up sources."""
-    with STATE.lock:
-        due = [t for t in STATE.deferred if t.invocation is not None and 0 <= t.invocation < index]
-    for transfer in due:
-        _retire(transfer, complete=True)
+    _complete_deferred_where(lambda t: t.invocation is not None and 0 <= t.invocation < index)
 
 
 def _complete_within(index: int) -> None:
     """Complete the copies forward invocation ``index`` deferred inside its forward
     (``defer_before_last``) that have not landed: the plan holds their sources to the forward's end,
     and not past it, however slow the link."""
-    with STATE.lock:
-        due = [t for t in STATE.deferred if t.within_forward and t.invocation == index]
-    for transfer in due:
-        _retire(transfer, complete=True)
+    _complete_deferred_where(lambda t: t.within_forward and t.invocation == index)
 
 
 def backward_begins(invocation: Invocation) -> None:
@@ -383,10 +385,7 @@ def _pack_reads(pack: Callable) -> bool:
 
 
 def _land_host_copies(index: int) -> None:
-    with STATE.lock:
-        due = [t for t in STATE.deferred if t.invocation == index]
-    for transfer in due:
-        _retire(transfer, complete=True)
+    _complete_deferred_where(lambda t: t.invocation == index)
     for engine in {id(e): e for e in _engines.values()}.values():
         engine.land_host_copies()
 
