@@ -24,6 +24,11 @@ another name; :func:`is_rng_state` recognises it by its producer.
 from other saved values (the backward receives those), walking inputs back
 until each path reaches one; random, mutating, collective and higher-order
 ops end the search, as does a graph input the backward does not receive. A
+graph input the step writes (``x.mul_(2)`` in the forward: AOTAutograd copies
+the new value into it after the forward, or Inductor's graph does) is not read
+by a chain: the backward would find the new value there
+(:func:`mark_mutated_inputs`, from AOTAutograd's output descriptors and the
+joint graph's in-place ops). A
 symbolic size a chain reads (a ``SymInt`` argument) ends a path too: the
 backward builds it from its own inputs' size symbols, so each of its symbols
 must be among them (:class:`RecomputeChain`).
@@ -67,9 +72,46 @@ __all__ = [
     "symbol_sources",
     "sym_exprs",
     "unbuildable",
+    "MUTATED_INPUT",
+    "mark_mutated_inputs",
+    "reads_mutated_input",
 ]
 
 MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the partitioner's own recomputation
+# node.meta key of a joint graph's input the step writes (see mark_mutated_inputs).
+MUTATED_INPUT = "fxoffload_mutated_input"
+
+
+def mark_mutated_inputs(joint: fx.Graph) -> int:
+    """Mark (``meta[MUTATED_INPUT]``) each input of a joint graph the step writes, and return how many: one
+    whose new value the forward returns for AOTAutograd to copy into it (an ``InputMutationAOTOutput``
+    among the output's descriptors), or that an op of the graph writes in place (Inductor keeps a
+    forward's input mutations in its graph: ``copy_``). The partitioner shares a placeholder's meta
+    with the graphs it makes (the forward's input, the backward's saved value), so they carry the mark."""
+    placeholders = list(joint.find_nodes(op="placeholder"))
+    by_desc = {repr(desc): p for p in placeholders if (desc := p.meta.get("desc")) is not None}
+    written = set()
+    for desc in joint.output_node().meta.get("desc") or ():
+        source = getattr(desc, "mutated_input", None)
+        if source is not None and repr(source) in by_desc:
+            written.add(by_desc[repr(source)])
+    for node in joint.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
+                written.update(v for v in [value] if v.op == "placeholder")
+    for p in written:
+        p.meta[MUTATED_INPUT] = True
+    return len(written)
+
+
+def reads_mutated_input(bw: fx.Graph) -> bool:
+    """Whether a backward receives a graph input the step writes (see :func:`mark_mutated_inputs`): it would
+    read the new value. PyTorch's recompute-only partition at a budget does so (``x.mul_(2)`` after
+    ``sin(x)``: it recomputes ``sin`` in the backward from ``x``)."""
+    return any(p.meta.get(MUTATED_INPUT) for p in bw.find_nodes(op="placeholder"))
 
 
 def traced_value(node: Any) -> Any:

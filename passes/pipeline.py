@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from .analysis import SavedActivation, SavedInterface, inputs_at, saved_activations, saved_interface
+from .analysis import MUTATED_INPUT, SavedActivation, SavedInterface, inputs_at, saved_activations, saved_interface
 from .candidates import (
     AUTO_HORIZON, Placement, TransferCost, place_candidates, recompute_costs, timeline_moves, transfer_costs,
 )
@@ -139,8 +139,9 @@ def analyse_pair(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_user_
     placements = place_candidates(fw, bw, candidates, horizon=horizon)
     moves = timeline_moves(timeline, placements)
     costs = transfer_costs(timeline, placements, times, nbytes, profile, hide_backward=horizon == AUTO_HORIZON)
-    # A chain may read saved values, and graph inputs (saved for it if they were not).
-    readable = (*interface.fw_saved, *fw.find_nodes(op="placeholder"))
+    # A chain may read saved values, and graph inputs (saved for it if they were not) but those the step
+    # writes (the backward would read the new value).
+    readable = (*interface.fw_saved, *(p for p in fw.find_nodes(op="placeholder") if not p.meta.get(MUTATED_INPUT)))
     # Recompute chains are copied node for node; their symbolic size arguments (forward values) are
     # built in the backward from the size symbols its kept inputs carry.
     computed = [b for b in candidates if b.op != "placeholder"]

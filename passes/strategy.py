@@ -10,7 +10,9 @@ offload or recompute per storage); when that plan misses the budget or has a
 predicted cost, also plan the same pair offload-only and recompute-only (from
 the driver's one analysis), and the pair PyTorch's recompute-only partitioner
 makes at the budget (and, for a graph that runs several times a step, the joint
-plan with room under the budget: :func:`_with_room`); simulate each (``fxoffload.passes.simulator``; a graph that
+plan with room under the budget: :func:`_with_room`; where none of these meets
+the budget, PyTorch's pair at lower fractions, which recompute more:
+:func:`_lower_fraction`); simulate each (``fxoffload.passes.simulator``; a graph that
 runs several times a step, one graph per layer: the step of its runs, per run,
 ``fxoffload.passes.step``, since its runs differ) and keep
 the fastest predicted that meets the budget without a total peak above the
@@ -37,7 +39,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from .analysis import is_random
+from .analysis import is_random, reads_mutated_input
 from .cost_model import DeviceProfile
 from .pipeline import (
     Analysis, AnalysisSettings, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs,
@@ -60,6 +62,9 @@ MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE = "min-cut", "offload-o
 # The joint plan with its copies chosen for a budget that many of its largest copies lower (see
 # :func:`_with_room`), by key.
 WITH_ROOM = {"min-cut-room-1": 1, "min-cut-room-2": 2}
+# Where no plan meets the budget: the fractions of it at which PyTorch's pair is tried, highest first (see
+# :func:`_lower_fraction`); each costs a partition and a plan.
+LOWER_FRACTIONS = (0.75, 0.5, 0.25, 0.0)
 CANDIDATE_KEYS = (MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE, *WITH_ROOM)
 
 
@@ -141,7 +146,7 @@ def plan_best_partition(
         first = check_overhead(first, step, plain, options)
         return fw_module, bw_module, dataclasses.replace(first, seconds=watch.times, candidates=only)
     tried = [_Tried(fw_module, bw_module, first, first.plan.partition, step, MIN_CUT)]
-    tried += _alternatives(planner, fw_module, bw_module, analysis, first.plan, repartition, options)
+    tried += _alternatives(planner, fw_module, bw_module, analysis, tried[0], repartition, options)
     fw, bw, best = _best_of(tried, watch, choose)
     if not best.plan.feasible:
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
@@ -208,9 +213,11 @@ class _Tried:
     partition_seconds: float = 0.0
 
 
-def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repartition, options) -> list[_Tried]:
-    """Strategy auto's alternatives to the joint plan ``plan`` (see :func:`plan_best_partition`)."""
-    analysed, alternative, watch = planner.analysed, planner.alternative, planner.watch
+def _alternatives(planner: _Planner, fw_module, bw_module, analysis, joint: _Tried, repartition,
+                  options) -> list[_Tried]:
+    """Strategy auto's alternatives to the joint plan ``joint`` (see :func:`plan_best_partition`)."""
+    plan = joint.result.plan
+    alternative, watch = planner.alternative, planner.watch
     profile = planner.settings.profile
     # Held to the first plan's bytes, at its own size and at every other size it holds the fraction at.
     at_sizes = tuple((size.values, size.budget_bytes) for size in plan.sizes)
@@ -234,17 +241,52 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, plan, repar
         if plan.held_cap is not None and plan.held_before:
             fraction = min(fraction, plan.held_cap / plan.held_before)
         fraction = max(0.0, min(1.0, fraction))
-        watch.restart()
-        fw2, bw2 = repartition(fraction)
-        watch.stamp("repartition (PyTorch)")
-        if not _draws_random_numbers(bw2):
-            theirs = analysed(fw2, bw2, held)
-            result = alternative(theirs, held)
-            tried.append(_Tried(fw2, bw2, result,
-                                f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
-                                _predicted_step(result, profile, watch), PYTORCH_RECOMPUTE,
-                                sum(theirs.times) - sum(analysis.times)))
+        theirs = _pytorch_partition(planner, repartition, fraction, held, analysis)
+        tried += [theirs] if theirs is not None else []
+        qualifies = _qualifying(joint)
+        if fraction > 0 and not any(map(qualifies, [joint, *tried])):
+            tried += _lower_fraction(planner, repartition, fraction, held, analysis, qualifies)
     return tried
+
+
+def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
+                       analysis: Analysis) -> "_Tried | None":
+    """The pair PyTorch's recompute-only partitioner makes at ``fraction``, planned held to ``held``'s bytes
+    (None where its backward draws random numbers, see :func:`_draws_random_numbers`, or reads a graph input
+    the step writes: it would read the new value, ``analysis.reads_mutated_input``)."""
+    watch = planner.watch
+    watch.restart()
+    fw, bw = repartition(fraction)
+    watch.stamp("repartition (PyTorch)")
+    if _draws_random_numbers(bw) or reads_mutated_input(bw.graph):
+        return None
+    theirs = planner.analysed(fw, bw, held)
+    result = planner.alternative(theirs, held)
+    return _Tried(fw, bw, result, f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
+                  _predicted_step(result, planner.settings.profile, watch), PYTORCH_RECOMPUTE,
+                  sum(theirs.times) - sum(analysis.times))
+
+
+def _lower_fraction(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
+                    analysis: Analysis, qualifies: Callable[[_Tried], bool]) -> list[_Tried]:
+    """Where no plan qualifies (``qualifies``: meets the budget, and holds the total peak), PyTorch's partition
+    at a lower fraction may: it recomputes more, and what is left may then be offloaded under the budget (a
+    tiny Whisper at 0.55: 0.55's pair reached 534596 B at best, 0.3's 397380 B). Tried at ``LOWER_FRACTIONS``
+    of the fraction, highest first (it recomputes least), up to the first that qualifies. Not a bisection:
+    a pair that recomputes all it can may pile its temporaries above the total peak (that Whisper's at
+    fraction 0: 1327104 B against 1175108 B), so a fraction may be too high or too low. Returns the plan
+    that qualifies, else the one that missed the budget least (for the floor an error names); never one
+    over the total peak."""
+    missed: list[_Tried] = []
+    for factor in LOWER_FRACTIONS:
+        entry = _pytorch_partition(planner, repartition, fraction * factor, held, analysis)
+        if entry is None:
+            continue
+        if qualifies(entry):
+            return [entry]
+        if not entry.result.plan.feasible:
+            missed.append(entry)
+    return sorted(missed, key=_missed)[:1]
 
 
 def _with_room(planner: _Planner, fw_module, bw_module, analysis, plan, held: PlanOptions) -> list[_Tried]:
@@ -282,16 +324,10 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
     plan = tried[0].result.plan
 
     def rank(entry: _Tried):
-        result = entry.result
-        # Else the least over the budget, in the peak it bounds (the step's over its runs, or the
-        # device's, at the size furthest over): not one run's activation peak, which offloading a
-        # layer's input does not lower.
-        reach, limit = result.plan.shortfall or (result.plan.activation_peak_after, 0)
-        missed = 0 if result.plan.feasible else reach - limit
-        return (not result.plan.feasible, missed, _over_total(entry, tried[0]), entry.step)
+        return (not entry.result.plan.feasible, _missed(entry), _over_total(entry, tried[0]), entry.step)
 
     ranked = sorted(tried, key=rank)  # stable: on a tie, the joint plan, then the order tried
-    qualified = _distinct([e for e in ranked if e.result.plan.feasible and not _over_total(e, tried[0])])
+    qualified = _distinct([e for e in ranked if _qualifying(tried[0])(e)])
     best = ranked[0]
     if choose is not None:
         best = next((e for e in qualified if e.key == choose), None)
@@ -314,10 +350,24 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
                                                  candidates=candidates)
 
 
+def _missed(entry: _Tried) -> int:
+    """Bytes over the budget (0 where it is met), in the peak it bounds (the step's over its runs, or the
+    device's, at the size furthest over): not one run's activation peak, which offloading a layer's input
+    does not lower."""
+    plan = entry.result.plan
+    reach, limit = plan.shortfall or (plan.activation_peak_after, 0)
+    return 0 if plan.feasible else reach - limit
+
+
 def _plain_label(label: str) -> str:
     """A candidate's words without "predicted fastest" (which only the one the prediction chose earns)."""
     return re.sub(r",? predicted fastest$", "", label)
 
+
+
+def _qualifying(joint: _Tried) -> Callable[[_Tried], bool]:
+    """Whether a plan may be chosen: it meets the budget without a total peak above the joint plan's pair's."""
+    return lambda entry: entry.result.plan.feasible and not _over_total(entry, joint)
 
 
 def _over_total(entry: _Tried, joint: _Tried) -> bool:
@@ -355,3 +405,4 @@ def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:
     """A backward that runs a random op. At small budgets PyTorch's recompute-only partitioner
     recomputes ``rand`` in the backward (no saved generator state): new numbers, wrong gradients."""
     return any(is_random(n) for n in bw_module.graph.nodes)
+

@@ -11,6 +11,7 @@ import torch
 
 import fxoffload
 from fxoffload import runtime
+from fxoffload.passes.analysis import MUTATED_INPUT
 from tests.conftest import assert_same_step, loss_and_grads
 
 
@@ -270,3 +271,71 @@ def test_a_deepcopy_of_a_compiled_model_after_a_step_trains_through_the_same_bac
     with runtime.copy_delay(0.002):
         assert_same_step(loss_and_grads(reference, y), loss_and_grads(twin, y))
         assert_same_step(loss_and_grads(model, y), loss_and_grads(step, y))
+
+
+def test_a_whole_compiled_model_saved_after_a_step_loads_and_trains_exactly():
+    """``torch.save`` of a whole compiled module pickles its backend. After a step the backend's records
+    (fake tensors, the runtime's state) could not be pickled ("<pybind11 ...> is not pickleable"); it is
+    pickled as a new backend with the same options, and the loaded model compiles afresh."""
+    import io
+
+    torch.manual_seed(0)
+    model, x = Tanh(), torch.randn(64, 16)
+    expected = loss_and_grads(model, x)
+    step, backend = compiled(model, strategy="offload")
+    assert_same_step(expected, loss_and_grads(step, x))
+    assert backend.records and backend.records[0].plan.transfers
+    saved = io.BytesIO()
+    torch.save(step, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    restored = loaded.dynamo_ctx.callback if hasattr(loaded, "dynamo_ctx") else None
+    torch._dynamo.reset()
+    with runtime.copy_delay(0.001):
+        assert_same_step(expected, loss_and_grads(loaded, x))
+    assert runtime.pending_transfers() == 0
+    if isinstance(restored, fxoffload.OffloadBackend):  # where this torch keeps the backend object there
+        assert restored is not backend and restored.config == backend.config and restored.records
+
+
+class WritesItsInput(torch.nn.Module):
+    """Reads its input, then writes it in place (``x.mul_(2)``): AOTAutograd copies the new value into the
+    caller's tensor after the forward (Inductor's graph writes it itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 128), torch.nn.Linear(128, 8)
+
+    def forward(self, x):
+        h = torch.sin(x[:, ::2]) * self.a.weight[:1, :32]
+        x.mul_(2)
+        z = self.a(x * torch.cos(x))
+        return self.b(torch.tanh(z) + torch.nn.functional.pad(h, (0, 96))).square().mean()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("options", [dict(strategy="recompute"), dict(memory_budget=0.01, on_infeasible="warn")],
+                         ids=["recompute", "auto"])
+def test_a_graph_input_the_forward_writes_is_not_recomputed_from(inner, options):
+    """A recompute chain read the graph input itself in the backward (``sin`` of a slice of ``x``), after the
+    forward had written ``x``: under Inductor the gradients were silently wrong (the weight's norm 144.8
+    against 71.6), under the eager inner autograd refused ("modified by an inplace operation"). Strategy
+    auto at a low budget took PyTorch's recompute-only pair, which reads ``x`` so too (110.4). Neither
+    reads an input the step writes now (``analysis.mark_mutated_inputs``)."""
+    torch.manual_seed(0)
+    model, batch = WritesItsInput(), torch.randn(32, 64)
+    expected = loss_and_grads(model, batch.clone())
+    step, backend = compiled(model, inner=inner, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)
+        for _ in range(2):
+            written = batch.clone()
+            with runtime.copy_delay(0.001):
+                assert_same_step(expected, loss_and_grads(step, written))
+            torch.testing.assert_close(written, 2 * batch)  # the write still reaches the caller's tensor
+    record = backend.records[0]
+    reads = {read for r in record.plan.recomputes for read in r.cost.reads}
+    assert not any(read.meta.get(MUTATED_INPUT) for read in reads), fxoffload.explain(record)
+    assert "primals_1" not in {p.name for p in record.backward.graph.find_nodes(op="placeholder")}
+    if options.get("strategy") == "recompute":  # the sin and the product are recomputed, from other values
+        assert len(record.plan.recomputes) >= 2, fxoffload.explain(record)

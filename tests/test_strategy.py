@@ -4,10 +4,12 @@ cap's), and the plan of that partition priced over the min-cut pair's compute (`
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
+import fxoffload
 from fxoffload.passes import Budget, PlanOptions
 from fxoffload.passes.simulator import simulate
 from fxoffload.passes.step import simulate_step
@@ -166,3 +168,51 @@ def test_a_pair_that_peaks_higher_in_a_run_but_holds_less_qualifies_over_several
     # over the runs, the step's figure: the same pair peaking 4 GiB higher across its runs is dropped
     higher = dataclasses.replace(theirs, device_peak_after=joint.device_peak_before + 4096 * mib)
     assert _over_total(_Tried(None, None, SimpleNamespace(plan=higher), "pytorch", 0.0, "pytorch", 0.0), tried[0])
+
+
+def _tiny_whisper():
+    """A tiny Whisper (two encoder and two decoder layers, width 32), from a config."""
+    import transformers
+
+    config = transformers.WhisperConfig(
+        vocab_size=128, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=32, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=32,
+        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, dropout=0.0)
+    return transformers.WhisperForConditionalGeneration(config).train()
+
+
+def _whisper_step(model, features, labels):
+    """One step as a user writes it (the model's output, logits and all, returned by the compiled graph): the loss
+    and a copy of each gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_features=features, labels=labels).loss
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.slow  # 6-7 s; and on torch 2.11 this Whisper's min-cut plan meets 0.5 itself (another graph)
+def test_a_budget_pytorchs_pair_misses_at_its_fraction_is_met_at_a_lower_one():
+    """Strategy auto asks PyTorch's partitioner for the budget's fraction. On a tiny Whisper at 0.5 (default
+    options, torch 2.13) no plan met it: the best, PyTorch's pair at 0.5, reached 503876 B against 476418 B (tensors
+    under min_bytes, which only PyTorch's recomputation moves), the first step ran a provisional plan and the
+    second raised, naming that as the smallest achievable peak. PyTorch's pair at 0.375 (it recomputes
+    more) meets it: where nothing meets the budget, lower fractions are tried (``strategy._lower_fraction``)."""
+    from tests.conftest import assert_same_step
+
+    torch.manual_seed(0)
+    model, features, labels = _tiny_whisper(), torch.randn(4, 16, 64), torch.randint(2, 128, (4, 16))
+    expected = _whisper_step(model, features, labels)
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager")
+    step = torch.compile(model, backend=backend)
+    for _ in range(2):  # the second step re-plans with the step's share
+        assert_same_step(expected, _whisper_step(step, features, labels))
+    (record,) = backend.records[-1:]
+    plan = record.plan
+    assert plan.feasible and not record.provisional, fxoffload.explain(record)
+    asked = re.fullmatch(r"recompute-only \(activation_memory_budget=([0-9.]+)\), predicted fastest", plan.partition)
+    assert asked and float(asked[1]) < 0.5 * (1 - 1e-3), plan.partition
+    assert plan.activation_peak_after <= plan.budget_bytes

@@ -393,6 +393,13 @@ class OffloadBackend:
         tensors, which cannot be copied."""
         return self
 
+    def __reduce__(self) -> tuple:
+        """Pickled (``torch.save`` of a whole compiled model) as a new backend with the same options: the
+        records hold fake tensors and this process's runtime state (a graph's module, its copies), so
+        after a step the backend could not be pickled at all. The loaded model compiles its graphs afresh,
+        as after ``torch._dynamo.reset()``."""
+        return OffloadBackend, (self.config,)
+
     @functools.cached_property
     def _rank_check(self) -> RankCheck | None:
         """This backend's side of the plan check across ranks (``check_ranks``), made when first needed:

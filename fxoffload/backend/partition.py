@@ -37,7 +37,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from fxoffload.passes import offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak
+from fxoffload.passes import (
+    mark_mutated_inputs, offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak,
+)
 
 __all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMemo", "lazy_graph_modules",
            "module_copy", "partition_by_cut", "quick_min_cut", "with_stack_headroom"]
@@ -116,6 +118,7 @@ class Partitioner(CustomPartitionerFn):
         self._shared = shared
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        mark_mutated_inputs(gm.graph)  # before anything copies it: the pairs made of it carry the marks
         memo = self._keep(gm, joint_inputs, kwargs) if self._keep is not None else self._memo
         with quick_min_cut():
             return with_stack_headroom(self._partition_and_plan, gm, joint_inputs, memo, **kwargs)
