@@ -102,7 +102,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
@@ -193,9 +192,10 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     result = solve(asked, solver=options.solver, node_limit=options.node_limit, time_limit=options.time_limit,
                    accepted_gap=accepted_gap)
     if result.stopped == "time limit":
-        warnings.warn(f"fxoffload: the exact solver stopped at solver_time_limit={options.time_limit:g} s before its "
-                      f"node limit ({options.node_limit}): this plan depends on the machine's speed and load, and may "
-                      "differ between runs and ranks; raise solver_time_limit or lower solver_node_limit", stacklevel=3)
+        warn_from_user(UserWarning(
+            f"fxoffload: the exact solver stopped at solver_time_limit={options.time_limit:g} s before its node limit "
+            f"({options.node_limit}): this plan depends on the machine's speed and load, and may differ between runs "
+            "and ranks; raise solver_time_limit or lower solver_node_limit"))
     if result.feasible:
         offloaded, recomputed = split_choice(owners, result.chosen)
         return _Choice(tuple(forced) + offloaded, recomputed, result.solver, result.optimal, result.gap)
@@ -769,5 +769,5 @@ def _warn_unhonoured(reasons: Mapping[fx.Node, Ineligible | None], marks: Mappin
     # A MUST mark the plan cannot follow is something the user must act on.
     for base, reason in reasons.items():
         if MUST_CPU_OFFLOAD in marks[base] and reason is not None:
-            warnings.warn(f"fxoffload: {base.name} is marked MUST_CPU_OFFLOAD but stays on the device: {reason.words}",
-                          stacklevel=3)
+            warn_from_user(UserWarning(
+                f"fxoffload: {base.name} is marked MUST_CPU_OFFLOAD but stays on the device: {reason.words}"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fxoffload
+from tests import conftest
 from tests.conftest import MLP, assert_same_step, compiled_blocks, loss_and_grads, loss_step
 
 
@@ -48,8 +49,10 @@ def test_bounded_sizes_are_planned_at_the_largest_size_the_guards_allow():
 ])
 def test_unbounded_sizes_with_a_budget_warn_with_the_numbers(budget, reach):
     with pytest.warns(UserWarning, match=r"serves sizes above the traced ones \(s\d+=16, no upper bound\): its plan "
-                                         rf"meets memory_budget={budget} .* \(\d+ B\).* {re.escape(reach)}"):
+                                         rf"meets memory_budget={budget} .* \(\d+ B\).* {re.escape(reach)}") as caught:
         compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=budget)
+    told = [w for w in caught if "serves sizes above" in str(w.message)]
+    assert all(w.filename == conftest.__file__ for w in told), [(w.filename, w.lineno) for w in told]  # its step
 
 
 def test_no_budget_no_warning_and_no_specialisation():

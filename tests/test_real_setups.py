@@ -12,6 +12,7 @@ import torch
 import fxoffload
 from fxoffload import runtime
 from fxoffload.passes.analysis import MUTATED_INPUT
+from tests import conftest
 from tests.conftest import assert_same_step, loss_and_grads
 
 
@@ -104,7 +105,11 @@ def inductor_settings_seen(monkeypatch, by_name: bool = False, **compile_kwargs)
         warnings.simplefilter("always")
         step = fxoffload_compile(model, by_name, {"min_bytes": 0, "all_eligible": True}, **compile_kwargs)
         assert_same_step(expected, loss_and_grads(step, x))
-    return seen, [str(w.message) for w in caught if "cudagraphs" in str(w.message)]
+    # Told from the line that compiled or ran the model (this file), not fxoffload's own (2026-12-07: a fixed
+    # stack level named a line of fxoffload's)
+    told = [w for w in caught if "cudagraphs" in str(w.message)]
+    assert all(w.filename in (__file__, conftest.__file__) for w in told), [(w.filename, w.lineno) for w in told]
+    return seen, [str(w.message) for w in told]
 
 
 def test_the_global_cuda_graphs_setting_is_turned_off_for_our_graphs_with_a_warning(monkeypatch):

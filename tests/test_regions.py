@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fxoffload
+from tests import conftest
 from tests.conftest import Block, assert_same_step, loss_and_grads, loss_step, per_layer_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -124,6 +125,8 @@ def test_an_absolute_budget_warns_when_one_graph_serves_several_layers():
     assert len(caught) == 1, [str(w.message) for w in caught]  # once, not at every step
     message = str(caught[0].message)
     assert "compiled region 0 has run 2 times in this forward" in message
+    # told from the line that ran the model (the test's step, in conftest), not fxoffload's runtime
+    assert caught[0].filename == conftest.__file__, (caught[0].filename, caught[0].lineno)
     assert f"leave {2 * held} B of activations" in message and f"({budget} B)" in message
 
 

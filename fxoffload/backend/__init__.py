@@ -87,7 +87,7 @@ from fxoffload.runtime.pinned import reservation
 from fxoffload.passes import (
     BudgetInfeasibleError, BudgetInfeasibleWarning, CandidatePlan, KeptSource, OverheadExceededError,
     PassResult, Plan, PlanOptions, Share, held_after_forward, inputs_at, plan_best_partition, plan_digest,
-    rewrite_planned, unbounded_size_warning,
+    rewrite_planned, unbounded_size_warning, warn_from_user,
 )
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.backend.ranks import RankCheck, graph_key
@@ -484,7 +484,7 @@ class OffloadBackend:
         # A plan only read (plan_joint's rewrite=False) leaves the pair as it is: it is shared with later plans.
         result: PassResult = planned if compilation.read_only else rewrite_planned(fw, bw, planned)
         if (warning := unbounded_size_warning(result)) is not None:
-            warnings.warn(warning, stacklevel=2)
+            warn_from_user(UserWarning(warning))
         held = self._note_plan(region, result.plan, result.timeline, result.schedule)
         self._check_host_memory(fw)
         fields = self._step.fields(region)
@@ -573,7 +573,7 @@ class OffloadBackend:
         self._eager_breaks = now
         if now > before and not self._eager_warned:
             self._eager_warned = True
-            warnings.warn(EAGER_REGIONS, stacklevel=2)
+            warn_from_user(UserWarning(EAGER_REGIONS))
 
     def _track(self, region: tuple, state: "_RegionRun", warn: bool) -> Callable:
         """Run each forward as a runtime invocation, so that copies crossing graph boundaries find the
@@ -706,9 +706,9 @@ class OffloadBackend:
                         source.module, source.example_inputs, region, source.inputs, source.patches,
                         choose=candidate.key)
             except Exception as error:  # noqa: BLE001 (any failure leaves the candidate out, said)
-                warnings.warn(f"fxoffload: measured selection leaves out the plan {candidate.label!r} of compiled "
-                              f"region {self._step.place(region)}: compiling it again failed ({error})",
-                              stacklevel=3)
+                warn_from_user(UserWarning(
+                    f"fxoffload: measured selection leaves out the plan {candidate.label!r} of compiled region "
+                    f"{self._step.place(region)}: compiling it again failed ({error})"))
                 trials.schedule.drop(index)
                 del trials.candidates[index]
                 return None
@@ -767,11 +767,11 @@ class OffloadBackend:
         self._host_warned = True
         shared = (f"; {free} B ({format_bytes(free)}) free on the node, shared by the {ranks} processes "
                   "LOCAL_WORLD_SIZE counts" if ranks > 1 else "")
-        warnings.warn(
+        warn_from_user(UserWarning(
             f"fxoffload: the step's copies are predicted to take {need} B of pinned host memory ({format_bytes(need)} "
             f"in the caching host allocator's power-of-two blocks, every compiled graph and run), more than the "
             f"{share} B ({format_bytes(share)}) this process may still take (MemAvailable, and its cgroup's memory "
-            f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it.", stacklevel=2)
+            f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it."))
 
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
         first = self._step.note_backward()  # the step's first backward (its last forward's)

@@ -17,7 +17,6 @@ checkpointed layer compiled on its own) reaches no backend that could say so.
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -81,9 +80,10 @@ def no_cudagraphs() -> dict:
 
     if inductor_config.triton.cudagraphs and not _warned_cudagraphs:
         _warned_cudagraphs.append(True)
-        warnings.warn("fxoffload: torch._inductor.config.triton.cudagraphs is on; fxoffload compiles its graphs "
-                      "without CUDA graphs (a captured graph would replay its copies and waits without their "
-                      "transfers). Other backends' graphs keep the setting", stacklevel=2)
+        warn_from_user(UserWarning(
+            "fxoffload: torch._inductor.config.triton.cudagraphs is on; fxoffload compiles its graphs without CUDA "
+            "graphs (a captured graph would replay its copies and waits without their transfers). Other backends' "
+            "graphs keep the setting"))
     return {"triton.cudagraphs": False}
 
 

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from fxoffload.backend.callers import KeptInput, kept_warning
-from fxoffload.passes import KeptSource
+from fxoffload.passes import KeptSource, warn_from_user
 from fxoffload.backend.step_budget import StepBudget
 
 __all__ = ["StepLedger"]
@@ -189,7 +188,7 @@ class StepLedger:
                 log.info("%s", message)
             elif record.index not in self.kept_warned:
                 self.kept_warned.add(record.index)
-                warnings.warn(message, stacklevel=2)
+                warn_from_user(UserWarning(message))
 
     def warn_held(self, region: tuple, budget: int, memory_budget: Any) -> None:
         """Warn once when a region ran more often in this forward than its plan counted, and the forwards
@@ -199,10 +198,10 @@ class StepLedger:
         if runs <= self.runs_of(region) or held <= budget or region in self.held_warned:
             return
         self.held_warned.add(region)
-        warnings.warn(
+        warn_from_user(UserWarning(
             f"fxoffload: compiled region {self.place(region)} has run {runs} times in this forward (one "
             f"compiled graph serving several layers, e.g. per-layer compile), but its plan counted its "
             f"activations once ({self.held.get(region, 0)} B, predicted): the forwards so far leave {held} B of "
             f"activations on the device for the backward, above memory_budget={memory_budget!r} "
             f"({budget} B). Pass runs_per_step=<the number of layers the graph serves> so that the plan "
-            f"covers the whole step.", stacklevel=2)
+            f"covers the whole step."))
