@@ -32,6 +32,10 @@ def test_the_json_report_gives_each_figure_its_prediction_and_measurement(capsys
     # bytes the memory tests call UNPLACED_BYTES (tests/conftest.py); host copies exactly.
     assert rows["peak of the step's tensors, with fxoffload"]["measured"] - rows[
         "peak of the step's tensors, with fxoffload"]["predicted"] == UNPLACED_BYTES
+    # and so without it: plain runs the same min-cut partition (aot_eager's default partition was 3% under
+    # the prediction, 2026-12-07, where the guide promised 8 B)
+    assert rows["peak of the step's tensors, without fxoffload"]["measured"] - rows[
+        "peak of the step's tensors, without fxoffload"]["predicted"] == UNPLACED_BYTES
     assert rows["host copies alive at once"]["measured"] == rows["host copies alive at once"]["predicted"] > 0
     assert rows["step time, with fxoffload (median)"]["verdict"] == "not comparable"
 

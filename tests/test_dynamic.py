@@ -284,3 +284,48 @@ def test_a_budget_over_data_dependent_sizes_warns_that_it_holds_at_the_sizes_cou
     compiled = torch.compile(model, backend=backend)
     with pytest.warns(UserWarning, match=r"sizes that depend on the data \(u\d+=8192: no traced value"):
         assert_same_step(loss_and_grads(model, x), loss_and_grads(compiled, x))
+
+
+class _LogitsOut(torch.nn.Module):
+    """A model whose output (its logits, returned with the loss) is most of its activation peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 512)
+
+    def forward(self, x):
+        logits = self.b(torch.tanh(self.a(x)))
+        return logits.square().mean(), logits
+
+
+def test_a_fraction_out_of_reach_under_dynamic_shapes_says_why_and_a_budget_in_bytes_holds():
+    """Under dynamic shapes the step is not re-planned with shares of its budget: a fraction is of each graph's
+    own peak, the outputs it hands on counted until its forward returns. A graph whose peak is mostly its
+    logits cannot reach 0.5 of it (a Mixtral under ``dynamic=True``, in a trial of 2026-12-06); the error now
+    says so and offers a budget in bytes, which bounds the step's graphs together, and that budget trains."""
+    torch.manual_seed(0)
+    model, x = _LogitsOut(), torch.randn(32, 8)
+    torch._dynamo.reset()
+    refused = torch.compile(model, backend=fxoffload.offload_backend(memory_budget=0.5, inner="eager"), dynamic=True)
+    with pytest.raises(Exception, match=r"dynamic shapes: the step is not re-planned .*\(an output the graph hands to "
+                                        r"the rest of the step.*pass a budget in bytes \(memory_budget='<size>'"):
+        refused(x)[0].backward()
+    expected = _loss_and_grads_of_pair(model, x)
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(memory_budget="96KiB", inner="eager", min_bytes=0)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for batch in (x, torch.randn(24, 8)):  # one graph for both sizes
+        assert_same_step(_loss_and_grads_of_pair(model, batch), _loss_and_grads_of_pair(compiled, batch))
+    assert len(backend.records) == 1 and backend.records[0].plan.feasible
+    assert_same_step(expected, _loss_and_grads_of_pair(compiled, x))
+
+
+def _loss_and_grads_of_pair(model, x):
+    """``loss_and_grads`` of a model that returns its loss and its logits (kept until the backward)."""
+    model.zero_grad(set_to_none=True)
+    loss, logits = model(x)
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    del logits
+    return loss.detach(), grads

@@ -133,6 +133,12 @@ class _Compiled:
     compilation: _Compilation
 
 
+def _has_symbolic_sizes(example_inputs: list[Any]) -> bool:
+    """Whether a graph's inputs have symbolic sizes (dynamic shapes): a size, a stride or an input itself."""
+    sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
+    return any(isinstance(s, torch.SymInt) for s in (*sizes, *example_inputs))
+
+
 @dataclass
 class _Replan:
     """What compiling a region again needs: a copy of dynamo's graph (the first compile may edit
@@ -148,8 +154,7 @@ class _Replan:
            patches: dict) -> "_Replan | None":
         """None for graphs with symbolic sizes: compiling them again outside dynamo would add
         guards dynamo never checks."""
-        sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
-        if any(isinstance(s, torch.SymInt) for s in (*sizes, *example_inputs)):
+        if _has_symbolic_sizes(example_inputs):
             return None
         # Fake copies: the inputs dynamo hands over may be the real tensors of the first call (its
         # activations and batch), which must not live as long as the compiled function.
@@ -213,6 +218,7 @@ class _Compilation:
                  replannable: bool = False, graph: str = "", choose: str | None = None,
                  analyses: dict | None = None) -> None:
         self.backend = backend
+        self.symbolic = False  # its sizes are symbolic (dynamic shapes): it is never re-planned with a share
         # A plan to read, not to run (``OffloadBackend.plan_joint(rewrite=False)``): the pair is left as it
         # is, and its analysis is kept here (by what it was made under) for the next plan of the same pair.
         self.analyses = analyses
@@ -467,7 +473,7 @@ class OffloadBackend:
             overhead = isinstance(error, OverheadExceededError)
             if overhead or not (retry or self._step.may_wait(region, bool(input_activations), replannable,
                                                             held_before)):
-                raise self._step.in_step(error, region, held_before, options) from None
+                raise self._step.in_step(error, region, held_before, options, symbolic=compilation.symbolic) from None
             # Out of reach before the first step has shown the step: a graph handed an activation most
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
@@ -790,6 +796,7 @@ class OffloadBackend:
         ``replannable``: the count of its runs may plan it again (see ``_track``); ``choose``: the
         candidate plan to take (measured selection)."""
         compilation = _Compilation(self, region, inputs, replannable, graph_key(gm, example_inputs), choose)
+        compilation.symbolic = _has_symbolic_sizes(example_inputs)
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
     def _keep_joint(self, compilation: _Compilation, gm: fx.GraphModule, joint_inputs: Any,

@@ -211,11 +211,20 @@ class StepCoordinator:
     # ----------------------------------------------------------------------------- refusals
 
     def in_step(self, error: BudgetInfeasibleError, region: tuple, held_before: int,
-                options: PlanOptions) -> BudgetInfeasibleError:
-        """``error``, saying what earlier regions of the step took of an absolute budget, or of the step's."""
+                options: PlanOptions, symbolic: bool = False) -> BudgetInfeasibleError:
+        """``error``, saying what earlier regions of the step took of an absolute budget, or of the step's;
+        for a fraction out of reach in a graph of symbolic sizes (``symbolic``: not re-planned with a share
+        of the step), that the fraction is this graph's, and that a budget in bytes is the step's."""
         place = self._ledger.place(region)
         if region in self._budget.shares:
             return error.within(self._context(region, place, held_before, error.smallest))
+        if symbolic and type(error) is BudgetInfeasibleError and options.budget is not None \
+                and options.budget.nbytes is None:
+            return BudgetInfeasibleError(
+                f"compiled region {place} (dynamic shapes: the step is not re-planned with shares of its budget, so "
+                f"the fraction is of this graph's own activation peak, the outputs it hands to the rest of the step "
+                f"counted until its forward returns): {error.reason}", error.smallest, error.budget,
+                (ADVICE_BYTES, *error.advice), least_held=error.least_held)
         if not held_before or options.budget is None or options.budget.nbytes is None:
             return error
         return error.within(
@@ -246,6 +255,11 @@ class StepCoordinator:
                 f"{_left_words(self._budget.shares[region].budget)} for region {place}; with them as planned, the "
                 f"step's activation peak is at least {held_before + smallest} B "
                 f"({(held_before + smallest) / max(shape.peak_before(), 1):.2f} of it without offloading); ")
+
+
+# A budget in bytes is the step's under dynamic shapes too: the regions are planned in compile order, each with
+# what the earlier ones leave of it, and no output is counted twice.
+ADVICE_BYTES = "pass a budget in bytes (memory_budget='<size>', e.g. '2GiB'), which bounds the step's graphs together"
 
 
 def _regions_words(regions: tuple[StepRegion, ...]) -> str:

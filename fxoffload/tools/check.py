@@ -8,7 +8,9 @@ Flow (:func:`run_check`):
    protocol costs on this CPU, not a GPU's (their predictions are for the default profile).
 2. A small GPT-style model built from :class:`CheckConfig` (plain PyTorch, random weights, fp32,
    TF32 off, calibration included), trained for ``steps`` SGD steps three times from the same
-   weights and batches: compiled plainly (the same inner compiler, no fxoffload), compiled with
+   weights and batches: compiled plainly (the same inner compiler and min-cut partition, no fxoffload:
+   ``inductor``, or ``aot_eager_decomp_partition`` for the eager inner; plain ``aot_eager``'s default
+   partition saves other tensors than the plan's prediction counts), compiled with
    fxoffload in debug mode (``debug=True``: NaN-filled destinations on CUDA, stall counts), for
    the numerics, and compiled with fxoffload without debug mode, for the times and memory (debug
    mode's NaN fills cost time of their own).
@@ -239,7 +241,8 @@ def _numerics(plain: tuple, offloaded: tuple, models: tuple, staged_planned: int
 
 
 def _compiled(model: torch.nn.Module, inner: str, backend: Any = None) -> Callable:
-    return torch.compile(model, backend=backend or ("inductor" if inner == "inductor" else "aot_eager"))
+    plain = "inductor" if inner == "inductor" else "aot_eager_decomp_partition"
+    return torch.compile(model, backend=backend or plain)
 
 
 def run_check(config: CheckConfig = CheckConfig(), progress: Callable[[str], None] = lambda _: None) -> CheckReport:
