@@ -161,7 +161,11 @@ def _peak(entries: list[_Storage], length: int) -> tuple[int, list[int]]:
 
 
 def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMeasurement:
-    """Run ``fn(*args, **kwargs)`` (a training step: forward and backward) and measure its memory."""
+    """Run ``fn(*args, **kwargs)`` (a training step: forward and backward) and measure its memory: the
+    activation, total and host peaks of the tensors the step's ops make (see the module docstring), and on
+    CUDA also ``torch.cuda.max_memory_allocated`` above the step's start. The ops are seen through a dispatch
+    mode, so buffers inside Inductor's generated kernels are not: compile with ``inner="eager"`` to measure
+    a plan's peaks op by op (under Inductor the activation peak may read 0), or read ``cuda_max_allocated``."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
