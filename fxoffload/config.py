@@ -95,6 +95,11 @@ def parse_overhead(value: Any) -> float | None:
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    """fxoffload's options, one frozen value, validated when made (``offload_backend(**options)`` and
+    ``options=`` by name build it through :func:`config_from_options`: an unknown option or a bad value
+    raises ``OptionError`` naming what is accepted). Each field is documented where it is declared
+    (``fxoffload/config.py``), and the README's options table gives every field with its default."""
+
     memory_budget: Any = None
     """Bound on the peak of activation memory (saved tensors on the device): a fraction per compiled
     graph, bytes for the whole step (later graphs get what earlier ones leave). None: the smallest
