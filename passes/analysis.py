@@ -121,7 +121,11 @@ def traced_value(node: Any) -> Any:
 
 def tensor_storage_key(t: torch.Tensor) -> int:
     """Identity of the storage behind ``t`` (real or fake): equal for every view of one storage, for as
-    long as the storage lives. Every stage and the runtime's tools key storages with it."""
+    long as the storage lives. Every stage and the runtime's tools key storages with it. A tensor of
+    another layout than strided (a sparse gradient: ``nn.Embedding(sparse=True)``) has no storage to
+    share and is its own: keyed by the tensor (its ``untyped_storage`` raised, failing the compile)."""
+    if t.layout != torch.strided:
+        return id(t)
     return StorageWeakRef(t.untyped_storage()).cdata
 
 

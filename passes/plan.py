@@ -52,6 +52,11 @@ ON_INFEASIBLE: tuple[str, ...] = get_args(OnInfeasible)
 ADVICE_WARN = "pass on_infeasible='warn'"
 
 
+def advice_min_bytes(options: "PlanOptions") -> tuple[str, ...]:
+    """The advice to lower ``min_bytes``, where there is anything to lower (it was given at ``min_bytes=0``)."""
+    return ("lower min_bytes",) if options.min_bytes > 0 else ()
+
+
 class BudgetInfeasibleError(ValueError):
     """The memory budget cannot be met even by offloading every eligible activation.
 

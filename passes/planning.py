@@ -118,7 +118,8 @@ from .formulation import (
 from .memory import Resident, Timeline, residents_at
 from .plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, staging_bytes, warn_from_user,
+    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, advice_min_bytes, staging_bytes,
+    warn_from_user,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import concrete, held_sizes, plan_sizes, size_ranges, timeline_at
@@ -245,7 +246,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
     message += _floor(at, owners, forced, everything, int(reached.argmax()) % length if total else 0, host_bound)
     if options.on_infeasible == "error":
         other = () if options.strategy == AUTO_STRATEGY else ("try strategy='auto'",)
-        advice = ("raise the budget", "lower min_bytes", *other, ADVICE_WARN)
+        advice = ("raise the budget", *advice_min_bytes(options), *other, ADVICE_WARN)
         raise BudgetInfeasibleError(message, *shortfall, advice, least_held=least)
     # The cheapest plan that reaches the smallest peak (not just "everything"), within the held cap where
     # moving every candidate does (a region of a step: the regions after it run on top of what it holds).

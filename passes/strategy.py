@@ -45,7 +45,9 @@ from .pipeline import (
     Analysis, AnalysisSettings, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs,
     gc_paused, plan_analysed,
 )
-from .plan import ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions, warn_from_user
+from .plan import (
+    ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions, advice_min_bytes, warn_from_user,
+)
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .digest import plan_digest
 from .simulator import simulate
@@ -152,7 +154,7 @@ def plan_best_partition(
         message = f"{best.plan.note}; with every alternative of strategy 'auto'"
         if options.on_infeasible == "error":
             raise BudgetInfeasibleError(message, *best.plan.shortfall,
-                                        ("raise the budget", "lower min_bytes", ADVICE_WARN),
+                                        ("raise the budget", *advice_min_bytes(options), ADVICE_WARN),
                                         least_held=best.plan.held_least)
         warn_from_user(BudgetInfeasibleWarning(message + "; planning for that peak instead"))
     elif options.max_overhead is not None:  # the fastest predicted is over max_overhead: so is every other

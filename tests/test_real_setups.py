@@ -344,3 +344,46 @@ def test_a_graph_input_the_forward_writes_is_not_recomputed_from(inner, options)
     assert "primals_1" not in {p.name for p in record.backward.graph.find_nodes(op="placeholder")}
     if options.get("strategy") == "recompute":  # the sin and the product are recomputed, from other values
         assert len(record.plan.recomputes) >= 2, fxoffload.explain(record)
+
+
+class SparseEmbedding(torch.nn.Module):
+    """``nn.Embedding(sparse=True)``: the backward graph returns a sparse gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.a = torch.nn.Embedding(50, 16, sparse=True), torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return self.a(torch.tanh(self.e(ids))).square().mean()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_sparse_gradient_compiles_and_matches_eager(inner):
+    """The memory model keyed every value by its storage, and a sparse tensor has none: every compile of a
+    model with a sparse embedding failed ("Cannot access storage of SparseTensorImpl"). A tensor of another
+    layout is its own key now (``analysis.tensor_storage_key``). Under Inductor, its fake-tensor update
+    failed so too downstream of our ``control_deps`` nodes (``compat._storage_of_any_layout``)."""
+    torch.manual_seed(0)
+    model, ids = SparseEmbedding(), torch.randint(0, 50, (4, 12))
+    expected = loss_and_grads(model, ids)
+    assert expected[1]["e.weight"].is_sparse
+    step, backend = compiled(model, inner=inner)
+    with runtime.copy_delay(0.001):
+        actual = loss_and_grads(step, ids)
+    assert actual[1]["e.weight"].is_sparse
+    for _, grads in (expected, actual):  # compared dense (the comparison's largest element is dense only)
+        grads["e.weight"] = grads["e.weight"].to_dense()
+    assert_same_step(expected, actual)
+    assert backend.records and backend.records[0].plan.transfers, fxoffload.explain(backend.records[0])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "offload"])
+def test_an_out_of_reach_budget_advises_lowering_min_bytes_only_where_it_can_be_lowered(strategy):
+    """The error's advice said "lower min_bytes" at min_bytes=0 too (a trial, 2026-12-07)."""
+    model, x = IntBoolSaved(), torch.randn(256, 64)  # its random mask and index cannot be recomputed
+    for min_bytes, advised in ((0, False), (65536, True)):
+        torch._dynamo.reset()
+        backend = fxoffload.offload_backend(inner="eager", memory_budget="1B", min_bytes=min_bytes, strategy=strategy)
+        with pytest.raises(Exception, match="raise the budget") as raised:
+            torch.compile(model, backend=backend)(x).backward()
+        assert ("lower min_bytes" in str(raised.value)) == advised, str(raised.value)

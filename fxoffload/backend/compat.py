@@ -29,6 +29,10 @@ partitioner's ``solve_min_cut``) and ``passes/sizes._hints_evaluated`` (the part
   edges without it (``tests/test_ahead_lead.py`` passes there with the mark taken away); the mark
   is harmless there (a result kept is one assignment in the generated code).
 
+* Inductor's fake-tensor update (``torch._inductor.fx_utils``) asks every tensor it compares for its
+  storage, a sparse one too, and fails where it reaches one (any release): :func:`ensure_control_deps`
+  lets it compare such a tensor as its own storage (``_storage_of_any_layout``).
+
 * Compiled autograd's context (``torch._dynamo.compiled_autograd._enable``) sets the module's
   ``compiled_autograd_enabled`` while it is active; the config flag
   ``torch._dynamo.config.compiled_autograd`` enters that context inside compiled frames:
@@ -68,6 +72,28 @@ def ensure_control_deps() -> None:
     if control_deps not in _side_effectful_functions:
         has_side_effect(control_deps)
     _keep_ordering_outputs()
+    _storage_of_any_layout()
+
+
+def _storage_of_any_layout() -> None:
+    """Let Inductor's fake-tensor update compare tensors without a storage (every release so far fails).
+
+    After its post-grad passes Inductor updates the fake tensors of the nodes a change reaches, and every
+    ``control_deps`` node counts as changed (its subgraph runs again, into new fake storages). Downstream of
+    ours, a sparse result (``nn.Embedding(sparse=True)``'s gradient) was then asked for its storage:
+    "Cannot access storage of SparseTensorImpl", failing the compile. A tensor without one is its own
+    storage here, so the update compares it as a new value (and keeps its meta up to date)."""
+    from torch._inductor import fx_utils
+
+    original = fx_utils.get_storage
+    if getattr(original, "_fxoffload", False):
+        return
+
+    def get_storage(t: torch.Tensor) -> int:
+        return original(t) if torch._C._has_storage(t) else id(t)
+
+    get_storage._fxoffload = True
+    fx_utils.get_storage = get_storage
 
 
 def _keep_ordering_outputs() -> None:
