@@ -26,7 +26,9 @@ even when the first plan predicts no cost, and ``choose`` returns the one a
 measurement chose. Limits: the ranking trusts the simulator's step time, not a
 measurement; the user's ``PREFER_*`` marks, which the simulator does not weigh,
 keep the joint plan; a re-partitioned backward that draws random numbers is
-skipped (PyTorch's partitioner would recompute them without their seed).
+skipped (PyTorch's partitioner would recompute them without their seed), and so is
+one that reads a graph input the step writes in place (it would read the new value);
+the lower fractions cost up to four more partitions, only where nothing met the budget.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def plan_best_partition(
     (1) guards the joint program's queue model, which is optimistic about copies under tight
     memory; it reuses the min-cut pair's analysis. (2) recomputes what our chains cannot: it may
     save a value's inputs instead of the value; it is skipped when its backward draws random numbers
-    (see :func:`_draws_random_numbers`). Peaks "before" stay the min-cut pair's, which the budget
+    (see :func:`_draws_random_numbers`) or reads an input the step writes; where no plan qualifies, it is
+    asked again at lower fractions (:func:`_lower_fraction`). Peaks "before" stay the min-cut pair's, which the budget
     fraction refers to. With ``PREFER_*`` selective-checkpoint hints, the joint program's plan
     stands: it weighs the hints, which the simulator's step time does not. ``input_activations``: as
     for :func:`plan_pair` (by input position, so it holds for the re-partitioned pair too). The
@@ -244,10 +247,12 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, joint: _Tri
             fraction = min(fraction, plan.held_cap / plan.held_before)
         fraction = max(0.0, min(1.0, fraction))
         theirs = _pytorch_partition(planner, repartition, fraction, held, analysis)
-        tried += [theirs] if theirs is not None else []
-        qualifies = _qualifying(joint)
-        if fraction > 0 and not any(map(qualifies, [joint, *tried])):
-            tried += _lower_fraction(planner, repartition, fraction, held, analysis, qualifies)
+        # A pair refused at the fraction (random numbers, an input the step writes) is refused below it too:
+        # a lower fraction recomputes more.
+        if theirs is not None:
+            tried.append(theirs)
+            if fraction > 0 and not any(map(_qualifying(joint), [joint, *tried])):
+                tried += _lower_fraction(planner, repartition, fraction, held, analysis, joint)
     return tried
 
 
@@ -270,8 +275,8 @@ def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: fl
 
 
 def _lower_fraction(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
-                    analysis: Analysis, qualifies: Callable[[_Tried], bool]) -> list[_Tried]:
-    """Where no plan qualifies (``qualifies``: meets the budget, and holds the total peak), PyTorch's partition
+                    analysis: Analysis, joint: _Tried) -> list[_Tried]:
+    """Where no plan qualifies (meets the budget without a total peak above ``joint``'s), PyTorch's partition
     at a lower fraction may: it recomputes more, and what is left may then be offloaded under the budget (a
     tiny Whisper at 0.55: 0.55's pair reached 534596 B at best, 0.3's 397380 B). Tried at ``LOWER_FRACTIONS``
     of the fraction, highest first (it recomputes least), up to the first that qualifies. Not a bisection:
@@ -279,14 +284,14 @@ def _lower_fraction(planner: _Planner, repartition: Repartition, fraction: float
     fraction 0: 1327104 B against 1175108 B), so a fraction may be too high or too low. Returns the plan
     that qualifies, else the one that missed the budget least (for the floor an error names); never one
     over the total peak."""
-    missed: list[_Tried] = []
+    qualifies, missed = _qualifying(joint), []
     for factor in LOWER_FRACTIONS:
         entry = _pytorch_partition(planner, repartition, fraction * factor, held, analysis)
         if entry is None:
             continue
         if qualifies(entry):
             return [entry]
-        if not entry.result.plan.feasible:
+        if not entry.result.plan.feasible and not _over_total(entry, joint):
             missed.append(entry)
     return sorted(missed, key=_missed)[:1]
 
@@ -366,7 +371,6 @@ def _plain_label(label: str) -> str:
     return re.sub(r",? predicted fastest$", "", label)
 
 
-
 def _qualifying(joint: _Tried) -> Callable[[_Tried], bool]:
     """Whether a plan may be chosen: it meets the budget without a total peak above the joint plan's pair's."""
     return lambda entry: entry.result.plan.feasible and not _over_total(entry, joint)
@@ -407,4 +411,3 @@ def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:
     """A backward that runs a random op. At small budgets PyTorch's recompute-only partitioner
     recomputes ``rand`` in the backward (no saved generator state): new numbers, wrong gradients."""
     return any(is_random(n) for n in bw_module.graph.nodes)
-
