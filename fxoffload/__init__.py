@@ -42,7 +42,7 @@ if not _INSTALLED and (_CheckoutPasses.folder / "__init__.py").is_file():
 from fxoffload import runtime  # noqa: E402  (after the finder: runtime imports fxoffload.passes)
 from fxoffload.backend import GraphRecord, OffloadBackend, named_backend, offload_backend, register_backend_name  # noqa: E402
 from fxoffload.config import OffloadConfig, OptionError  # noqa: E402
-from fxoffload.errors import CompiledAutogradError  # noqa: E402
+from fxoffload.errors import CompiledAutogradError, MutatedInputError  # noqa: E402
 from fxoffload.explain import explain  # noqa: E402
 from fxoffload.tools.measure import MemoryMeasurement, measure_peak  # noqa: E402
 from fxoffload.passes import (  # noqa: E402
@@ -58,7 +58,7 @@ register_backend_name()  # backend="fxoffload" without an installed entry point 
 
 __all__ = [
     "DEFAULT_PROFILE", "PROFILES", "BudgetInfeasibleError", "BudgetInfeasibleWarning", "CompiledAutogradError",
-    "calibrate", "DeviceProfile",
+    "MutatedInputError", "calibrate", "DeviceProfile",
     "GraphRecord", "OffloadBackend", "MemoryMeasurement", "OffloadConfig", "OptionError", "OverheadExceededError",
     "PlanMismatchError",
     "RankCheckTimeoutError", "Simulation", "StepSimulation", "explain", "measure_peak", "named_backend",

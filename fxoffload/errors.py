@@ -1,5 +1,6 @@
 """The error every bad option raises: ``OptionError``, naming the option, what is wrong and what is accepted;
-and ``CompiledAutogradError``, a set-up fxoffload cannot run (compiled autograd around a step that copies).
+``CompiledAutogradError``, a set-up fxoffload cannot run (compiled autograd around a step that copies);
+and ``MutatedInputError``, a step whose backward would read an input after the forward wrote it.
 
 Its own module so that the modules that check options (``fxoffload.config``, ``fxoffload.profiles``)
 import it without importing each other. Limits: options only; a bad model or budget has its own error.
@@ -7,7 +8,7 @@ import it without importing each other. Limits: options only; a bad model or bud
 
 from __future__ import annotations
 
-__all__ = ["CompiledAutogradError", "OptionError"]
+__all__ = ["CompiledAutogradError", "MutatedInputError", "OptionError"]
 
 
 class OptionError(ValueError):
@@ -25,3 +26,11 @@ class CompiledAutogradError(RuntimeError):
     """Compiled autograd is on around a step whose plan copies activations: it would re-trace the
     backward, and fxoffload's copies cannot be re-traced (``fxoffload.passes.ops``). Raised when the
     forward runs, before any backward."""
+
+
+class MutatedInputError(RuntimeError):
+    """PyTorch's partition of a graph saves an input for the backward that the forward then writes in
+    place (``h = sin(x) * w; x.mul_(2)``: it saves ``x`` and recomputes ``sin(x)``), so the backward
+    would read the new value. Plain ``torch.compile`` does the same: autograd's "modified by an inplace
+    operation" under ``aot_eager``, gradients silently wrong under Inductor. Raised when the graph is
+    compiled, naming the inputs (by position and shape)."""

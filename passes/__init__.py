@@ -20,8 +20,8 @@ imports from it alone (``tests/test_architecture.py``); tests may reach a stage.
 """
 
 from .analysis import (
-    SavedActivation, input_position, inputs_at, is_anchored_compute, is_compute, mark_mutated_inputs, storage_key,
-    tensor_nbytes, tensor_storage_key,
+    SavedActivation, input_position, inputs_at, is_anchored_compute, is_compute, mark_mutated_inputs,
+    mutated_inputs_read, storage_key, tensor_nbytes, tensor_storage_key,
 )
 from .candidates import AUTO_HORIZON, Placement
 from .cost_model import OPTIMIZERS, DeviceProfile, Work, op_work, optimizer_step, roofline
@@ -65,7 +65,7 @@ __all__ = [
     "activation_peaks_at",
     "UNBACKED_SIZE", "copy_layers", "curve", "data_dependent",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
-    "mark_mutated_inputs",
+    "mark_mutated_inputs", "mutated_inputs_read",
     "kept_in_last_run",
     "offload_marked", "one_block", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",

@@ -75,6 +75,7 @@ __all__ = [
     "MUTATED_INPUT",
     "mark_mutated_inputs",
     "reads_mutated_input",
+    "mutated_inputs_read",
 ]
 
 MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the partitioner's own recomputation
@@ -95,9 +96,10 @@ def mark_mutated_inputs(joint: fx.Graph) -> int:
         source = getattr(desc, "mutated_input", None)
         if source is not None and repr(source) in by_desc:
             written.add(by_desc[repr(source)])
+    backward = _backward_nodes(joint)
     for node in joint.nodes:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None or not schema.is_mutable:
+        if schema is None or not schema.is_mutable or node in backward:  # (PyTorch saves a backward's source)
             continue
         for argument, value in zip(schema.arguments, node.args):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
@@ -107,11 +109,29 @@ def mark_mutated_inputs(joint: fx.Graph) -> int:
     return len(written)
 
 
+def _backward_nodes(joint: fx.Graph) -> set[fx.Node]:
+    """The joint graph's nodes that read a tangent, directly or not: its backward part (tangents by
+    PyTorch's own convention, ``partitioners._is_tangent``)."""
+    from torch._functorch.partitioners import _is_tangent
+
+    reached, stack = set(), [p for p in joint.find_nodes(op="placeholder") if _is_tangent(p)]
+    while stack:
+        node = stack.pop()
+        if node not in reached:
+            reached.add(node)
+            stack.extend(node.users)
+    return reached
+
+
+def mutated_inputs_read(bw: fx.Graph) -> list[fx.Node]:
+    """The graph inputs the step writes (see :func:`mark_mutated_inputs`) that a backward receives: it would
+    read their new value. PyTorch's recompute-only partition at a budget does so (``x.mul_(2)`` after
+    ``sin(x)``: it recomputes ``sin`` in the backward from ``x``), and its default partition may too."""
+    return [p for p in bw.find_nodes(op="placeholder") if p.meta.get(MUTATED_INPUT)]
+
+
 def reads_mutated_input(bw: fx.Graph) -> bool:
-    """Whether a backward receives a graph input the step writes (see :func:`mark_mutated_inputs`): it would
-    read the new value. PyTorch's recompute-only partition at a budget does so (``x.mul_(2)`` after
-    ``sin(x)``: it recomputes ``sin`` in the backward from ``x``)."""
-    return any(p.meta.get(MUTATED_INPUT) for p in bw.find_nodes(op="placeholder"))
+    return bool(mutated_inputs_read(bw))
 
 
 def traced_value(node: Any) -> Any:

@@ -403,7 +403,7 @@ class OffloadBackend:
         """Pickled (``torch.save`` of a whole compiled model) as a new backend with the same options: the
         records hold fake tensors and this process's runtime state (a graph's module, its copies), so
         after a step the backend could not be pickled at all. The loaded model compiles its graphs afresh,
-        as after ``torch._dynamo.reset()``."""
+        as after ``torch._dynamo.reset()``. The tools' ``keep_joints`` and ``stop_at_joint`` are not kept."""
         return OffloadBackend, (self.config,)
 
     @functools.cached_property

@@ -37,8 +37,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from fxoffload.errors import MutatedInputError
 from fxoffload.passes import (
-    mark_mutated_inputs, offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak,
+    mark_mutated_inputs, mutated_inputs_read, offload_marked, read_policies, save_offload_marks, unoffloaded_total_peak,
 )
 
 __all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMemo", "lazy_graph_modules",
@@ -101,6 +102,18 @@ class _Default:
     plain_total: int | None
 
 
+def _refuse_written_inputs_read(bw: fx.GraphModule) -> None:
+    """Raise ``MutatedInputError`` where the pair's backward receives an input the forward writes in place."""
+    read = mutated_inputs_read(bw.graph)
+    if read:
+        inputs = ", ".join(f"{p.meta.get('desc', p.name)} of shape {tuple(p.meta['val'].shape)}" for p in read)
+        raise MutatedInputError(
+            f"fxoffload: PyTorch's partition saves for the backward a graph input the forward then writes in place "
+            f"({inputs}): the backward would read the new value (plain torch.compile does the same: autograd's "
+            f"'modified by an inplace operation', or under Inductor wrong gradients). Write a copy instead "
+            f"(x = x.clone() before x.mul_(...)), or write the input outside the compiled function.")
+
+
 class Partitioner(CustomPartitionerFn):
     """Min-cut partition, then our passes on the pair (an Inductor custom partitioner)."""
 
@@ -126,6 +139,7 @@ class Partitioner(CustomPartitionerFn):
     def _partition_and_plan(self, gm: fx.GraphModule, joint_inputs: Any, memo: PartitionMemo | None, **kwargs: Any):
         made, partitioned = (self._pair_to_read if self._shared else self._pair_to_rewrite)(gm, joint_inputs, memo,
                                                                                            kwargs)
+        _refuse_written_inputs_read(made.backward)
 
         def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
             with torch._functorch.config.patch(activation_memory_budget=fraction, **_SCRIPT_OBJECTS_COUNT_NOTHING):
