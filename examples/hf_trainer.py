@@ -11,10 +11,11 @@ the signature: pass ``remove_unused_columns=False`` then.)
     model.compile(backend="fxoffload", options={"memory_budget": 0.5, "strategy": "offload"})
     Trainer(model=model, args=TrainingArguments(...), train_dataset=data).train()
 
-This script trains a small Llama (random init, nothing downloaded) twice with the same
-seed and data, eager and compiled, and prints both losses, the wall time per step, the
-plan's predicted activation peak and, under ``--inner eager``, the activation peak of one
-step measured on this CPU (``fxoffload.measure_peak`` sees every allocation of graphs run
+This script trains a small Llama (random init, nothing downloaded) three times with the
+same seed and data: eager, plain compile (the same inner compiler, no fxoffload) and with
+fxoffload; it prints each run's final loss, the wall time per step, the plan's predicted
+activation peak, the largest parameter difference from eager and, under ``--inner eager``,
+the activation peak of one step measured on this CPU (``fxoffload.measure_peak`` sees every allocation of graphs run
 eagerly, not the buffers inside Inductor's kernels).
 
     python examples/hf_trainer.py [--steps 8] [--budget 0.5] [--strategy offload] [--inner eager|inductor] [--write]

@@ -162,14 +162,18 @@ def train(backend: str | dict | None, steps: int = 4, layers: int = 8, batch: in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="at least 3: steps are timed after the second")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="with --checkpoint, 4 or more: at 2 a budget of 0.5 is out of reach (the last layer's "
+                             "input stays on the device until its copy frees it)")
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--inner", default="eager", choices=("eager", "inductor"))
     parser.add_argument("--checkpoint", action="store_true",
                         help="checkpoint_wrapper (non-reentrant) on every block before compiling it")
     parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error(f"--steps {args.steps}: at least 3 (the time per step is measured after the second)")
     options = {"memory_budget": args.budget, "strategy": "offload", "inner": args.inner}
     plain = plain_backend(args.inner)
     ck = args.checkpoint

@@ -100,6 +100,11 @@ def main() -> None:
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
     args.horizon = int(args.horizon) if args.horizon.isdigit() else args.horizon
+    try:  # the options checked before anything trains (a bad --budget was named after the plain run)
+        fxoffload.offload_backend(memory_budget=budget, min_bytes=args.min_bytes, horizon=args.horizon,
+                                  inner=args.inner)
+    except fxoffload.OptionError as error:
+        parser.error(str(error))
 
     text = stdlib_text()
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()

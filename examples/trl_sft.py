@@ -90,7 +90,11 @@ def train(backend: str | dict | None, steps: int = 6, batch: int = 4, seed: int 
 
     torch._dynamo.reset()
     torch.manual_seed(seed)
-    with tempfile.TemporaryDirectory() as out:
+    # SFTConfig checkpoints the layers by default (gradient_checkpointing=True), and transformers 5.25's
+    # layers change Python state in their forward: without this Dynamo runs each checkpointed layer eagerly
+    # and nothing in it is planned (README, "Limits"; a trial ran this script so on 2026-12-07: 0 copies).
+    skip = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    with skip, tempfile.TemporaryDirectory() as out:
         # Rows of one length (pad_to_multiple_of, no packing): one compiled graph serves every step.
         args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-3,
                          logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=seed,
