@@ -125,6 +125,10 @@ class _Tracker(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor, inputs: set[int], func: Any) -> None:
+        if t.layout != torch.strided:  # a sparse gradient (no storage of its own): what holds its memory
+            for part in _dense_parts(t):
+                self._track(part, inputs, func)
+            return
         ref = StorageWeakRef(t.untyped_storage())
         if ref.cdata in inputs or ref.cdata in self.storages and not self.storages[ref.cdata].ref.expired():
             return  # a view or an in-place result, or already tracked
@@ -158,6 +162,12 @@ def _peak(entries: list[_Storage], length: int) -> tuple[int, list[int]]:
         running += d
         curve.append(running)
     return max(curve, default=0), curve
+
+
+def _dense_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold a tensor of another layout: a sparse COO tensor's indices and values
+    (other layouts: none counted)."""
+    return (t._indices(), t._values()) if t.layout == torch.sparse_coo else ()
 
 
 def measure_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryMeasurement:
