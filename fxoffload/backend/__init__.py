@@ -831,6 +831,7 @@ class OffloadBackend:
         analyses = None if rewrite else joint.partition.analyses
         compilation = _Compilation(self, self._region_key(), joint.inputs, replannable, graph=joint.graph,
                                    analyses=analyses)
+        compilation.symbolic = _has_symbolic_sizes(torch.utils._pytree.tree_leaves(joint.joint_inputs))
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition,
                                   shared=not rewrite)
         with torch._guards.tracing(joint.context), lazy_graph_modules():  # its graphs are read, not run
