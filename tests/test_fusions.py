@@ -80,7 +80,9 @@ def test_the_rewrite_adds_no_kernel(plain_kernels, budget):
 
 # Compute priced slow against the copies, as a GPU's fused kernels are against its link at the sizes the
 # frontier runs: strategy auto then offloads under its min-cut partition (0.7, 0.5) and under PyTorch's
-# recompute-only one (0.3, the gate projection), as the defaults do there.
+# recompute-only one (0.25, the gate projection), as the defaults do there. (At 0.3 it did so until 2026-12-07;
+# PyTorch's pair at 0.3 piles the total peak above the min-cut pair's, and its pair at 0.15 now qualifies,
+# recomputing all and copying nothing: strategy._lower_fraction.)
 COMPUTE_BOUND = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),), 1e11, 1e10, 1e10, True, 0.0)
 
 
@@ -88,18 +90,19 @@ COMPUTE_BOUND = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),)
 def pytorch_kernels():
     """PyTorch's own kernels at each recompute budget (its ``activation_memory_budget``)."""
     counts = {}
-    for budget in (0.7, 0.5, 0.3):
+    for budget in (0.7, 0.5, 0.3, 0.25):
         with torch._functorch.config.patch(activation_memory_budget=budget):
             counts[budget] = compile_block("inductor")[:2]
     return counts
 
 
-@pytest.mark.parametrize("budget", [0.7, 0.5, 0.3])
+@pytest.mark.parametrize("budget", [0.7, 0.5, 0.25])
 def test_default_options_add_no_kernel_to_the_partition_they_run(plain_kernels, pytorch_kernels, budget):
     """With default options (strategy auto, min_bytes) the copies add no kernel to the partition the plan
     runs: plain compile's for the min-cut pair, PyTorch's own at the budget for its recompute-only
     partition. Before a release followed a fusible reader of what it frees through what that reader's
-    fused kernel writes out (``fxoffload.backend.ordering._follow_fused_readers``), at 0.3 the release of
+    fused kernel writes out (``fxoffload.backend.ordering._follow_fused_readers``), at 0.3 (0.25 since the
+    lower fractions, 2026-12-07) the release of
     the offloaded gate projection made Inductor write SwiGLU's ``silu`` out apart from its ``mul``: one
     forward kernel more than PyTorch's partition."""
     backend = fxoffload.offload_backend(inner="inductor", memory_budget=budget, device_profile=COMPUTE_BOUND)
@@ -107,7 +110,7 @@ def test_default_options_add_no_kernel_to_the_partition_they_run(plain_kernels, 
     plan = backend.records[0].plan
     assert plan.transfers, "nothing offloaded: the count would say nothing"
     recompute_only = plan.partition.startswith(f"recompute-only (activation_memory_budget={budget})")
-    assert recompute_only == (budget == 0.3), plan.partition
+    assert recompute_only == (budget == 0.25), plan.partition
     baseline = pytorch_kernels[budget] if recompute_only else plain_kernels
     assert forward <= baseline[0] and backward <= baseline[1], (
         f"{forward} forward and {backward} backward kernels against {baseline} ({plan.partition})")
@@ -299,3 +302,23 @@ def test_a_tied_heads_weight_gradient_stays_one_addmm():
     assert sorted(re.sub(r"_\d+$", "", k) for k in offloaded) == sorted(re.sub(r"_\d+$", "", k) for k in plain)
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_release_under_pytorchs_partition_keeps_its_readers_kernel_whole(pytorch_kernels, monkeypatch):
+    """Under PyTorch's recompute-only partition at 0.3, offloading the gate projection (the plan strategy auto
+    made at 0.3 until 2026-12-07, and makes where no lower fraction qualifies: here they are taken away, since
+    the pair at 0.15 now qualifies and copies nothing): the release of what the copy frees must follow SwiGLU's
+    fused ``silu`` and ``mul`` through what their kernel writes out (``ordering._follow_fused_readers``), or
+    Inductor writes ``silu`` out apart: one forward kernel more than PyTorch's own partition."""
+    from fxoffload.passes import strategy
+
+    monkeypatch.setattr(strategy, "LOWER_FRACTIONS", ())
+    backend = fxoffload.offload_backend(inner="inductor", memory_budget=0.3, device_profile=COMPUTE_BOUND)
+    forward, backward, grads = compile_block(backend)
+    plan = backend.records[0].plan
+    assert plan.partition.startswith("recompute-only (activation_memory_budget=0.3)"), plan.partition
+    assert plan.transfers, "nothing offloaded: the count would say nothing"
+    theirs = pytorch_kernels[0.3]
+    assert forward <= theirs[0] and backward <= theirs[1], f"{forward}, {backward} kernels against {theirs}"
+    for got, expected in zip(grads, eager_grads()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))
