@@ -112,7 +112,11 @@ _PASSES_DIR = os.path.dirname(os.path.abspath(__file__))
 _ABOVE = os.path.dirname(_PASSES_DIR)
 _FXOFFLOAD_DIR = _ABOVE if os.path.basename(_ABOVE) == "fxoffload" else os.path.join(_ABOVE, "fxoffload")
 _INTERNAL_DIRS = tuple(os.path.join(path, "") for path in (
-    _PASSES_DIR, _FXOFFLOAD_DIR, os.path.dirname(os.path.abspath(torch.__file__)), sysconfig.get_paths()["stdlib"]))
+    _PASSES_DIR, _FXOFFLOAD_DIR, os.path.dirname(os.path.abspath(torch.__file__))))
+# The standard library's, but for the installed packages some layouts keep under it (a Docker image's
+# /usr/local/lib/python3.x/site-packages): a user's own package there is the user's line.
+_STDLIB_DIR = os.path.join(sysconfig.get_paths()["stdlib"], "")
+_INSTALLED = ("site-packages", "dist-packages")
 
 
 def warn_from_user(warning: Warning) -> None:
@@ -126,7 +130,9 @@ def warn_from_user(warning: Warning) -> None:
 
 
 def _internal(filename: str) -> bool:
-    return filename.startswith(_INTERNAL_DIRS) or filename.startswith("<eval_with_key")  # FX's generated code
+    if filename.startswith(_INTERNAL_DIRS) or filename.startswith("<eval_with_key"):  # (FX's generated code)
+        return True
+    return filename.startswith(_STDLIB_DIR) and not any(part in _INSTALLED for part in filename.split(os.sep))
 
 
 @dataclass(frozen=True)

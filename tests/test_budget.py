@@ -316,3 +316,18 @@ def test_measure_peak_counts_what_each_backward_of_a_step_finds_saved():
     measured = fxoffload.measure_peak(one_f_one_b)
     assert len(measured.backwards) == 4
     assert measured.activation_peak == 2 * 64 * (256 + 8) * 4 + 4
+
+
+def test_a_package_installed_under_the_standard_library_is_the_users_code():
+    """Warnings are told from the first frame outside fxoffload, torch and the standard library. A Docker
+    image's Python keeps site-packages under the standard library's folder: a user's own package installed
+    there was taken for the standard library (a review, 2026-12-07)."""
+    import os
+    import sysconfig
+
+    from fxoffload.passes import plan as plan_module
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert plan_module._internal(os.path.join(stdlib, "contextlib.py"))
+    assert not plan_module._internal(os.path.join(stdlib, "site-packages", "mytrainer", "train.py"))
+    assert plan_module._internal(plan_module.__file__) and not plan_module._internal("/home/user/train.py")
