@@ -74,7 +74,6 @@ __all__ = [
     "unbuildable",
     "MUTATED_INPUT",
     "mark_mutated_inputs",
-    "reads_mutated_input",
     "mutated_inputs_read",
 ]
 
@@ -83,8 +82,8 @@ MAX_CHAIN = 24  # ops in one recompute chain; longer chains are left to the part
 MUTATED_INPUT = "fxoffload_mutated_input"
 
 
-def mark_mutated_inputs(joint: fx.Graph) -> int:
-    """Mark (``meta[MUTATED_INPUT]``) each input of a joint graph the step writes, and return how many: one
+def mark_mutated_inputs(joint: fx.Graph) -> None:
+    """Mark (``meta[MUTATED_INPUT]``) each input of a joint graph the step writes: one
     whose new value the forward returns for AOTAutograd to copy into it (an ``InputMutationAOTOutput``
     among the output's descriptors), or that an op of the graph writes in place (Inductor keeps a
     forward's input mutations in its graph: ``copy_``). The partitioner shares a placeholder's meta
@@ -106,7 +105,6 @@ def mark_mutated_inputs(joint: fx.Graph) -> int:
                 written.update(v for v in [value] if v.op == "placeholder")
     for p in written:
         p.meta[MUTATED_INPUT] = True
-    return len(written)
 
 
 def _backward_nodes(joint: fx.Graph) -> set[fx.Node]:
@@ -128,10 +126,6 @@ def mutated_inputs_read(bw: fx.Graph) -> list[fx.Node]:
     read their new value. PyTorch's recompute-only partition at a budget does so (``x.mul_(2)`` after
     ``sin(x)``: it recomputes ``sin`` in the backward from ``x``), and its default partition may too."""
     return [p for p in bw.find_nodes(op="placeholder") if p.meta.get(MUTATED_INPUT)]
-
-
-def reads_mutated_input(bw: fx.Graph) -> bool:
-    return bool(mutated_inputs_read(bw))
 
 
 def traced_value(node: Any) -> Any:

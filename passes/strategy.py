@@ -41,7 +41,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from .analysis import is_random, reads_mutated_input
+from .analysis import is_random, mutated_inputs_read
 from .cost_model import DeviceProfile
 from .pipeline import (
     Analysis, AnalysisSettings, PassResult, Stopwatch, analyse_pair, check_overhead, counted_inputs, counts_outputs,
@@ -260,12 +260,12 @@ def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: fl
                        analysis: Analysis) -> "_Tried | None":
     """The pair PyTorch's recompute-only partitioner makes at ``fraction``, planned held to ``held``'s bytes
     (None where its backward draws random numbers, see :func:`_draws_random_numbers`, or reads a graph input
-    the step writes: it would read the new value, ``analysis.reads_mutated_input``)."""
+    the step writes: it would read the new value, ``analysis.mutated_inputs_read``)."""
     watch = planner.watch
     watch.restart()
     fw, bw = repartition(fraction)
     watch.stamp("repartition (PyTorch)")
-    if _draws_random_numbers(bw) or reads_mutated_input(bw.graph):
+    if _draws_random_numbers(bw) or mutated_inputs_read(bw.graph):
         return None
     theirs = planner.analysed(fw, bw, held)
     result = planner.alternative(theirs, held)

@@ -133,12 +133,6 @@ class _Compiled:
     compilation: _Compilation
 
 
-def _has_symbolic_sizes(example_inputs: list[Any]) -> bool:
-    """Whether a graph's inputs have symbolic sizes (dynamic shapes): a size, a stride or an input itself."""
-    sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
-    return any(isinstance(s, torch.SymInt) for s in (*sizes, *example_inputs))
-
-
 @dataclass
 class _Replan:
     """What compiling a region again needs: a copy of dynamo's graph (the first compile may edit
@@ -154,7 +148,7 @@ class _Replan:
            patches: dict) -> "_Replan | None":
         """None for graphs with symbolic sizes: compiling them again outside dynamo would add
         guards dynamo never checks."""
-        if _has_symbolic_sizes(example_inputs):
+        if inputs.symbolic:
             return None
         # Fake copies: the inputs dynamo hands over may be the real tensors of the first call (its
         # activations and batch), which must not live as long as the compiled function.
@@ -218,7 +212,6 @@ class _Compilation:
                  replannable: bool = False, graph: str = "", choose: str | None = None,
                  analyses: dict | None = None) -> None:
         self.backend = backend
-        self.symbolic = False  # its sizes are symbolic (dynamic shapes): it is never re-planned with a share
         # A plan to read, not to run (``OffloadBackend.plan_joint(rewrite=False)``): the pair is left as it
         # is, and its analysis is kept here (by what it was made under) for the next plan of the same pair.
         self.analyses = analyses
@@ -473,7 +466,8 @@ class OffloadBackend:
             overhead = isinstance(error, OverheadExceededError)
             if overhead or not (retry or self._step.may_wait(region, bool(input_activations), replannable,
                                                             held_before)):
-                raise self._step.in_step(error, region, held_before, options, symbolic=compilation.symbolic) from None
+                raise self._step.in_step(error, region, held_before, options,
+                                         symbolic=compilation.inputs.symbolic) from None
             # Out of reach before the first step has shown the step: a graph handed an activation most
             # often serves several layers (planned for PROVISIONAL_RUNS), and a region's share of the step
             # is not known yet; or short of its share in an early round of shares. Planned at the smallest
@@ -796,7 +790,6 @@ class OffloadBackend:
         ``replannable``: the count of its runs may plan it again (see ``_track``); ``choose``: the
         candidate plan to take (measured selection)."""
         compilation = _Compilation(self, region, inputs, replannable, graph_key(gm, example_inputs), choose)
-        compilation.symbolic = _has_symbolic_sizes(example_inputs)
         return _Compiled(self._compile_with(gm, example_inputs, compilation, patches), compilation)
 
     def _keep_joint(self, compilation: _Compilation, gm: fx.GraphModule, joint_inputs: Any,
@@ -831,7 +824,6 @@ class OffloadBackend:
         analyses = None if rewrite else joint.partition.analyses
         compilation = _Compilation(self, self._region_key(), joint.inputs, replannable, graph=joint.graph,
                                    analyses=analyses)
-        compilation.symbolic = _has_symbolic_sizes(torch.utils._pytree.tree_leaves(joint.joint_inputs))
         partitioner = Partitioner(compilation.on_pair, compilation.input_activations, memo=joint.partition,
                                   shared=not rewrite)
         with torch._guards.tracing(joint.context), lazy_graph_modules():  # its graphs are read, not run

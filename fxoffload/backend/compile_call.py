@@ -154,14 +154,23 @@ def input_activations(example_inputs: list[Any]) -> frozenset[int]:
 class InputFacts(NamedTuple):
     """What a compile call's example inputs show, judged on the call that compiles the graph (a re-plan's
     fake copies cannot tell): the positions of the activations an earlier part of the step made
-    (:func:`input_activations`), and the gradients one run's backward leaves (:func:`leaf_gradient_bytes`)."""
+    (:func:`input_activations`), the gradients one run's backward leaves (:func:`leaf_gradient_bytes`), and
+    whether their sizes are symbolic (dynamic shapes: the graph is never re-planned, :func:`has_symbolic_sizes`)."""
 
     activations: frozenset[int]
     gradient_bytes: int
+    symbolic: bool = False
 
 
 def input_facts(example_inputs: list[Any]) -> InputFacts:
-    return InputFacts(input_activations(example_inputs), leaf_gradient_bytes(example_inputs))
+    return InputFacts(input_activations(example_inputs), leaf_gradient_bytes(example_inputs),
+                      has_symbolic_sizes(example_inputs))
+
+
+def has_symbolic_sizes(example_inputs: list[Any]) -> bool:
+    """Whether a graph's inputs have symbolic sizes (dynamic shapes): a size, a stride or an input itself."""
+    sizes = [s for t in example_inputs if isinstance(t, torch.Tensor) for s in (*t.shape, *t.stride())]
+    return any(isinstance(s, torch.SymInt) for s in (*sizes, *example_inputs))
 
 
 def leaf_gradient_bytes(example_inputs: list[Any]) -> int:

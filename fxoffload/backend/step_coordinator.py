@@ -29,6 +29,10 @@ from fxoffload.passes import Budget, BudgetInfeasibleError, KeptSource, PlanOpti
 
 __all__ = ["StepCoordinator", "StepFields"]
 
+# A budget in bytes is the step's under dynamic shapes too: the regions are planned in compile order, each with
+# what the earlier ones leave of it, and no output is counted twice.
+ADVICE_BYTES = "pass a budget in bytes (memory_budget='<size>', e.g. '2GiB'), which bounds the step's graphs together"
+
 
 @dataclass(frozen=True)
 class StepFields:
@@ -255,11 +259,6 @@ class StepCoordinator:
                 f"{_left_words(self._budget.shares[region].budget)} for region {place}; with them as planned, the "
                 f"step's activation peak is at least {held_before + smallest} B "
                 f"({(held_before + smallest) / max(shape.peak_before(), 1):.2f} of it without offloading); ")
-
-
-# A budget in bytes is the step's under dynamic shapes too: the regions are planned in compile order, each with
-# what the earlier ones leave of it, and no output is counted twice.
-ADVICE_BYTES = "pass a budget in bytes (memory_budget='<size>', e.g. '2GiB'), which bounds the step's graphs together"
 
 
 def _regions_words(regions: tuple[StepRegion, ...]) -> str:
