@@ -16,7 +16,8 @@ the budget, PyTorch's pair at lower fractions, which recompute more:
 runs several times a step, one graph per layer: the step of its runs, per run,
 ``fxoffload.passes.step``, since its runs differ) and keep
 the fastest predicted that meets the budget without a total peak above the
-min-cut pair's (the step's, for a graph of several runs; under ``max_overhead``, checked against it: the
+min-cut pair's (the step's, for a graph of several runs; a plan above it is never kept: where only such plans
+meet the budget, the budget is refused, naming their peak; under ``max_overhead``, checked against it: the
 overhead is the predicted step less the min-cut pair's compute, so PyTorch's recomputation counts; the plan
 kept records that pair's compute over the min-cut pair's, ``Plan.partition_seconds``, so that the
 simulators' overhead counts it too). The result lists those that qualify
@@ -28,7 +29,7 @@ measurement; the user's ``PREFER_*`` marks, which the simulator does not weigh,
 keep the joint plan; a re-partitioned backward that draws random numbers is
 skipped (PyTorch's partitioner would recompute them without their seed), and so is
 one that reads a graph input the step writes in place (it would read the new value);
-the lower fractions cost up to four more partitions, only where nothing met the budget.
+the lower fractions cost up to eight more partitions, only where nothing met the budget.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE = "min-cut", "offload-o
 # :func:`_with_room`), by key.
 WITH_ROOM = {"min-cut-room-1": 1, "min-cut-room-2": 2}
 # Where no plan meets the budget: the fractions of it at which PyTorch's pair is tried, highest first (see
-# :func:`_lower_fraction`); each costs a partition and a plan.
-LOWER_FRACTIONS = (0.75, 0.5, 0.25, 0.0)
+# :func:`_lower_fraction`); each costs a partition, and a plan where the pair differs from those tried. Eighths:
+# the total peak of PyTorch's pairs is not monotonic in the fraction (a Llama block's: over the min-cut pair's
+# at 0.25 and 0.1875, under it at 0.15 and 0.2), so quarters missed every pair under it there.
+LOWER_FRACTIONS = (0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0)
 CANDIDATE_KEYS = (MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE, *WITH_ROOM)
 
 
@@ -154,7 +157,7 @@ def plan_best_partition(
     tried += _alternatives(planner, fw_module, bw_module, analysis, tried[0], repartition, options)
     fw, bw, best = _best_of(tried, watch, choose)
     if not best.plan.feasible:
-        message = f"{best.plan.note}; with every alternative of strategy 'auto'"
+        message = f"{best.plan.note}; with every alternative of strategy 'auto'{_met_over_total(tried)}"
         if options.on_infeasible == "error":
             raise BudgetInfeasibleError(message, *best.plan.shortfall,
                                         ("raise the budget", *advice_min_bytes(options), ADVICE_WARN),
@@ -246,27 +249,31 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, joint: _Tri
         if plan.held_cap is not None and plan.held_before:
             fraction = min(fraction, plan.held_cap / plan.held_before)
         fraction = max(0.0, min(1.0, fraction))
-        theirs = _pytorch_partition(planner, repartition, fraction, held, analysis)
+        seen: set[str] = set()
+        theirs = _pytorch_partition(planner, repartition, fraction, held, analysis, seen)
         # A pair refused at the fraction (random numbers, an input the step writes) is refused below it too:
         # a lower fraction recomputes more.
         if theirs is not None:
             tried.append(theirs)
             if fraction > 0 and not any(map(_qualifying(joint), [joint, *tried])):
-                tried += _lower_fraction(planner, repartition, fraction, held, analysis, joint)
+                tried += _lower_fraction(planner, repartition, fraction, held, analysis, joint, seen)
     return tried
 
 
 def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
-                       analysis: Analysis) -> "_Tried | None":
+                       analysis: Analysis, seen: set[str]) -> "_Tried | None":
     """The pair PyTorch's recompute-only partitioner makes at ``fraction``, planned held to ``held``'s bytes
     (None where its backward draws random numbers, see :func:`_draws_random_numbers`, or reads a graph input
-    the step writes: it would read the new value, ``analysis.mutated_inputs_read``)."""
+    the step writes: it would read the new value, ``analysis.mutated_inputs_read``; None too where its code is
+    in ``seen``, a pair planned before at another fraction, which this adds it to)."""
     watch = planner.watch
     watch.restart()
     fw, bw = repartition(fraction)
     watch.stamp("repartition (PyTorch)")
-    if _draws_random_numbers(bw) or mutated_inputs_read(bw.graph):
+    code = fw.code + bw.code  # the partitioner names nodes after the joint graph's: one pair, one code
+    if _draws_random_numbers(bw) or mutated_inputs_read(bw.graph) or code in seen:
         return None
+    seen.add(code)
     theirs = planner.analysed(fw, bw, held)
     result = planner.alternative(theirs, held)
     return _Tried(fw, bw, result, f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
@@ -275,18 +282,19 @@ def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: fl
 
 
 def _lower_fraction(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
-                    analysis: Analysis, joint: _Tried) -> list[_Tried]:
+                    analysis: Analysis, joint: _Tried, seen: set[str]) -> list[_Tried]:
     """Where no plan qualifies (meets the budget without a total peak above ``joint``'s), PyTorch's partition
     at a lower fraction may: it recomputes more, and what is left may then be offloaded under the budget (a
     tiny Whisper at 0.55: 0.55's pair reached 534596 B at best, 0.3's 397380 B). Tried at ``LOWER_FRACTIONS``
-    of the fraction, highest first (it recomputes least), up to the first that qualifies. Not a bisection:
-    a pair that recomputes all it can may pile its temporaries above the total peak (that Whisper's at
-    fraction 0: 1327104 B against 1175108 B), so a fraction may be too high or too low. Returns the plan
-    that qualifies, else the one that missed the budget least (for the floor an error names); never one
-    over the total peak."""
+    of the fraction, highest first (it recomputes least), up to the first that qualifies; a pair planned
+    before (``seen``, by its code) is not planned again. Not a bisection: a pair that recomputes all it can
+    may pile its temporaries above the total peak (that Whisper's at fraction 0: 1327104 B against 1175108 B),
+    and the total peak is not monotonic in the fraction (see ``LOWER_FRACTIONS``), so a fraction may be too
+    high or too low. Returns the plan that qualifies, else the one that missed the budget least (for the
+    floor an error names); never one over the total peak."""
     qualifies, missed = _qualifying(joint), []
     for factor in LOWER_FRACTIONS:
-        entry = _pytorch_partition(planner, repartition, fraction * factor, held, analysis)
+        entry = _pytorch_partition(planner, repartition, fraction * factor, held, analysis, seen)
         if entry is None:
             continue
         if qualifies(entry):
@@ -330,11 +338,15 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
     names), relabelled as strategy auto's with the joint plan's peaks "before", and the candidates."""
     plan = tried[0].result.plan
 
+    qualifies = _qualifying(tried[0])
+
     def rank(entry: _Tried):
-        return (not entry.result.plan.feasible, _missed(entry), _over_total(entry, tried[0]), entry.step)
+        # Never one over the total peak (the joint plan never is): meeting the budget so would raise the memory
+        # a step needs above plain compile's (on Llama-3-8B at 32k tokens under 2 GiB: 197.6 -> 245.1 GiB).
+        return (not qualifies(entry), _over_total(entry, tried[0]), _missed(entry), entry.step)
 
     ranked = sorted(tried, key=rank)  # stable: on a tie, the joint plan, then the order tried
-    qualified = _distinct([e for e in ranked if _qualifying(tried[0])(e)])
+    qualified = _distinct([e for e in ranked if qualifies(e)])
     best = ranked[0]
     if choose is not None:
         best = next((e for e in qualified if e.key == choose), None)
@@ -355,6 +367,16 @@ def _best_of(tried: list[_Tried], watch: Stopwatch,
     candidates = tuple(CandidatePlan(e.key, _plain_label(e.label), e.step) for e in qualified)
     return best.fw, best.bw, dataclasses.replace(best.result, plan=relabelled, seconds=watch.times,
                                                  candidates=candidates)
+
+
+def _met_over_total(tried: list[_Tried]) -> str:
+    """Words for the plans that met the budget but were not kept: they peak above the total (see :func:`_best_of`)."""
+    joint, met = tried[0], [e for e in tried if e.result.plan.feasible and _over_total(e, tried[0])]
+    if not met:
+        return ""
+    lowest = min(_step_total(e.result.plan, True) for e in met)
+    return (f" (a plan of PyTorch's recompute-only partition meets it, but its step needs {lowest} B in all, above the "
+            f"{_step_total(joint.result.plan, False)} B it needs without fxoffload: not kept)")
 
 
 def _missed(entry: _Tried) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -216,3 +217,65 @@ def test_a_budget_pytorchs_pair_misses_at_its_fraction_is_met_at_a_lower_one():
     asked = re.fullmatch(r"recompute-only \(activation_memory_budget=([0-9.]+)\), predicted fastest", plan.partition)
     assert asked and float(asked[1]) < 0.5 * (1 - 1e-3), plan.partition
     assert plan.activation_peak_after <= plan.budget_bytes
+
+
+def _llama_block_step(block, x, cos, sin):
+    """One step of a Llama-style block: (loss, gradients by name)."""
+    loss = block(x, cos, sin).square().sum()
+    loss.backward()
+    return loss.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in block.named_parameters()}
+
+
+@pytest.mark.slow  # 4-8 s each: three compiles of the block, strategy auto's trying up to nine pairs
+@pytest.mark.parametrize("budget", [0.25, 0.1])
+def test_strategy_auto_never_keeps_a_plan_whose_step_peaks_above_plain_compiles(budget):
+    """PyTorch's recompute-only pairs of one Llama-style block do not pile temporaries monotonically in the
+    fraction: on torch 2.13 the pairs at 0.25 and 0.1875 peak above the min-cut pair's total (13185024 B against
+    12136448 B), those at 0.15 and 0.2 below it (10553344 B). On a compute-bound profile no plan of the min-cut
+    pair meets 0.25 or 0.1. At 0.25, quarters of the fraction (0.1875, 0.125, 0.0625, 0) found no pair under the
+    total either, and strategy auto kept the pair at 0.25 (measured 13185032 B in all, 1 MiB above plain's);
+    eighths reach the pair at 0.156. At 0.1 every plan that meets the budget peaks above the total: it kept
+    PyTorch's pair at 0.1 (13185032 B). A plan over the total is now never kept (the budget is refused instead,
+    here warned, and the min-cut pair's plan nearest it kept), since meeting the budget so raises the memory the
+    step needs: on Llama-3-8B at 32768 tokens under 2 GiB, from 197.6 to 245.1 GiB (predicted)."""
+    import sys
+    from pathlib import Path
+
+    from fxoffload.tools.measure import measure_peak
+    from tests.conftest import assert_same_step
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from llama_layers import LlamaBlock, LlamaShape, rotary
+
+    shape = LlamaShape(layers=1, hidden=256, heads=4, kv_heads=2, ffn=704, vocab=256)
+    compute_bound = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),), 1e11, 1e10, 1e10, True, 0.0)
+
+    def run(backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = LlamaBlock(shape)
+        x = torch.randn(1, 512, shape.hidden, requires_grad=True)
+        cos, sin = rotary(512, shape.hidden // shape.heads)
+        step = block if backend is None else torch.compile(block, backend=backend)
+        _llama_block_step(step, x, cos, sin)
+        block.zero_grad()
+        got = []
+        measured = measure_peak(lambda: got.append(_llama_block_step(step, x, cos, sin)) or got[0][0])
+        return got[0], measured
+
+    expected, _ = run(None)
+    _, plain_peak = run("aot_eager_decomp_partition")
+    backend = fxoffload.offload_backend(memory_budget=budget, inner="eager", device_profile=compute_bound,
+                                        on_infeasible="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, peak = run(backend)
+    assert_same_step(expected, ours)
+    plan = backend.records[-1].plan
+    refusals = [str(w.message) for w in caught if issubclass(w.category, fxoffload.BudgetInfeasibleWarning)]
+    if budget == 0.25:
+        assert not refusals and plan.feasible and plan.activation_peak_after <= plan.budget_bytes, refusals
+    else:
+        assert refusals and "meets it, but its step needs 13185024 B in all" in refusals[0], refusals
+    assert plan.total_peak_after <= plan.total_peak_before, plan.partition
+    assert peak.total_peak <= plain_peak.total_peak, (peak.total_peak, plain_peak.total_peak, plan.partition)
