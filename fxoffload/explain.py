@@ -10,20 +10,13 @@ import math
 from typing import Any, Sequence
 
 from fxoffload.passes import (
-    UNBACKED_SIZE, Why, activation_peaks_at, data_dependent, kept_in_last_run, peaks_over_range, plan_digest, simulate,
-    simulate_runs,
+    UNBACKED_SIZE, Why, activation_peaks_at, data_dependent, kept_in_last_run, peaks_over_range, plan_digest,
+    readable_bytes, simulate, simulate_runs,
 )
 
 __all__ = ["explain", "format_bytes", "format_seconds", "format_stages"]
 
-
-def format_bytes(n: Any) -> str:
-    if not isinstance(n, int):
-        return str(n)  # symbolic: the sympy expression
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+format_bytes = readable_bytes  # the name fxoffload's modules read it by
 
 
 def _budget_words(plan: Any) -> str:

@@ -36,7 +36,7 @@ from .pipeline import (
 )
 from .plan import (
     ADVICE_WARN, ON_INFEASIBLE, STRATEGIES, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    OnInfeasible, OverheadExceededError, Plan, PlanOptions, Strategy, Transfer, Why, warn_from_user,
+    OnInfeasible, OverheadExceededError, Plan, PlanOptions, Strategy, Transfer, Why, readable_bytes, warn_from_user,
 )
 from .policies import offload_marked, read_policies, save_offload_marks
 from .scheduling import (
@@ -69,7 +69,8 @@ __all__ = [
     "kept_in_last_run",
     "offload_marked", "one_block", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
-    "plan_sizes", "read_policies", "rewrite_planned", "roofline", "run_peaks", "same_layout", "save_offload_marks",
+    "plan_sizes", "read_policies", "readable_bytes", "rewrite_planned", "roofline", "run_peaks", "same_layout",
+    "save_offload_marks",
     "scheduled_moves", "share_for",
     "simulate", "simulate_runs", "simulate_step", "size_ranges", "smallest_sizes", "staging_temporaries", "step_peak",
     "storage_key", "symbol_value", "tensor_nbytes", "tensor_storage_key", "timeline_at", "unbounded_size_warning",

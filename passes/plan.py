@@ -36,7 +36,7 @@ __all__ = [
     "Ineligible", "KEEP", "Kept", "OFFLOAD", "ON_INFEASIBLE", "OnInfeasible", "OverheadExceededError", "Plan",
     "PlanOptions", "RECOMPUTE",
     "Recompute", "SizeBudget", "STRATEGIES", "Strategy", "Transfer", "Why", "pinned_block", "recompute_moves",
-    "recompute_temporaries", "staging_bytes", "warn_from_user",
+    "readable_bytes", "recompute_temporaries", "staging_bytes", "warn_from_user",
 ]
 
 OFFLOAD = "offload"
@@ -117,6 +117,17 @@ _INTERNAL_DIRS = tuple(os.path.join(path, "") for path in (
 # /usr/local/lib/python3.x/site-packages): a user's own package there is the user's line.
 _STDLIB_DIR = os.path.join(sysconfig.get_paths()["stdlib"], "")
 _INSTALLED = ("site-packages", "dist-packages")
+
+
+def readable_bytes(n: Any) -> str:
+    """Bytes in GiB, MiB or KiB to one decimal, or in B below a KiB (a tiny graph's budget read "0.1 MiB" for
+    both figures it compared); a symbolic size as its expression."""
+    if not isinstance(n, int):
+        return str(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def warn_from_user(warning: Warning) -> None:

@@ -118,8 +118,8 @@ from .formulation import (
 from .memory import Resident, Timeline, residents_at
 from .plan import (
     ADVICE_WARN, AUTO_STRATEGY, KEEP, OFFLOAD, RECOMPUTE, BudgetInfeasibleError, BudgetInfeasibleWarning, Decision,
-    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, advice_min_bytes, staging_bytes,
-    warn_from_user,
+    Goal, Ineligible, Plan, PlanOptions, Recompute, SizeBudget, Transfer, Why, advice_min_bytes, readable_bytes,
+    staging_bytes, warn_from_user,
 )
 from .policies import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .sizes import concrete, held_sizes, plan_sizes, size_ranges, timeline_at
@@ -224,7 +224,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         inputs = options.device_bytes - budget
         message = (
             f"device_budget: the {smallest_words} device peak{runs} is {smallest + inputs} B "
-            f"({(smallest + inputs) / 2**20:.1f} MiB: graph inputs {inputs} B + the step's tensors {smallest} B, "
+            f"({readable_bytes(smallest + inputs)}: graph inputs {inputs} B + the step's tensors {smallest} B, "
             f"{acting}), {smallest - budget} B above the {options.device_bytes} B the budget "
             f"leaves after reserved"
         )
@@ -238,7 +238,7 @@ def _choose(problem: Problem, free: Sequence[fx.Node], forced: Sequence[fx.Node]
         reach, limit = smallest - lift, budget - lift
         message = (
             f"memory_budget: {where}the {smallest_words} activation peak{runs} is {reach} B "
-            f"({reach / 2**20:.1f} MiB, {acting}), above {_budget_words(limit, given)}"
+            f"({readable_bytes(reach)}, {acting}), above {_budget_words(limit, given)}"
         )
     shortfall = (smallest + inputs, options.device_bytes) if problem.device else (reach, limit)
     # The bytes at the size where the peak lies (under a device budget every part is at the plan's size).
@@ -369,7 +369,9 @@ def _budget_words(limit: int, given: str) -> str:
     earlier regions already hold more than the step's budget) is said so, not as negative bytes."""
     if limit < 0:
         return f"a budget below nothing: {-limit} B more than all of it is taken before this graph runs{given}"
-    return f"the budget of {limit} B ({limit / 2**20:.1f} MiB{given})"
+    words = [readable_bytes(limit)] if limit >= 1024 else []  # below a KiB, the bytes say it
+    words += [given.removeprefix(", ")] if given else []
+    return f"the budget of {limit} B" + (f" ({', '.join(words)})" if words else "")
 
 
 def _reachable(asked: SolverInput):
@@ -581,7 +583,7 @@ def _check_forced_host(problem: Problem, forced: Sequence[fx.Node]) -> None:
     if cap is None or need <= cap:
         return
     message = (f"host_budget: the saved tensors marked MUST_CPU_OFFLOAD alone take {need} B of pinned host memory "
-               f"({need / 2**20:.1f} MiB over {problem.options.runs} run(s)), above host_budget's {cap} B")
+               f"({readable_bytes(need)} over {problem.options.runs} run(s)), above host_budget's {cap} B")
     if problem.options.on_infeasible == "error":
         raise BudgetInfeasibleError(message, need, cap, ("raise host_budget", "drop some MUST_CPU_OFFLOAD marks",
                                                          ADVICE_WARN))

@@ -590,3 +590,21 @@ def test_explain_says_a_share_below_nothing_in_words_not_as_negative_bytes():
     assert "budget none left (earlier regions hold 28.0 KiB more than the step's budget)" in text, text
     assert "nothing on top of what earlier regions hold: they exceed the step's budget by 28.0 KiB" in text, text
     assert "-28" not in text, text
+
+
+def test_a_small_budget_and_reach_are_told_apart_in_readable_units():
+    """A refusal gives each figure in bytes and in a readable unit; below a MiB that unit is KiB (the two
+    figures of a three-layer tanh read "0.5 MiB" and "0.0 MiB": 512 KiB and 1000 B)."""
+    from fxoffload.passes import Budget, PlanOptions, plan_pair
+    from fxoffload.profiles import PROFILES
+    from tests.conftest import partitioned_pair
+
+    torch.manual_seed(0)
+    fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
+    options = PlanOptions(min_bytes=0, budget=Budget(nbytes=1000), strategy="offload")
+    with pytest.raises(fxoffload.BudgetInfeasibleError) as info:
+        plan_pair(fw, bw, outputs, options=options, horizon="auto", profile=PROFILES["h100-pcie5"])
+    message = str(info.value)
+    reach = int(re.search(r"activation peak is (\d+) B", message)[1])
+    assert f"is {reach} B ({reach / 1024:.1f} KiB, " in message, message
+    assert "above the budget of 1000 B;" in message and "MiB" not in message, message
