@@ -487,3 +487,38 @@ def test_a_flag_that_means_the_same_is_declared_once():
     twice = {flag for flag, count in declared.items() if count > 1}
     assert twice == FLAGS_MEANING_APART, f"declared more than once: {sorted(twice - FLAGS_MEANING_APART)}; " \
                                          f"listed apart but declared once: {sorted(FLAGS_MEANING_APART - twice)}"
+
+
+def test_a_config_files_unknown_and_missing_fields_are_warned_of(tmp_path):
+    """A misspelt field was kept by transformers as an attribute no model reads, and the class's default
+    planned in its stead, silently (``num_hiden_layers``: 32 layers planned); a file without the size fields
+    planned another model's shape. A real checkpoint's fields (RoPE's, dtype, token ids, version) warn nothing.
+    A file other than config.json names the model after itself, not after its folder."""
+    import warnings
+
+    from fxoffload.tools.models import from_config_file
+
+    def warned(fields: dict, name: str = "config.json"):
+        (tmp_path / name).write_text(json.dumps(fields))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            source = from_config_file(tmp_path / name)
+        return source, [str(w.message) for w in caught]
+
+    real = dict(SMALL_LLAMA, rope_theta=500000.0, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                transformers_version="4.40.0", tie_word_embeddings=False, initializer_range=0.02,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64})
+    source, messages = warned(real)
+    assert messages == [] and source.name == tmp_path.name and source.layers == 2, messages
+    typo = {k: v for k, v in SMALL_LLAMA.items() if k != "num_hidden_layers"} | {"num_hiden_layers": 2}
+    source, messages = warned(typo, "small.json")
+    assert source.name == "small" and source.layers == 32
+    assert any("'num_hiden_layers' (did you mean 'num_hidden_layers'?): ignored" in m for m in messages), messages
+    assert any("leaves num_hidden_layers out: LlamaConfig's defaults are planned (num_hidden_layers=32)" in m
+               for m in messages), messages
+    _, messages = warned({"model_type": "llama", "num_attention_heads": 8})
+    assert messages == [f"config file {str(tmp_path / 'config.json')!r} leaves hidden_size, num_hidden_layers, "
+                        "num_key_value_heads, intermediate_size, vocab_size out: LlamaConfig's defaults are planned "
+                        "(hidden_size=4096, num_hidden_layers=32, num_key_value_heads=8, intermediate_size=11008, "
+                        "vocab_size=32000)"], messages

@@ -50,6 +50,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fxoffload.passes import warn_from_user
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -175,8 +177,49 @@ def from_config_file(path: "str | Path", layers: int | None = None) -> ModelSour
     seq = fields.get("max_position_embeddings") or fields.get("n_positions") or fields.get("image_size") or 1024
     if task != "image-classification":
         seq = min(int(seq), 4096)
-    return _from_transformers_config(path.parent.name or path.stem, model_type, fields, task, layers, int(seq),
-                                     origin=f"config file {str(path)!r}")
+    origin = f"config file {str(path)!r}"
+    _warn_unread_fields(origin, model_type, fields)
+    # A folder's config.json is named after its folder (a model's checkpoint); any other file after itself.
+    name = (path.parent.name if path.name == "config.json" else "") or path.stem
+    return _from_transformers_config(name, model_type, fields, task, layers, int(seq), origin=origin)
+
+
+# The fields that size a model: where a config file leaves them out, transformers' defaults (another model's
+# shape) are planned, which a warning says.
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "vocab_size")
+
+
+def _warn_unread_fields(origin: str, model_type: str, fields: dict) -> None:
+    """Warn of a config file's fields its transformers config class does not know (a misspelt
+    ``num_hiden_layers`` was kept as an attribute no model reads, and the default 32 layers were planned),
+    naming the known field each resembles, and of the size fields it leaves to the class's defaults. A
+    warning, not an error: checkpoints' config.json files carry fields of their own (``auto_map``)."""
+    import difflib
+
+    from transformers import AutoConfig
+
+    given = {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    try:
+        default, built = AutoConfig.for_model(model_type), AutoConfig.for_model(model_type, **given)
+    except Exception:  # refused when the model is built, with transformers' words
+        return
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    unread = sorted(k for k in set(built.to_dict()) - known if k in given)
+    if unread:
+        words = []
+        for key in unread:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+            words.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        warn_from_user(UserWarning(f"{origin}: {type(default).__name__} does not know the field(s) "
+                                   f"{', '.join(words)}: ignored"))
+    aliases = getattr(default, "attribute_map", {})  # GPT-2's n_embd for hidden_size
+    defaulted = [k for k in SIZE_FIELDS
+                 if k in known and k not in given and not any(aliases.get(g) == k for g in given)]
+    if defaulted:
+        values = ", ".join(f"{k}={getattr(built, k)}" for k in defaulted)  # as planned (KV heads follow heads)
+        warn_from_user(UserWarning(f"{origin} leaves {', '.join(defaulted)} out: {type(default).__name__}'s defaults "
+                                   f"are planned ({values})"))
 
 
 def from_python_file(path: "str | Path") -> ModelSource:
