@@ -336,14 +336,18 @@ def unbounded_size_warning(result: PassResult) -> str | None:
     if result.plan.budget_bytes is None:
         return None
     symbols, dependent = unbounded_symbols(result.timeline), data_dependent_sizes(result.timeline)
-    meets = (f"meets memory_budget={result.plan.budget} ({result.plan.budget_bytes} B) with a predicted activation "
-             f"peak of {result.plan.activation_peak_after} B")
+    plan = result.plan
+    meets = (f"meets memory_budget={plan.budget} ({plan.budget_bytes} B) with a predicted activation "
+             f"peak of {plan.activation_peak_after} B")
+    if not plan.feasible:  # warned of as out of reach: not said to meet it here (it said so, 11904 B over 4811 B)
+        meets = (f"does not meet memory_budget={plan.budget} at every size it serves (see the budget's warning): it "
+                 f"predicts an activation peak of {plan.activation_peak_after} B against {plan.budget_bytes} B")
     said = []
     if symbols:
         traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
         # A fraction is held at the other sizes of its range (Plan.sizes), up to UNBOUNDED_REACH times the traced.
         reach = (f"at the traced sizes, and holds the fraction up to {UNBOUNDED_REACH} times them"
-                 if result.plan.sizes else "at the traced sizes only")
+                 if plan.sizes and plan.feasible else "at the traced sizes only")
         said.append(f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
                     f"{meets} {reach}; larger inputs may exceed it. Bound the dimension with "
                     "torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans for the largest size the "

@@ -55,6 +55,23 @@ def test_unbounded_sizes_with_a_budget_warn_with_the_numbers(budget, reach):
     assert all(w.filename == conftest.__file__ for w in told), [(w.filename, w.lineno) for w in told]  # its step
 
 
+def test_unbounded_sizes_under_a_budget_out_of_reach_are_not_said_to_meet_it():
+    """Under ``on_infeasible="warn"`` the budget's refusal is a warning, and the plan runs over it: the warning
+    about unbounded sizes said that plan "meets memory_budget=0.05 (...) with a predicted activation peak" above
+    those bytes, and that it "holds the fraction up to 2 times them"."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, backend = compile_marked(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0), memory_budget=0.05,
+                                       strategy="offload", on_infeasible="warn")
+    plan = backend.records[0].plan
+    assert not plan.feasible and plan.activation_peak_after > plan.budget_bytes
+    assert any(isinstance(w.message, fxoffload.BudgetInfeasibleWarning) for w in caught)
+    (told,) = [str(w.message) for w in caught if "serves sizes above" in str(w.message)]
+    assert (f"its plan does not meet memory_budget={plan.budget} at every size it serves (see the budget's "
+            f"warning): it predicts an activation peak of {plan.activation_peak_after} B against {plan.budget_bytes} B "
+            "at the traced sizes only;") in told, told
+
+
 def test_no_budget_no_warning_and_no_specialisation():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
@@ -329,3 +346,43 @@ def _loss_and_grads_of_pair(model, x):
     model.zero_grad(set_to_none=True)
     del logits
     return loss.detach(), grads
+
+
+class _Scored(torch.nn.Module):
+    """``step(run)`` as a module whose parameters are ``net``'s (``run``: ``net``, or it compiled), for
+    ``loss_and_grads``."""
+
+    def __init__(self, net, run, step):
+        super().__init__()
+        self.net, self.run, self.step = net, [run], step  # (a list: the compiled module's names not its)
+
+    def forward(self, _ids):
+        return self.step(self.run[0])
+
+
+@pytest.mark.parametrize("options, told", [({}, True), ({"runs_per_step": 2}, False)])
+def test_a_fraction_on_a_graph_of_symbolic_sizes_run_twice_a_step_is_said_to_bound_each_run(options, told):
+    """A graph of symbolic sizes is never re-planned for the step (compiling it again outside Dynamo would add
+    guards Dynamo never checks), so a fraction bounds each of its runs, not the step's: a reward model scoring
+    both halves of a pair, traced with symbolic sizes after a scoring call at another batch size, went planned
+    for one run of two, silently. Said once; not with runs_per_step, which plans for the step from the start."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, **options)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def pair_step(net):
+        return torch.nn.functional.logsigmoid(net(chosen) - net(rejected))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            chosen, rejected = torch.randn(16, 8), torch.randn(16, 8)
+            expected = loss_and_grads(_Scored(model, model, pair_step), chosen)
+            assert_same_step(expected, loss_and_grads(_Scored(model, compiled, pair_step), chosen))
+    said = [str(w.message) for w in caught if "not re-planned for the step" in str(w.message)]
+    assert len(said) == (1 if told else 0), said
+    if told:
+        assert "memory_budget=0.5 bounds the activation peak of each run, not of the step's 2 runs" in said[0]
+    assert backend.records[-1].plan.runs == (1 if told else 2)

@@ -561,8 +561,10 @@ class OffloadBackend:
         compiled = self._compile_region(gm, example_inputs, region, inputs, patches,
                                         replannable=replan is not None)
         budget = self.config.plan_options.budget
-        # Fractions are per region and re-planned regions get their count: nothing to warn about.
-        warn = budget is not None and budget.nbytes is not None and replan is None
+        # Fractions are per region and re-planned regions get their count: nothing to warn about, but for a
+        # graph of symbolic sizes, never re-planned (a fraction then bounds one run, not the step's runs).
+        warn = budget is not None and replan is None and (
+            budget.nbytes is not None or (inputs.symbolic and self.config.runs_per_step == "auto"))
         return self._track(region, _RegionRun(compiled, replan, source if measured else None), warn)
 
     def _warn_eager_regions(self) -> None:
@@ -583,7 +585,8 @@ class OffloadBackend:
         layers (per-layer ``compile``, as FSDP2 recipes do). With ``state.replan`` (runs_per_step="auto"),
         a graph whose region ran more often than its plan counted, or whose plan was provisional, is
         re-planned and recompiled, once, before its next forward. With ``warn`` (an absolute budget, no
-        re-plan), say with the numbers when the activations of its runs add up past the budget. Under
+        re-plan), say with the numbers when the activations of its runs add up past the budget (a fraction,
+        of a graph of symbolic sizes never re-planned: when it runs more often than its plan counted). Under
         select="measured", once its plan is final, each step's first forward runs the candidate
         ``_select_step`` says, timed."""
 

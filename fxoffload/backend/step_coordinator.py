@@ -193,7 +193,10 @@ class StepCoordinator:
 
     def warn_held(self, region: tuple) -> None:
         budget = self._config.plan_options.budget
-        self._ledger.warn_held(region, budget.nbytes, self._config.memory_budget)
+        if budget.nbytes is None:  # a fraction, of a graph never re-planned (symbolic sizes)
+            self._ledger.warn_per_run(region, self._config.memory_budget)
+        else:
+            self._ledger.warn_held(region, budget.nbytes, self._config.memory_budget)
 
     def note_backward(self) -> bool:
         """A backward begins; whether it is the step's first (its last forward's)."""

@@ -190,6 +190,22 @@ class StepLedger:
                 self.kept_warned.add(record.index)
                 warn_from_user(UserWarning(message))
 
+    def warn_per_run(self, region: tuple, memory_budget: Any) -> None:
+        """Warn once when a region of symbolic sizes (never re-planned for the step) ran more often in this
+        forward than its plan counted: a fraction then bounds each run's activation peak, not the step's (a
+        scoring call at another batch size made Dynamo trace the training graph so, and its two runs a step
+        went planned for one, silently)."""
+        runs = self.forwards[region]
+        if runs <= self.runs_of(region) or region in self.held_warned:
+            return
+        self.held_warned.add(region)
+        warn_from_user(UserWarning(
+            f"fxoffload: compiled region {self.place(region)} has run {runs} times in this forward, but its "
+            f"sizes are symbolic (dynamic shapes), so it is not re-planned for the step: "
+            f"memory_budget={memory_budget!r} bounds the activation peak of each run, not of the step's "
+            f"{runs} runs. Pass runs_per_step=<runs a step> so that the plan covers the whole step, or keep "
+            f"the graph's sizes static (torch.compile(..., dynamic=False))."))
+
     def warn_held(self, region: tuple, budget: int, memory_budget: Any) -> None:
         """Warn once when a region ran more often in this forward than its plan counted, and the forwards
         so far leave more activations than an absolute ``budget`` (no re-planning)."""
