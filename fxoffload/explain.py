@@ -119,7 +119,8 @@ def _summary(record: Any) -> str:
                if getattr(record, "provisional_short", False) else ""))
     if plan.runs > 1:
         lines.append(
-            f"runs per step: {plan.runs} (one graph serving {plan.runs} layers"
+            f"runs per step: {plan.runs} (one graph run {plan.runs} times a step: serving {plan.runs} layers, or "
+            f"called {plan.runs} times"
             + ("; counted in the first step: re-planned and recompiled once" if getattr(record, "runs_learned", False)
                else "") + f"); predicted activation peak of the "
             f"step: {format_bytes(plan.step_peak_before)} -> {format_bytes(plan.step_peak_after)}"

@@ -28,7 +28,7 @@ from fxoffload.config import OptionError, parse_budget
 from fxoffload.profiles import PROFILES
 from fxoffload.tools.check import CheckConfig, format_report, run_check
 from fxoffload.tools.fit_command import add_fit_parser, run_fit
-from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
+from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape, flag_detail
 from fxoffload.tools.models import CHECKPOINTING, PRESETS
 from fxoffload.tools.plan_command import run_plan
 from fxoffload.tools.report import print_report
@@ -145,7 +145,7 @@ def _check(args: argparse.Namespace) -> int:
         config = CheckConfig(layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps,
                              memory_budget=budget, inner=args.inner)
     except OptionError as e:
-        raise UsageError(f"--budget: {e.detail}") from None
+        raise UsageError(f"--budget: {flag_detail(e.detail)}") from None
     except ValueError as e:
         raise UsageError(f"--{e}") from None
     progress = Progress(args.quiet)

@@ -74,7 +74,7 @@ from fxoffload.tools.fit import (
     SETUPS, WITHIN_ONE_PERCENT, FitError, Grid, Limit, LimitCode, Point, Probe, Row, Setup, best_rows,
     checkpointing_modes, chooses_checkpointing, floor_in, limit_at_peak, search_setups,
 )
-from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape
+from fxoffload.tools.flags import add_batch, add_device, add_model_source, add_output, add_shape, flag_detail
 from fxoffload.tools.layer_step import EagerParts, LayerStepError, layer_step_peak, measure_eager_parts
 from fxoffload.tools.models import (
     DTYPES, PRESETS, ModelError, layer_list, one_line, unpacked_sequences,
@@ -331,7 +331,7 @@ def _common_options(args: argparse.Namespace) -> dict[str, Any]:
         OffloadConfig(**options)
     except OptionError as e:
         flag = {"device_profile": "--profile", "min_bytes": "--min-bytes", "host_budget": "--host-budget"}
-        raise UsageError(f"{flag.get(e.option, e.option)}: {e.detail}") from None
+        raise UsageError(f"{flag.get(e.option, e.option)}: {flag_detail(e.detail)}") from None
     return options
 
 

@@ -28,6 +28,12 @@ __all__ = ["FLAGS_MEANING_APART", "add_batch", "add_device", "add_model_source",
 FLAGS_MEANING_APART = frozenset({"--seq", "--budget", "--layers", "--per-layer"})
 
 
+def flag_detail(detail: str) -> str:
+    """An option's refusal as a flag's: the flags take ``none`` where the options take Python's None (the
+    flag's message listed "None" among what it accepts, and ``--budget None`` is no flag's value)."""
+    return detail.replace("accepted: None, ", "accepted: none, ")
+
+
 def add_model_source(parser: argparse.ArgumentParser) -> None:
     """``--preset``, ``--config`` or ``--model``: one of them, required."""
     source = parser.add_mutually_exclusive_group(required=True)

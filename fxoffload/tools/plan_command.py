@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fxoffload.config import OffloadConfig, OptionError
+from fxoffload.tools.flags import flag_detail
 from fxoffload.tools.models import DTYPES, ModelError
 from fxoffload.tools.plot import plot, plot_step
 from fxoffload.tools.report import plan_report, range_report, step_report, with_optimizer
@@ -59,7 +60,7 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         OffloadConfig(**options)
     except OptionError as e:
         flag = FLAGS.get(e.option)
-        raise UsageError(f"{flag}: {e.detail}" if flag else str(e)) from None
+        raise UsageError(f"{flag}: {flag_detail(e.detail)}" if flag else str(e)) from None
     for flag in ("batch", "image_size", "layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
