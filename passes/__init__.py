@@ -50,7 +50,7 @@ from .sizes import (
 )
 from .solvers import NODE_LIMIT, SOLVERS, TIME_GUARD, SolverName
 from .step import KeptSource, StepSimulation, simulate_runs, simulate_step
-from .strategy import CANDIDATE_KEYS, CandidatePlan, plan_best_partition
+from .strategy import CANDIDATE_KEYS, CandidatePlan, of_pytorch_partition, plan_best_partition
 
 __all__ = [
     "ADVICE_WARN", "AUTO_HORIZON", "Budget", "CANDIDATE_KEYS", "CandidatePlan", "BudgetInfeasibleError",
@@ -67,7 +67,7 @@ __all__ = [
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
     "mark_mutated_inputs", "mutated_inputs_read",
     "kept_in_last_run",
-    "offload_marked", "one_block", "op_work",
+    "of_pytorch_partition", "offload_marked", "one_block", "op_work",
     "on_device", "optimizer_step", "peaks_over_range", "plan_best_partition", "plan_digest", "plan_pair",
     "plan_sizes", "read_policies", "readable_bytes", "rewrite_planned", "roofline", "run_peaks", "same_layout",
     "save_offload_marks",

@@ -57,7 +57,7 @@ from .simulator import simulate
 from .step import simulate_runs
 
 __all__ = ["CANDIDATE_KEYS", "CandidatePlan", "PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION", "Repartition",
-           "plan_best_partition"]
+           "of_pytorch_partition", "plan_best_partition"]
 
 
 Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
@@ -73,6 +73,8 @@ WITH_ROOM = {"min-cut-room-1": 1, "min-cut-room-2": 2}
 # at 0.25 and 0.1875, under it at 0.15 and 0.2), so quarters missed every pair under it there.
 LOWER_FRACTIONS = (0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0)
 CANDIDATE_KEYS = (MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE, *WITH_ROOM)
+# How a plan of PyTorch's recompute-only pair begins its ``partition`` words (then the fraction asked).
+PYTORCH_PARTITION_WORDS = "recompute-only (activation_memory_budget="
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,7 @@ def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: fl
     seen.add(code)
     theirs = planner.analysed(fw, bw, held)
     result = planner.alternative(theirs, held)
-    return _Tried(fw, bw, result, f"recompute-only (activation_memory_budget={fraction:.3g}), predicted fastest",
+    return _Tried(fw, bw, result, f"{PYTORCH_PARTITION_WORDS}{fraction:.3g}), predicted fastest",
                   _predicted_step(result, planner.settings.profile, watch), PYTORCH_RECOMPUTE,
                   sum(theirs.times) - sum(analysis.times))
 
@@ -427,6 +429,11 @@ def _distinct(entries: list[_Tried]) -> list[_Tried]:
             seen.add(digest)
             kept.append(entry)
     return kept
+
+
+def of_pytorch_partition(plan) -> bool:
+    """Whether ``plan`` is of the pair PyTorch's recompute-only partitioner made (its "before" is that pair's)."""
+    return plan.partition.startswith(PYTORCH_PARTITION_WORDS)
 
 
 def _draws_random_numbers(bw_module: fx.GraphModule) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxoffload.explain import format_bytes, format_seconds
-from fxoffload.passes import DeviceProfile, Simulation, simulate, simulate_step
+from fxoffload.passes import DeviceProfile, Simulation, of_pytorch_partition, simulate, simulate_step
 from fxoffload.profiles import resolve_profile
 from fxoffload.tools.fit import chooses_checkpointing
 
@@ -42,7 +42,10 @@ def plot(record: Any, path: "str | Path", profile: "DeviceProfile | str | None" 
     memory_ax, lanes_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1.6))
     unit, scale = _unit(max(sim.peak, max((b for _, b in sim.baseline_memory), default=0)))
     clock = (1e3, "ms") if sim.step_time >= 1e-3 else (1e6, "us")
-    _draw_memory(memory_ax, sim, record.plan.budget_bytes, (unit, scale), clock[0])
+    # A plan of PyTorch's recompute-only pair is drawn over that pair without copies (its own graphs), whose saved
+    # activations may lie near nothing: said, lest that line read as plain compile's, missing.
+    without = "PyTorch's recompute-only partition, no offload" if of_pytorch_partition(record.plan) else "no offload"
+    _draw_memory(memory_ax, sim, record.plan.budget_bytes, (unit, scale), clock[0], without)
     _note_host(memory_ax, record.plan.host_bytes, record.plan.pinned_host_bytes)
     _draw_lanes(lanes_ax, sim, profile.duplex, clock[0])
     figure.suptitle(title or f"graph {record.index}: predicted on {profile.name} (simulated, not measured)")
@@ -143,12 +146,13 @@ def _steps(points: Sequence[tuple[float, int]], end: float, scale: float, ticks:
     return times, values + values[-1:]
 
 
-def _draw_memory(ax: Any, sim: Any, budget: int | None, units: tuple[str, float], ticks: float) -> None:
+def _draw_memory(ax: Any, sim: Any, budget: int | None, units: tuple[str, float], ticks: float,
+                 without: str = "no offload") -> None:
     unit, scale = units
     for points, end, color, label, width in (
-        (sim.baseline_activations, sim.baseline_time, COLORS["baseline"], "saved activations, no offload", 1.8),
+        (sim.baseline_activations, sim.baseline_time, COLORS["baseline"], f"saved activations, {without}", 1.8),
         (sim.activations, sim.step_time, COLORS["plan"], "saved activations, this plan", 1.8),
-        (sim.baseline_memory, sim.baseline_time, COLORS["baseline"], "all device tensors, no offload", 0.7),
+        (sim.baseline_memory, sim.baseline_time, COLORS["baseline"], f"all device tensors, {without}", 0.7),
         (sim.memory, sim.step_time, COLORS["plan"], "all device tensors, this plan", 0.7),
     ):
         if points:
