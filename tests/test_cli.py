@@ -524,3 +524,26 @@ def test_a_config_files_unknown_and_missing_fields_are_warned_of(tmp_path):
                         "num_key_value_heads, intermediate_size, vocab_size out: LlamaConfig's defaults are planned "
                         "(hidden_size=4096, num_hidden_layers=32, num_key_value_heads=8, intermediate_size=11008, "
                         "vocab_size=32000)"], messages
+
+
+def test_a_config_files_attention_implementation_is_kept(tmp_path):
+    """fxoffload builds transformers models with SDPA attention, and overrode a config file's own choice: Gemma-2,
+    whose classes refuse SDPA, could not be planned at all. A file's "attn_implementation" is now kept (and warns
+    nothing), and the refusal says how to give one."""
+    import warnings
+
+    from fxoffload.tools.models import ModelError, from_config_file
+
+    gemma2 = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(gemma2))
+    with pytest.raises(ModelError, match=r"give the config file an \"attn_implementation\" field \(\"eager\"\)"):
+        from_config_file(tmp_path).build(1, 16, torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(dict(gemma2, attn_implementation="eager")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source = from_config_file(tmp_path)
+    model, args, kwargs = source.build(1, 16, torch.float32)
+    assert model.model.config._attn_implementation == "eager"
+    assert source.with_layers(1).build(1, 16, torch.float32)[0].model.config._attn_implementation == "eager"

@@ -199,7 +199,8 @@ def _warn_unread_fields(origin: str, model_type: str, fields: dict) -> None:
 
     from transformers import AutoConfig
 
-    given = {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    given = {k: v for k, v in fields.items()
+             if k not in ("architectures", "torch_dtype", "dtype", "attn_implementation", "_attn_implementation")}
     try:
         default, built = AutoConfig.for_model(model_type), AutoConfig.for_model(model_type, **given)
     except Exception:  # refused when the model is built, with transformers' words
@@ -439,6 +440,9 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     architectures = fields.pop("architectures", None)
     fields.pop("torch_dtype", None)
     fields.pop("dtype", None)
+    # SDPA unless the config names another: Gemma-2's classes refuse SDPA, and a file naming "eager" was overridden.
+    attention = fields.pop("attn_implementation", None) or fields.pop("_attn_implementation", None) or "sdpa"
+    fields.pop("_attn_implementation", None)
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # transformers' own validation errors have several types
@@ -452,9 +456,10 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
                              f"{config.num_hidden_layers}")
         config.num_hidden_layers = layers
     config.use_cache = False
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     full_layers = config.num_hidden_layers
-    unchanged = dict(fields, **({"architectures": architectures} if architectures is not None else {}))
+    unchanged = dict(fields, attn_implementation=attention,
+                     **({"architectures": architectures} if architectures is not None else {}))
 
     def with_layers(count: int) -> ModelSource:
         return _from_transformers_config(name, model_type, dict(unchanged), task, count, default_seq, origin)
@@ -557,7 +562,10 @@ def _build_step(config: Any, task: str, batch: int, seq: int, dtype: torch.dtype
             try:
                 model = auto.from_config(config)
             except (TypeError, ValueError, RuntimeError) as e:
-                raise ModelError(f"transformers could not build the model from the config: {type(e).__name__}: {e}")
+                hint = ("; fxoffload asks for SDPA attention: give the config file an \"attn_implementation\" "
+                        "field (\"eager\") to plan another" if "scaled_dot_product_attention" in str(e) else "")
+                raise ModelError(f"transformers could not build the model from the config: {type(e).__name__}: "
+                                 f"{e}{hint}")
         model.tie_weights()  # init_weights, skipped above, also ties (GPT-2's head is its embedding)
     finally:
         torch.set_default_dtype(previous)
