@@ -340,8 +340,8 @@ def unbounded_size_warning(result: PassResult) -> str | None:
     meets = (f"meets memory_budget={plan.budget} ({plan.budget_bytes} B) with a predicted activation "
              f"peak of {plan.activation_peak_after} B")
     if not plan.feasible:  # warned of as out of reach: not said to meet it here (it said so, 11904 B over 4811 B)
-        meets = (f"does not meet memory_budget={plan.budget} at every size it serves (see the budget's warning): it "
-                 f"predicts an activation peak of {plan.activation_peak_after} B against {plan.budget_bytes} B")
+        meets = (f"does not meet memory_budget={plan.budget} (see the budget's warning): it predicts an activation "
+                 f"peak of {plan.activation_peak_after} B against {plan.budget_bytes} B")
     said = []
     if symbols:
         traced = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items(), key=str))
@@ -349,7 +349,8 @@ def unbounded_size_warning(result: PassResult) -> str | None:
         reach = (f"at the traced sizes, and holds the fraction up to {UNBOUNDED_REACH} times them"
                  if plan.sizes and plan.feasible else "at the traced sizes only")
         said.append(f"fxoffload: this graph serves sizes above the traced ones ({traced}, no upper bound): its plan "
-                    f"{meets} {reach}; larger inputs may exceed it. Bound the dimension with "
+                    f"{meets} {reach}; larger inputs may exceed it{' further' if not plan.feasible else ''}. Bound "
+                    "the dimension with "
                     "torch._dynamo.mark_dynamic(tensor, dim, max=N): fxoffload then plans for the largest size the "
                     "guards allow.")
     if dependent:

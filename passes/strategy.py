@@ -29,7 +29,8 @@ measurement; the user's ``PREFER_*`` marks, which the simulator does not weigh,
 keep the joint plan; a re-partitioned backward that draws random numbers is
 skipped (PyTorch's partitioner would recompute them without their seed), and so is
 one that reads a graph input the step writes in place (it would read the new value);
-the lower fractions cost up to eight more partitions, only where nothing met the budget.
+the lower fractions cost up to eight more partitions, only where no plan qualifies (none meets the budget without
+a total peak above the min-cut pair's).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from .pipeline import (
     gc_paused, plan_analysed,
 )
 from .plan import (
-    ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions, advice_min_bytes, warn_from_user,
+    ADVICE_WARN, Budget, BudgetInfeasibleError, BudgetInfeasibleWarning, PlanOptions, advice_min_bytes, readable_bytes,
+    warn_from_user,
 )
 from .policies import PREFER_CPU_OFFLOAD, PREFER_SAVE
 from .digest import plan_digest
@@ -164,7 +166,8 @@ def plan_best_partition(
             raise BudgetInfeasibleError(message, *best.plan.shortfall,
                                         ("raise the budget", *advice_min_bytes(options), ADVICE_WARN),
                                         least_held=best.plan.held_least)
-        warn_from_user(BudgetInfeasibleWarning(message + "; planning for that peak instead"))
+        # (the smallest achievable peak the message opens with: not the one over the total it may name)
+        warn_from_user(BudgetInfeasibleWarning(message + "; planning for that smallest achievable peak instead"))
     elif options.max_overhead is not None:  # the fastest predicted is over max_overhead: so is every other
         best = check_overhead(best, _predicted_step(best, profile, watch), plain, options)
     return fw, bw, best
@@ -376,9 +379,11 @@ def _met_over_total(tried: list[_Tried]) -> str:
     joint, met = tried[0], [e for e in tried if e.result.plan.feasible and _over_total(e, tried[0])]
     if not met:
         return ""
-    lowest = min(_step_total(e.result.plan, True) for e in met)
-    return (f" (a plan of PyTorch's recompute-only partition meets it, but its step needs {lowest} B in all, above the "
-            f"{_step_total(joint.result.plan, False)} B it needs without fxoffload: not kept)")
+    lowest = min(met, key=lambda e: _step_total(e.result.plan, True))
+    need, plain = _step_total(lowest.result.plan, True), _step_total(joint.result.plan, False)
+    return (f" (a plan meets it, {_plain_label(lowest.label)}, but its step needs {need} B in all "
+            f"({readable_bytes(need)}), above the {plain} B ({readable_bytes(plain)}) it needs without fxoffload: "
+            "not kept)")
 
 
 def _missed(entry: _Tried) -> int:

@@ -67,9 +67,9 @@ def test_unbounded_sizes_under_a_budget_out_of_reach_are_not_said_to_meet_it():
     assert not plan.feasible and plan.activation_peak_after > plan.budget_bytes
     assert any(isinstance(w.message, fxoffload.BudgetInfeasibleWarning) for w in caught)
     (told,) = [str(w.message) for w in caught if "serves sizes above" in str(w.message)]
-    assert (f"its plan does not meet memory_budget={plan.budget} at every size it serves (see the budget's "
-            f"warning): it predicts an activation peak of {plan.activation_peak_after} B against {plan.budget_bytes} B "
-            "at the traced sizes only;") in told, told
+    assert (f"its plan does not meet memory_budget={plan.budget} (see the budget's warning): it predicts an "
+            f"activation peak of {plan.activation_peak_after} B against {plan.budget_bytes} B at the traced sizes "
+            "only; larger inputs may exceed it further.") in told, told
 
 
 def test_no_budget_no_warning_and_no_specialisation():

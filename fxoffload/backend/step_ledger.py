@@ -203,8 +203,9 @@ class StepLedger:
             f"fxoffload: compiled region {self.place(region)} has run {runs} times in this forward, but its "
             f"sizes are symbolic (dynamic shapes), so it is not re-planned for the step: "
             f"memory_budget={memory_budget!r} bounds the activation peak of each run, not of the step's "
-            f"{runs} runs. Pass runs_per_step=<runs a step> so that the plan covers the whole step, or keep "
-            f"the graph's sizes static (torch.compile(..., dynamic=False))."))
+            f"{runs} runs. Keep the graph's sizes static (torch.compile(..., dynamic=False)) so that the plan is "
+            f"made again for the step, or pass runs_per_step=<the most runs of one graph held at once> (every "
+            f"region is then planned for that many)."))
 
     def warn_held(self, region: tuple, budget: int, memory_budget: Any) -> None:
         """Warn once when a region ran more often in this forward than its plan counted, and the forwards

@@ -184,17 +184,18 @@ def from_config_file(path: "str | Path", layers: int | None = None) -> ModelSour
     return _from_transformers_config(name, model_type, fields, task, layers, int(seq), origin=origin)
 
 
-# The fields that size a model: where a config file leaves them out, transformers' defaults (another model's
-# shape) are planned, which a warning says.
-SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-               "vocab_size")
+# The fields that size a model: where a config file leaves one out, transformers' default (another model's
+# shape) is planned, which a warning says. (Not the KV heads: most classes derive them from the heads.)
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 def _warn_unread_fields(origin: str, model_type: str, fields: dict) -> None:
-    """Warn of a config file's fields its transformers config class does not know (a misspelt
-    ``num_hiden_layers`` was kept as an attribute no model reads, and the default 32 layers were planned),
-    naming the known field each resembles, and of the size fields it leaves to the class's defaults. A
-    warning, not an error: checkpoints' config.json files carry fields of their own (``auto_map``)."""
+    """Warn of the size fields (``SIZE_FIELDS``, or their aliases: GPT-2's ``n_embd``) a config file leaves to
+    its transformers class's defaults, naming a field of the file that resembles each and that the class does not
+    know: a misspelt ``num_hiden_layers`` was kept as an attribute no model reads, and the default 32 layers were
+    planned, silently. Other unknown fields warn nothing: checkpoints carry fields of their own (``auto_map``,
+    GPT-2's ``n_ctx``, BERT's ``position_embedding_type``, older releases' names), and what they say a model does
+    not read."""
     import difflib
 
     from transformers import AutoConfig
@@ -205,22 +206,21 @@ def _warn_unread_fields(origin: str, model_type: str, fields: dict) -> None:
         default, built = AutoConfig.for_model(model_type), AutoConfig.for_model(model_type, **given)
     except Exception:  # refused when the model is built, with transformers' words
         return
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    unread = sorted(k for k in set(built.to_dict()) - known if k in given)
-    if unread:
-        words = []
-        for key in unread:
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
-            words.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        warn_from_user(UserWarning(f"{origin}: {type(default).__name__} does not know the field(s) "
-                                   f"{', '.join(words)}: ignored"))
-    aliases = getattr(default, "attribute_map", {})  # GPT-2's n_embd for hidden_size
+    known = set(default.to_dict())
+    aliases = getattr(default, "attribute_map", {}) or {}  # the standard name -> the class's own (GPT-2's n_embd)
+    unread = sorted(k for k in set(built.to_dict()) - known - set(aliases) if k in given)
     defaulted = [k for k in SIZE_FIELDS
-                 if k in known and k not in given and not any(aliases.get(g) == k for g in given)]
-    if defaulted:
-        values = ", ".join(f"{k}={getattr(built, k)}" for k in defaulted)  # as planned (KV heads follow heads)
-        warn_from_user(UserWarning(f"{origin} leaves {', '.join(defaulted)} out: {type(default).__name__}'s defaults "
-                                   f"are planned ({values})"))
+                 if (k in known or k in aliases) and k not in given and aliases.get(k) not in given]
+    if not defaulted:
+        return
+    words = []
+    for key in defaulted:
+        close = difflib.get_close_matches(key, unread, n=1, cutoff=0.8) or (
+            difflib.get_close_matches(aliases[key], unread, n=1, cutoff=0.8) if key in aliases else [])
+        words.append(f"{key}={getattr(built, key)}" + (f" (the file's {close[0]!r} is not a field of "
+                                                          f"{type(default).__name__}: misspelt?)" if close else ""))
+    warn_from_user(UserWarning(f"{origin} leaves {', '.join(defaulted)} out: {type(default).__name__}'s defaults are "
+                               f"planned ({', '.join(words)})"))
 
 
 def from_python_file(path: "str | Path") -> ModelSource:
@@ -440,9 +440,8 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     architectures = fields.pop("architectures", None)
     fields.pop("torch_dtype", None)
     fields.pop("dtype", None)
-    # SDPA unless the config names another: Gemma-2's classes refuse SDPA, and a file naming "eager" was overridden.
-    attention = fields.pop("attn_implementation", None) or fields.pop("_attn_implementation", None) or "sdpa"
-    fields.pop("_attn_implementation", None)
+    attention = _attention(origin or name, fields.pop("attn_implementation", None),
+                           fields.pop("_attn_implementation", None))
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # transformers' own validation errors have several types
@@ -476,6 +475,23 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     return ModelSource(name, build, default_seq, full_layers, origin=origin or f"preset {name}", positions=positions,
                        vocab=getattr(config, "vocab_size", None), symbolic_length=task != "image-classification",
                        symbolic_batch=True, with_layers=with_layers, task=task)
+
+
+# Attention implementations a config may name that trace on fake CPU tensors: SDPA unless the config names
+# "eager" (Gemma-2's classes refuse SDPA, and a file's "eager" was overridden).
+ATTENTION = ("sdpa", "eager")
+
+
+def _attention(origin: str, *named: Any) -> str:
+    """The attention implementation to build with: the config's where it is one of ``ATTENTION``, else SDPA, with
+    a warning where it named another (FlashAttention-2 needs its package and CUDA, flex attention's backward no
+    CPU: a file naming either failed to build or trace); SDPA's memory is the closest of those traced here."""
+    chosen = next((a for a in named if a), None)
+    if chosen is None or chosen in ATTENTION:
+        return chosen or "sdpa"
+    warn_from_user(UserWarning(f"{origin} names attn_implementation={chosen!r}: planned with 'sdpa' instead "
+                               f"(accepted: {', '.join(map(repr, ATTENTION))})"))
+    return "sdpa"
 
 
 def _check_one_stack(origin: str, model_type: str, config: Any) -> None:
@@ -561,7 +577,7 @@ def _build_step(config: Any, task: str, batch: int, seq: int, dtype: torch.dtype
         with no_init_weights():
             try:
                 model = auto.from_config(config)
-            except (TypeError, ValueError, RuntimeError) as e:
+            except (TypeError, ValueError, RuntimeError, ImportError) as e:
                 hint = ("; fxoffload asks for SDPA attention: give the config file an \"attn_implementation\" "
                         "field (\"eager\") to plan another" if "scaled_dot_product_attention" in str(e) else "")
                 raise ModelError(f"transformers could not build the model from the config: {type(e).__name__}: "
