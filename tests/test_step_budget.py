@@ -240,7 +240,9 @@ class LateSavedThenLoss(torch.nn.Module):
 @pytest.mark.parametrize("saved_output", [False, True], ids=["handed on", "handed on and saved"])
 def test_asking_a_step_for_less_than_it_can_reach_holds_no_more_than_a_budget_it_meets(saved_output):
     """At 0.05 (and at 0.1, until strategy auto asked PyTorch for the body region's cap's fraction: its
-    recompute-only partition meets 0.1) the body's region cannot meet its share: it ran at its smallest peak,
+    recompute-only partition meets 0.1; and again since 2026-12-07 where the body hands its output on unsaved:
+    that partition's total peak is above the min-cut pair's, and such a plan is never kept; the step measured
+    the same 133120 B as at 0.3) the body's region cannot meet its share: it ran at its smallest peak,
     leaving what the cheapest plan there leaves (all it saves after its peak), and the loss ran on top: the
     warned steps measured 262144 B and 393216 B against 133120 B at 0.3, which the step meets. Where the body
     saves what it hands the loss, the loss's region offloaded that input at 0.1, which freed nothing (the
@@ -258,7 +260,7 @@ def test_asking_a_step_for_less_than_it_can_reach_holds_no_more_than_a_budget_it
             warnings.filterwarnings("ignore", "fxoffload: a graph of compiled region 1 offloads its input")
             measured[budget] = steps(torch.compile(model, backend=backend), batch, 4)[-1]
         feasible = [r.plan.feasible for r in backend.step_invocations()]
-        assert all(feasible) == (budget != 0.05), (budget, feasible)
+        assert all(feasible) == (budget == 0.3 or (budget == 0.1 and saved_output)), (budget, feasible)
     assert max(measured[0.05], measured[0.1]) <= measured[0.3], measured
 
 
