@@ -178,18 +178,20 @@ def from_config_file(path: "str | Path", layers: int | None = None) -> ModelSour
     if task != "image-classification":
         seq = min(int(seq), 4096)
     origin = f"config file {str(path)!r}"
-    _warn_unread_fields(origin, model_type, fields)
+    _warn_defaulted_sizes(origin, model_type, fields)
     # A folder's config.json is named after its folder (a model's checkpoint); any other file after itself.
     name = (path.parent.name if path.name == "config.json" else "") or path.stem
     return _from_transformers_config(name, model_type, fields, task, layers, int(seq), origin=origin)
 
 
+# A config file's fields that are not its config class's: taken apart before the class is built from the rest.
+NOT_CONFIG_FIELDS = ("architectures", "torch_dtype", "dtype", "attn_implementation", "_attn_implementation")
 # The fields that size a model: where a config file leaves one out, transformers' default (another model's
 # shape) is planned, which a warning says. (Not the KV heads: most classes derive them from the heads.)
 SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
-def _warn_unread_fields(origin: str, model_type: str, fields: dict) -> None:
+def _warn_defaulted_sizes(origin: str, model_type: str, fields: dict) -> None:
     """Warn of the size fields (``SIZE_FIELDS``, or their aliases: GPT-2's ``n_embd``) a config file leaves to
     its transformers class's defaults, naming a field of the file that resembles each and that the class does not
     know: a misspelt ``num_hiden_layers`` was kept as an attribute no model reads, and the default 32 layers were
@@ -200,8 +202,7 @@ def _warn_unread_fields(origin: str, model_type: str, fields: dict) -> None:
 
     from transformers import AutoConfig
 
-    given = {k: v for k, v in fields.items()
-             if k not in ("architectures", "torch_dtype", "dtype", "attn_implementation", "_attn_implementation")}
+    given = {k: v for k, v in fields.items() if k not in NOT_CONFIG_FIELDS}
     try:
         default, built = AutoConfig.for_model(model_type), AutoConfig.for_model(model_type, **given)
     except Exception:  # refused when the model is built, with transformers' words
