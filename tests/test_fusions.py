@@ -4,13 +4,16 @@ kernel Inductor fuses without them, and an offload must not make Inductor write 
 H200 each transfer added a Triton kernel). Kernels are counted one C++ function each
 (``benchmarks/fusions.one_function_per_kernel``), as Triton launches them."""
 
+import functools
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code, run_fw_bw_and_get_code
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fxoffload
 from fxoffload.passes.plan import OFFLOAD
@@ -322,4 +325,72 @@ def test_a_release_under_pytorchs_partition_keeps_its_readers_kernel_whole(pytor
     theirs = pytorch_kernels[0.3]
     assert forward <= theirs[0] and backward <= theirs[1], f"{forward}, {backward} kernels against {theirs}"
     for got, expected in zip(grads, eager_grads()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))
+
+
+class SwiGLU(torch.nn.Module):
+    """A Llama FFN behind its RMSNorm, with its residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(SHAPE.hidden)
+        self.gate = torch.nn.Linear(SHAPE.hidden, SHAPE.ffn, bias=False)
+        self.up = torch.nn.Linear(SHAPE.hidden, SHAPE.ffn, bias=False)
+        self.down = torch.nn.Linear(SHAPE.ffn, SHAPE.hidden, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def gate_policy(gate: CheckpointPolicy):
+    """Every matmul's result saved but the gate projection's (the trace's first of three: ``gate``), SwiGLU's
+    ``silu`` and ``mul`` recomputed, the rest as PyTorch prefers."""
+    calls = []
+
+    def policy(ctx, op, *args, **kwargs):
+        if ctx.is_recompute:
+            return CheckpointPolicy.MUST_SAVE
+        if op is torch.ops.aten.mm.default:
+            calls.append(op)
+            return gate if len(calls) % 3 == 1 else CheckpointPolicy.MUST_SAVE
+        if op in (torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor):
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return CheckpointPolicy.PREFER_SAVE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def swiglu_step(gate: CheckpointPolicy, backend):
+    """(forward kernels, backward kernels, gradients, the backend) of one checkpointed step of :class:`SwiGLU`."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block, context = SwiGLU(), gate_policy(gate)
+    x = torch.randn(TOKENS, SHAPE.hidden, requires_grad=True)
+    compiled = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False, context_fn=context), backend=backend)
+    with one_function_per_kernel(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dynamo's word on a context_fn
+        _, codes = run_fw_bw_and_get_code(lambda: compiled(x).square().sum())
+    grads = [x.grad] + [p.grad for p in block.parameters()]
+    return len(FUSED_KERNEL.findall(codes[0])), len(FUSED_KERNEL.findall(codes[-1])), grads
+
+
+def test_a_prefetch_ahead_keeps_swiglus_backward_kernel_whole():
+    """The gate projection offloaded, SwiGLU's ``silu`` and ``mul`` recomputed (a partition PyTorch's recompute
+    budget makes): the backward's copies started ahead (``prefetch_ahead``, after the up projection's input
+    gradient matmul) took the gate's weight-gradient matmul for their sink anchor. Its input, the ``silu``
+    backward's product, is also read by the gate's input-gradient matmul, which carries no ordering edges, so
+    ``ordering._hands_back`` took it to be written out on its own; but Inductor lowers the anchor first and
+    writes the product inside its ``control_deps``, handing it the anchor's edges, and the backward's one
+    SwiGLU kernel split in two around the prefetch (``ordering._hands_back`` now asks who is lowered first)."""
+    saved = swiglu_step(CheckpointPolicy.MUST_SAVE, fxoffload.offload_backend(inner="inductor", memory_budget=1.0))
+    backend = fxoffload.offload_backend(inner="inductor", memory_budget=1.0, min_bytes=0)
+    offloaded = swiglu_step(CheckpointPolicy.MUST_CPU_OFFLOAD, backend)
+    assert [d.name for d in backend.records[0].plan.decisions if d.action == OFFLOAD] == ["mm"]
+    assert offloaded[:2] == saved[:2], f"{offloaded[:2]} kernels, with the gate saved {saved[:2]}"
+    torch.manual_seed(0)
+    block = SwiGLU()
+    x = torch.randn(TOKENS, SHAPE.hidden, requires_grad=True)
+    block(x).square().sum().backward()
+    for got, expected in zip(offloaded[2], [x.grad] + [p.grad for p in block.parameters()]):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))

@@ -93,3 +93,18 @@ def test_a_convnexts_host_buffers_keep_their_layout_its_forward_plains_kernels_a
     mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
     assert mine.backward == plain.backward and any(not words.startswith("0 ") for words in mine.plans.split("; "))
     assert sweep_kernels.verdict(mine, plain) == "same or fewer", sweep_kernels.row("convnext", mine, plain)
+
+
+@pytest.mark.slow
+def test_mistrals_kernels_are_plains_by_name():
+    """Mistral at budget 0.5 calls plain's kernels, each graph the same by name. A sink anchor lowered before
+    another reader of its input without ordering edges writes that input out inside its ``control_deps``
+    (``ordering._hands_back``); counting every op of the input's group as a fusion partner there (an
+    over-estimate: its unwritten inputs are computed inside with it) moved six of Mistral's anchors, and one
+    backward kernel wrote a transposed copy of a matmul's input that plain reads as a strided view (the same
+    count of kernels, one of them named ``..._mm_..._t_...``)."""
+    arch = next(a for a in sweep.ARCHITECTURES if a.model_type == "mistral")
+    plain = sweep_kernels.compile_model(arch, None)
+    mine = sweep_kernels.compile_model(arch, sweep_kernels.BUDGET)
+    assert mine.plans.startswith("11 copies"), mine.plans
+    assert mine.graphs == plain.graphs, sweep_kernels.row("mistral", mine, plain)

@@ -45,8 +45,8 @@ once for the up projection's gradient, which the up projection's gradient
 matmuls read, and once, beside the gate projection, for the gate's; the wait
 of a prefetched gate projection, pinned after those matmuls, split it.
 A sink anchor also keeps clear of the kernels it would take along: Inductor writes a fusible value
-out where it lowers a barrier reading it, and where every barrier reading the value carries edges
-(lowered inside ``control_deps``), it writes it inside the first and hands that barrier's edges to the
+out where it lowers the first barrier reading it (in graph order), and where that barrier carries edges
+(lowered inside ``control_deps``), it writes it inside and hands that barrier's edges to the
 value's kernel (:func:`_hands_back`); the kernel then follows our op, away from a fusion partner that
 must run before it. A fusible anchor must keep its own kernel whole: before the op, a value Inductor
 writes out anyway with no side-by-side partner after the op (:func:`_may_precede`; a dependency is
@@ -859,23 +859,34 @@ def _sink_anchor(op: fx.Node, anchors: list[fx.Node], upstream: set[fx.Node], re
 
 def _hands_back(anchor: fx.Node, op: fx.Node, edges: dict[fx.Node, OrderedSet[fx.Node]], reach: "_Reach") -> bool:
     """Whether making ``anchor`` (a barrier) follow ``op`` would make a kernel that must run before ``op``
-    follow it. Inductor writes a fusible value out where it lowers a node one of whose users needs it
-    written (a barrier); where every such user carries ordering edges (lowered inside ``control_deps``),
-    it writes the value out inside the first of them, and hands that one's edges to the value's kernel.
-    That kernel then follows what the barrier follows, and a fusion partner of it that must run before
-    (one ``op`` follows) can no longer share its kernel: SwiGLU's backward split in two, the up
-    projection's half after a prefetch that followed the gate projection's gradient matmul, once both
-    of the half's readers (the up projection's gradient matmuls) followed one of our ops."""
+    follow it. Inductor writes a fusible value out where it lowers the first node (in graph order) that
+    needs it written (a barrier); where that one carries ordering edges (lowered inside ``control_deps``),
+    it writes the value out inside, and hands that one's edges to the value's kernel: the anchor itself
+    when it comes first, even with a reader of the value after it that carries none; where every such
+    user carries edges, the first of them. That kernel then follows what the barrier follows, and a
+    fusion partner of it that must run before (one ``op`` follows) can no longer share its kernel:
+    SwiGLU's backward split in two, the up projection's half after a prefetch that followed the gate
+    projection's gradient matmul, once both of the half's readers (the up projection's gradient
+    matmuls) followed one of our ops; and again, the gate's ``silu`` backward product read first by its
+    weight-gradient matmul, made to follow a ``prefetch_ahead``, then by its input-gradient matmul,
+    without edges. In that second case only side partners count (ops neither feeding the value nor fed
+    by it: the ``mul`` beside it): the value's unwritten inputs are computed inside with it, and taking
+    every op of the group (an over-estimate) moved six of Mistral's anchors (the sweep's small config),
+    one of them to a matmul whose transposed input Inductor then copied."""
     if reach.fusible(anchor):
         return False
     for source in _read_through_views(anchor, reach.view):
         if not reach.fusible(source):
             continue
         readers = reach.barrier_readers(source)
-        if any(r is not anchor and r not in edges for r in readers):
-            continue  # an unordered reader: Inductor writes the value out on its own
+        unordered = any(r is not anchor and r not in edges for r in readers)
+        if unordered and min((*readers, anchor), key=reach.index.__getitem__) is not anchor:
+            continue  # an unordered reader lowered first: Inductor writes the value out on its own
+        partners = reach.group(source)
+        if unordered:  # the anchor lowered first: the value's unwritten inputs go inside with it, side partners not
+            partners = [k for k in partners if not (reach.reaches(k, source) or reach.reaches(source, k))]
         followed = [d for r in (*readers, anchor) for d in edges.get(r, ())] + [op]
-        if any(_follows(f, k, edges, reach) for k in reach.group(source) for f in followed):
+        if any(_follows(f, k, edges, reach) for k in partners for f in followed):
             return True
     return False
 
