@@ -2,6 +2,7 @@
 
     python benchmarks/fusions.py            # print the tables
     python benchmarks/fusions.py --write    # and write its section of benchmarks/RESULTS.md
+    python benchmarks/fusions.py --recomputed   # each value offloaded alone under a recompute partition (prints)
 
 One Llama-style block (``examples/llama_layers.py``: hidden 256, 4 heads, 2 KV heads, FFN 704, 512 tokens,
 float32) compiled by Inductor for the CPU; the forward's and the backward's kernels are counted, plain and
@@ -99,6 +100,8 @@ class OneMarked:
 
     def __init__(self) -> None:
         self.targets, self.calls, self.seen, self.period = frozenset(), 0, [], None
+        self.mark = CheckpointPolicy.MUST_CPU_OFFLOAD  # what a target gets (``recomputed_one_at_a_time``: saved too)
+        self.recompute = False  # every op but the matmuls and attention recomputed (``recomputed_one_at_a_time``)
 
     def __call__(self, ctx, op, *args, **kwargs):
         if ctx.is_recompute:
@@ -106,8 +109,17 @@ class OneMarked:
         index, self.calls = self.calls, self.calls + 1
         self.seen.append(op)
         if self.period is not None and index % self.period in self.targets:
-            return CheckpointPolicy.MUST_CPU_OFFLOAD
-        return CheckpointPolicy.PREFER_SAVE if op.is_view else CheckpointPolicy.MUST_SAVE
+            return self.mark
+        if op.is_view:
+            return CheckpointPolicy.PREFER_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE if self.recompute and op not in SAVED_UNDER_RECOMPUTE else (
+            CheckpointPolicy.MUST_SAVE)
+
+
+# The ops whose results ``recomputed_one_at_a_time``'s partition saves: the matmuls and attention.
+SAVED_UNDER_RECOMPUTE = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                   torch.ops.aten._scaled_dot_product_efficient_attention.default})
 
 
 ONE_MARKED = OneMarked()
@@ -253,6 +265,71 @@ def one_at_a_time(subject: Subject = LLAMA) -> tuple[Marked, list[Marked]]:
     return baseline, rows
 
 
+@dataclass(frozen=True)
+class SavedOrOffloaded:
+    """One op marked under ``recomputed_one_at_a_time``'s partition: offloaded, and saved instead."""
+
+    offloaded: Marked
+    saved: Marked
+
+    @property
+    def more(self) -> bool:
+        return self.offloaded.forward > self.saved.forward or self.offloaded.backward > self.saved.backward
+
+
+@contextlib.contextmanager
+def recompute_partition():
+    """While inside, ``OneMarked`` saves the matmuls' and attention's results and recomputes every other op."""
+    ONE_MARKED.recompute = True
+    try:
+        yield
+    finally:
+        ONE_MARKED.recompute, ONE_MARKED.mark = False, CheckpointPolicy.MUST_CPU_OFFLOAD
+
+
+def traced_ops(subject: Subject = LLAMA) -> tuple[list, int]:
+    """The ops of one trace of ``subject``'s checkpointed step (their places are ``count_marked``'s targets) and
+    how many there are (its ``period``), from a step with nothing marked."""
+    count_marked(frozenset(), subject)
+    ops = list(ONE_MARKED.seen)
+    return ops[:len(ops) // 2], len(ops) // 2
+
+
+def saved_or_offloaded(target: int, period: int, subject: Subject = LLAMA) -> SavedOrOffloaded:
+    """The op at ``target`` marked offloaded, and marked saved."""
+    ONE_MARKED.mark = CheckpointPolicy.MUST_CPU_OFFLOAD
+    offloaded = count_marked(frozenset({target}), subject, period)
+    ONE_MARKED.mark = CheckpointPolicy.MUST_SAVE
+    try:
+        return SavedOrOffloaded(offloaded, count_marked(frozenset({target}), subject, period))
+    finally:
+        ONE_MARKED.mark = CheckpointPolicy.MUST_CPU_OFFLOAD
+
+
+def recomputed_one_at_a_time(subject: Subject = LLAMA) -> list[SavedOrOffloaded]:
+    """Under a partition that saves the matmuls' and attention's results and recomputes every other op (where
+    PyTorch's recompute budget leans: :func:`recompute_partition`), each op that is no view marked in turn,
+    where its mark moves something: offloaded, against the same op marked saved (the same partition, nothing
+    moved). Saving an op this partition recomputes changes the partition, so each row has its own baseline.
+    Found (2026-12-07) three splits of SwiGLU's backward kernel around a copy's ops (``ordering._hands_back``,
+    and a sink anchor that ignored what its op's rise anchor reads). About 2 minutes for the Llama block."""
+    with recompute_partition():
+        ops, period = traced_ops(subject)
+        return [saved_or_offloaded(target, period, subject) for target, op in enumerate(ops)
+                if not op.is_view and moved_by_marks(frozenset({target}), subject, period)]
+
+
+def recomputed_table(subject: Subject = LLAMA) -> str:
+    rows = recomputed_one_at_a_time(subject)
+    lines = ["| value offloaded alone | its op | forward kernels (saved instead) | backward kernels (saved instead) |",
+             "|---|---|---|---|"]
+    lines += [f"| {', '.join(r.offloaded.offloaded)} | `{r.offloaded.op}` | {r.offloaded.forward} ({r.saved.forward}) "
+              f"| {r.offloaded.backward} ({r.saved.backward}) |" for r in rows]
+    more = [", ".join(r.offloaded.offloaded) for r in rows if r.more]
+    return "\n".join(lines + ["", f"{len(more)} of {len(rows)} cost a kernel more than saved" +
+                               (f": {', '.join(more)}." if more else ".")])
+
+
 def together(rows: list[Marked], subject: Subject = LLAMA) -> Marked:
     """The values ``rows`` (of ``one_at_a_time``) moved, offloaded together."""
     return count_marked(frozenset().union(*(m.targets for m in rows)), subject, rows[0].period)
@@ -310,7 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
     parser.add_argument("--threes", action="store_true",
                         help="also every three of the Llama block's saved values together (364: about 15 minutes)")
+    parser.add_argument("--recomputed", action="store_true",
+                        help="only print each of the Llama block's values offloaded alone under a partition that "
+                             "recomputes all but the matmuls and attention, against it saved (about 2 minutes)")
     args = parser.parse_args(argv)
+    if args.recomputed:
+        if args.write or args.threes:
+            parser.error("--recomputed prints its table alone (no --write, no --threes)")
+        print(recomputed_table())
+        return 0
     rows = table()
     print("one saved value at a time:", flush=True)
     marked = one_at_a_time_table(threes=args.threes)

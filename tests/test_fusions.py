@@ -21,6 +21,7 @@ from fxoffload.passes.plan import OFFLOAD
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
 from fusions import GPT2, LLAMA, all_at_once, one_at_a_time, one_function_per_kernel, together  # noqa: E402
+from fusions import recompute_partition, saved_or_offloaded, traced_ops  # noqa: E402
 from fusions import eager_grads as marked_eager_grads  # noqa: E402
 from llama_layers import LlamaBlock, LlamaShape, rotary  # noqa: E402
 
@@ -393,4 +394,24 @@ def test_a_prefetch_ahead_keeps_swiglus_backward_kernel_whole():
     x = torch.randn(TOKENS, SHAPE.hidden, requires_grad=True)
     block(x).square().sum().backward()
     for got, expected in zip(offloaded[2], [x.grad] + [p.grad for p in block.parameters()]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.mm.default, torch.ops.aten.stack.default])
+def test_under_a_recompute_partition_an_offload_costs_no_kernel_more_than_saving(op):
+    """The Llama block under a partition that saves its matmuls' and attention's results and recomputes every
+    other op (``fusions.recompute_partition``), the first ``op`` of the trace marked offloaded against it marked
+    saved: the query projection (``mm``), and the query's rotary embedding (``stack``). Each offloaded cost one
+    backward kernel: the prefetch, anchored after the down projection's weight-gradient matmul (which reads the
+    recomputed ``silu`` product), took the input-gradient matmul for its sink anchor, whose result the ``silu``
+    backward reads, and SwiGLU's backward kernel split in two around it. A sink anchor now counts what the op
+    follows through its rise anchor (``ordering._ordering_edges``)."""
+    with recompute_partition():
+        ops, period = traced_ops(LLAMA)
+        row = saved_or_offloaded(ops.index(op), period, LLAMA)
+    assert row.offloaded.offloaded, "nothing offloaded: the count would say nothing"
+    assert (row.offloaded.forward, row.offloaded.backward) == (row.saved.forward, row.saved.backward), (
+        f"{row.offloaded.offloaded}: {row.offloaded.forward} forward, {row.offloaded.backward} backward kernels "
+        f"offloaded, {row.saved.forward} and {row.saved.backward} saved")
+    for got, expected in zip(row.offloaded.grads, marked_eager_grads()):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max().clamp(min=1)))

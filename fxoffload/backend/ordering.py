@@ -44,7 +44,10 @@ backward is one kernel that reads the down projection's input gradient twice:
 once for the up projection's gradient, which the up projection's gradient
 matmuls read, and once, beside the gate projection, for the gate's; the wait
 of a prefetched gate projection, pinned after those matmuls, split it.
-A sink anchor also keeps clear of the kernels it would take along: Inductor writes a fusible value
+A sink anchor counts, among the fusible ops its op follows, those its op's rise anchor reads: a prefetch
+after the down projection's weight-gradient matmul (which reads the recomputed ``silu`` product) took the
+input-gradient matmul, read by the ``silu`` backward beside that product, and SwiGLU's backward kernel split
+around it. A sink anchor also keeps clear of the kernels it would take along: Inductor writes a fusible value
 out where it lowers the first barrier reading it (in graph order), and where that barrier carries edges
 (lowered inside ``control_deps``), it writes it inside and hands that barrier's edges to the
 value's kernel (:func:`_hands_back`); the kernel then follows our op, away from a fusion partner that
@@ -534,6 +537,11 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         deps = OrderedSet(d for d in deps if d not in op.all_input_nodes)
         if deps:
             edges[op] = deps
+        if rise is not None:
+            # Following its rise anchor, the op follows the fusible values that anchor reads: a sink anchor
+            # feeding one of their side partners would split that kernel around the op (SwiGLU's backward,
+            # a prefetch between the down projection's weight- and input-gradient matmuls).
+            ups = ups | reach.fed_by(rise)
         sink = _sink_anchor(op, barriers, ups, reach, edges)
         if op.target is PREFETCH and any(_crosses(sink, user, reach, after=True) for user in op.users):
             sink = _sink_anchor(op, anchors, ups, reach, edges)
