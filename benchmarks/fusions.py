@@ -405,6 +405,16 @@ def main(argv: list[str] | None = None) -> int:
         table_of = one_at_a_time_table(subject)
         print(table_of)
         marked += f"\n\nThe same for {subject.name}:\n\n{table_of}"
+    print("under a recompute partition:", flush=True)
+    recomputed = recomputed_table()
+    print(recomputed)
+    marked += ("\n\nUnder a partition that saves the Llama block's matmuls' and attention's results and recomputes "
+               "every other op (`recomputed_one_at_a_time`, `--recomputed`: where PyTorch's recompute budget leans), "
+               "each value offloaded alone against the same op marked saved (its own baseline: saving an op the "
+               "partition recomputes changes the partition), kernels offloaded (saved). Before a sink anchor counted "
+               "what its op follows through its rise anchor (2026-12-07), the query projection and the query's "
+               "rotary `stack` each cost a backward kernel: SwiGLU's backward split around their prefetch.\n\n"
+               + recomputed)
     if args.write:
         today = datetime.date.today().isoformat()
         command = "python benchmarks/fusions.py" + (" --threes" if args.threes else "") + " --write"
