@@ -309,10 +309,10 @@ def saved_or_offloaded(target: int, period: int, subject: Subject = LLAMA) -> Sa
 def recomputed_one_at_a_time(subject: Subject = LLAMA) -> list[SavedOrOffloaded]:
     """Under a partition that saves the matmuls' and attention's results and recomputes every other op (where
     PyTorch's recompute budget leans: :func:`recompute_partition`), each op that is no view marked in turn,
-    where its mark moves something: offloaded, against the same op marked saved (the same partition, nothing
-    moved). Saving an op this partition recomputes changes the partition, so each row has its own baseline.
-    Found (2026-12-07) three splits of SwiGLU's backward kernel around a copy's ops (``ordering._hands_back``,
-    and a sink anchor that ignored what its op's rise anchor reads). About 2 minutes for the Llama block."""
+    where its mark moves something: offloaded, against the same op marked saved (its own baseline: saving an op
+    this partition recomputes changes the partition). Found (2026-12-07) two splits of SwiGLU's backward kernel
+    around a prefetch (a sink anchor that ignored what its op's rise anchor reads: ``ordering._splits_beside``).
+    About 2 minutes for the Llama block."""
     with recompute_partition():
         ops, period = traced_ops(subject)
         return [saved_or_offloaded(target, period, subject) for target, op in enumerate(ops)

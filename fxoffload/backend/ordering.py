@@ -44,13 +44,15 @@ backward is one kernel that reads the down projection's input gradient twice:
 once for the up projection's gradient, which the up projection's gradient
 matmuls read, and once, beside the gate projection, for the gate's; the wait
 of a prefetched gate projection, pinned after those matmuls, split it.
-A sink anchor counts, among the fusible ops its op follows, those its op's rise anchor reads: a prefetch
-after the down projection's weight-gradient matmul (which reads the recomputed ``silu`` product) took the
+A sink anchor counts, among the fusible ops its op follows, those its op's rise anchor reads: a prefetch after
+the down projection's weight-gradient matmul (which reads the recomputed ``silu`` product) took the
 input-gradient matmul, read by the ``silu`` backward beside that product, and SwiGLU's backward kernel split
-around it. A sink anchor also keeps clear of the kernels it would take along: Inductor writes a fusible value
-out where it lowers the first barrier reading it (in graph order), and where that barrier carries edges
-(lowered inside ``control_deps``), it writes it inside and hands that barrier's edges to the
-value's kernel (:func:`_hands_back`); the kernel then follows our op, away from a fusion partner that
+around it (:func:`_splits_beside`: a partner reached from the value through a barrier runs in a later kernel
+anyway, and counting it left a Qwen3 prefetch without any sink anchor). A sink anchor also keeps clear of the
+kernels it would take along: Inductor writes a fusible value out where it lowers the first barrier reading it
+(in graph order), and where that barrier carries edges (lowered inside ``control_deps``), it writes it inside
+and hands that barrier's edges to the value's kernel (:func:`_hands_back`); the kernel then follows our op,
+away from a fusion partner that
 must run before it. A fusible anchor must keep its own kernel whole: before the op, a value Inductor
 writes out anyway with no side-by-side partner after the op (:func:`_may_precede`; a dependency is
 written out, and a value computed inside its readers' kernel split that kernel); after it, the end of
@@ -537,14 +539,13 @@ def _ordering_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         deps = OrderedSet(d for d in deps if d not in op.all_input_nodes)
         if deps:
             edges[op] = deps
-        if rise is not None:
-            # Following its rise anchor, the op follows the fusible values that anchor reads: a sink anchor
-            # feeding one of their side partners would split that kernel around the op (SwiGLU's backward,
-            # a prefetch between the down projection's weight- and input-gradient matmuls).
-            ups = ups | reach.fed_by(rise)
-        sink = _sink_anchor(op, barriers, ups, reach, edges)
+        # Following its rise anchor, the op follows the fusible values that anchor reads: a sink anchor feeding
+        # one of their side partners would split that kernel around the op (SwiGLU's backward, a prefetch
+        # between the down projection's weight- and input-gradient matmuls).
+        beside = set() if rise is None else reach.fed_by(rise) - ups
+        sink = _sink_anchor(op, barriers, ups, reach, edges, beside)
         if op.target is PREFETCH and any(_crosses(sink, user, reach, after=True) for user in op.users):
-            sink = _sink_anchor(op, anchors, ups, reach, edges)
+            sink = _sink_anchor(op, anchors, ups, reach, edges, beside)
             if any(_crosses(sink, user, reach, after=True) for user in op.users):
                 # Nothing to keep between the prefetch and its wait (its first reader): the wait holds
                 # it by data. A fusible anchor past the wait would be written out where it follows the
@@ -849,20 +850,32 @@ def _may_precede(anchor: fx.Node, op: fx.Node, reach: "_Reach") -> bool:
 
 
 def _sink_anchor(op: fx.Node, anchors: list[fx.Node], upstream: set[fx.Node], reach: "_Reach",
-                 edges: dict[fx.Node, OrderedSet[fx.Node]]) -> fx.Node | None:
+                 edges: dict[fx.Node, OrderedSet[fx.Node]], beside: set[fx.Node]) -> fx.Node | None:
     """The earliest compute op after ``op`` that can follow it without splitting a fusion (``edges``:
     those chosen so far, ``op``'s own among them). A fusible candidate must end its fusion (no fusion
     partner after it): made to follow ``op``, it is lowered inside ``control_deps``, whose result
     Inductor writes out, and its readers' part of the kernel is written in another (Mistral's
     grouped-query key gradient: the ``sum`` over each group's heads, made to follow a prefetch,
-    written apart from the ``clone`` that reads it)."""
+    written apart from the ``clone`` that reads it). ``beside``: the fusible values ``op`` follows through
+    its rise anchor; a candidate feeding a side partner of one splits that kernel (:func:`_splits_beside`)."""
     at = bisect.bisect_right(anchors, reach.index[op], key=reach.index.__getitem__)
     for anchor in anchors[at:at + _CANDIDATES]:
         if reach.fusible(anchor) and reach.partners(anchor, after=True):
             continue
+        if _splits_beside(reach, anchor, beside):
+            continue
         if not _splits_any(reach, anchor, op, upstream, after=True) and not _hands_back(anchor, op, edges, reach):
             return anchor
     return None
+
+
+def _splits_beside(reach: "_Reach", anchor: fx.Node, values: set[fx.Node]) -> bool:
+    """Whether ``anchor``, made to follow an op that follows ``values``, feeds a fusion partner of one of them
+    that could share its kernel: one ``anchor`` reaches that the value reaches through no barrier, if at all
+    (past one, it runs in a later kernel anyway: Qwen3's query/key-norm ``clone``, read by a matmul that feeds
+    the partner, lost its prefetch's sink anchor to such a check, and the copy started at its wait)."""
+    return any((k is anchor or reach.reaches(anchor, k)) and not reach.past_barrier(value, k)
+               for value in values for k in reach.group(value) if reach.index[k] >= reach.index[anchor])
 
 
 def _hands_back(anchor: fx.Node, op: fx.Node, edges: dict[fx.Node, OrderedSet[fx.Node]], reach: "_Reach") -> bool:
