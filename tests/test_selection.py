@@ -251,3 +251,94 @@ def test_per_block_the_measurement_can_keep_pytorchs_partition_at_the_budgets_fr
     assert fraction.startswith("recompute-only (activation_memory_budget=0.5"), fraction
     assert kept.plan.partition_seconds > 0  # PyTorch's pair recomputes in its backward
     assert backend.step_invocations()[-3:] == [kept] * 3
+
+
+def _one_f_one_b_step(model, batches, in_flight: int, backend) -> tuple[list[torch.Tensor], list[int]]:
+    """One pipeline stage's step under 1F1B (``test_cross_graphs.one_f_one_b``); the gradients, and for each
+    forward the record it ran (by ``id``)."""
+    model.zero_grad(set_to_none=True)
+    outputs, ran = [], []
+    for x in batches:
+        outputs.append(model(x))
+        ran.append(id(backend.step_invocations()[-1]))
+        if len(outputs) == in_flight:
+            outputs.pop(0).square().sum().backward()
+    for out in outputs:
+        out.square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()], ran
+
+
+def test_under_1f1b_each_candidate_runs_whole_pipeline_steps():
+    """A pipeline stage under 1F1B (5 microbatches, 3 in flight): its forwards run between its backwards, so
+    the step the backend counts its runs in ends at each backward. Measured selection's steps are the stage's
+    whole steps (a forward before which no forward waits for its backward), so every microbatch of a step runs
+    one candidate, and each candidate's timed step is the stage's step. Counted per backend step, candidates
+    switched mid-step (the first microbatches under one plan, the last under the next) and the candidates were
+    timed over unlike parts of steps. Gradients equal eager's every step."""
+    from tests.test_cross_graphs import one_f_one_b, seven_layer_stage
+
+    batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    expected = one_f_one_b(seven_layer_stage(), batches, in_flight=3)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, select="measured",
+                                        select_steps=1, device_profile=_slow_compute())
+    compiled = torch.compile(seven_layer_stage(), backend=backend)
+    steps = []
+    for _ in range(12):
+        grads, ran = _one_f_one_b_step(compiled, batches, 3, backend)
+        steps.append(ran)
+        for a, b in zip(expected, grads):
+            torch.testing.assert_close(b, a)
+    kept = _kept(backend)
+    assert kept.plan.interleaved and len(kept.selection.candidates) >= 2
+    # The first step re-plans the graph for its 3 runs in flight once a backward has counted them.
+    assert all(len(set(ran)) == 1 for ran in steps[1:]), steps
+    assert len({ran[0] for ran in steps[1:]}) == len(kept.selection.candidates)  # each candidate ran
+    assert steps[-1][0] == id(kept)
+
+
+def _steps_to_keep(logged: bool) -> int:
+    """Steps of a 2-layer Llama under measured selection until a candidate is kept, each compared with eager;
+    with ``logged``, the first step followed by a forward whose loss is only logged."""
+    torch.manual_seed(0)
+    eager = tiny_llama(2).train()
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 256, (2, 32))
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0, select="measured",
+                                        select_steps=1, device_profile=_slow_compute())
+    compiled = torch.compile(model, backend=backend)
+    expected = lm_step(eager, ids)
+    for step in range(1, 9):
+        assert_same_step(expected, lm_step(compiled, ids))
+        if logged and step == 1:
+            float(compiled(input_ids=ids, labels=ids).loss)  # its graph goes with the output
+        if any(r.selection is not None for r in backend.records):
+            return step
+    raise AssertionError("no candidate kept in 8 steps")
+
+
+@pytest.mark.slow
+def test_a_forward_whose_backward_never_runs_does_not_hold_up_measured_selection():
+    """A forward with gradients on whose loss is only logged (its autograd graph freed, its backward never
+    run) waits no longer once its graph goes: the next step begins, and measured selection keeps a candidate
+    in as many steps as without it. Left waiting, it would keep every later step from beginning."""
+    assert _steps_to_keep(logged=True) == _steps_to_keep(logged=False)
+
+
+def test_a_step_run_again_loses_its_marks_and_keeps_its_candidate():
+    """A step that ran no backward (a forward whose loss was only logged) is run again: its marks go, and the
+    schedule's candidates and timed steps are as if it had not begun."""
+    schedule = RegionSelection(("a", "b"), steps=2)
+    seen = []
+    # Per step begun: its run's seconds, and whether it ran no backward (then the next step runs it again).
+    for seconds, idle in ((0.0, False), (1.0, False), (9.0, True), (1.0, False),
+                          (5.0, True), (0.0, False), (2.0, False), (2.0, False)):
+        schedule.begin_step()
+        seen.append((schedule.candidate, schedule.timing))
+        if schedule.timing:
+            schedule.note(Mark("cpu", 0.0, seconds))
+        if idle:
+            schedule.redo_step()
+    assert seen == [(0, False), (0, True), (0, True), (0, True), (1, False), (1, False), (1, True), (1, True)]
+    schedule.begin_step()
+    assert schedule.measured
+    assert schedule.seconds(lambda m: m.end - m.start) == {"a": (1.0, 1.0), "b": (2.0, 2.0)}

@@ -383,6 +383,12 @@ class OffloadBackend:
         # Offloaded inputs the caller kept, by the step's forward invocation (see fxoffload.backend.callers).
         self._callers = CallerWatch()
         self._steps = 0  # steps begun (a new one at the first forward after a backward began)
+        # Whole steps begun (a new one at a forward no tracked forward waits before): under 1F1B a pipeline
+        # stage's step, whose forwards run between its backwards. Measured selection's steps.
+        self._whole_steps = 0
+        self._backward_in_whole_step = True  # (none begun yet)
+        self._idle_whole_step = False  # the whole step before this one ran no backward
+        self._awaiting: list[fxoffload.runtime.Invocation] = []  # tracked forwards, until their backward begins
         self._compared_graph: dict[tuple, str] = {}  # each region's first key for the rank check
         self._compared_latest: dict[tuple, str] = {}  # each region's latest key (measured selection's, across ranks)
 
@@ -617,10 +623,16 @@ class OffloadBackend:
                 self._steps += 1
                 if (check := self._rank_check) is not None:
                     check.step_begins()  # compare the plans the ranks published in the last one
+            if step_forward and not self._forwards_waiting():
+                self._whole_steps += 1
+                # A whole step that ran no backward (a forward whose loss was only logged) is not a step to time.
+                self._idle_whole_step, self._backward_in_whole_step = not self._backward_in_whole_step, False
             if step_forward:
                 self._callers.next_forward()
                 if state.step != self._steps:  # the region's first forward of this step
                     state.step, state.runs = self._steps, 0
+                if state.whole_step != self._whole_steps:  # ... of this whole step: measured selection's turn
+                    state.whole_step = self._whole_steps
                     if settled:
                         self._select_step(region, state)
                 state.runs += 1
@@ -646,6 +658,7 @@ class OffloadBackend:
             tracked = step_forward and not traced_again and record is not None
             if tracked and (node := _backward_node(out)) is not None:
                 run_index = self._step.note_forward(record, region)
+                self._awaiting.append(invocation)
                 node.register_prehook(functools.partial(self._on_backward, invocation))
                 if isinstance(node, torch.autograd.function.BackwardCFunction):  # lives as long as its graph
                     weakref.finalize(node, fxoffload.runtime.forward_abandoned, invocation)
@@ -655,6 +668,13 @@ class OffloadBackend:
             return out
 
         return run
+
+    def _forwards_waiting(self) -> bool:
+        """Whether a forward this backend tracked still waits for its backward (the runtime forgets one whose
+        autograd graph was freed before it began: a forward whose loss was only logged)."""
+        waiting = fxoffload.runtime.waiting_forwards()  # (invocations compare by identity)
+        self._awaiting = [run for run in self._awaiting if run in waiting]
+        return bool(self._awaiting)
 
     def _select_step(self, region: tuple, state: "_RegionRun") -> None:
         """Measured selection (``fxoffload.backend.selection``), at a region's first forward of a step: once its plan
@@ -673,6 +693,8 @@ class OffloadBackend:
                                    {keys[0]: state.compiled}, self._join_selection(region))
         schedule = state.trials.schedule
         state.compiled.compilation.timer = None
+        if self._idle_whole_step and not state.trials.published:
+            schedule.redo_step()
         schedule.begin_step()
         while not schedule.measured:
             if (compiled := self._trial(region, state.source, state.trials)) is not None:
@@ -778,6 +800,7 @@ class OffloadBackend:
 
     def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
         first = self._step.note_backward()  # the step's first backward (its last forward's)
+        self._backward_in_whole_step = True
         fxoffload.runtime.backward_begins(invocation)
         if not first:
             return
@@ -884,6 +907,7 @@ class _RegionRun:
     source: _Replan | None  # select="measured": to compile each candidate plan
     trials: _Trials | None = None  # measured selection under way
     step: int = -1  # the backend's step in which it last ran a forward
+    whole_step: int = -1  # the backend's whole step (a pipeline stage's, under 1F1B) in which it last ran one
     runs: int = 0  # its forwards in that step so far
     selected: bool = False  # measured selection is over (or off: no source; or nothing to choose)
     recomputed: bool = False  # a checkpoint around it has recomputed its forward inside a backward

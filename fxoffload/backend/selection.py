@@ -8,7 +8,11 @@ kept, with every candidate's figures (:class:`Selection`, which ``explain`` prin
 
 Algorithm (:class:`RegionSelection`): candidate ``i`` runs the region's steps ``i*(1+S)`` to
 ``(i+1)*(1+S)-1``: one warm-up step (its first run compiles kernels and makes pinned blocks), then
-``S`` timed steps (``select_steps``). A step's time is the sum, over the region's runs in that step,
+``S`` timed steps (``select_steps``). A step begins at a forward before which no forward the backend
+ran waits for its backward: a pipeline stage's step under 1F1B, whose forwards run between its
+backwards, is one step, every microbatch under one candidate. A step that ran no backward (a forward
+whose loss was only logged, its graph freed) is run again, its marks dropped
+(:meth:`RegionSelection.redo_step`). A step's time is the sum, over the region's runs in that step,
 of the device time from each forward's start to its end and from each backward's start to its end,
 waits for copies included. The kept candidate has the least median step time; a tie goes to the
 faster predicted (:func:`fastest`). The marks are read once, when every candidate has run (reading
@@ -23,7 +27,8 @@ decides from the same figures, so every rank keeps the same plan, in the same st
 
 Limits: a region's time is its own graphs': a copy of this region's that makes another region's
 graph wait is charged to that one. Several regions are timed in the same steps, each against its own
-candidates, so one region's candidate can shift another's time.
+candidates, so one region's candidate can shift another's time. A forward whose graph is held without
+its backward (an output kept across steps) keeps the next step from beginning, and selection waits.
 """
 
 from __future__ import annotations
@@ -131,6 +136,16 @@ class RegionSelection:
         while len(runs) <= offset:
             runs.append([])
         runs[offset].append(mark)
+
+    def redo_step(self) -> None:
+        """The step begun last ran no backward (its forwards' graphs were freed unused: a loss only logged):
+        its marks go, and the next step runs it again."""
+        if self.step < 0 or self.measured:
+            return
+        offset = self.step % self.per_candidate - WARMUP_STEPS
+        if offset >= 0:
+            del self.marks.get(self.candidate, [])[offset:]
+        self.step -= 1
 
     def drop(self, index: int) -> None:
         """Leave out candidate ``index`` before its first step (it could not be compiled): the next
