@@ -2,7 +2,7 @@
 
     python benchmarks/fusions.py            # print the tables
     python benchmarks/fusions.py --write    # and write its section of benchmarks/RESULTS.md
-    python benchmarks/fusions.py --recomputed   # each value offloaded alone under a recompute partition (prints)
+    python benchmarks/fusions.py --recomputed   # only the last table, both blocks (prints; about 3 minutes)
 
 One Llama-style block (``examples/llama_layers.py``: hidden 256, 4 heads, 2 KV heads, FFN 704, 512 tokens,
 float32) compiled by Inductor for the CPU; the forward's and the backward's kernels are counted, plain and
@@ -17,7 +17,9 @@ policy saves every op's result and marks one op ``MUST_CPU_OFFLOAD``, under fxof
 against the same partition with nothing marked, so that no copy's ops split a fusion unseen because no plan
 happened to offload that value; ``tests/test_fusions.py`` holds every row to the partition's count. Then every
 pair of them, and all of them at once; and the same for transformers' GPT-2 block (``SUBJECTS``: LayerNorms,
-biases, a GELU MLP, one QKV projection), built from a config.
+biases, a GELU MLP, one QKV projection), built from a config. Last, under a partition that saves only the
+matmuls' and attention's results and recomputes every other op (:func:`recomputed_one_at_a_time`, both
+blocks), each value offloaded alone against the same op marked saved.
 Measured on this machine's CPU backend: the counts are Inductor's, not a GPU's.
 """
 
@@ -251,17 +253,12 @@ def one_at_a_time(subject: Subject = LLAMA) -> tuple[Marked, list[Marked]]:
     read from their joint graphs' plans first (``moved_by_marks``), and only those are compiled, each
     checked to move what its joint graph's plan did."""
     baseline = count_marked(frozenset(), subject)
-    ops = list(ONE_MARKED.seen)
-    period = len(ops) // 2
-    if ops[:period] != ops[period:]:
-        raise RuntimeError("the forward's two traces saw different ops: the marks cannot be counted")
-    singles = [frozenset({t}) for t, op in enumerate(ops[:period]) if not op.is_view]
+    ops = _one_trace(list(ONE_MARKED.seen))
+    period = len(ops)
+    singles = [frozenset({t}) for t, op in enumerate(ops) if not op.is_view]
     screened = {targets: moved_by_marks(targets, subject, period) for targets in singles}
     rows = [count_marked(targets, subject, period) for targets, moved in screened.items() if moved]
-    differing = [f"{m.op}: {m.offloaded} compiled, {screened[m.targets]} screened" for m in rows
-                 if m.offloaded != screened[m.targets]]
-    if differing:
-        raise RuntimeError(f"the plan moved other values in the compile than at its joint graph: {differing}")
+    _check_screened(rows, screened)
     return baseline, rows
 
 
@@ -278,32 +275,53 @@ class SavedOrOffloaded:
 
 
 @contextlib.contextmanager
-def recompute_partition():
-    """While inside, ``OneMarked`` saves the matmuls' and attention's results and recomputes every other op."""
-    ONE_MARKED.recompute = True
+def _marking(mark: CheckpointPolicy | None = None, recompute: bool | None = None):
+    """While inside, ``OneMarked`` gives its targets ``mark`` and (``recompute``) recomputes every op but the
+    matmuls and attention; None leaves a setting as it is. Both are restored on the way out."""
+    before = ONE_MARKED.mark, ONE_MARKED.recompute
+    ONE_MARKED.mark = before[0] if mark is None else mark
+    ONE_MARKED.recompute = before[1] if recompute is None else recompute
     try:
         yield
     finally:
-        ONE_MARKED.recompute, ONE_MARKED.mark = False, CheckpointPolicy.MUST_CPU_OFFLOAD
+        ONE_MARKED.mark, ONE_MARKED.recompute = before
+
+
+def recompute_partition():
+    """While inside, ``OneMarked`` saves the matmuls' and attention's results and recomputes every other op."""
+    return _marking(recompute=True)
+
+
+def _one_trace(ops: list) -> list:
+    """The ops of one of the forward's two traces (AOTAutograd traces it twice), checked to be the other's."""
+    period = len(ops) // 2
+    if ops[:period] != ops[period:]:
+        raise RuntimeError("the forward's two traces saw different ops: the marks cannot be counted")
+    return ops[:period]
 
 
 def traced_ops(subject: Subject = LLAMA) -> tuple[list, int]:
     """The ops of one trace of ``subject``'s checkpointed step (their places are ``count_marked``'s targets) and
     how many there are (its ``period``), from a step with nothing marked."""
     count_marked(frozenset(), subject)
-    ops = list(ONE_MARKED.seen)
-    return ops[:len(ops) // 2], len(ops) // 2
+    ops = _one_trace(list(ONE_MARKED.seen))
+    return ops, len(ops)
 
 
 def saved_or_offloaded(target: int, period: int, subject: Subject = LLAMA) -> SavedOrOffloaded:
     """The op at ``target`` marked offloaded, and marked saved."""
-    ONE_MARKED.mark = CheckpointPolicy.MUST_CPU_OFFLOAD
-    offloaded = count_marked(frozenset({target}), subject, period)
-    ONE_MARKED.mark = CheckpointPolicy.MUST_SAVE
-    try:
+    with _marking(CheckpointPolicy.MUST_CPU_OFFLOAD):
+        offloaded = count_marked(frozenset({target}), subject, period)
+    with _marking(CheckpointPolicy.MUST_SAVE):
         return SavedOrOffloaded(offloaded, count_marked(frozenset({target}), subject, period))
-    finally:
-        ONE_MARKED.mark = CheckpointPolicy.MUST_CPU_OFFLOAD
+
+
+def _check_screened(rows: list[Marked], screened: dict[frozenset[int], tuple[str, ...]]) -> None:
+    """Each compiled row moved what its joint graph's plan moved (``moved_by_marks``)."""
+    differing = [f"{m.op}: {m.offloaded} compiled, {screened[m.targets]} screened" for m in rows
+                 if m.offloaded != screened[m.targets]]
+    if differing:
+        raise RuntimeError(f"the plan moved other values in the compile than at its joint graph: {differing}")
 
 
 def recomputed_one_at_a_time(subject: Subject = LLAMA) -> list[SavedOrOffloaded]:
@@ -315,8 +333,11 @@ def recomputed_one_at_a_time(subject: Subject = LLAMA) -> list[SavedOrOffloaded]
     About 2 minutes for the Llama block."""
     with recompute_partition():
         ops, period = traced_ops(subject)
-        return [saved_or_offloaded(target, period, subject) for target, op in enumerate(ops)
-                if not op.is_view and moved_by_marks(frozenset({target}), subject, period)]
+        singles = [frozenset({t}) for t, op in enumerate(ops) if not op.is_view]
+        screened = {targets: moved_by_marks(targets, subject, period) for targets in singles}
+        rows = [saved_or_offloaded(min(targets), period, subject) for targets, moved in screened.items() if moved]
+    _check_screened([r.offloaded for r in rows], screened)
+    return rows
 
 
 def recomputed_table(subject: Subject = LLAMA) -> str:
@@ -388,13 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threes", action="store_true",
                         help="also every three of the Llama block's saved values together (364: about 15 minutes)")
     parser.add_argument("--recomputed", action="store_true",
-                        help="only print each of the Llama block's values offloaded alone under a partition that "
-                             "recomputes all but the matmuls and attention, against it saved (about 2 minutes)")
+                        help="only print each of the Llama and GPT-2 blocks' values offloaded alone under a partition "
+                             "that recomputes all but the matmuls and attention, against it saved (about 3 minutes)")
     args = parser.parse_args(argv)
     if args.recomputed:
         if args.write or args.threes:
             parser.error("--recomputed prints its table alone (no --write, no --threes)")
-        print(recomputed_table())
+        for subject in SUBJECTS:
+            print(f"{subject.name}:\n{recomputed_table(subject)}", flush=True)
         return 0
     rows = table()
     print("one saved value at a time:", flush=True)
@@ -408,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     print("under a recompute partition:", flush=True)
     recomputed = recomputed_table()
     print(recomputed)
+    for subject in SUBJECTS[1:]:
+        print(f"the same for {subject.name}:", flush=True)
+        table_of = recomputed_table(subject)
+        print(table_of)
+        recomputed += f"\n\nThe same for {subject.name}:\n\n{table_of}"
     marked += ("\n\nUnder a partition that saves the Llama block's matmuls' and attention's results and recomputes "
                "every other op (`recomputed_one_at_a_time`, `--recomputed`: where PyTorch's recompute budget leans), "
                "each value offloaded alone against the same op marked saved (its own baseline: saving an op the "
