@@ -174,6 +174,34 @@ def test_a_forward_whose_backward_never_runs_is_forgotten_once_its_graph_is_free
     assert runtime.pending_transfers() == 0
 
 
+@pytest.mark.parametrize("logged_at", ["before the first step", "between steps"])
+def test_a_loss_only_logged_is_no_run_of_the_step(logged_at):
+    """A forward with gradients on whose loss is only logged (its graph freed, no backward), ahead of the
+    first training step or between two: the step the backend counts holds the training forward alone, so the
+    graph is planned for one run a step with no forward between backwards. Before, a loss logged ahead of the
+    first step counted as a second run of it, waiting for a backward, and the graph was re-planned for two runs
+    a step, as if under 1F1B (``plan.runs == 2``, ``plan.interleaved``), for good."""
+    import copy
+
+    from tests.conftest import lm_step, tiny_llama
+
+    torch.manual_seed(0)
+    eager = tiny_llama(2).train()
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 256, (2, 32))
+    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0, strategy="offload")
+    compiled = torch.compile(model, backend=backend)
+    expected = lm_step(eager, ids)
+    for step in range(3):
+        if step == {"before the first step": 0, "between steps": 1}[logged_at]:
+            float(compiled(input_ids=ids, labels=ids).loss)  # logged; its graph goes with the output
+        assert_same_step(expected, lm_step(compiled, ids))
+        assert len(backend.step_invocations()) == 1, step
+    plans = [r.plan for r in backend.records]
+    assert plans[-1].transfers and all(p.runs == 1 and not p.interleaved for p in plans), plans
+    assert runtime.pending_transfers() == 0
+
+
 @pytest.mark.slow  # a process of its own, about 8 s
 def test_copies_still_land_after_keyboard_interrupts_caught_mid_copy():
     """Thousands of ``KeyboardInterrupt``s land in the CPU engine's offloads, prefetches and waits, each caught; the

@@ -296,32 +296,47 @@ def test_under_1f1b_each_candidate_runs_whole_pipeline_steps():
     assert steps[-1][0] == id(kept)
 
 
-def _steps_to_keep(logged: bool) -> int:
-    """Steps of a 2-layer Llama under measured selection until a candidate is kept, each compared with eager;
-    with ``logged``, the first step followed by a forward whose loss is only logged."""
-    torch.manual_seed(0)
-    eager = tiny_llama(2).train()
-    model = copy.deepcopy(eager)
-    ids = torch.randint(0, 256, (2, 32))
-    backend = fxoffload.offload_backend(memory_budget=0.5, inner="eager", min_bytes=0, select="measured",
+def _steps_to_keep(pattern: str) -> int:
+    """Steps of a 7-layer stage under measured selection until a candidate is kept, each compared with eager,
+    with ``pattern`` in each step beside the training forward and backward (``_BESIDE``)."""
+    from tests.test_cross_graphs import seven_layer_stage
+
+    torch._dynamo.reset()
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, select="measured",
                                         select_steps=1, device_profile=_slow_compute())
-    compiled = torch.compile(model, backend=backend)
-    expected = lm_step(eager, ids)
-    for step in range(1, 9):
-        assert_same_step(expected, lm_step(compiled, ids))
-        if logged and step == 1:
-            float(compiled(input_ids=ids, labels=ids).loss)  # its graph goes with the output
+    eager, model = seven_layer_stage(), torch.compile(seven_layer_stage(), backend=backend)
+    frozen = torch.compile(torch.nn.Linear(64, 64).requires_grad_(False), backend=backend)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    held = []
+    for step in range(1, 15):
+        if pattern == "a gradient-free region first":
+            x = frozen(x.detach())  # its output has no backward: a forward the backend does not wait for
+        expected = torch.autograd.grad(eager(x).square().sum(), list(eager.parameters()))
+        got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a)
+        if step == 3 and pattern == "a loss only logged":  # while the candidates are timed
+            float(model(x).square().sum())  # its graph goes with the output
+        if pattern == "an output held to the next step":
+            held[:] = [model(x)]  # its graph goes a step later, when the next one takes its place
         if any(r.selection is not None for r in backend.records):
             return step
-    raise AssertionError("no candidate kept in 8 steps")
+    raise AssertionError(f"no candidate kept in 14 steps ({pattern})")
 
 
-@pytest.mark.slow
-def test_a_forward_whose_backward_never_runs_does_not_hold_up_measured_selection():
-    """A forward with gradients on whose loss is only logged (its autograd graph freed, its backward never
-    run) waits no longer once its graph goes: the next step begins, and measured selection keeps a candidate
-    in as many steps as without it. Left waiting, it would keep every later step from beginning."""
-    assert _steps_to_keep(logged=True) == _steps_to_keep(logged=False)
+@pytest.mark.parametrize("pattern", ["a loss only logged", "a gradient-free region first",
+                                     "an output held to the next step"])
+def test_forwards_without_a_backward_do_not_hold_up_measured_selection(pattern):
+    """Beside each training step, forwards with gradients on that no backward follows: measured selection keeps a
+    candidate in as many steps as without them. A loss only logged (its graph freed at once) makes a whole step
+    with no backward of the region, run again (``RegionSelection.redo_step``). A region compiled with the same
+    backend whose output has no backward (a frozen layer) is not waited for, and its whole step is no step of
+    the trained region's (a first version ran the trained region's step again after every such one: selection
+    never ended, and over two ranks where one ran it alone, they ran different candidates). An output held to
+    the next step (its graph alive past the next forward) waits, but began after the latest backward: a
+    pipeline's forwards in flight at a backward began before it, so the step boundary comes (a first version
+    waited for it, and selection never ended)."""
+    assert _steps_to_keep(pattern) == _steps_to_keep("none")
 
 
 def test_a_step_run_again_loses_its_marks_and_keeps_its_candidate():

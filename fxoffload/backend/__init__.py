@@ -92,7 +92,7 @@ from fxoffload.passes import (
 from fxoffload.profiles import available_host_memory, local_processes
 from fxoffload.backend.ranks import RankCheck, graph_key
 from fxoffload.backend.record import GraphRecord
-from fxoffload.backend.selection import Mark, RegionSelection
+from fxoffload.backend.selection import Mark, RegionSelection, WholeSteps
 from fxoffload.backend.step_budget import plan_within_cap
 from fxoffload.backend.step_coordinator import StepCoordinator
 
@@ -385,10 +385,7 @@ class OffloadBackend:
         self._steps = 0  # steps begun (a new one at the first forward after a backward began)
         # Whole steps begun (a new one at a forward no tracked forward waits before): under 1F1B a pipeline
         # stage's step, whose forwards run between its backwards. Measured selection's steps.
-        self._whole_steps = 0
-        self._backward_in_whole_step = True  # (none begun yet)
-        self._idle_whole_step = False  # the whole step before this one ran no backward
-        self._awaiting: list[fxoffload.runtime.Invocation] = []  # tracked forwards, until their backward begins
+        self._whole_steps = WholeSteps()
         self._compared_graph: dict[tuple, str] = {}  # each region's first key for the rank check
         self._compared_latest: dict[tuple, str] = {}  # each region's latest key (measured selection's, across ranks)
 
@@ -605,7 +602,9 @@ class OffloadBackend:
             compiling = run_while_compiling()
             step_forward = torch.is_grad_enabled() and not in_backward and not pipeline_inference() and not compiling
             if step_forward:
-                self._step.forward_begins()  # 1F1B: before the re-plan it may ask for
+                waiting = self._whole_steps.forward_begins(fxoffload.runtime.waiting_forwards())
+                if self._step.forward_begins(waiting):  # 1F1B: before the re-plan it may ask for
+                    self._callers.forget()  # the step began again: its forwards so far were only logged
             elif torch.is_grad_enabled() and in_backward:
                 state.recomputed = True  # a checkpoint around the region recomputes its forward in the backward
             # The graph changes (a re-plan, measured selection's next candidate) only at a step's forward, and,
@@ -623,18 +622,16 @@ class OffloadBackend:
                 self._steps += 1
                 if (check := self._rank_check) is not None:
                     check.step_begins()  # compare the plans the ranks published in the last one
-            if step_forward and not self._forwards_waiting():
-                self._whole_steps += 1
-                # A whole step that ran no backward (a forward whose loss was only logged) is not a step to time.
-                self._idle_whole_step, self._backward_in_whole_step = not self._backward_in_whole_step, False
             if step_forward:
                 self._callers.next_forward()
                 if state.step != self._steps:  # the region's first forward of this step
                     state.step, state.runs = self._steps, 0
-                if state.whole_step != self._whole_steps:  # ... of this whole step: measured selection's turn
-                    state.whole_step = self._whole_steps
+                if state.whole_step != self._whole_steps.count:  # ... of this whole step: selection's turn
+                    # A selection step of this region's that ran no backward of it (a loss only logged) again.
+                    redo = state.selecting and not state.backward_seen
+                    state.whole_step, state.selecting, state.backward_seen = self._whole_steps.count, False, False
                     if settled:
-                        self._select_step(region, state)
+                        self._select_step(region, state, redo)
                 state.runs += 1
             # Compiled autograd re-traces the backward: copies cannot be re-traced (refused before the
             # forward runs), and the backward hook below trips its pre-hook reordering where an output's
@@ -658,8 +655,8 @@ class OffloadBackend:
             tracked = step_forward and not traced_again and record is not None
             if tracked and (node := _backward_node(out)) is not None:
                 run_index = self._step.note_forward(record, region)
-                self._awaiting.append(invocation)
-                node.register_prehook(functools.partial(self._on_backward, invocation))
+                self._whole_steps.tracked(invocation)
+                node.register_prehook(functools.partial(self._on_backward, invocation, state))
                 if isinstance(node, torch.autograd.function.BackwardCFunction):  # lives as long as its graph
                     weakref.finalize(node, fxoffload.runtime.forward_abandoned, invocation)
                 if warn:
@@ -669,14 +666,7 @@ class OffloadBackend:
 
         return run
 
-    def _forwards_waiting(self) -> bool:
-        """Whether a forward this backend tracked still waits for its backward (the runtime forgets one whose
-        autograd graph was freed before it began: a forward whose loss was only logged)."""
-        waiting = fxoffload.runtime.waiting_forwards()  # (invocations compare by identity)
-        self._awaiting = [run for run in self._awaiting if run in waiting]
-        return bool(self._awaiting)
-
-    def _select_step(self, region: tuple, state: "_RegionRun") -> None:
+    def _select_step(self, region: tuple, state: "_RegionRun", redo: bool = False) -> None:
         """Measured selection (``fxoffload.backend.selection``), at a region's first forward of a step: once its plan
         is final, run each candidate plan of strategy auto for its steps (compiled when its turn comes,
         timed after a warm-up step), then keep the fastest measured for good."""
@@ -693,9 +683,10 @@ class OffloadBackend:
                                    {keys[0]: state.compiled}, self._join_selection(region))
         schedule = state.trials.schedule
         state.compiled.compilation.timer = None
-        if self._idle_whole_step and not state.trials.published:
+        if redo and not state.trials.published:
             schedule.redo_step()
         schedule.begin_step()
+        state.selecting = True
         while not schedule.measured:
             if (compiled := self._trial(region, state.source, state.trials)) is not None:
                 state.compiled = compiled
@@ -798,9 +789,10 @@ class OffloadBackend:
             f"{share} B ({format_bytes(share)}) this process may still take (MemAvailable, and its cgroup's memory "
             f"limit{shared}). Pinned memory cannot be swapped out: pass host_budget=<bytes> to cap it."))
 
-    def _on_backward(self, invocation: fxoffload.runtime.Invocation, grad_outputs: Any) -> None:
+    def _on_backward(self, invocation: fxoffload.runtime.Invocation, state: "_RegionRun", grad_outputs: Any) -> None:
         first = self._step.note_backward()  # the step's first backward (its last forward's)
-        self._backward_in_whole_step = True
+        self._whole_steps.backward_begins()
+        state.backward_seen = True
         fxoffload.runtime.backward_begins(invocation)
         if not first:
             return
@@ -908,6 +900,8 @@ class _RegionRun:
     trials: _Trials | None = None  # measured selection under way
     step: int = -1  # the backend's step in which it last ran a forward
     whole_step: int = -1  # the backend's whole step (a pipeline stage's, under 1F1B) in which it last ran one
+    selecting: bool = False  # measured selection began a step of it in that whole step
+    backward_seen: bool = False  # a backward of it began in that whole step
     runs: int = 0  # its forwards in that step so far
     selected: bool = False  # measured selection is over (or off: no source; or nothing to choose)
     recomputed: bool = False  # a checkpoint around it has recomputed its forward inside a backward

@@ -144,6 +144,10 @@ class CallerWatch:
             tensor = args[offloaded.position]
             self._watched.append(_Watched(run, offloaded, weakref.ref(tensor), _storage_ref(tensor)))
 
+    def forget(self) -> None:
+        """The step begins again (its forwards so far were only logged): their inputs are no longer watched."""
+        self._watched = []
+
     def next_forward(self) -> None:
         """A forward of the step begins: the inputs of those before it that are alive are kept (and
         stay watched, for whether they are still held when the backward begins)."""

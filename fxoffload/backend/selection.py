@@ -8,11 +8,15 @@ kept, with every candidate's figures (:class:`Selection`, which ``explain`` prin
 
 Algorithm (:class:`RegionSelection`): candidate ``i`` runs the region's steps ``i*(1+S)`` to
 ``(i+1)*(1+S)-1``: one warm-up step (its first run compiles kernels and makes pinned blocks), then
-``S`` timed steps (``select_steps``). A step begins at a forward before which no forward the backend
-ran waits for its backward: a pipeline stage's step under 1F1B, whose forwards run between its
-backwards, is one step, every microbatch under one candidate. A step that ran no backward (a forward
+``S`` timed steps (``select_steps``). A step (:class:`WholeSteps`) begins at a forward before which no
+forward the backend ran waits for its backward, its graph alive: a pipeline stage's step under 1F1B,
+whose forwards run between its backwards, is one step, every microbatch under one candidate. It also
+begins where a backward began in the step and every forward still waiting began after the latest
+backward: an output held without its backward (kept to the next step), since a pipeline's forwards in
+flight at a backward began before it. A region's step in which no backward of it began (a forward
 whose loss was only logged, its graph freed) is run again, its marks dropped
-(:meth:`RegionSelection.redo_step`). A step's time is the sum, over the region's runs in that step,
+(:meth:`RegionSelection.redo_step`); a step of other regions only is none of its own. A step's time
+is the sum, over the region's runs in that step,
 of the device time from each forward's start to its end and from each backward's start to its end,
 waits for copies included. The kept candidate has the least median step time; a tie goes to the
 faster predicted (:func:`fastest`). The marks are read once, when every candidate has run (reading
@@ -27,8 +31,8 @@ decides from the same figures, so every rank keeps the same plan, in the same st
 
 Limits: a region's time is its own graphs': a copy of this region's that makes another region's
 graph wait is charged to that one. Several regions are timed in the same steps, each against its own
-candidates, so one region's candidate can shift another's time. A forward whose graph is held without
-its backward (an output kept across steps) keeps the next step from beginning, and selection waits.
+candidates, so one region's candidate can shift another's time. A forward held without its backward
+is timed in the step it ran in.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["WARMUP_STEPS", "Mark", "RegionSelection", "Selection", "Timed", "fastest", "slowest_medians"]
+__all__ = ["WARMUP_STEPS", "Mark", "RegionSelection", "Selection", "Timed", "WholeSteps", "fastest", "slowest_medians"]
 
 WARMUP_STEPS = 1  # per candidate, before its timed steps
 
@@ -77,6 +81,37 @@ class Mark:
     device: Any
     start: Any
     end: Any
+
+
+@dataclass
+class WholeSteps:
+    """Where measured selection's steps begin (see the module docstring), from the forwards the backend tracks
+    until their backward begins or their graph is freed (a forward, opaque here, by identity)."""
+
+    count: int = 0  # whole steps begun
+    backwards: int = 0  # backwards begun
+    at_step: int = 0  # backwards begun when the latest whole step began
+    waiting: dict[int, tuple[Any, int]] = field(default_factory=dict)  # id -> (forward, backwards begun before it)
+
+    def forward_begins(self, alive: Sequence[Any]) -> bool:
+        """A forward begins; ``alive``: the forwards the runtime still waits for (not one whose graph was
+        freed). Whether a tracked forward still waits. A whole step begins here (``count`` grows) where
+        none waits, or where a backward began in this whole step and every forward still waiting began after
+        the latest backward: one held without its backward (an output kept across steps), since under a
+        pipeline schedule the forwards in flight at a backward began before it."""
+        ids = {id(forward) for forward in alive}
+        self.waiting = {key: entry for key, entry in self.waiting.items() if key in ids}
+        befores = [before for _, before in self.waiting.values()]
+        if not befores or (self.backwards > self.at_step and all(b == self.backwards for b in befores)):
+            self.count, self.at_step = self.count + 1, self.backwards
+        return bool(befores)
+
+    def tracked(self, forward: Any) -> None:
+        """``forward`` ran, and its backward is awaited."""
+        self.waiting[id(forward)] = (forward, self.backwards)
+
+    def backward_begins(self) -> None:
+        self.backwards += 1
 
 
 def fastest(seconds: Sequence[Sequence[float]]) -> int:

@@ -180,10 +180,11 @@ class StepCoordinator:
 
     # ----------------------------------------------------------------------------- the step running
 
-    def forward_begins(self) -> None:
-        """A forward of the step begins (before any re-plan it asks for): the ledger learns whether forwards
-        run between the step's backwards."""
-        self._ledger.forward_begins()
+    def forward_begins(self, waiting: bool) -> bool:
+        """A forward of the step begins (before any re-plan it asks for), ``waiting``: whether an earlier
+        forward still waits for its backward. The ledger learns whether forwards run between the step's
+        backwards; True where the step begins again (``StepLedger.forward_begins``)."""
+        return self._ledger.forward_begins(waiting)
 
     def note_forward(self, record: Any, region: tuple) -> int:
         """A forward of the step ran ``record``'s graph for ``region``; the index of this run in the step."""

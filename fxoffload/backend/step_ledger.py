@@ -14,17 +14,22 @@ what the regions before it leave on the device. The backend keeps, in one :class
   callers kept (``fxoffload.backend.callers``), per run.
 
 Algorithm: a new step begins at the first forward after a backward began. A forward that begins
-after a backward began while an earlier forward still waits for its backward (counted: forwards less
-backwards begun) shows that forwards run between the backwards (1F1B): every region is planned so
-from then on (``PlanOptions.interleaved``). The regions before a
-region are, once the step is re-planned with shares of its budget, the step's own order
+after a backward began while an earlier forward still waits for its backward (the backend's count:
+each forward until its backward begins or its graph is freed) shows that forwards run between the
+backwards (1F1B): every region is planned so from then on (``PlanOptions.interleaved``). The regions
+before a region are, once the step is re-planned with shares of its budget, the step's own order
 (``fxoffload.backend.step_budget``); before that, the regions whose forwards ran so far in this step.
 What they hold is each run's activations for its backward, plus what the last of them spills.
 
+A forward whose backward never runs (an evaluation forward with gradients on, its loss only logged)
+waits no longer once its autograd graph is freed; where a step's forwards so far are all such, and no
+backward began, the step begins again without them (before, a loss logged ahead of the first step had
+the graph re-planned for two runs a step, as if forwards ran between backwards).
+
 Limits: every figure is a plan's prediction; one ledger per backend, which serves one step. A forward
-whose backward never runs (an evaluation forward with gradients on) counts as waiting for good, and
-the forwards after it as running between backwards: their plans count copies started ahead over the
-forward, which costs memory, never exactness.
+whose graph is held without its backward (its output kept across the step) waits until it goes: the
+forwards meanwhile count as running between backwards, and their plans count copies started ahead over
+the forward, which costs memory, never exactness.
 """
 
 from __future__ import annotations
@@ -59,7 +64,6 @@ class StepLedger:
     region_of: dict[int, tuple] = field(default_factory=dict)  # record index -> its region
     records: list[Any] = field(default_factory=list)  # the step's forwards' records, in the order they ran
     backward_seen: bool = False  # a backward of the latest step has begun
-    waiting: int = 0  # forwards whose backward has not begun
     # A forward ran after a backward began while others still waited for theirs (1F1B, interleaved
     # pipeline schedules): copies a backward starts ahead are held through it. Learned once, kept.
     interleaved: bool = False
@@ -129,17 +133,24 @@ class StepLedger:
         self.held[region], self.host_held[region], self.spill[region] = held, host, spill
         self.inputs[region] = inputs
 
-    def forward_begins(self) -> None:
-        """A forward of the step begins: learn whether it runs between two backwards (one began, and an
-        earlier forward still waits for its own)."""
-        self.interleaved = self.interleaved or (self.backward_seen and self.waiting > 0)
+    def forward_begins(self, waiting: bool) -> bool:
+        """A forward of the step begins, ``waiting``: whether an earlier forward still waits for its backward
+        (the backend's, exact: one whose graph was freed waits no longer). Learn whether it runs between two
+        backwards (one began, and an earlier forward waits). Where no backward began in this step and none of
+        its forwards waits (their graphs freed: a loss only logged, with gradients on), the step begins again:
+        those forwards are forgotten, and True is returned."""
+        self.interleaved = self.interleaved or (self.backward_seen and waiting)
+        if self.backward_seen or waiting or not self.records:
+            return False
+        self.records, self.kept = [], {}
+        self.forwards.clear()
+        return True
 
     def note_forward(self, record: Any) -> None:
         """A forward of the step ran ``record``'s graph (the first after a backward begins a new step)."""
         if self.backward_seen:
             self.records, self.backward_seen, self.kept = [], False, {}
         self.records.append(record)
-        self.waiting += 1
 
     def count_forward(self, region: tuple) -> int:
         self.forwards[region] = self.forwards.get(region, 0) + 1
@@ -149,7 +160,6 @@ class StepLedger:
         """A backward begins: the forwards since the last one are counted. Whether it is the step's first."""
         first = not self.backward_seen
         self.backward_seen = True
-        self.waiting = max(self.waiting - 1, 0)
         for region, runs in self.forwards.items():
             self.counted[region] = max(self.counted.get(region, 1), runs)
         self.forwards.clear()
