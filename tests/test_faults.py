@@ -202,6 +202,32 @@ def test_a_loss_only_logged_is_no_run_of_the_step(logged_at):
     assert runtime.pending_transfers() == 0
 
 
+def test_after_a_loss_only_logged_each_layer_counts_its_runs_anew():
+    """One graph serving 4 layers (per-layer compile), its releases deferred before its last run of the step: a
+    loss logged with gradients on before a training step runs the graph 4 times without a backward. The step
+    begins again at the training forward, and each run counts anew: the last training step defers as many
+    releases as one with nothing logged. Before, the count went on from the logged runs, every training run
+    looked like the last, and every release waited (a review's, 2026-12-07: 21 defers against 0)."""
+    from tests.conftest import lm_step, per_layer_llama
+    from tests.test_cross_graphs import COMPUTE_BOUND
+
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    defers = {}
+    for logged in (False, True):
+        eager, model, backend = per_layer_llama(layers=4, inner="eager", memory_budget=0.5,
+                                                device_profile=COMPUTE_BOUND)
+        expected = lm_step(eager, ids)
+        for step in range(3):
+            if logged and step > 0:
+                float(model(input_ids=ids, labels=ids).loss)  # its graph goes with the output
+            with runtime.trace() as events:
+                assert_same_step(expected, lm_step(model, ids))
+        defers[logged] = sum(e[0] == "defer" for e in events)
+        assert backend.records[-1].plan.runs == 4 and not backend.records[-1].plan.interleaved
+    assert defers[False] > 0 and defers[True] == defers[False], defers
+    assert runtime.pending_transfers() == 0
+
+
 @pytest.mark.slow  # a process of its own, about 8 s
 def test_copies_still_land_after_keyboard_interrupts_caught_mid_copy():
     """Thousands of ``KeyboardInterrupt``s land in the CPU engine's offloads, prefetches and waits, each caught; the

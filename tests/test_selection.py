@@ -268,23 +268,25 @@ def _one_f_one_b_step(model, batches, in_flight: int, backend) -> tuple[list[tor
     return [p.grad.clone() for p in model.parameters()], ran
 
 
-def test_under_1f1b_each_candidate_runs_whole_pipeline_steps():
-    """A pipeline stage under 1F1B (5 microbatches, 3 in flight): its forwards run between its backwards, so
-    the step the backend counts its runs in ends at each backward. Measured selection's steps are the stage's
-    whole steps (a forward before which no forward waits for its backward), so every microbatch of a step runs
-    one candidate, and each candidate's timed step is the stage's step. Counted per backend step, candidates
-    switched mid-step (the first microbatches under one plan, the last under the next) and the candidates were
-    timed over unlike parts of steps. Gradients equal eager's every step."""
+@pytest.mark.parametrize("microbatches, in_flight", [(5, 3), (8, 2)])
+def test_under_1f1b_each_candidate_runs_whole_pipeline_steps(microbatches, in_flight):
+    """A pipeline stage under 1F1B: its forwards run between its backwards, so the step the backend counts its
+    runs in ends at each backward. Measured selection's steps are the stage's whole steps (a forward before which
+    no forward waits for its backward), so every microbatch of a step runs one candidate, and each candidate's
+    timed step is the stage's step. Counted per backend step, candidates switched mid-step (the first
+    microbatches under one plan, the last under the next) and the candidates were timed over unlike parts of
+    steps. 8 microbatches, 2 in flight: a held output's rule that compared a waiting forward with the step's
+    start, not with the latest backward, began 4 steps in each (a review's). Gradients equal eager's."""
     from tests.test_cross_graphs import one_f_one_b, seven_layer_stage
 
-    batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(k)) for k in range(5)]
-    expected = one_f_one_b(seven_layer_stage(), batches, in_flight=3)
+    batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(k)) for k in range(microbatches)]
+    expected = one_f_one_b(seven_layer_stage(), batches, in_flight=in_flight)
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, select="measured",
                                         select_steps=1, device_profile=_slow_compute())
     compiled = torch.compile(seven_layer_stage(), backend=backend)
     steps = []
     for _ in range(12):
-        grads, ran = _one_f_one_b_step(compiled, batches, 3, backend)
+        grads, ran = _one_f_one_b_step(compiled, batches, in_flight, backend)
         steps.append(ran)
         for a, b in zip(expected, grads):
             torch.testing.assert_close(b, a)
@@ -294,6 +296,42 @@ def test_under_1f1b_each_candidate_runs_whole_pipeline_steps():
     assert all(len(set(ran)) == 1 for ran in steps[1:]), steps
     assert len({ran[0] for ran in steps[1:]}) == len(kept.selection.candidates)  # each candidate ran
     assert steps[-1][0] == id(kept)
+
+
+def test_one_graph_serving_every_layer_runs_one_candidate_a_step():
+    """Per-layer compile: one graph runs for each of 4 layers in a step. Each step's 4 forwards run one candidate:
+    the layers' forwards before the first backward are one step's, not one step each (a rule that began a step
+    wherever every waiting forward began after the latest backward, without asking that a backward began in the
+    step, began one per layer: a review's). Gradients equal eager's every step."""
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, h):
+            return h + self.b(torch.tanh(self.a(h)).sin())
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*[Block() for _ in range(4)])
+    model = copy.deepcopy(eager)
+    backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=0.5, select="measured",
+                                        select_steps=1, device_profile=_slow_compute())
+    for layer in model:
+        layer.compile(backend=backend)
+    x = torch.randn(32, 64, requires_grad=True)  # every layer's input needs a gradient: one graph for all four
+    expected = torch.autograd.grad(eager(x).square().sum(), list(eager.parameters()))
+    ran = []
+    for _ in range(10):
+        got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a)
+        ran.append([id(r) for r in backend.step_invocations()])
+    kept = _kept(backend)
+    assert all(len(step) == 4 and len(set(step)) == 1 for step in ran), ran
+    # One whole step a training step: a step begun at each layer would be run again at the next (no backward of
+    # the graph in it), and each candidate timed over its last layer's forward only.
+    assert backend._whole_steps.count == len(ran), backend._whole_steps
+    assert ran[-1][0] == id(kept) and len({step[0] for step in ran[1:]}) == len(kept.selection.candidates)
 
 
 def _steps_to_keep(pattern: str) -> int:

@@ -604,7 +604,10 @@ class OffloadBackend:
             if step_forward:
                 waiting = self._whole_steps.forward_begins(fxoffload.runtime.waiting_forwards())
                 if self._step.forward_begins(waiting):  # 1F1B: before the re-plan it may ask for
-                    self._callers.forget()  # the step began again: its forwards so far were only logged
+                    # The step begins again (its forwards so far were only logged): each region counts its runs
+                    # anew, so that releases deferred before a graph's last run defer again.
+                    self._callers.forget()
+                    self._steps += 1
             elif torch.is_grad_enabled() and in_backward:
                 state.recomputed = True  # a checkpoint around the region recomputes its forward in the backward
             # The graph changes (a re-plan, measured selection's next candidate) only at a step's forward, and,

@@ -32,7 +32,9 @@ decides from the same figures, so every rank keeps the same plan, in the same st
 Limits: a region's time is its own graphs': a copy of this region's that makes another region's
 graph wait is charged to that one. Several regions are timed in the same steps, each against its own
 candidates, so one region's candidate can shift another's time. A forward held without its backward
-is timed in the step it ran in.
+is timed in the step it ran in; one run before a backward and held past it (a validation loss computed
+before the step's backward, logged after) looks like a pipeline's microbatch in flight: no step begins
+until its graph goes, and selection waits.
 """
 
 from __future__ import annotations
