@@ -403,6 +403,18 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def _every_subject(table_of: Callable[[Subject], str]) -> str:
+    """``table_of`` each of ``SUBJECTS``, printed as it comes: the Llama block's, then the same for the others."""
+    text = table_of(SUBJECTS[0])
+    print(text, flush=True)
+    for subject in SUBJECTS[1:]:
+        print(f"the same for {subject.name}:", flush=True)
+        table = table_of(subject)
+        print(table, flush=True)
+        text += f"\n\nThe same for {subject.name}:\n\n{table}"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
@@ -420,21 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = table()
     print("one saved value at a time:", flush=True)
-    marked = one_at_a_time_table(threes=args.threes)
-    print(marked)
-    for subject in SUBJECTS[1:]:
-        print(f"the same for {subject.name}:", flush=True)
-        table_of = one_at_a_time_table(subject)
-        print(table_of)
-        marked += f"\n\nThe same for {subject.name}:\n\n{table_of}"
+    marked = _every_subject(lambda subject: one_at_a_time_table(subject, threes=args.threes and subject is LLAMA))
     print("under a recompute partition:", flush=True)
-    recomputed = recomputed_table()
-    print(recomputed)
-    for subject in SUBJECTS[1:]:
-        print(f"the same for {subject.name}:", flush=True)
-        table_of = recomputed_table(subject)
-        print(table_of)
-        recomputed += f"\n\nThe same for {subject.name}:\n\n{table_of}"
+    recomputed = _every_subject(recomputed_table)
     marked += ("\n\nUnder a partition that saves the Llama block's matmuls' and attention's results and recomputes "
                "every other op (`recomputed_one_at_a_time`, `--recomputed`: where PyTorch's recompute budget leans), "
                "each value offloaded alone against the same op marked saved (its own baseline: saving an op the "

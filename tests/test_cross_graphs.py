@@ -11,6 +11,7 @@ import copy
 import gc
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -224,13 +225,16 @@ def test_a_deferred_copy_that_failed_raises_where_it_is_completed(monkeypatch):
 # --------------------------------------------------------------------------- pipeline schedules
 
 
-def one_f_one_b(model: torch.nn.Module, batches: list[torch.Tensor], in_flight: int) -> list[torch.Tensor]:
+def one_f_one_b(model: torch.nn.Module, batches: list[torch.Tensor], in_flight: int,
+                after_forward: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
     """One stage's step under 1F1B: ``in_flight`` microbatches' forwards, then one backward (the oldest
-    microbatch's, first in first out) per forward, then the rest; returns the gradients."""
+    microbatch's, first in first out) per forward, then the rest; returns the gradients. ``after_forward``
+    is called after each forward."""
     model.zero_grad(set_to_none=True)
     outputs = []
     for x in batches:
         outputs.append(model(x))
+        after_forward()
         if len(outputs) == in_flight:
             outputs.pop(0).square().sum().backward()
     for out in outputs:

@@ -253,21 +253,6 @@ def test_per_block_the_measurement_can_keep_pytorchs_partition_at_the_budgets_fr
     assert backend.step_invocations()[-3:] == [kept] * 3
 
 
-def _one_f_one_b_step(model, batches, in_flight: int, backend) -> tuple[list[torch.Tensor], list[int]]:
-    """One pipeline stage's step under 1F1B (``test_cross_graphs.one_f_one_b``); the gradients, and for each
-    forward the record it ran (by ``id``)."""
-    model.zero_grad(set_to_none=True)
-    outputs, ran = [], []
-    for x in batches:
-        outputs.append(model(x))
-        ran.append(id(backend.step_invocations()[-1]))
-        if len(outputs) == in_flight:
-            outputs.pop(0).square().sum().backward()
-    for out in outputs:
-        out.square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()], ran
-
-
 @pytest.mark.parametrize("microbatches, in_flight", [(5, 3), (8, 2)])
 def test_under_1f1b_each_candidate_runs_whole_pipeline_steps(microbatches, in_flight):
     """A pipeline stage under 1F1B: its forwards run between its backwards, so the step the backend counts its
@@ -286,7 +271,8 @@ def test_under_1f1b_each_candidate_runs_whole_pipeline_steps(microbatches, in_fl
     compiled = torch.compile(seven_layer_stage(), backend=backend)
     steps = []
     for _ in range(12):
-        grads, ran = _one_f_one_b_step(compiled, batches, in_flight, backend)
+        ran = []  # per forward, the record it ran (by id)
+        grads = one_f_one_b(compiled, batches, in_flight, lambda: ran.append(id(backend.step_invocations()[-1])))
         steps.append(ran)
         for a, b in zip(expected, grads):
             torch.testing.assert_close(b, a)
