@@ -26,7 +26,7 @@ from .analysis import (
 from .candidates import AUTO_HORIZON, Placement
 from .cost_model import OPTIMIZERS, DeviceProfile, Work, op_work, optimizer_step, roofline
 from .digest import plan_digest
-from .layer_copies import TRACED_LAYERS, CopiedLayers, LayerCopyError, copy_layers
+from .layer_copies import TRACED_LAYERS, CopiedLayers, LayerCopyError, copy_layers, traced_layers
 from .memory import Timeline, curve, on_device
 from .ops import (
     DEFER, FXOFFLOAD_OPS, LIB, OFFLOAD, PREFETCH, PREFETCH_AHEAD, RELEASES, TRANSFER_META, WAIT, one_block, same_layout,
@@ -63,7 +63,7 @@ __all__ = [
     "SOLVERS", "STRATEGIES", "SavedActivation", "Schedule", "Share", "Simulation", "SolverName", "StepSimulation",
     "Strategy", "TIME_GUARD", "TRACED_LAYERS", "TRANSFER_META", "Timeline", "Transfer", "WAIT", "Why", "Work",
     "activation_peaks_at",
-    "UNBACKED_SIZE", "copy_layers", "curve", "data_dependent",
+    "UNBACKED_SIZE", "copy_layers", "curve", "data_dependent", "traced_layers",
     "fixed_sizes", "held_after_forward", "input_position", "inputs_at", "is_anchored_compute", "is_compute",
     "mark_mutated_inputs", "mutated_inputs_read",
     "kept_in_last_run",

@@ -1,7 +1,9 @@
-"""Layer copies: the joint graph of a model of many identical layers, made from a trace of four.
+"""Layer copies: the joint graph of a model of many repeating layers, made from a trace of a few.
 
 Inputs: the joint forward/backward graph AOTAutograd traced of a model whose layers (one
-``nn.ModuleList`` of one class) were cut to ``TRACED_LAYERS``, and the count of layers wanted.
+``nn.ModuleList`` of one class) were cut to :func:`traced_layers` of them (``TRACED_LAYERS``, four, where
+every layer after the first is alike), the count of layers wanted, and the period the layers repeat with
+(1 where all are alike; 6 for Gemma-3, whose every sixth layer attends globally, 2 for Gemma-2).
 Outputs: :class:`CopiedLayers`: the joint graph of that many layers, each of its nodes a copy of a
 traced one, with fresh fake values, and which traced placeholder each of its placeholders copies.
 
@@ -12,13 +14,19 @@ Algorithm. Each traced node belongs to a layer by the outermost numbered module 
 (``nn_module_stack``, or the forward's for a backward node); the nodes of layer ``i`` form blocks,
 contiguous in the graph's order: its parameters (placeholders only its nodes read), its forward
 (from its first node to the next layer's first) and its backward (from its first backward node to the
-next-lower layer's first, the gradient sums between them included). Layers 1 and 2 both have a layer
-before and after them: the graph is accepted only where layer 2's blocks are layer 1's shifted by one
-layer, node by node (the same op, the same arguments with each node of layer ``i`` read as the same
-node of layer ``i + 1`` and every other node the same, the same sizes, dtypes and checkpoint tags).
-The new graph keeps layer 0 and the nodes outside the layers, copies layer 1 for layers ``1`` to
-``n - 2`` and layer 3 for the last, in the traced order (forward up, backward down): a copy for layer
-``j`` of a node of layer ``s`` reads, for a node of layer ``i``, the same node of layer ``j + i - s``.
+next-lower layer's first, the gradient sums between them included). With period ``p``, ``T`` traced
+layers (``T >= 2p + 2``, ``T - 1`` and ``n - 1`` alike modulo ``p``: the traced last layer is of the
+model's last layer's kind), the middle layers ``1`` to ``T - 2`` each have a layer before and after them:
+the graph is accepted only where each middle layer ``i + p``'s blocks are layer ``i``'s shifted by ``p``
+layers, node by node (the same op, the same arguments with each node of layer ``k`` read as the same
+node of layer ``k + p`` and every other node the same, the same sizes, dtypes and checkpoint tags).
+The new graph keeps layer 0 and the nodes outside the layers, copies layer ``1 + (j - 1) mod p`` for
+each layer ``j`` of ``1`` to ``n - 2`` and layer ``T - 1`` for the last, in the traced order (forward
+up, backward down): a copy for layer ``j`` of a node of layer ``s`` reads, for a node of layer ``i``,
+the same node of layer ``j + i - s``. Why the neighbours' offsets agree: a copy of layer ``p`` reads
+the copy of layer 1 above it as layer ``p`` reads layer ``p + 1`` (layer 1 shifted), a copy of layer 1
+reads the copy of layer ``p`` below it as layer ``p + 1`` reads layer ``p``, and the copy for ``n - 2``
+reads the last layer as layer ``T - 2`` (its source shifted) reads layer ``T - 1``.
 A node outside the layers reads layer 0 and the last layer only. A node that computes a size from
 the graph's symbolic sizes alone (no tensor in or out: ``batch * length``, which a symbolic batch, or
 a batch above one beside a symbolic length, makes for every layer's views to read) belongs to no
@@ -26,14 +34,14 @@ layer, wherever it sits: it is copied once, in its place, and every copy reads i
 Activation checkpointing's region ids
 (``ac_graph_id``) shift with the layer, so that they still grow along the forward.
 
-Fresh values: every copy of layer 1 but the first gets fake tensors of its own (the planner tells
+Fresh values: every copy of a middle layer but the first gets fake tensors of its own (the planner tells
 storages apart by identity): each storage the traced graph made is made again, as large, by the copy
 of the node that made it, and every view of it becomes the same view of the new one.
 
 Limits: one list of layers; layers that read only their neighbours; nothing outside the layers that
-reads a middle layer; at least ``TRACED_LAYERS`` layers. The layers past the four traced are not seen
-here: the caller first checks that the model builds them all alike (``fxoffload fit``:
-``fxoffload.tools.models.unlike_layers``; a sliding window every sixth layer repeats within four).
+reads a middle layer; at least as many layers as traced. The layers past those traced are not seen
+here: the caller first checks that the model builds them repeating with the period
+(``fxoffload.tools.models.layer_period``) and the traced ones as the model's.
 Node names are FX's own for the new graph (a trace of all the layers numbers some of them otherwise).
 Anything else raises :class:`LayerCopyError`, and the caller traces every layer instead.
 """
@@ -52,15 +60,25 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .analysis import tensor_nbytes, tensor_storage_key, traced_value
 
-__all__ = ["TRACED_LAYERS", "CopiedLayers", "LayerCopyError", "copy_layers"]
+__all__ = ["TRACED_LAYERS", "CopiedLayers", "LayerCopyError", "copy_layers", "traced_layers"]
 
-TRACED_LAYERS = 4  # layer 0, two middle layers to compare, the last
+TRACED_LAYERS = 4  # layer 0, two middle layers to compare, the last: traced_layers(n, 1)
 _NUMBERED = re.compile(r"^(.*)\.(\d+)$")
 _KINDS = ("params", "forward", "backward")
 
 
 class LayerCopyError(ValueError):
     """The traced graph's layers do not repeat as :func:`copy_layers` needs (the reason in words)."""
+
+
+def traced_layers(layers: int, period: int = 1) -> int:
+    """How many layers to trace for copies to ``layers`` of ``period``: the fewest ``t`` with two whole
+    periods between the first and the last (``t >= 2 * period + 2``) whose last is of the model's last's
+    kind (``t - layers`` a multiple of ``period``). May exceed ``layers``: then every layer is traced."""
+    if period < 1:
+        raise ValueError(f"period: got {period}; accepted: 1 or more")
+    least = 2 * period + 2
+    return least + (layers - least) % period
 
 
 class Place(NamedTuple):
@@ -78,7 +96,7 @@ class CopiedLayers:
     module: fx.GraphModule
     sources: tuple[fx.Node, ...]
     layers: int
-    layer_parameter_bytes: int  # of one copied layer's inputs that get a gradient (its parameters)
+    added_parameter_bytes: int  # of the inputs that get a gradient (parameters), the copies' over the trace's
 
     def primal_indices(self, traced: Sequence[int]) -> list[int]:
         """The positions among the new primal inputs of those that copy the traced primals at ``traced``."""
@@ -87,18 +105,36 @@ class CopiedLayers:
         return [i for i, n in enumerate(primals) if int(n.name.rsplit("_", 1)[1]) - 1 in wanted]
 
 
-def copy_layers(gm: fx.GraphModule, layers: int, fake_mode: Any) -> CopiedLayers:
-    """The joint graph ``gm`` (of ``TRACED_LAYERS`` layers) made again with ``layers`` layers; see the
-    module's docstring. ``fake_mode``: the trace's fake tensor mode (the copies' values are made in it)."""
-    if layers < TRACED_LAYERS:
-        raise LayerCopyError(f"{layers} layers: copies need at least {TRACED_LAYERS}")
+def copy_layers(gm: fx.GraphModule, layers: int, fake_mode: Any, period: int = 1) -> CopiedLayers:
+    """The joint graph ``gm`` (of ``traced_layers(layers, period)`` layers) made again with ``layers``
+    layers that repeat every ``period``; see the module's docstring. ``fake_mode``: the trace's fake
+    tensor mode (the copies' values are made in it)."""
+    traced = traced_layers(layers, period)
+    if layers < traced:
+        raise LayerCopyError(f"{layers} layers: copies of period {period} need at least {traced}")
     sizes = _size_nodes(gm.graph)
-    spans = _blocks(gm.graph, sizes)
+    spans = _blocks(gm.graph, traced, sizes)
     blocks = {key: [n for n in span if n not in sizes] for key, span in spans.items()}
     places = {node: Place(layer, kind, offset) for (layer, kind), nodes in blocks.items()
               for offset, node in enumerate(nodes)}
-    _check_repeats(blocks, places, sizes)
-    return _Copier(gm, spans, places, layers, fake_mode, sizes).run()
+    _check_repeats(blocks, places, _Repeat(period, traced), sizes)
+    return _Copier(gm, spans, places, _Repeat(period, traced), layers, fake_mode, sizes).run()
+
+
+class _Repeat(NamedTuple):
+    """How the traced layers repeat: ``period``, and how many were traced."""
+
+    period: int
+    traced: int
+
+    def source(self, layer: int, layers: int) -> int:
+        """The traced layer a new layer (of ``layers``) copies."""
+        if layer in (0, layers - 1):
+            return 0 if layer == 0 else self.traced - 1
+        return 1 + (layer - 1) % self.period
+
+    def middle(self) -> range:
+        return range(1, self.traced - 1)
 
 
 def _size_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
@@ -128,7 +164,7 @@ def _layer_of(node: fx.Node) -> tuple[str, int] | None:
     return None
 
 
-def _blocks(graph: fx.Graph, sizes: frozenset = frozenset()) -> dict[tuple[int, str], list[fx.Node]]:
+def _blocks(graph: fx.Graph, traced: int, sizes: frozenset = frozenset()) -> dict[tuple[int, str], list[fx.Node]]:
     """Each layer's blocks, spans of the graph's order: a size node (``sizes``) in a span belongs to no layer."""
     nodes = list(graph.nodes)
     owners = {n: None if n in sizes else _layer_of(n) for n in nodes if n.op == "call_function"}
@@ -136,18 +172,18 @@ def _blocks(graph: fx.Graph, sizes: frozenset = frozenset()) -> dict[tuple[int, 
     if len(lists) != 1:
         raise LayerCopyError(f"the graph's nodes sit in {len(lists)} numbered module lists, not one")
     found = sorted({owner[1] for owner in owners.values() if owner})
-    if found != list(range(TRACED_LAYERS)):
-        raise LayerCopyError(f"the graph's layers are {found}, not 0 to {TRACED_LAYERS - 1}")
+    if found != list(range(traced)):
+        raise LayerCopyError(f"the graph's layers are {found}, not 0 to {traced - 1}")
     layer_of = {n: owner[1] for n, owner in owners.items() if owner}
     forward = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
     backward = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward"]
     if len(forward) + len(backward) != len(owners) or nodes.index(backward[0]) < nodes.index(forward[-1]):
         raise LayerCopyError("the graph's forward and backward nodes are not two runs, one after the other")
     blocks = {}
-    for kind, section, order in (("forward", forward, range(TRACED_LAYERS)),
-                                 ("backward", backward, reversed(range(TRACED_LAYERS)))):
+    for kind, section, order in (("forward", forward, range(traced)),
+                                 ("backward", backward, reversed(range(traced)))):
         blocks.update(_runs(section, layer_of, list(order), kind))
-    for layer in range(TRACED_LAYERS):
+    for layer in range(traced):
         blocks[(layer, "params")] = _parameters(graph, layer, blocks, sizes)
     return blocks
 
@@ -202,21 +238,27 @@ def _signature(node: fx.Node, places: dict, shift: int, sizes: frozenset = froze
             node.meta.get("recompute"), node.meta.get("partitioner_tag"))
 
 
-def _check_repeats(blocks: dict, places: dict, sizes: frozenset = frozenset()) -> None:
-    for kind in _KINDS:
-        one, two = blocks[(1, kind)], blocks[(2, kind)]
-        if len(one) != len(two):
-            raise LayerCopyError(f"layers 1 and 2 have {len(one)} and {len(two)} {kind} nodes")
-        for a, b in zip(one, two):
-            if _signature(a, places, 1, sizes) != _signature(b, places, 0, sizes):
-                raise LayerCopyError(f"layer 2's {kind} node {b.name} is not layer 1's {a.name} one layer on")
+def _check_repeats(blocks: dict, places: dict, repeat: _Repeat, sizes: frozenset = frozenset()) -> None:
+    """Each middle layer ``i + p``'s blocks are layer ``i``'s shifted by the period ``p``, node by node."""
+    step = repeat.period
+    for low in range(1, repeat.traced - 1 - step):
+        high = low + step
+        for kind in _KINDS:
+            one, two = blocks[(low, kind)], blocks[(high, kind)]
+            if len(one) != len(two):
+                raise LayerCopyError(f"layers {low} and {high} have {len(one)} and {len(two)} {kind} nodes")
+            for a, b in zip(one, two):
+                if _signature(a, places, step, sizes) != _signature(b, places, 0, sizes):
+                    raise LayerCopyError(f"layer {high}'s {kind} node {b.name} is not layer {low}'s {a.name} "
+                                         f"{step} layer{'s' if step > 1 else ''} on")
 
 
 class _Copier:
-    def __init__(self, gm: fx.GraphModule, spans: dict, places: dict, layers: int, fake_mode: Any,
+    def __init__(self, gm: fx.GraphModule, spans: dict, places: dict, repeat: _Repeat, layers: int, fake_mode: Any,
                  sizes: frozenset = frozenset()) -> None:
         # spans: the blocks with the size nodes among them (``_size_nodes``: copied once, where they sit)
         self.gm, self.spans, self.places, self.layers, self.fake_mode = gm, spans, places, layers, fake_mode
+        self.repeat = repeat
         self.blocks = {key: [n for n in span if n not in sizes] for key, span in spans.items()}
         self.sizes = sizes
         self.graph = fx.Graph()
@@ -243,21 +285,24 @@ class _Copier:
                 self.shared[node] = self.copy_node(node, self.read_from_shared)
             elif place is None:
                 continue
-            elif place.offset != 0 or place.layer == 2:
-                continue  # a block is copied whole at its first node; layer 2 only checked the repeat
-            elif place.layer == 1:
+            elif place.offset != 0 or place.layer in self.repeat.middle()[1:]:
+                continue  # a block is copied whole at its first node; layers 2 on only checked the repeat
+            elif place.layer == 1:  # every middle layer's block, each a copy of its source's
                 order = range(1, last) if place.kind != "backward" else range(last - 1, 0, -1)
                 for layer in order:
-                    self.copy_block(place.kind, 1, layer)
+                    self.copy_block(place.kind, self.repeat.source(layer, self.layers), layer)
             else:
                 self.copy_block(place.kind, place.layer, 0 if place.layer == 0 else last)
         self.graph.lint()
         return CopiedLayers(fx.GraphModule(self.gm, self.graph), tuple(self.sources), self.layers,
-                            self.layer_parameter_bytes())
+                            self.added_parameter_bytes())
 
-    def layer_parameter_bytes(self) -> int:
-        return sum(int(tensor_nbytes(traced_value(p))) for p in self.blocks[(1, "params")]
-                   if isinstance(self.grad_of.get(p), fx.Node))
+    def added_parameter_bytes(self) -> int:
+        """The parameters' bytes (inputs that get a gradient) of the new middle layers over the traced ones'."""
+        of = [sum(int(tensor_nbytes(traced_value(p))) for p in self.blocks[(layer, "params")]
+                  if isinstance(self.grad_of.get(p), fx.Node)) for layer in range(self.repeat.traced)]
+        copied = sum(of[self.repeat.source(layer, self.layers)] for layer in range(1, self.layers - 1))
+        return copied - sum(of[layer] for layer in self.repeat.middle())
 
     def copy_block(self, kind: str, source: int, layer: int) -> None:
         for node in self.spans[(source, kind)]:
@@ -308,7 +353,7 @@ class _Copier:
             raise LayerCopyError(f"a node outside the layers reads {a.name} before its place in the graph")
         if place is None:
             return self.shared[a]
-        if place.layer not in (0, TRACED_LAYERS - 1):
+        if place.layer not in (0, self.repeat.traced - 1):
             raise LayerCopyError(f"a node outside the layers reads layer {place.layer}'s {a.name}")
         target = 0 if place.layer == 0 else self.layers - 1
         return self.new[(target, place.kind, place.offset)]
@@ -339,8 +384,8 @@ class _Copier:
             return value  # made outside the layers (or a graph input's)
         target = layer + place.layer - source
         if owner is node:
-            if source != 1 or layer == 1:
-                return value  # the traced node itself stands here (layer 0, 1 or the last)
+            if source not in self.repeat.middle() or layer == source:
+                return value  # the traced node itself stands here (layer 0, a middle source's first copy, the last)
             storage = self.made.get((target, key))
             if storage is None:  # made on the meta device: a fake tensor's own dispatch costs ten times more
                 storage = self.made[(target, key)] = torch.empty(

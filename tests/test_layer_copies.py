@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxoffload.passes import TRACED_LAYERS, LayerCopyError, copy_layers, tensor_storage_key
+from fxoffload.passes import TRACED_LAYERS, LayerCopyError, copy_layers, tensor_storage_key, traced_layers
 from fxoffload.tools.fit import Grid
 from fxoffload.tools.fit_command import _common_options, _Traces
 from fxoffload.tools.models import from_config_file, layer_list
@@ -328,3 +328,124 @@ def test_layers_are_alike_but_for_their_index_and_differ_by_any_other_attribute(
     del layers[4].self_attn.sliding_window
     layers[3].self_attn.layer_idx = 2  # no longer each layer's own position
     assert "self_attn.layer_idx" in unlike_layers(layers)
+
+
+# Layers that repeat with a period: Gemma-3's every third layer attends globally here (every sixth in its
+# released configs), the others over a sliding window.
+GEMMA3_LAYERS = 11
+SMALL_GEMMA3 = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 256,
+                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": GEMMA3_LAYERS,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+                "sliding_window_pattern": 3, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def small_gemma3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    (folder / "config.json").write_text(json.dumps(SMALL_GEMMA3))
+    return from_config_file(folder)
+
+
+@pytest.fixture(scope="module")
+def gemma3_every_layer(small_gemma3):
+    return traces_of(small_gemma3, trace_every_layer=True)._symbolic_trace("none", 1).traced
+
+
+@pytest.mark.parametrize("layers, period", [(n, p) for p in (1, 2, 3, 6) for n in range(2 * p + 2, 4 * p + 4)])
+def test_the_traced_layers_hold_two_periods_between_the_first_and_a_last_of_the_model_s_last_s_kind(layers, period):
+    traced = traced_layers(layers, period)
+    assert traced >= 2 * period + 2 and (layers - traced) % period == 0
+    assert traced - period < 2 * period + 2  # the fewest such
+    assert traced_layers(layers, 1) == TRACED_LAYERS
+
+
+def test_a_layer_period_is_the_fewest_distance_at_which_the_layers_after_the_first_are_alike():
+    from fxoffload.tools.models import layer_period
+
+    def layer(index, kind):
+        module = torch.nn.Linear(2, 2)
+        module.layer_idx, module.kind = index, kind  # an index may differ; a kind must repeat
+        return module
+
+    kinds = ["dense"] + ["local", "local", "global"] * 4
+    layers = [layer(i, k) for i, k in enumerate(kinds)]
+    assert layer_period(layers, 5) == 3  # from layer 1 on: local local global
+    assert layer_period(layers, 2) is None
+    layers[10].kind = "other"
+    assert layer_period(layers, 5) is None
+    assert layer_period([layer(i, "same") for i in range(6)], 2) == 1
+
+
+@pytest.mark.compat
+def test_layers_of_period_three_traced_to_eight_and_copied_to_eleven_are_the_graph_a_trace_of_eleven_gives(
+        small_gemma3, gemma3_every_layer):
+    said: list[str] = []
+    traces = traces_of(small_gemma3, said)
+    copied = traces._symbolic_trace("none", 1).traced
+    assert traces.traced == 1 and any("repeat every 3" in s and f"tracing 8 of {GEMMA3_LAYERS}" in s
+                                      for s in said), said
+    assert canonical(copied.joints[0].module) == canonical(gemma3_every_layer.joints[0].module)
+    (joint,), (every,) = copied.joints, gemma3_every_layer.joints
+    assert joint.inputs.gradient_bytes == every.inputs.gradient_bytes  # eleven layers' parameters
+    assert copied.optimizer == gemma3_every_layer.optimizer
+
+
+@pytest.fixture(scope="module")
+def eight_gemma3_layers(small_gemma3):
+    """The small Gemma-3's step traced with eight layers (nothing copied)."""
+    eight = dataclasses.replace(small_gemma3.with_layers(8), with_layers=None)
+    return traces_of(eight)._symbolic_trace("none", 1).traced
+
+
+@pytest.mark.slow
+def test_a_middle_layer_that_is_not_its_period_s_copy_is_refused(eight_gemma3_layers):
+    (joint,) = eight_gemma3_layers.joints
+    assert copy_layers(joint.module, GEMMA3_LAYERS, joint.context.fake_mode, 3).layers == GEMMA3_LAYERS
+    with pytest.raises(LayerCopyError, match=r"\[0, 1, 2, 3, 4, 5, 6, 7\], not 0 to 8"):  # 12 layers' last is global
+        copy_layers(joint.module, 12, joint.context.fake_mode, 3)
+    graph = joint.module.graph
+    changed = next(n for n in in_layer(graph, 6) if n.target == torch.ops.aten.mul.Tensor)
+    changed.target = torch.ops.aten.add.Tensor  # layer 6 (the last pair compared) no longer does what 3 does
+    try:
+        with pytest.raises(LayerCopyError, match="layer 6's .* is not layer 3's"):
+            copy_layers(joint.module, GEMMA3_LAYERS, joint.context.fake_mode, 3)
+    finally:
+        changed.target = torch.ops.aten.mul.Tensor
+
+
+def test_layers_of_a_shorter_build_unlike_the_model_s_are_traced_all(small_gemma3):
+    """A source whose build of the traced count makes layers unlike the model's they stand for: the graph's own
+    check cannot see it (its layers repeat); the build's modules can. Every layer is traced, and said so."""
+    from fxoffload.tools.tracing import copies_layers
+
+    shorter = small_gemma3.with_layers(8)
+
+    def build(batch, seq, dtype):
+        step, inputs, kwargs = shorter.build(batch, seq, dtype)
+        for layer in layer_list(step):
+            layer.self_attn.sliding_window = 4  # the model's attend over 8
+        return step, inputs, kwargs
+
+    source = dataclasses.replace(small_gemma3, with_layers=lambda count: dataclasses.replace(shorter, build=build))
+    said: list[str] = []
+    assert copies_layers(small_gemma3, fit_args(), 1, 16, torch.float32, said.append).period == 3
+    assert copies_layers(source, fit_args(), 1, 16, torch.float32, said.append) is None
+    assert "not the model's they stand for" in said[-1] and f"tracing all {GEMMA3_LAYERS}" in said[-1], said
+
+
+@pytest.mark.slow
+def test_plan_s_report_from_layers_of_a_period_copied_is_the_report_of_every_layer_traced(tmp_path):
+    """``fxoffload plan`` of the small Gemma-3 traces eight of its eleven layers and copies them by their period:
+    each plan, and every figure of the report, is that of ``--trace-every-layer`` (names and seconds apart)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_GEMMA3))
+    flags = ("--seq", "64", "--strategy", "offload", "--budget", "0.5")
+    copied, copied_report = planned(config, *flags)
+    every, every_report = planned(config, *flags, "--trace-every-layer")
+    assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]
+    assert copied_report["layers"] == every_report["layers"] == GEMMA3_LAYERS
+    assert every[0].plan.transfers
+    assert [by_position(r) for r in copied] == [by_position(r) for r in every]
+    figures = lambda report: {**report, "seconds": None,  # noqa: E731
+                              "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
+    assert figures(copied_report) == figures(every_report)

@@ -66,7 +66,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.config import OffloadConfig, OptionError
 from fxoffload.passes import (
-    TRACED_LAYERS, BudgetInfeasibleWarning, LayerCopyError, Why, fixed_sizes, optimizer_step, run_peaks, simulate,
+    BudgetInfeasibleWarning, LayerCopyError, Why, fixed_sizes, optimizer_step, run_peaks, simulate,
     simulate_step, symbol_value, timeline_at,
 )
 from fxoffload.profiles import PROFILES, resolve_profile
@@ -81,7 +81,7 @@ from fxoffload.tools.models import (
 )
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
-    Progress, UsageError, may_copy_layers, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
+    Progress, UsageError, copies_layers, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
     reserve_optimizer_state, SizeRange, trace_step, with_layer_copies,
 )
 
@@ -463,19 +463,21 @@ class _Traces:
                          _guards_on(shape_env, symbol))
 
     def _trace_copying_layers(self, checkpointing: str, batch: int, seq: int) -> Any:
-        """The step traced with ``TRACED_LAYERS`` layers, its joint graph's layers copied to the model's
-        (``with_layer_copies``), where the source builds fewer layers and they repeat; else None."""
+        """The step traced with a few layers (``LayerRepeat.traced``), its joint graph's layers copied to the
+        model's (``with_layer_copies``), where the source builds fewer layers and they repeat; else None."""
         source = self._source
-        if not may_copy_layers(source, self._args, batch, seq, self._dtype, self._progress):
+        repeat = copies_layers(source, self._args, batch, seq, self._dtype, self._progress)
+        if repeat is None:
             return None
+        traced_count = repeat.traced(source.layers)
         try:
             with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
                 traced = self._trace(checkpointing, batch, seq, symbolic=True,
-                                     source=source.with_layers(TRACED_LAYERS))
-                return with_layer_copies(traced, source.layers, self._common["device_profile"])
+                                     source=source.with_layers(traced_count))
+                return with_layer_copies(traced, source.layers, self._common["device_profile"], repeat.period)
         except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
             why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
-            self._progress(f"the layers of a {TRACED_LAYERS}-layer trace (checkpointing {checkpointing}) do not "
+            self._progress(f"the layers of a {traced_count}-layer trace (checkpointing {checkpointing}) do not "
                            f"repeat as copies need ({why}): tracing all {source.layers}")
             return None
 

@@ -56,8 +56,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 __all__ = ["CHECKPOINTING", "PRESETS", "DTYPES", "ModelError", "ModelSource", "Preset", "TrainingStep",
-           "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list", "one_line",
-           "unpacked_sequences"]
+           "alike_at", "checkpoint_layers", "from_config_file", "from_preset", "from_python_file", "layer_list",
+           "layer_period", "one_line", "unlike_layers", "unpacked_sequences"]
 
 CHECKPOINTING = ("none", "full", "selective")
 TASKS = ("causal-lm", "masked-lm", "image-classification")
@@ -648,6 +648,34 @@ def unlike_layers(layers: "list[torch.nn.Module]") -> str | None:
             where = next(i for i, v in enumerate(values) if repr(v) != repr(values[0])) + 1
             return f"layer {where}'s {'.'.join(p for p in key if p)} is {values[where - 1]!r}, layer 1's {values[0]!r}"
     return None
+
+
+def layer_period(layers: "list[torch.nn.Module]", longest: int) -> int | None:
+    """The fewest ``p`` (at most ``longest``) with every layer after the first alike the one ``p`` on
+    (:func:`unlike_layers`' test, at distance ``p``): 1 where all are alike, 6 for Gemma-3 (every sixth
+    layer attends globally), 2 for Gemma-2; None where none is."""
+    later = layers[1:]
+    shapes = [_structure(layer) for layer in later]
+    attributes = [_attributes(layer) for layer in later]
+    positions = list(range(1, len(layers)))
+    keys = dict.fromkeys(key for found in attributes for key in found)
+    columns = [[repr(found.get(key, "(none)")) for found in attributes] for key in keys]
+    columns = [c for c in columns if c != [repr(p) for p in positions]]  # each layer's own index: may differ
+    for period in range(1, longest + 1):
+        if all(shapes[i] == shapes[i + period] for i in range(len(shapes) - period)) and all(
+                c[i] == c[i + period] for c in columns for i in range(len(c) - period)):
+            return period
+    return None
+
+
+def alike_at(one: torch.nn.Module, other: torch.nn.Module, positions: tuple[int, int]) -> bool:
+    """Whether two layers are built alike (modules, tensors' shapes and dtypes, plain attributes), an
+    attribute that is each one's own position (``positions``: ``layer_idx``) apart."""
+    if _structure(one) != _structure(other):
+        return False
+    a, b = _attributes(one), _attributes(other)
+    return all(repr(a.get(key, "(none)")) == repr(b.get(key, "(none)"))
+               or (type(a.get(key)) is int and (a.get(key), b.get(key)) == positions) for key in {**a, **b})
 
 
 def _structure(layer: torch.nn.Module) -> tuple:

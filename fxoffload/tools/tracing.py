@@ -29,15 +29,16 @@ from fxoffload.config import OffloadConfig, OptionError, config_from_options, pa
 from fxoffload.explain import format_bytes, format_stages
 from fxoffload.passes import (
     ADVICE_WARN, TRACED_LAYERS, BudgetInfeasibleError, LayerCopyError, copy_layers, optimizer_step, tensor_nbytes,
+    traced_layers,
 )
 from fxoffload.profiles import resolve_profile
 from fxoffload.tools import models
 from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, one_line, unpacked_sequences
 
 
-__all__ = ["Progress", "UsageError", "impossible_budget", "layers_unlike", "may_copy_layers", "min_bytes_of",
-           "model_source", "number_or_text", "partitioned_anew", "plan_again", "plan_copied", "reserve_optimizer_state",
-           "seq_range", "SizeRange", "trace_copying_layers", "trace_step"]
+__all__ = ["LayerRepeat", "Progress", "UsageError", "copies_layers", "impossible_budget", "layer_repeat",
+           "min_bytes_of", "model_source", "number_or_text", "partitioned_anew", "plan_again", "plan_copied",
+           "reserve_optimizer_state", "seq_range", "SizeRange", "trace_copying_layers", "trace_step"]
 
 
 class UsageError(ValueError):
@@ -217,18 +218,18 @@ def checkpointed_side_effects_allowed() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
-def with_layer_copies(traced: "_Traced", layers: int, profile: Any) -> "_Traced":
-    """``traced`` (a step of ``TRACED_LAYERS`` layers traced to its one joint graph, ``joints_only``) as if
-    all ``layers`` had been traced: its joint graph's layers copied (:func:`fxoffload.passes.copy_layers`),
-    and the parameters' and the optimizer's figures counted for them. Raises ``LayerCopyError`` where the
-    layers do not repeat (the caller traces them all)."""
+def with_layer_copies(traced: "_Traced", layers: int, profile: Any, period: int = 1) -> "_Traced":
+    """``traced`` (a step of ``traced_layers(layers, period)`` layers traced to its one joint graph,
+    ``joints_only``) as if all ``layers`` had been traced: its joint graph's layers copied
+    (:func:`fxoffload.passes.copy_layers`), and the parameters' and the optimizer's figures counted for
+    them. Raises ``LayerCopyError`` where the layers do not repeat (the caller traces them all)."""
     if len(traced.joints) != 1 or traced.records:
         raise LayerCopyError(f"the step traced to {len(traced.joints)} joint graph(s), not one kept whole")
     joint = traced.joints[0]
     if joint.inputs.activations:
         raise LayerCopyError("the step's graph takes activations of an earlier graph")
-    copied = copy_layers(joint.module, layers, joint.context.fake_mode)
-    added = (layers - TRACED_LAYERS) * copied.layer_parameter_bytes
+    copied = copy_layers(joint.module, layers, joint.context.fake_mode, period)
+    added = copied.added_parameter_bytes
     kwargs = dict(joint.kwargs)
     if "static_lifetime_input_indices" in kwargs:
         kwargs["static_lifetime_input_indices"] = copied.primal_indices(kwargs["static_lifetime_input_indices"])
@@ -245,40 +246,74 @@ def with_layer_copies(traced: "_Traced", layers: int, profile: Any) -> "_Traced"
     return traced._replace(joints=[copy], optimizer=optimizer)
 
 
-def layers_unlike(source: Any, batch: int, seq: int, dtype: torch.dtype) -> str | None:
-    """Why the model's layers are not all alike (``models.unlike_layers``: the copied graph's own check sees
-    only the four traced), the model built with fake tensors; None where they are."""
+class LayerRepeat(NamedTuple):
+    """How a model's layers repeat, for copies: every ``period`` layers after the first alike; ``unlike``:
+    why they are not all alike (None where they are); ``period`` None where copies cannot stand for them."""
+
+    period: int | None
+    unlike: str | None
+
+    def traced(self, layers: int) -> int:
+        """How many of the ``layers`` to trace (``fxoffload.passes.traced_layers``)."""
+        return traced_layers(layers, self.period or 1)
+
+
+def layer_repeat(source: Any, batch: int, seq: int, dtype: torch.dtype) -> LayerRepeat:
+    """How the model's layers repeat (``models.layer_period``: the copied graph's own check sees only the
+    traced), the model built with fake tensors, at the longest period whose trace is shorter than the
+    model; where it is above 1, the model built with that trace's layers too, its layers checked alike
+    the model's they stand for (all but the last, the model's first; the last, the model's last)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         step, _, _ = source.build(batch, seq, dtype)
         layers = layer_list(step)
-        return "no list of layers of one class" if layers is None else models.unlike_layers(list(layers))
+        if layers is None:
+            return LayerRepeat(None, "no list of layers of one class")
+        layers, count = list(layers), len(layers)
+        unlike = models.unlike_layers(layers)
+        longest = max((p for p in range(1, count) if traced_layers(count, p) < count), default=0)
+        period = 1 if unlike is None else models.layer_period(layers, longest)
+        if period is None or period == 1:
+            return LayerRepeat(period, unlike)
+        traced = traced_layers(count, period)
+        shorter, _, _ = source.with_layers(traced).build(batch, seq, dtype)
+        built = list(layer_list(shorter) or [])
+        stands = [*range(traced - 1), count - 1]  # the model's layer each traced one stands for
+        if len(built) != traced or not all(models.alike_at(layer, layers[at], (i, at))
+                                           for i, (layer, at) in enumerate(zip(built, stands))):
+            return LayerRepeat(None, f"{unlike}; a {traced}-layer build's layers are not the model's they stand for")
+        return LayerRepeat(period, unlike)
 
 
-def may_copy_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype,
-                    progress: Progress) -> bool:
-    """Whether a trace of ``TRACED_LAYERS`` layers may be copied to the model's: not under ``--per-layer`` or
-    ``--trace-every-layer``, for a source that builds fewer layers than it has (more than ``TRACED_LAYERS``),
-    all alike (:func:`layers_unlike`; where they are not, said through ``progress``)."""
+def copies_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype,
+                  progress: Progress) -> LayerRepeat | None:
+    """How a trace of a few layers may be copied to the model's (:func:`layer_repeat`), None where it may
+    not: under ``--per-layer`` or ``--trace-every-layer``, for a source that builds no fewer layers than it
+    has or whose layers do not repeat within a trace shorter than the model (said through ``progress``)."""
     if (args.per_layer or getattr(args, "trace_every_layer", False) or source.with_layers is None
             or (source.layers or 0) <= TRACED_LAYERS):
-        return False
-    unlike = layers_unlike(source, batch, seq, dtype)
-    if unlike is not None:
-        progress(f"{source.name}'s layers are not all alike ({unlike}): tracing all {source.layers}")
-    return unlike is None
+        return None
+    repeat = layer_repeat(source, batch, seq, dtype)
+    if repeat.period is None:
+        progress(f"{source.name}'s layers are not all alike ({repeat.unlike}): tracing all {source.layers}")
+        return None
+    if repeat.period > 1:
+        progress(f"{source.name}'s layers repeat every {repeat.period} ({repeat.unlike}): tracing "
+                 f"{repeat.traced(source.layers)} of {source.layers}")
+    return repeat
 
 
 def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dtype, options: dict,
                          progress: Progress) -> "_Traced | None":
-    """The step traced with ``TRACED_LAYERS`` layers to its one joint graph (the compile stopped there), the
-    graph's layers copied to the model's (:func:`with_layer_copies`): the joint graph a trace of every layer
-    gives, in a few seconds (``seconds["layer_copies"]``: the copying; ``seconds["build"]`` counts the full
-    model's build that checks its layers). None, for the caller to trace every
-    layer: under ``--per-layer`` or ``--trace-every-layer``, for a source of ``TRACED_LAYERS`` layers or fewer
-    or one that builds no fewer, where the model's layers are not all alike (:func:`layers_unlike`), and
+    """The step traced with a few layers (``LayerRepeat.traced``: four where all are alike) to its one joint
+    graph (the compile stopped there), the graph's layers copied to the model's (:func:`with_layer_copies`):
+    the joint graph a trace of every layer gives, in a few seconds (``seconds["layer_copies"]``: the copying;
+    ``seconds["build"]`` counts the full model's build that checks its layers). None, for the caller to trace
+    every layer: under ``--per-layer`` or ``--trace-every-layer``, for a source of ``TRACED_LAYERS`` layers or
+    fewer or one that builds no fewer, where the model's layers do not repeat (:func:`copies_layers`), and
     where the traced graph's layers do not repeat as copies need (the last two said through ``progress``)."""
     start = time.perf_counter()
-    if not may_copy_layers(source, args, args.batch, seq, dtype, progress):
+    repeat = copies_layers(source, args, args.batch, seq, dtype, progress)
+    if repeat is None:
         return None
     checked = time.perf_counter() - start
     run = argparse.Namespace(**{**vars(args), "keep_joints": True, "joints_only": True})
@@ -286,13 +321,14 @@ def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype:
     # graphs (then traced whole below), so it plans without a budget, as fit's traces do.
     # (reserved goes with the device budget: it counts against one, and is refused without)
     unbudgeted = {**options, "memory_budget": 1.0, "device_budget": None, "reserved": 0, "max_overhead": None}
-    traced = trace_step(source.with_layers(TRACED_LAYERS), run, seq, dtype, unbudgeted, progress)
+    traced_count = repeat.traced(source.layers)
+    traced = trace_step(source.with_layers(traced_count), run, seq, dtype, unbudgeted, progress)
     start = time.perf_counter()
     try:
-        copied = with_layer_copies(traced, source.layers, options["device_profile"])
+        copied = with_layer_copies(traced, source.layers, options["device_profile"], repeat.period)
     except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
         why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
-        progress(f"the layers of a {TRACED_LAYERS}-layer trace do not repeat as copies need ({why}): tracing all "
+        progress(f"the layers of a {traced_count}-layer trace do not repeat as copies need ({why}): tracing all "
                  f"{source.layers}")
         return None
     spent = time.perf_counter() - start
