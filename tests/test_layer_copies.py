@@ -158,9 +158,14 @@ def planned(config, *flags):
 
 def by_position(record) -> tuple:
     """What ``plan_digest`` hashes of a record's plan, each node named by its place in the graph's timeline
-    instead of by its name (names the trace gave and the copies' differ, for the same graph)."""
-    place = {n.name: i for i, n in enumerate(record.timeline.nodes)}
-    at = lambda node: None if node is None else place[node.name]  # noqa: E731
+    instead of by its name (names the trace gave and the copies' differ, for the same graph). A name the
+    timeline holds twice (the forward's ``getitem_28`` and the backward's) is a saved value's, in the forward:
+    its first place; a node is placed by itself."""
+    place: dict[str, int] = {}
+    for i, n in enumerate(record.timeline.nodes):
+        place.setdefault(n.name, i)
+    nodes = {n: i for i, n in enumerate(record.timeline.nodes)}
+    at = lambda node: None if node is None else nodes[node]  # noqa: E731
     plan, schedule = record.plan, record.schedule
     return (plan.partition, [(place[d.name], d.action) for d in plan.decisions],
             [(place[t.base_name], t.nbytes, t.members) for t in plan.transfers],
@@ -434,12 +439,13 @@ def test_layers_of_a_shorter_build_unlike_the_model_s_are_traced_all(small_gemma
 
 
 @pytest.mark.slow
-def test_plan_s_report_from_layers_of_a_period_copied_is_the_report_of_every_layer_traced(tmp_path):
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_plan_s_report_from_layers_of_a_period_copied_is_the_report_of_every_layer_traced(tmp_path, checkpointing):
     """``fxoffload plan`` of the small Gemma-3 traces eight of its eleven layers and copies them by their period:
     each plan, and every figure of the report, is that of ``--trace-every-layer`` (names and seconds apart)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_GEMMA3))
-    flags = ("--seq", "64", "--strategy", "offload", "--budget", "0.5")
+    flags = ("--seq", "64", "--strategy", "offload", "--budget", "0.5", "--checkpointing", checkpointing)
     copied, copied_report = planned(config, *flags)
     every, every_report = planned(config, *flags, "--trace-every-layer")
     assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]

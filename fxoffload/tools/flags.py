@@ -54,8 +54,8 @@ def add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, help="plan only the first N layers (a quick slice)")
     parser.add_argument("--trace-every-layer", action="store_true",
                         help=f"trace all the model's layers (default for a preset or a config compiled whole: trace "
-                             f"{TRACED_LAYERS} and copy the joint graph's layers: the same graph, faster, some of "
-                             "its nodes named otherwise)")
+                             f"{TRACED_LAYERS}, or two periods and the ends of layers that repeat every few, and copy "
+                             "the joint graph's layers: the same graph, faster, some of its nodes named otherwise)")
 
 
 def add_device(parser: argparse.ArgumentParser, several_profiles: str | None = None) -> None:
