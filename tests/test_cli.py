@@ -314,6 +314,17 @@ def test_bad_model_file(capsys, tmp_path, text, message):
     assert "model file not found" in run_error(capsys, "--model", str(tmp_path / "none.py"))
 
 
+@pytest.mark.parametrize("name, message", [
+    ("config.json", "is not a Python file (a transformers config: give it with --config); accepted: a .py file"),
+    ("model.txt", "is not a Python file; accepted: a .py file defining build(batch, seq, dtype)"),
+])
+def test_a_model_file_python_cannot_import_is_refused_by_name(capsys, tmp_path, name, message):
+    # A config.json given to --model raised AttributeError from importlib (a traceback), before 2026-12-07.
+    path = tmp_path / name
+    path.write_text(json.dumps(SMALL_LLAMA))
+    assert message in run_error(capsys, "--model", str(path))
+
+
 def test_a_model_that_returns_no_loss_is_refused(capsys, tmp_path):
     path = tmp_path / "m.py"
     path.write_text(MODEL_FILE.replace(".square().mean()", ""))

@@ -230,6 +230,10 @@ def from_python_file(path: "str | Path") -> ModelSource:
     if not path.is_file():
         raise ModelError(f"model file not found: {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"fxoffload_model_{path.stem}", path)
+    if spec is None or spec.loader is None:  # a name Python cannot import: config.json, model.txt
+        config = " (a transformers config: give it with --config)" if path.suffix == ".json" else ""
+        raise ModelError(f"model file {str(path)!r} is not a Python file{config}; accepted: a .py file defining "
+                         "build(batch, seq, dtype) returning (model, inputs)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dynamo looks the model's globals up by module name
     try:
