@@ -27,6 +27,14 @@ the same node of layer ``j + i - s``. Why the neighbours' offsets agree: a copy 
 the copy of layer 1 above it as layer ``p`` reads layer ``p + 1`` (layer 1 shifted), a copy of layer 1
 reads the copy of layer ``p`` below it as layer ``p + 1`` reads layer ``p``, and the copy for ``n - 2``
 reads the last layer as layer ``T - 2`` (its source shifted) reads layer ``T - 1``.
+
+A head: a model whose first layers are unlike the rest (DeepSeek's dense layers before its experts) keeps
+its first ``h`` layers as traced (``h = 1``: layer 0 alone, as above), and the above holds with layer
+``h`` in layer 1's place: ``T >= h + 2p + 1``, the pairs checked from layer ``h`` on, layer
+``h + (j - h) mod p`` copied for each layer ``j`` from ``h`` to ``n - 2``. The caller picks ``h`` two layers
+past the unlike ones: the first layer of the rest reads an unlike layer's outputs (at other offsets in
+its block), and may hold the size nodes every later layer reads (``sym_size`` of its input, made once),
+so only the second one on reads a layer of its own kind laid out as the rest.
 A node outside the layers reads layer 0 and the last layer only. A node that computes a size from
 the graph's symbolic sizes alone (no tensor in or out: ``batch * length``, which a symbolic batch, or
 a batch above one beside a symbolic length, makes for every layer's views to read) belongs to no
@@ -39,8 +47,8 @@ storages apart by identity): each storage the traced graph made is made again, a
 of the node that made it, and every view of it becomes the same view of the new one.
 
 Limits: one list of layers; layers that read only their neighbours; nothing outside the layers that
-reads a middle layer; at least as many layers as traced. The layers past those traced are not seen
-here: the caller first checks that the model builds them repeating with the period
+reads a middle layer (a head layer may be read); at least as many layers as traced. The layers past those
+traced are not seen here: the caller first checks that the model builds them repeating with the period
 (``fxoffload.tools.models.layer_period``) and the traced ones as the model's.
 Node names are FX's own for the new graph (a trace of all the layers numbers some of them otherwise).
 Anything else raises :class:`LayerCopyError`, and the caller traces every layer instead.
@@ -71,13 +79,14 @@ class LayerCopyError(ValueError):
     """The traced graph's layers do not repeat as :func:`copy_layers` needs (the reason in words)."""
 
 
-def traced_layers(layers: int, period: int = 1) -> int:
-    """How many layers to trace for copies to ``layers`` of ``period``: the fewest ``t`` with two whole
-    periods between the first and the last (``t >= 2 * period + 2``) whose last is of the model's last's
-    kind (``t - layers`` a multiple of ``period``). May exceed ``layers``: then every layer is traced."""
-    if period < 1:
-        raise ValueError(f"period: got {period}; accepted: 1 or more")
-    least = 2 * period + 2
+def traced_layers(layers: int, period: int = 1, head: int = 1) -> int:
+    """How many layers to trace for copies to ``layers`` of ``period`` after ``head`` layers kept as traced:
+    the fewest ``t`` with two whole periods between the head and the last (``t >= head + 2 * period + 1``)
+    whose last is of the model's last's kind (``t - layers`` a multiple of ``period``). May exceed
+    ``layers``: then every layer is traced."""
+    if period < 1 or head < 1:
+        raise ValueError(f"period {period}, head {head}: accepted: 1 or more each")
+    least = head + 2 * period + 1
     return least + (layers - least) % period
 
 
@@ -105,36 +114,41 @@ class CopiedLayers:
         return [i for i, n in enumerate(primals) if int(n.name.rsplit("_", 1)[1]) - 1 in wanted]
 
 
-def copy_layers(gm: fx.GraphModule, layers: int, fake_mode: Any, period: int = 1) -> CopiedLayers:
-    """The joint graph ``gm`` (of ``traced_layers(layers, period)`` layers) made again with ``layers``
-    layers that repeat every ``period``; see the module's docstring. ``fake_mode``: the trace's fake
-    tensor mode (the copies' values are made in it)."""
-    traced = traced_layers(layers, period)
+def copy_layers(gm: fx.GraphModule, layers: int, fake_mode: Any, period: int = 1, head: int = 1) -> CopiedLayers:
+    """The joint graph ``gm`` (of ``traced_layers(layers, period, head)`` layers) made again with ``layers``
+    layers that repeat every ``period`` after the first ``head``; see the module's docstring. ``fake_mode``:
+    the trace's fake tensor mode (the copies' values are made in it)."""
+    traced = traced_layers(layers, period, head)
     if layers < traced:
-        raise LayerCopyError(f"{layers} layers: copies of period {period} need at least {traced}")
+        raise LayerCopyError(f"{layers} layers: copies of period {period} after {head} need at least {traced}")
     sizes = _size_nodes(gm.graph)
     spans = _blocks(gm.graph, traced, sizes)
     blocks = {key: [n for n in span if n not in sizes] for key, span in spans.items()}
     places = {node: Place(layer, kind, offset) for (layer, kind), nodes in blocks.items()
               for offset, node in enumerate(nodes)}
-    _check_repeats(blocks, places, _Repeat(period, traced), sizes)
-    return _Copier(gm, spans, places, _Repeat(period, traced), layers, fake_mode, sizes).run()
+    repeat = _Repeat(period, traced, head)
+    _check_repeats(blocks, places, repeat, sizes)
+    return _Copier(gm, spans, places, repeat, layers, fake_mode, sizes).run()
 
 
 class _Repeat(NamedTuple):
-    """How the traced layers repeat: ``period``, and how many were traced."""
+    """How the traced layers repeat: ``period``, how many were traced, and how many lead kept as traced."""
 
     period: int
     traced: int
+    head: int
 
     def source(self, layer: int, layers: int) -> int:
         """The traced layer a new layer (of ``layers``) copies."""
-        if layer in (0, layers - 1):
-            return 0 if layer == 0 else self.traced - 1
-        return 1 + (layer - 1) % self.period
+        if layer == layers - 1:
+            return self.traced - 1
+        if layer < self.head:
+            return layer
+        return self.head + (layer - self.head) % self.period
 
     def middle(self) -> range:
-        return range(1, self.traced - 1)
+        """The traced layers the middle's copies are made of (the first period) or checked by."""
+        return range(self.head, self.traced - 1)
 
 
 def _size_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
@@ -241,7 +255,7 @@ def _signature(node: fx.Node, places: dict, shift: int, sizes: frozenset = froze
 def _check_repeats(blocks: dict, places: dict, repeat: _Repeat, sizes: frozenset = frozenset()) -> None:
     """Each middle layer ``i + p``'s blocks are layer ``i``'s shifted by the period ``p``, node by node."""
     step = repeat.period
-    for low in range(1, repeat.traced - 1 - step):
+    for low in range(repeat.head, repeat.traced - 1 - step):
         high = low + step
         for kind in _KINDS:
             one, two = blocks[(low, kind)], blocks[(high, kind)]
@@ -268,7 +282,7 @@ class _Copier:
         self.copied_as: list[tuple[int, int] | None] = []  # per new placeholder: (traced layer, new layer)
         self.made: dict[tuple[int, int], Any] = {}  # (new layer, traced storage) -> the copy's storage
         self.owners = _storage_owners(gm.graph)
-        self.id_step = _ac_id_step(self.blocks)
+        self.id_step = _ac_id_step(self.blocks, repeat.head)
         self.primals = 0
         primals = [p for p in gm.graph.find_nodes(op="placeholder") if p.name.startswith("primals_")]
         flat = list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
@@ -286,13 +300,14 @@ class _Copier:
             elif place is None:
                 continue
             elif place.offset != 0 or place.layer in self.repeat.middle()[1:]:
-                continue  # a block is copied whole at its first node; layers 2 on only checked the repeat
-            elif place.layer == 1:  # every middle layer's block, each a copy of its source's
-                order = range(1, last) if place.kind != "backward" else range(last - 1, 0, -1)
+                continue  # a block is copied whole at its first node; the middle's later layers only checked
+            elif place.layer == self.repeat.head:  # every middle layer's block, each a copy of its source's
+                head = self.repeat.head
+                order = range(head, last) if place.kind != "backward" else range(last - 1, head - 1, -1)
                 for layer in order:
                     self.copy_block(place.kind, self.repeat.source(layer, self.layers), layer)
-            else:
-                self.copy_block(place.kind, place.layer, 0 if place.layer == 0 else last)
+            else:  # a layer of the head, or the last
+                self.copy_block(place.kind, place.layer, place.layer if place.layer < self.repeat.head else last)
         self.graph.lint()
         return CopiedLayers(fx.GraphModule(self.gm, self.graph), tuple(self.sources), self.layers,
                             self.added_parameter_bytes())
@@ -302,7 +317,7 @@ class _Copier:
         of = [sum(int(tensor_nbytes(traced_value(p))) for p in self.blocks[(layer, "params")]
                   if isinstance(self.grad_of.get(p), fx.Node)) for layer in range(self.repeat.traced)]
         copied = sum(of[self.repeat.source(layer, self.layers)] for layer in range(1, self.layers - 1))
-        return copied - sum(of[layer] for layer in self.repeat.middle())
+        return copied - sum(of[1:self.repeat.traced - 1])
 
     def copy_block(self, kind: str, source: int, layer: int) -> None:
         for node in self.spans[(source, kind)]:
@@ -353,9 +368,9 @@ class _Copier:
             raise LayerCopyError(f"a node outside the layers reads {a.name} before its place in the graph")
         if place is None:
             return self.shared[a]
-        if place.layer not in (0, self.repeat.traced - 1):
+        if self.repeat.head <= place.layer < self.repeat.traced - 1:
             raise LayerCopyError(f"a node outside the layers reads layer {place.layer}'s {a.name}")
-        target = 0 if place.layer == 0 else self.layers - 1
+        target = place.layer if place.layer < self.repeat.head else self.layers - 1
         return self.new[(target, place.kind, place.offset)]
 
     def outputs(self, node: fx.Node) -> Any:
@@ -414,8 +429,9 @@ def _storage_owners(graph: fx.Graph) -> dict[int, tuple[fx.Node, int]]:
     return owners
 
 
-def _ac_id_step(blocks: dict) -> int:
+def _ac_id_step(blocks: dict, first: int) -> int:
+    """Checkpointing's region ids a layer on: the first two middle layers' (``first`` on)."""
     ids = [next((n.meta["ac_graph_id"] for n in blocks[(layer, "forward")] if "ac_graph_id" in n.meta), None)
-           for layer in (1, 2)]
+           for layer in (first, first + 1)]
     return ids[1] - ids[0] if None not in ids else 0
 

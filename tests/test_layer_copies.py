@@ -356,11 +356,13 @@ def gemma3_every_layer(small_gemma3):
     return traces_of(small_gemma3, trace_every_layer=True)._symbolic_trace("none", 1).traced
 
 
-@pytest.mark.parametrize("layers, period", [(n, p) for p in (1, 2, 3, 6) for n in range(2 * p + 2, 4 * p + 4)])
-def test_the_traced_layers_hold_two_periods_between_the_first_and_a_last_of_the_model_s_last_s_kind(layers, period):
-    traced = traced_layers(layers, period)
-    assert traced >= 2 * period + 2 and (layers - traced) % period == 0
-    assert traced - period < 2 * period + 2  # the fewest such
+@pytest.mark.parametrize("layers, period, head", [(n, p, h) for p in (1, 2, 3, 6) for h in (1, 3, 5)
+                                                 for n in range(h + 2 * p + 1, h + 4 * p + 3)])
+def test_the_traced_layers_hold_two_periods_between_the_head_and_a_last_of_the_model_s_last_s_kind(layers, period,
+                                                                                                   head):
+    traced = traced_layers(layers, period, head)
+    assert traced >= head + 2 * period + 1 and (layers - traced) % period == 0
+    assert traced - period < head + 2 * period + 1  # the fewest such
     assert traced_layers(layers, 1) == TRACED_LAYERS
 
 
@@ -379,6 +381,9 @@ def test_a_layer_period_is_the_fewest_distance_at_which_the_layers_after_the_fir
     layers[10].kind = "other"
     assert layer_period(layers, 5) is None
     assert layer_period([layer(i, "same") for i in range(6)], 2) == 1
+    dense_first = [layer(0, "dense"), layer(1, "dense")] + [layer(i, "experts") for i in range(2, 8)]
+    assert layer_period(dense_first, 3, start=0) is None and layer_period(dense_first, 3, start=1) is None
+    assert layer_period(dense_first, 3, start=2) == 1
 
 
 @pytest.mark.compat
@@ -455,3 +460,32 @@ def test_plan_s_report_from_layers_of_a_period_copied_is_the_report_of_every_lay
     figures = lambda report: {**report, "seconds": None,  # noqa: E731
                               "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
     assert figures(copied_report) == figures(every_report)
+
+
+# A dense layer before the experts (DeepSeek's first_k_dense_replace): the layers after the first are alike, but
+# the first of them reads the dense layer's outputs (at other offsets in its block) and makes the size nodes the
+# later ones read, so it is kept as traced with the dense one, and the copies start at layer 2.
+DEEPSEEK_LAYERS = 10
+SMALL_DEEPSEEK = {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 256,
+                  "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                  "num_hidden_layers": DEEPSEEK_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4,
+                  "n_shared_experts": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                  "moe_layer_freq": 1, "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 16,
+                  "qk_rope_head_dim": 8, "v_head_dim": 16, "max_position_embeddings": 512}
+
+
+@pytest.mark.compat
+def test_a_dense_first_layer_and_experts_after_it_traced_to_six_and_copied_to_ten_are_the_graph_of_ten(
+        tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek")
+    (folder / "config.json").write_text(json.dumps(SMALL_DEEPSEEK))
+    source = from_config_file(folder)
+    said: list[str] = []
+    traces = traces_of(source, said)
+    copied = traces._symbolic_trace("none", 1).traced
+    assert traces.traced == 1 and any(f"repeat every 1 from layer 1: tracing 6 of {DEEPSEEK_LAYERS}" in s
+                                      for s in said), said
+    every = traces_of(source, trace_every_layer=True)._symbolic_trace("none", 1).traced
+    assert canonical(copied.joints[0].module) == canonical(every.joints[0].module)
+    assert copied.joints[0].inputs.gradient_bytes == every.joints[0].inputs.gradient_bytes
+    assert copied.optimizer == every.optimizer

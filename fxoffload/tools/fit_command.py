@@ -474,7 +474,8 @@ class _Traces:
             with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
                 traced = self._trace(checkpointing, batch, seq, symbolic=True,
                                      source=source.with_layers(traced_count))
-                return with_layer_copies(traced, source.layers, self._common["device_profile"], repeat.period)
+                return with_layer_copies(traced, source.layers, self._common["device_profile"], repeat.period,
+                                         repeat.head)
         except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
             why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
             self._progress(f"the layers of a {traced_count}-layer trace (checkpointing {checkpointing}) do not "

@@ -654,14 +654,14 @@ def unlike_layers(layers: "list[torch.nn.Module]") -> str | None:
     return None
 
 
-def layer_period(layers: "list[torch.nn.Module]", longest: int) -> int | None:
-    """The fewest ``p`` (at most ``longest``) with every layer after the first alike the one ``p`` on
+def layer_period(layers: "list[torch.nn.Module]", longest: int, start: int = 1) -> int | None:
+    """The fewest ``p`` (at most ``longest``) with every layer from ``start`` on alike the one ``p`` on
     (:func:`unlike_layers`' test, at distance ``p``): 1 where all are alike, 6 for Gemma-3 (every sixth
     layer attends globally), 2 for Gemma-2; None where none is."""
-    later = layers[1:]
+    later = layers[start:]
     shapes = [_structure(layer) for layer in later]
     attributes = [_attributes(layer) for layer in later]
-    positions = list(range(1, len(layers)))
+    positions = list(range(start, len(layers)))
     keys = dict.fromkeys(key for found in attributes for key in found)
     columns = [[repr(found.get(key, "(none)")) for found in attributes] for key in keys]
     columns = [c for c in columns if c != [repr(p) for p in positions]]  # each layer's own index: may differ

@@ -218,8 +218,8 @@ def checkpointed_side_effects_allowed() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
-def with_layer_copies(traced: "_Traced", layers: int, profile: Any, period: int = 1) -> "_Traced":
-    """``traced`` (a step of ``traced_layers(layers, period)`` layers traced to its one joint graph,
+def with_layer_copies(traced: "_Traced", layers: int, profile: Any, period: int = 1, head: int = 1) -> "_Traced":
+    """``traced`` (a step of ``traced_layers(layers, period, head)`` layers traced to its one joint graph,
     ``joints_only``) as if all ``layers`` had been traced: its joint graph's layers copied
     (:func:`fxoffload.passes.copy_layers`), and the parameters' and the optimizer's figures counted for
     them. Raises ``LayerCopyError`` where the layers do not repeat (the caller traces them all)."""
@@ -228,7 +228,7 @@ def with_layer_copies(traced: "_Traced", layers: int, profile: Any, period: int 
     joint = traced.joints[0]
     if joint.inputs.activations:
         raise LayerCopyError("the step's graph takes activations of an earlier graph")
-    copied = copy_layers(joint.module, layers, joint.context.fake_mode, period)
+    copied = copy_layers(joint.module, layers, joint.context.fake_mode, period, head)
     added = copied.added_parameter_bytes
     kwargs = dict(joint.kwargs)
     if "static_lifetime_input_indices" in kwargs:
@@ -247,22 +247,36 @@ def with_layer_copies(traced: "_Traced", layers: int, profile: Any, period: int 
 
 
 class LayerRepeat(NamedTuple):
-    """How a model's layers repeat, for copies: every ``period`` layers after the first alike; ``unlike``:
-    why they are not all alike (None where they are); ``period`` None where copies cannot stand for them."""
+    """How a model's layers repeat, for copies: every ``period`` layers alike after ``head`` kept as traced
+    (``passes.copy_layers``); ``unlike``: why they are not all alike (None where they are); ``period``
+    None where copies cannot stand for them."""
 
     period: int | None
     unlike: str | None
+    head: int = 1
 
     def traced(self, layers: int) -> int:
         """How many of the ``layers`` to trace (``fxoffload.passes.traced_layers``)."""
-        return traced_layers(layers, self.period or 1)
+        return traced_layers(layers, self.period or 1, self.head)
+
+    def said(self, layers: int) -> str:
+        """The pattern in words, for progress: "every 6", "every 1 from layer 1"."""
+        start = 0 if self.head == 1 else self.head - 2
+        return (f"repeat every {self.period}{f' from layer {start}' if start else ''}"
+                f"{f' ({self.unlike})' if self.unlike else ''}: tracing {self.traced(layers)} of {layers}")
+
+
+# The most layers unlike the rest a model may lead with for copies (DeepSeek-V3's three dense layers).
+LONGEST_PREFIX = 4
 
 
 def layer_repeat(source: Any, batch: int, seq: int, dtype: torch.dtype) -> LayerRepeat:
     """How the model's layers repeat (``models.layer_period``: the copied graph's own check sees only the
-    traced), the model built with fake tensors, at the longest period whose trace is shorter than the
-    model; where it is above 1, the model built with that trace's layers too, its layers checked alike
-    the model's they stand for (all but the last, the model's first; the last, the model's last)."""
+    traced), the model built with fake tensors: the fewest layers unlike the rest before the first
+    (``LONGEST_PREFIX`` at most; none: every layer of the pattern, the head layer 0 alone; else the head two
+    past them, ``passes.layer_copies``), then the fewest period whose trace is shorter than the model.
+    Where either is not the plain case, the model built with that trace's layers too, its layers checked
+    alike the model's they stand for (all but the last, the model's first; the last, the model's last)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         step, _, _ = source.build(batch, seq, dtype)
         layers = layer_list(step)
@@ -270,18 +284,30 @@ def layer_repeat(source: Any, batch: int, seq: int, dtype: torch.dtype) -> Layer
             return LayerRepeat(None, "no list of layers of one class")
         layers, count = list(layers), len(layers)
         unlike = models.unlike_layers(layers)
-        longest = max((p for p in range(1, count) if traced_layers(count, p) < count), default=0)
-        period = 1 if unlike is None else models.layer_period(layers, longest)
-        if period is None or period == 1:
-            return LayerRepeat(period, unlike)
-        traced = traced_layers(count, period)
+        repeat = _pattern(layers, unlike)
+        if repeat.period is None or (repeat.period, repeat.head) == (1, 1):
+            return repeat
+        traced = repeat.traced(count)
         shorter, _, _ = source.with_layers(traced).build(batch, seq, dtype)
         built = list(layer_list(shorter) or [])
         stands = [*range(traced - 1), count - 1]  # the model's layer each traced one stands for
         if len(built) != traced or not all(models.alike_at(layer, layers[at], (i, at))
                                            for i, (layer, at) in enumerate(zip(built, stands))):
-            return LayerRepeat(None, f"{unlike}; a {traced}-layer build's layers are not the model's they stand for")
-        return LayerRepeat(period, unlike)
+            why = f"a {traced}-layer build's layers are not the model's they stand for"
+            return LayerRepeat(None, f"{unlike}; {why}" if unlike else why)
+        return repeat
+
+
+def _pattern(layers: list, unlike: str | None) -> LayerRepeat:
+    """The fewest leading layers unlike the rest, then the fewest period of the rest (see ``layer_repeat``)."""
+    count = len(layers)
+    for start in range(min(LONGEST_PREFIX, count - 1) + 1):
+        head = 1 if start == 0 else start + 2
+        longest = max((p for p in range(1, count) if traced_layers(count, p, head) < count), default=0)
+        period = models.layer_period(layers, longest, start) if longest else None
+        if period is not None:
+            return LayerRepeat(period, unlike, head)
+    return LayerRepeat(None, unlike or "no period within a trace shorter than the model")
 
 
 def copies_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype,
@@ -296,9 +322,8 @@ def copies_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, d
     if repeat.period is None:
         progress(f"{source.name}'s layers are not all alike ({repeat.unlike}): tracing all {source.layers}")
         return None
-    if repeat.period > 1:
-        progress(f"{source.name}'s layers repeat every {repeat.period} ({repeat.unlike}): tracing "
-                 f"{repeat.traced(source.layers)} of {source.layers}")
+    if (repeat.period, repeat.head) != (1, 1):
+        progress(f"{source.name}'s layers {repeat.said(source.layers)}")
     return repeat
 
 
@@ -325,7 +350,7 @@ def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype:
     traced = trace_step(source.with_layers(traced_count), run, seq, dtype, unbudgeted, progress)
     start = time.perf_counter()
     try:
-        copied = with_layer_copies(traced, source.layers, options["device_profile"], repeat.period)
+        copied = with_layer_copies(traced, source.layers, options["device_profile"], repeat.period, repeat.head)
     except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
         why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
         progress(f"the layers of a {traced_count}-layer trace do not repeat as copies need ({why}): tracing all "
