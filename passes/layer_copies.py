@@ -187,7 +187,8 @@ def _blocks(graph: fx.Graph, traced: int, sizes: frozenset = frozenset()) -> dic
         raise LayerCopyError(f"the graph's nodes sit in {len(lists)} numbered module lists, not one")
     found = sorted({owner[1] for owner in owners.values() if owner})
     if found != list(range(traced)):
-        raise LayerCopyError(f"the graph's layers are {found}, not 0 to {traced - 1}")
+        raise LayerCopyError(f"the graph's layers are {found}, not 0 to {traced - 1} (the {traced} traced layers "
+                             "these copies are made from)")
     layer_of = {n: owner[1] for n, owner in owners.items() if owner}
     forward = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
     backward = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward"]

@@ -29,11 +29,14 @@ SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
 def canonical(gm: fx.GraphModule) -> list:
     """The graph as a trace of it would compare: per node in order, its op and target, its arguments (a
     node by its position), its values' sizes, strides, offsets and dtypes, which of the earlier values
-    share a storage with each, checkpointing's tags (region ids by their order) and the input descriptors."""
+    share a storage with each, checkpointing's tags (region ids by their rank among the graph's: a trace numbers
+    them from where the process's count stood, and their order is what the partitioner reads) and the input
+    descriptors."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     storages: dict = {}
-    regions: dict = {}
+    ids = sorted({n.meta["ac_graph_id"] for n in nodes if "ac_graph_id" in n.meta})
+    regions = {r: rank for rank, r in enumerate(ids)}
     found = []
     for n in nodes:
         values = []
@@ -44,7 +47,7 @@ def canonical(gm: fx.GraphModule) -> list:
             else:
                 values.append(str(v))
         arguments = tree_map(lambda a: ("node", position[a]) if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
-        region = regions.setdefault(n.meta["ac_graph_id"], len(regions)) if "ac_graph_id" in n.meta else None
+        region = regions[n.meta["ac_graph_id"]] if "ac_graph_id" in n.meta else None
         found.append((n.op, n.name.rsplit("_", 1)[0] if n.op == "placeholder" else str(n.target), repr(arguments),
                       tuple(values), n.meta.get("recompute"), region, n.meta.get("partitioner_tag"),
                       str(n.meta.get("desc"))))
@@ -353,7 +356,9 @@ def small_gemma3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma3_every_layer(small_gemma3):
-    return traces_of(small_gemma3, trace_every_layer=True)._symbolic_trace("none", 1).traced
+    """Per checkpointing mode, as asked: the symbolic trace of all eleven layers."""
+    traces = traces_of(small_gemma3, trace_every_layer=True)
+    return lambda mode: traces._symbolic_trace(mode, 1).traced
 
 
 @pytest.mark.parametrize("layers, period, head", [(n, p, h) for p in (1, 2, 3, 6) for h in (1, 3, 5)
@@ -386,18 +391,21 @@ def test_a_layer_period_is_the_fewest_distance_at_which_the_layers_after_the_fir
     assert layer_period(dense_first, 3, start=2) == 1
 
 
-@pytest.mark.compat
+# Checkpointed, the copies' region ids must shift by their layers (the partitioner reads their order).
+@pytest.mark.parametrize("checkpointing", [pytest.param("none", marks=pytest.mark.compat),
+                                           pytest.param("full", marks=pytest.mark.slow)])
 def test_layers_of_period_three_traced_to_eight_and_copied_to_eleven_are_the_graph_a_trace_of_eleven_gives(
-        small_gemma3, gemma3_every_layer):
+        small_gemma3, gemma3_every_layer, checkpointing):
     said: list[str] = []
     traces = traces_of(small_gemma3, said)
-    copied = traces._symbolic_trace("none", 1).traced
+    copied = traces._symbolic_trace(checkpointing, 1).traced
     assert traces.traced == 1 and any("repeat every 3" in s and f"tracing 8 of {GEMMA3_LAYERS}" in s
                                       for s in said), said
-    assert canonical(copied.joints[0].module) == canonical(gemma3_every_layer.joints[0].module)
-    (joint,), (every,) = copied.joints, gemma3_every_layer.joints
+    every_layer = gemma3_every_layer(checkpointing)
+    assert canonical(copied.joints[0].module) == canonical(every_layer.joints[0].module)
+    (joint,), (every,) = copied.joints, every_layer.joints
     assert joint.inputs.gradient_bytes == every.inputs.gradient_bytes  # eleven layers' parameters
-    assert copied.optimizer == gemma3_every_layer.optimizer
+    assert copied.optimizer == every_layer.optimizer
 
 
 @pytest.fixture(scope="module")
@@ -440,7 +448,15 @@ def test_layers_of_a_shorter_build_unlike_the_model_s_are_traced_all(small_gemma
     said: list[str] = []
     assert copies_layers(small_gemma3, fit_args(), 1, 16, torch.float32, said.append).period == 3
     assert copies_layers(source, fit_args(), 1, 16, torch.float32, said.append) is None
-    assert "not the model's they stand for" in said[-1] and f"tracing all {GEMMA3_LAYERS}" in said[-1], said
+    assert "repeat every 3 (" in said[-1] and ("), but a build of 8 layers does not make the model's layers it stands "
+                                               f"for: tracing all {GEMMA3_LAYERS}") in said[-1], said
+
+    def failing(batch, seq, dtype):
+        raise RuntimeError("no such layer kind")
+
+    source = dataclasses.replace(small_gemma3, with_layers=lambda count: dataclasses.replace(shorter, build=failing))
+    assert copies_layers(source, fit_args(), 1, 16, torch.float32, said.append) is None
+    assert "but a build of 8 layers failed (RuntimeError: no such layer kind): tracing all" in said[-1], said
 
 
 @pytest.mark.slow
@@ -489,3 +505,29 @@ def test_a_dense_first_layer_and_experts_after_it_traced_to_six_and_copied_to_te
     assert canonical(copied.joints[0].module) == canonical(every.joints[0].module)
     assert copied.joints[0].inputs.gradient_bytes == every.joints[0].inputs.gradient_bytes
     assert copied.optimizer == every.optimizer
+
+
+# Llama-4's experts every other layer: the layers of a period hold different parameters (a dense MLP, experts).
+SMALL_LLAMA4 = {"model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "vocab_size": 256,
+                "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "num_hidden_layers": 9,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+                "num_local_experts": 2, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                "no_rope_layer_interval": 2, "attention_chunk_size": 16}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_plan_s_report_from_layers_unlike_within_their_period_is_the_report_of_every_layer_traced(tmp_path,
+                                                                                                  checkpointing):
+    """A period whose layers hold different parameters (Llama-4's experts every other layer): the copies count
+    each layer's own (the step's optimizer time and memory), and every plan and figure is the full trace's."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA4))
+    flags = ("--seq", "64", "--strategy", "offload", "--budget", "0.5", "--checkpointing", checkpointing)
+    copied, copied_report = planned(config, *flags)
+    every, every_report = planned(config, *flags, "--trace-every-layer")
+    assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]
+    assert [by_position(r) for r in copied] == [by_position(r) for r in every]
+    figures = lambda report: {**report, "seconds": None,  # noqa: E731
+                              "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
+    assert figures(copied_report) == figures(every_report)

@@ -249,11 +249,12 @@ def with_layer_copies(traced: "_Traced", layers: int, profile: Any, period: int 
 class LayerRepeat(NamedTuple):
     """How a model's layers repeat, for copies: every ``period`` layers alike after ``head`` kept as traced
     (``passes.copy_layers``); ``unlike``: why they are not all alike (None where they are); ``period``
-    None where copies cannot stand for them."""
+    None where copies cannot stand for them, and ``refused`` then says why, after "<model>'s layers"."""
 
     period: int | None
     unlike: str | None
     head: int = 1
+    refused: str | None = None
 
     def traced(self, layers: int) -> int:
         """How many of the ``layers`` to trace (``fxoffload.passes.traced_layers``)."""
@@ -281,21 +282,31 @@ def layer_repeat(source: Any, batch: int, seq: int, dtype: torch.dtype) -> Layer
         step, _, _ = source.build(batch, seq, dtype)
         layers = layer_list(step)
         if layers is None:
-            return LayerRepeat(None, "no list of layers of one class")
-        layers, count = list(layers), len(layers)
-        unlike = models.unlike_layers(layers)
-        repeat = _pattern(layers, unlike)
+            return LayerRepeat(None, None, refused="are not all alike (no list of layers of one class)")
+        layers = list(layers)
+        repeat = _pattern(layers, models.unlike_layers(layers))
         if repeat.period is None or (repeat.period, repeat.head) == (1, 1):
             return repeat
-        traced = repeat.traced(count)
-        shorter, _, _ = source.with_layers(traced).build(batch, seq, dtype)
-        built = list(layer_list(shorter) or [])
-        stands = [*range(traced - 1), count - 1]  # the model's layer each traced one stands for
-        if len(built) != traced or not all(models.alike_at(layer, layers[at], (i, at))
-                                           for i, (layer, at) in enumerate(zip(built, stands))):
-            why = f"a {traced}-layer build's layers are not the model's they stand for"
-            return LayerRepeat(None, f"{unlike}; {why}" if unlike else why)
-        return repeat
+        return repeat._replace(period=None, refused=refused) if (refused := _built_otherwise(
+            source, (batch, seq, dtype), repeat, layers)) else repeat
+
+
+def _built_otherwise(source: Any, size: tuple, repeat: LayerRepeat, layers: list) -> str | None:
+    """Why a build of ``repeat``'s traced count of layers does not make the model's ``layers`` it stands for
+    (its first all but one, the model's first; its last, the model's last), None where it does."""
+    count = len(layers)
+    traced = repeat.traced(count)
+    said = f"{repeat.said(count).split(':')[0]}, but a build of {traced} layers"
+    try:
+        shorter, _, _ = source.with_layers(traced).build(*size)
+    except Exception as e:  # noqa: BLE001 (a build the full model's did not fail: every layer is traced)
+        return f"{said} failed ({one_line(e)})"
+    built = list(layer_list(shorter) or [])
+    stands = [*range(traced - 1), count - 1]  # the model's layer each traced one stands for
+    if len(built) != traced or not all(models.alike_at(layer, layers[at], (i, at))
+                                       for i, (layer, at) in enumerate(zip(built, stands))):
+        return f"{said} does not make the model's layers it stands for"
+    return None
 
 
 def _pattern(layers: list, unlike: str | None) -> LayerRepeat:
@@ -307,7 +318,9 @@ def _pattern(layers: list, unlike: str | None) -> LayerRepeat:
         period = models.layer_period(layers, longest, start) if longest else None
         if period is not None:
             return LayerRepeat(period, unlike, head)
-    return LayerRepeat(None, unlike or "no period within a trace shorter than the model")
+    shorter = "with no period a trace of fewer layers than the model's holds"
+    return LayerRepeat(None, unlike, refused=f"are not all alike ({unlike}), {shorter}" if unlike else
+                       f"lead with a layer unlike the rest, {shorter}")
 
 
 def copies_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype,
@@ -320,7 +333,7 @@ def copies_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, d
         return None
     repeat = layer_repeat(source, batch, seq, dtype)
     if repeat.period is None:
-        progress(f"{source.name}'s layers are not all alike ({repeat.unlike}): tracing all {source.layers}")
+        progress(f"{source.name}'s layers {repeat.refused}: tracing all {source.layers}")
         return None
     if (repeat.period, repeat.head) != (1, 1):
         progress(f"{source.name}'s layers {repeat.said(source.layers)}")
