@@ -509,7 +509,7 @@ def test_a_dense_first_layer_and_experts_after_it_traced_to_six_and_copied_to_te
 
 # Llama-4's experts every other layer: the layers of a period hold different parameters (a dense MLP, experts).
 SMALL_LLAMA4 = {"model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "vocab_size": 256,
-                "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "num_hidden_layers": 9,
+                "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "num_hidden_layers": 11,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
                 "num_local_experts": 2, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
                 "no_rope_layer_interval": 2, "attention_chunk_size": 16}
@@ -531,3 +531,20 @@ def test_plan_s_report_from_layers_unlike_within_their_period_is_the_report_of_e
     figures = lambda report: {**report, "seconds": None,  # noqa: E731
                               "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
     assert figures(copied_report) == figures(every_report)
+
+
+@pytest.mark.slow
+def test_fit_keeps_the_first_layer_of_each_kind_where_a_symbolic_trace_reads_its_sizes_there(tmp_path):
+    """Under fit's symbolic trace Llama-4's first experts layer reads its routed tokens' size from its own tensor,
+    the later ones from a shared node: the copies of a 7-layer trace are refused, and a 9-layer trace with the
+    first dense and experts layers kept as traced is copied, node for node the graph of all eleven."""
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA4))
+    source = from_config_file(tmp_path)
+    said: list[str] = []
+    traces = traces_of(source, said)
+    copied = traces._symbolic_trace("none", 1).traced
+    assert "layers 1 and 3 have" in said[-1] and "tracing 9 of 11, the first layer of each kind kept" in said[-1], said
+    assert copied.joints[0].graph.endswith("layers copied to 11")
+    every = traces_of(source, trace_every_layer=True)._symbolic_trace("none", 1).traced
+    assert canonical(copied.joints[0].module) == canonical(every.joints[0].module)
+    assert copied.optimizer == every.optimizer

@@ -66,7 +66,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.config import OffloadConfig, OptionError
 from fxoffload.passes import (
-    BudgetInfeasibleWarning, LayerCopyError, Why, fixed_sizes, optimizer_step, run_peaks, simulate,
+    BudgetInfeasibleWarning, Why, fixed_sizes, optimizer_step, run_peaks, simulate,
     simulate_step, symbol_value, timeline_at,
 )
 from fxoffload.profiles import PROFILES, resolve_profile
@@ -82,7 +82,7 @@ from fxoffload.tools.models import (
 from fxoffload.tools.plot import plot_fit
 from fxoffload.tools.tracing import (
     Progress, UsageError, copies_layers, min_bytes_of, model_source, number_or_text, partitioned_anew, plan_again,
-    reserve_optimizer_state, SizeRange, trace_step, with_layer_copies,
+    reserve_optimizer_state, retry_wider, SizeRange, trace_step, with_layer_copies,
 )
 
 
@@ -469,18 +469,17 @@ class _Traces:
         repeat = copies_layers(source, self._args, batch, seq, self._dtype, self._progress)
         if repeat is None:
             return None
-        traced_count = repeat.traced(source.layers)
-        try:
-            with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
-                traced = self._trace(checkpointing, batch, seq, symbolic=True,
-                                     source=source.with_layers(traced_count))
-                return with_layer_copies(traced, source.layers, self._common["device_profile"], repeat.period,
-                                         repeat.head)
-        except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
-            why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
-            self._progress(f"the layers of a {traced_count}-layer trace (checkpointing {checkpointing}) do not "
-                           f"repeat as copies need ({why}): tracing all {source.layers}")
-            return None
+        while repeat is not None:
+            try:
+                with _paused_then_frozen():  # the copies' objects too are frozen out of the plans' collections
+                    traced = self._trace(checkpointing, batch, seq, symbolic=True,
+                                         source=source.with_layers(repeat.traced(source.layers)))
+                    return with_layer_copies(traced, source.layers, self._common["device_profile"], repeat.period,
+                                             repeat.head)
+            except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
+                repeat = retry_wider(source, repeat, (batch, seq, self._dtype), e,
+                                     f" (checkpointing {checkpointing})", self._progress)
+        return None
 
     def _per_size(self, checkpointing: str, batch: int, seq: int) -> Any:
         key = (checkpointing, batch, seq)

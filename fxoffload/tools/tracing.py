@@ -38,7 +38,7 @@ from fxoffload.tools.models import ModelError, checkpoint_layers, layer_list, on
 
 __all__ = ["LayerRepeat", "Progress", "UsageError", "copies_layers", "impossible_budget", "layer_repeat",
            "min_bytes_of", "model_source", "number_or_text", "partitioned_anew", "plan_again", "plan_copied",
-           "reserve_optimizer_state", "seq_range", "SizeRange", "trace_copying_layers", "trace_step"]
+           "reserve_optimizer_state", "retry_wider", "seq_range", "SizeRange", "trace_copying_layers", "trace_step"]
 
 
 class UsageError(ValueError):
@@ -255,6 +255,7 @@ class LayerRepeat(NamedTuple):
     unlike: str | None
     head: int = 1
     refused: str | None = None
+    start: int = 0  # the leading layers unlike the rest
 
     def traced(self, layers: int) -> int:
         """How many of the ``layers`` to trace (``fxoffload.passes.traced_layers``)."""
@@ -262,9 +263,16 @@ class LayerRepeat(NamedTuple):
 
     def said(self, layers: int) -> str:
         """The pattern in words, for progress: "every 6", "every 1 from layer 1"."""
-        start = 0 if self.head == 1 else self.head - 2
-        return (f"repeat every {self.period}{f' from layer {start}' if start else ''}"
+        return (f"repeat every {self.period}{f' from layer {self.start}' if self.start else ''}"
                 f"{f' ({self.unlike})' if self.unlike else ''}: tracing {self.traced(layers)} of {layers}")
+
+    def wider(self, layers: int) -> "LayerRepeat | None":
+        """The same pattern with the first layer of each kind kept as traced too (the head past the unlike
+        layers and a whole period: ``start + period + 1``), where that is a longer head and a trace shorter
+        than the model; else None."""
+        head = self.start + (self.period or 1) + 1
+        wider = self._replace(head=head)
+        return wider if head > self.head and wider.traced(layers) < layers else None
 
 
 # The most layers unlike the rest a model may lead with for copies (DeepSeek-V3's three dense layers).
@@ -317,10 +325,32 @@ def _pattern(layers: list, unlike: str | None) -> LayerRepeat:
         longest = max((p for p in range(1, count) if traced_layers(count, p, head) < count), default=0)
         period = models.layer_period(layers, longest, start) if longest else None
         if period is not None:
-            return LayerRepeat(period, unlike, head)
+            return LayerRepeat(period, unlike, head, start=start)
     shorter = "with no period a trace of fewer layers than the model's holds"
     return LayerRepeat(None, unlike, refused=f"are not all alike ({unlike}), {shorter}" if unlike else
                        f"lead with a layer unlike the rest, {shorter}")
+
+
+def retry_wider(source: Any, failed: LayerRepeat, size: tuple, error: Exception, what: str,
+                progress: Progress) -> LayerRepeat | None:
+    """After ``failed``'s copies raised ``error``: the same pattern with the first layer of each kind kept as
+    traced (``LayerRepeat.wider``), its shorter build checked as ``layer_repeat`` checks; None where there is
+    none, for the caller to trace every layer. Said through ``progress`` either way. Why: a symbolic trace
+    may read a size at the first layer of a kind from that layer's own tensor (``sym_size``) and at the later
+    ones from a node they share (Llama-4's experts every other layer, under ``fit``)."""
+    count = source.layers
+    why = str(error) if isinstance(error, LayerCopyError) else f"{type(error).__name__}: {error}"
+    said = f"the layers of a {failed.traced(count)}-layer trace{what} do not repeat as copies need ({why})"
+    wider = failed.wider(count)
+    if wider is not None:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layers = list(layer_list(source.build(*size)[0]) or [])
+            refused = _built_otherwise(source, size, wider, layers)
+        if refused is None:
+            progress(f"{said}: tracing {wider.traced(count)} of {count}, the first layer of each kind kept as traced")
+            return wider
+    progress(f"{said}: tracing all {count}")
+    return None
 
 
 def copies_layers(source: Any, args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype,
@@ -359,16 +389,16 @@ def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype:
     # graphs (then traced whole below), so it plans without a budget, as fit's traces do.
     # (reserved goes with the device budget: it counts against one, and is refused without)
     unbudgeted = {**options, "memory_budget": 1.0, "device_budget": None, "reserved": 0, "max_overhead": None}
-    traced_count = repeat.traced(source.layers)
-    traced = trace_step(source.with_layers(traced_count), run, seq, dtype, unbudgeted, progress)
-    start = time.perf_counter()
-    try:
-        copied = with_layer_copies(traced, source.layers, options["device_profile"], repeat.period, repeat.head)
-    except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
-        why = str(e) if isinstance(e, LayerCopyError) else f"{type(e).__name__}: {e}"
-        progress(f"the layers of a {traced_count}-layer trace do not repeat as copies need ({why}): tracing all "
-                 f"{source.layers}")
-        return None
+    while True:
+        traced = trace_step(source.with_layers(repeat.traced(source.layers)), run, seq, dtype, unbudgeted, progress)
+        start = time.perf_counter()
+        try:
+            copied = with_layer_copies(traced, source.layers, options["device_profile"], repeat.period, repeat.head)
+            break
+        except Exception as e:  # noqa: BLE001 (whatever the copies cannot do, a trace of every layer does)
+            repeat = retry_wider(source, repeat, (args.batch, seq, dtype), e, "", progress)
+            if repeat is None:
+                return None
     spent = time.perf_counter() - start
     progress(f"copied the joint graph's layers to {source.layers} in {spent:.1f} s")
     seconds = copied.seconds
