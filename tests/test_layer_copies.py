@@ -65,11 +65,15 @@ def traces_of(source, said=None, grid=Grid(False, 16, 64, 512), **flags) -> _Tra
                    said.append if said is not None else lambda _: None)
 
 
+def config_source(folder, config: dict):
+    """The model source of ``config``, written into ``folder`` as its config.json."""
+    (folder / "config.json").write_text(json.dumps(config))
+    return from_config_file(folder)
+
+
 @pytest.fixture(scope="module")
 def small_llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    (folder / "config.json").write_text(json.dumps(SMALL_LLAMA))
-    return from_config_file(folder)
+    return config_source(tmp_path_factory.mktemp("llama"), SMALL_LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +194,19 @@ def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tm
     """``fxoffload plan`` traces four of the six layers and copies them: each plan is the plan of
     ``--trace-every-layer``, node for node by their places in the graph, and every figure of the report
     is that report's, but the seconds and the digests (some nodes are named otherwise)."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(SMALL_LLAMA))
-    flags = ("--seq", "256", "--strategy", "offload", *setup)
-    copied, copied_report = planned(config, *flags)
-    every, every_report = planned(config, *flags, "--trace-every-layer")
+    assert_copies_plan_as_every_layer(tmp_path, SMALL_LLAMA, "--seq", "256", "--strategy", "offload", *setup)
+
+
+def assert_copies_plan_as_every_layer(folder, config: dict, *flags) -> None:
+    """``fxoffload plan`` of ``config`` (written into ``folder``) copies layers, and each of its plans is the plan
+    of ``--trace-every-layer``, node for node by their places in the graph, and every figure of the report is
+    that report's, but the seconds and the digests (some nodes are named otherwise)."""
+    path = folder / "config.json"
+    path.write_text(json.dumps(config))
+    copied, copied_report = planned(path, *flags)
+    every, every_report = planned(path, *flags, "--trace-every-layer")
     assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]
-    assert copied_report["layers"] == every_report["layers"] == LAYERS
+    assert copied_report["layers"] == every_report["layers"] == config["num_hidden_layers"]
     assert every[0].plan.transfers  # the plan moves something to compare
     assert [by_position(r) for r in copied] == [by_position(r) for r in every]
     figures = lambda report: {**report, "seconds": None,  # noqa: E731
@@ -349,9 +359,7 @@ SMALL_GEMMA3 = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalL
 
 @pytest.fixture(scope="module")
 def small_gemma3(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3")
-    (folder / "config.json").write_text(json.dumps(SMALL_GEMMA3))
-    return from_config_file(folder)
+    return config_source(tmp_path_factory.mktemp("gemma3"), SMALL_GEMMA3)
 
 
 @pytest.fixture(scope="module")
@@ -464,18 +472,8 @@ def test_layers_of_a_shorter_build_unlike_the_model_s_are_traced_all(small_gemma
 def test_plan_s_report_from_layers_of_a_period_copied_is_the_report_of_every_layer_traced(tmp_path, checkpointing):
     """``fxoffload plan`` of the small Gemma-3 traces eight of its eleven layers and copies them by their period:
     each plan, and every figure of the report, is that of ``--trace-every-layer`` (names and seconds apart)."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(SMALL_GEMMA3))
-    flags = ("--seq", "64", "--strategy", "offload", "--budget", "0.5", "--checkpointing", checkpointing)
-    copied, copied_report = planned(config, *flags)
-    every, every_report = planned(config, *flags, "--trace-every-layer")
-    assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]
-    assert copied_report["layers"] == every_report["layers"] == GEMMA3_LAYERS
-    assert every[0].plan.transfers
-    assert [by_position(r) for r in copied] == [by_position(r) for r in every]
-    figures = lambda report: {**report, "seconds": None,  # noqa: E731
-                              "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
-    assert figures(copied_report) == figures(every_report)
+    assert_copies_plan_as_every_layer(tmp_path, SMALL_GEMMA3, "--seq", "64", "--strategy", "offload", "--budget", "0.5",
+                                      "--checkpointing", checkpointing)
 
 
 # A dense layer before the experts (DeepSeek's first_k_dense_replace): the layers after the first are alike, but
@@ -493,9 +491,7 @@ SMALL_DEEPSEEK = {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForC
 @pytest.mark.compat
 def test_a_dense_first_layer_and_experts_after_it_traced_to_six_and_copied_to_ten_are_the_graph_of_ten(
         tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepseek")
-    (folder / "config.json").write_text(json.dumps(SMALL_DEEPSEEK))
-    source = from_config_file(folder)
+    source = config_source(tmp_path_factory.mktemp("deepseek"), SMALL_DEEPSEEK)
     said: list[str] = []
     traces = traces_of(source, said)
     copied = traces._symbolic_trace("none", 1).traced
@@ -521,16 +517,8 @@ def test_plan_s_report_from_layers_unlike_within_their_period_is_the_report_of_e
                                                                                                   checkpointing):
     """A period whose layers hold different parameters (Llama-4's experts every other layer): the copies count
     each layer's own (the step's optimizer time and memory), and every plan and figure is the full trace's."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(SMALL_LLAMA4))
-    flags = ("--seq", "64", "--strategy", "offload", "--budget", "0.5", "--checkpointing", checkpointing)
-    copied, copied_report = planned(config, *flags)
-    every, every_report = planned(config, *flags, "--trace-every-layer")
-    assert "layer_copies" in copied_report["seconds"] and "layer_copies" not in every_report["seconds"]
-    assert [by_position(r) for r in copied] == [by_position(r) for r in every]
-    figures = lambda report: {**report, "seconds": None,  # noqa: E731
-                              "graphs": [{**g, "plan_digest": None} for g in report["graphs"]]}
-    assert figures(copied_report) == figures(every_report)
+    assert_copies_plan_as_every_layer(tmp_path, SMALL_LLAMA4, "--seq", "64", "--strategy", "offload", "--budget", "0.5",
+                                      "--checkpointing", checkpointing)
 
 
 @pytest.mark.slow
@@ -538,8 +526,7 @@ def test_fit_keeps_the_first_layer_of_each_kind_where_a_symbolic_trace_reads_its
     """Under fit's symbolic trace Llama-4's first experts layer reads its routed tokens' size from its own tensor,
     the later ones from a shared node: the copies of a 7-layer trace are refused, and a 9-layer trace with the
     first dense and experts layers kept as traced is copied, node for node the graph of all eleven."""
-    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA4))
-    source = from_config_file(tmp_path)
+    source = config_source(tmp_path, SMALL_LLAMA4)
     said: list[str] = []
     traces = traces_of(source, said)
     copied = traces._symbolic_trace("none", 1).traced
