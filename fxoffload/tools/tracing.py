@@ -261,10 +261,14 @@ class LayerRepeat(NamedTuple):
         """How many of the ``layers`` to trace (``fxoffload.passes.traced_layers``)."""
         return traced_layers(layers, self.period or 1, self.head)
 
-    def said(self, layers: int) -> str:
-        """The pattern in words, for progress: "every 6", "every 1 from layer 1"."""
+    def pattern(self) -> str:
+        """The pattern in words: "repeat every 6 (why)", "repeat every 1 from layer 1"."""
         return (f"repeat every {self.period}{f' from layer {self.start}' if self.start else ''}"
-                f"{f' ({self.unlike})' if self.unlike else ''}: tracing {self.traced(layers)} of {layers}")
+                f"{f' ({self.unlike})' if self.unlike else ''}")
+
+    def said(self, layers: int) -> str:
+        """The pattern and the trace it makes, for progress."""
+        return f"{self.pattern()}: tracing {self.traced(layers)} of {layers}"
 
     def wider(self, layers: int) -> "LayerRepeat | None":
         """The same pattern with the first layer of each kind kept as traced too (the head past the unlike
@@ -304,7 +308,7 @@ def _built_otherwise(source: Any, size: tuple, repeat: LayerRepeat, layers: list
     (its first all but one, the model's first; its last, the model's last), None where it does."""
     count = len(layers)
     traced = repeat.traced(count)
-    said = f"{repeat.said(count).split(':')[0]}, but a build of {traced} layers"
+    said = f"{repeat.pattern()}, but a build of {traced} layers"
     try:
         shorter, _, _ = source.with_layers(traced).build(*size)
     except Exception as e:  # noqa: BLE001 (a build the full model's did not fail: every layer is traced)
