@@ -30,7 +30,8 @@ keep the joint plan; a re-partitioned backward that draws random numbers is
 skipped (PyTorch's partitioner would recompute them without their seed), and so is
 one that reads a graph input the step writes in place (it would read the new value);
 the lower fractions cost up to eight more partitions, only where no plan qualifies (none meets the budget without
-a total peak above the min-cut pair's).
+a total peak above the min-cut pair's); a cut PyTorch's partitioner chose before in the same plan is not extracted
+again (the repartition's ``known`` set), but is still chosen (its knapsack and solves run).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ __all__ = ["CANDIDATE_KEYS", "CandidatePlan", "PREDICTED_OVERHEAD_WORTH_A_SECOND
            "of_pytorch_partition", "plan_best_partition"]
 
 
-Repartition = Callable[[float], "tuple[fx.GraphModule, fx.GraphModule]"]
+# PyTorch's recompute-only pair at a fraction; given a set (the cuts of the pairs asked before), None where the cut
+# it chooses is in it (the pair not made again), the cut added to it otherwise.
+Repartition = Callable[[float, set], "tuple[fx.GraphModule, fx.GraphModule] | None"]
 PREDICTED_OVERHEAD_WORTH_A_SECOND_PARTITION = 1e-3
 # Strategy auto's plans of one graph, by the key a measured selection names them with.
 MIN_CUT, OFFLOAD_ONLY, RECOMPUTE_ONLY, PYTORCH_RECOMPUTE = "min-cut", "offload-only", "recompute-only", "pytorch"
@@ -254,7 +257,7 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, joint: _Tri
         if plan.held_cap is not None and plan.held_before:
             fraction = min(fraction, plan.held_cap / plan.held_before)
         fraction = max(0.0, min(1.0, fraction))
-        seen: set[str] = set()
+        seen = _Seen()
         theirs = _pytorch_partition(planner, repartition, fraction, held, analysis, seen)
         # A pair refused at the fraction (random numbers, an input the step writes) is refused below it too:
         # a lower fraction recomputes more.
@@ -265,20 +268,32 @@ def _alternatives(planner: _Planner, fw_module, bw_module, analysis, joint: _Tri
     return tried
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """The pairs of PyTorch's partitioner one graph's plan asked for: by their cut (the partitioner's saved values,
+    which the repartition checks before it makes the pair) and by their code (a repartition may not check)."""
+
+    cuts: set = dataclasses.field(default_factory=set)
+    codes: set = dataclasses.field(default_factory=set)
+
+
 def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
-                       analysis: Analysis, seen: set[str]) -> "_Tried | None":
+                       analysis: Analysis, seen: _Seen) -> "_Tried | None":
     """The pair PyTorch's recompute-only partitioner makes at ``fraction``, planned held to ``held``'s bytes
     (None where its backward draws random numbers, see :func:`_draws_random_numbers`, or reads a graph input
-    the step writes: it would read the new value, ``analysis.mutated_inputs_read``; None too where its code is
-    in ``seen``, a pair planned before at another fraction, which this adds it to)."""
+    the step writes: it would read the new value, ``analysis.mutated_inputs_read``; None too where its cut or
+    its code is in ``seen``, a pair asked before at another fraction, which this adds them to)."""
     watch = planner.watch
     watch.restart()
-    fw, bw = repartition(fraction)
+    pair = repartition(fraction, seen.cuts)
     watch.stamp("repartition (PyTorch)")
-    code = fw.code + bw.code  # the partitioner names nodes after the joint graph's: one pair, one code
-    if _draws_random_numbers(bw) or mutated_inputs_read(bw.graph) or code in seen:
+    if pair is None:  # a cut chosen before: the same pair
         return None
-    seen.add(code)
+    fw, bw = pair
+    code = fw.code + bw.code  # the partitioner names nodes after the joint graph's: one pair, one code
+    if _draws_random_numbers(bw) or mutated_inputs_read(bw.graph) or code in seen.codes:
+        return None
+    seen.codes.add(code)
     theirs = planner.analysed(fw, bw, held)
     result = planner.alternative(theirs, held)
     return _Tried(fw, bw, result, f"{PYTORCH_PARTITION_WORDS}{fraction:.3g}), predicted fastest",
@@ -287,13 +302,14 @@ def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: fl
 
 
 def _lower_fraction(planner: _Planner, repartition: Repartition, fraction: float, held: PlanOptions,
-                    analysis: Analysis, joint: _Tried, seen: set[str]) -> list[_Tried]:
+                    analysis: Analysis, joint: _Tried, seen: _Seen) -> list[_Tried]:
     """Where no plan qualifies (meets the budget without a total peak above ``joint``'s), PyTorch's partition
     at a lower fraction may: it recomputes more, and what is left may then be offloaded under the budget (a
     tiny Whisper at 0.55: 0.55's pair reached 534596 B at best, 0.3's 397380 B). Tried at ``LOWER_FRACTIONS``
-    of the fraction, highest first (it recomputes least), up to the first that qualifies; a pair planned
-    before (``seen``, by its code) is not planned again. Not a bisection: a pair that recomputes all it can
-    may pile its temporaries above the total peak (that Whisper's at fraction 0: 1327104 B against 1175108 B),
+    of the fraction, highest first (it recomputes least), up to the first that qualifies; a pair asked before
+    (``seen``: by its cut, not made again, or by its code) is not planned again (a Llama-style block at 0.1: five
+    cuts in nine asks). Not a bisection: a pair that recomputes all it can may pile its temporaries above the
+    total peak (that Whisper's at fraction 0: 1327104 B against 1175108 B),
     and the total peak is not monotonic in the fraction (see ``LOWER_FRACTIONS``), so a fraction may be too
     high or too low. Returns the plan that qualifies, else the one that missed the budget least (for the
     floor an error names); never one over the total peak."""

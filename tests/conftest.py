@@ -302,7 +302,7 @@ def pair_and_repartition(fn, *inputs):
     joint graph at an ``activation_memory_budget``. Traced without decompositions: ``tanh_backward`` stays one op."""
     gm, joint_inputs, kwargs = (captured := _partitioned(fn, *inputs, decompose=False))["joint"]
 
-    def recompute_only(fraction: float):
+    def recompute_only(fraction: float, known: set | None = None):
         with torch._functorch.config.patch(activation_memory_budget=fraction):
             return min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
 

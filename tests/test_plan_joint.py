@@ -142,3 +142,43 @@ def test_a_cut_chosen_again_gets_the_pair_extracted_before_and_another_cut_its_o
         pairs.append(graphs(by_cut_partition, fraction))
         assert pairs[-1] == graphs(min_cut_rematerialization_partition, fraction)
     assert len(by_cut) == 2 and pairs[0] != pairs[1]  # two cuts, each extracted once
+
+
+def test_a_cut_already_known_is_not_extracted_again_and_a_new_one_is_pytorchs_pair(kept):
+    """``partition_unless_known`` (strategy auto's lower fractions, which often choose a cut again): where
+    PyTorch's partitioner chooses a cut in ``known``, nothing is extracted and None comes back; a cut not in it
+    is added, and its pair is PyTorch's own partition of that copy."""
+    from torch._functorch import partitioners
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fxoffload.backend.partition import module_copy, partition_unless_known
+
+    known: set = set()
+    extract, extracted = partitioners._extract_fwd_bwd_modules, []
+
+    def counted(*args, **kwargs):
+        extracted.append(1)
+        return extract(*args, **kwargs)
+
+    def partition(fraction: float, how):
+        with torch._functorch.config.patch(activation_memory_budget=fraction), torch._guards.tracing(kept.context):
+            pair = how(module_copy(kept.module), kept.joint_inputs, dict(kept.kwargs))
+        return pair if pair is None else (str(pair[0].graph), str(pair[1].graph))
+
+    def pytorchs(gm, joint_inputs, kwargs):
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    got = {}
+    partitioners._extract_fwd_bwd_modules = counted
+    try:
+        for fraction in (1.0, 0.0, 1.0, 0.0):
+            got.setdefault(fraction, []).append(partition(
+                fraction, lambda gm, joint_inputs, kwargs: partition_unless_known(gm, joint_inputs, kwargs, known)))
+        unasked = partition(0.0, lambda gm, joint_inputs, kwargs: partition_unless_known(gm, joint_inputs, kwargs,
+                                                                                          None))
+    finally:
+        partitioners._extract_fwd_bwd_modules = extract
+    assert len(known) == 2 and len(extracted) == 3  # two cuts, each extracted once; None asks for no check
+    for fraction, (first, again) in got.items():
+        assert first == partition(fraction, pytorchs) and again is None
+    assert got[1.0][0] != got[0.0][0] and unasked == got[0.0][0]

@@ -31,7 +31,7 @@ def _asking_pair():
     fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
     asked = []
 
-    def repartition(fraction: float):
+    def repartition(fraction: float, known: set | None = None):
         asked.append(fraction)
         return fw, bw
 
@@ -281,3 +281,46 @@ def test_strategy_auto_never_keeps_a_plan_whose_step_peaks_above_plain_compiles(
         assert refusals and told in refusals[0], refusals
     assert plan.total_peak_after <= plan.total_peak_before, plan.partition
     assert peak.total_peak <= plain_peak.total_peak, (peak.total_peak, plain_peak.total_peak, plan.partition)
+
+
+def test_strategy_autos_lower_fractions_extract_each_cut_once():
+    """Where nothing qualifies, strategy auto asks PyTorch's partitioner at up to eight lower fractions, and they
+    often choose a cut again (a Llama-style block at 0.1 on a compute-bound profile: five cuts in nine asks). A cut
+    asked before is not extracted again (``partition.partition_unless_known``): one extraction per cut."""
+    import sys
+    from pathlib import Path
+
+    from torch._functorch import partitioners
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from llama_layers import LlamaBlock, LlamaShape, rotary
+
+    shape = LlamaShape(layers=1, hidden=256, heads=4, kv_heads=2, ffn=704, vocab=256)
+    compute_bound = fxoffload.DeviceProfile("compute-bound", ((torch.float32, 1e9),), 1e11, 1e10, 1e10, True, 0.0)
+    choose, extract = partitioners.choose_saved_values_set, partitioners._extract_fwd_bwd_modules
+    cuts, extracted = [], []
+
+    def chosen(*args, **kwargs):
+        saved = choose(*args, **kwargs)
+        cuts.append(frozenset(n.name for n in saved))
+        return saved
+
+    def counted(*args, **kwargs):
+        extracted.append(1)
+        return extract(*args, **kwargs)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = LlamaBlock(shape)
+    x = torch.randn(1, 512, shape.hidden, requires_grad=True)
+    backend = fxoffload.offload_backend(memory_budget=0.1, inner="eager", device_profile=compute_bound,
+                                        on_infeasible="warn")
+    partitioners.choose_saved_values_set, partitioners._extract_fwd_bwd_modules = chosen, counted
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fxoffload.BudgetInfeasibleWarning)
+            _llama_block_step(torch.compile(block, backend=backend), x, *rotary(512, shape.hidden // shape.heads))
+    finally:
+        partitioners.choose_saved_values_set, partitioners._extract_fwd_bwd_modules = choose, extract
+    assert len(cuts) > len(set(cuts)) + 2, cuts  # the case: cuts chosen again
+    assert len(extracted) == len(set(cuts)), (len(extracted), len(cuts), len(set(cuts)))

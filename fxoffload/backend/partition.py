@@ -8,7 +8,8 @@ AOTAutograd's ``partition_fn``) returns them.
 Algorithm. :class:`Partitioner` reads the user's selective-checkpoint marks before the partitioner writes
 its own, partitions with ``min_cut_rematerialization_partition`` (once more without the marks' offloads
 where the user marked any, to cap the total peak at plain compile's), and hands the pair, and a way to
-re-partition it recompute-only at a budget (strategy auto's alternative), to the callback. Every
+re-partition it recompute-only at a budget (strategy auto's alternative; a cut the plan asked for before is
+not extracted again: :func:`partition_unless_known`), to the callback. Every
 partition runs under :func:`quick_min_cut`: the same cuts in less than half the time. A joint graph
 kept to be planned again (``fxoffload.backend.Joint``) keeps its default partition
 (:class:`PartitionMemo`): each later partition hook on a copy of it gets copies of that pair (or, for
@@ -43,7 +44,7 @@ from fxoffload.passes import (
 )
 
 __all__ = ["CseOnce", "HEADROOM_SLOTS", "PartitionMemo", "Partitioner", "SolveMemo", "lazy_graph_modules",
-           "module_copy", "partition_by_cut", "quick_min_cut", "with_stack_headroom"]
+           "module_copy", "partition_by_cut", "partition_unless_known", "quick_min_cut", "with_stack_headroom"]
 
 
 # PyTorch's budgeted partition sizes every node it may save, and refuses a script object (tensor parallelism's
@@ -141,9 +142,9 @@ class Partitioner(CustomPartitionerFn):
                                                                                            kwargs)
         _refuse_written_inputs_read(made.backward)
 
-        def recompute_only(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule]:
+        def recompute_only(fraction: float, known: set | None = None) -> tuple[fx.GraphModule, fx.GraphModule] | None:
             with torch._functorch.config.patch(activation_memory_budget=fraction, **_SCRIPT_OBJECTS_COUNT_NOTHING):
-                return min_cut_rematerialization_partition(partitioned(), joint_inputs, **kwargs)
+                return partition_unless_known(partitioned(), joint_inputs, kwargs, known)
 
         return self._on_pair(made.forward, made.backward, kwargs["num_fwd_outputs"], made.policies, recompute_only,
                              made.plain_total)
@@ -220,11 +221,49 @@ class Partitioner(CustomPartitionerFn):
 
 
 class _KnownCut(Exception):
-    """Raised inside PyTorch's partitioner once it chose a cut whose pair is known: that pair."""
+    """Raised inside PyTorch's partitioner once it chose a cut whose pair is known: that pair (None where the
+    caller only asked not to have it again)."""
 
-    def __init__(self, pair: tuple[fx.GraphModule, fx.GraphModule]) -> None:
+    def __init__(self, pair: tuple[fx.GraphModule, fx.GraphModule] | None) -> None:
         super().__init__("a known cut")
         self.pair = pair
+
+
+@contextlib.contextmanager
+def _extracting_with(extract_or_raise: Callable[[Callable, tuple, dict], tuple[fx.GraphModule, fx.GraphModule]]):
+    """Within: PyTorch's partitioner extracts its pair through ``extract_or_raise(extract, args, kwargs)``, which
+    may call its own ``extract`` or raise :class:`_KnownCut` (the cut chosen: ``_cut_key(args[1:], kwargs)``)."""
+    partitioners = torch._functorch.partitioners
+    extract = partitioners._extract_fwd_bwd_modules
+    partitioners._extract_fwd_bwd_modules = lambda *args, **kwargs: extract_or_raise(extract, args, kwargs)
+    try:
+        yield
+    finally:
+        partitioners._extract_fwd_bwd_modules = extract
+
+
+def partition_unless_known(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict,
+                           known: set | None) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """PyTorch's min-cut partition of ``gm``, or None where the cut it chooses is in ``known`` (a cut whose
+    pair the caller had: its extraction, the backward's reordering and the rest skipped); the cut chosen is
+    added to ``known``. Strategy auto asks PyTorch's recompute-only partitioner at up to nine fractions, and
+    lower fractions often choose a cut again (a Llama-style block at 0.1: five cuts in nine). ``known``
+    None: the partition itself."""
+    if known is None:
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def extract_unless_known(extract: Callable, args: tuple, extract_kwargs: dict):
+        key = _cut_key(args[1:], extract_kwargs)
+        if key in known:
+            raise _KnownCut(None)
+        known.add(key)
+        return extract(*args, **extract_kwargs)
+
+    try:
+        with _extracting_with(extract_unless_known):
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    except _KnownCut:
+        return None
 
 
 def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, by_cut: dict,
@@ -239,25 +278,21 @@ def partition_by_cut(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, by_cut
     Returns the pair to hand on, and the pair ``by_cut`` keeps for its cut (read only: never handed on;
     None where the partitioner took its default partition, extracting nothing). ``copy=False``: the pair
     handed on is only read, and is the one ``by_cut`` keeps (no copies made)."""
-    partitioners = torch._functorch.partitioners
-    extract = partitioners._extract_fwd_bwd_modules
     key = None
 
-    def extract_once(*args: Any, **extract_kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def extract_once(extract: Callable, args: tuple, extract_kwargs: dict) -> tuple[fx.GraphModule, fx.GraphModule]:
         nonlocal key
         key = _cut_key(args[1:], extract_kwargs)
         if key in by_cut:
             raise _KnownCut(by_cut[key])
         return extract(*args, **extract_kwargs)
 
-    partitioners._extract_fwd_bwd_modules = extract_once
     try:
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        with _extracting_with(extract_once):
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
     except _KnownCut as known:
         fw, bw = known.pair
         return (module_copy(fw) if copy else fw), (module_copy(bw) if copy else bw), known.pair
-    finally:
-        partitioners._extract_fwd_bwd_modules = extract
     if key is None:  # the partitioner took its default partition, extracting nothing
         return fw, bw, None
     by_cut[key] = (module_copy(fw), module_copy(bw)) if copy else (fw, bw)
