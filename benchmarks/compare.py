@@ -175,7 +175,7 @@ def analyse_auto(joint: "Joint", profile, budget: float):
         warnings.simplefilter("ignore")
         _, _, result = plan_best_partition(
             joint.fw, joint.bw, joint.num_outputs,
-            lambda fraction: joint.partition(activation_memory_budget=fraction)[0],
+            lambda fraction, known=None: joint.partition(activation_memory_budget=fraction)[0],
             options=_options(budget, "auto"), horizon="auto", profile=profile)
     return result, time.perf_counter() - start
 

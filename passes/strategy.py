@@ -121,11 +121,13 @@ def plan_best_partition(
 ) -> tuple[fx.GraphModule, fx.GraphModule, PassResult]:
     """Plan the min-cut pair. Under strategy ``"auto"``, when that plan misses the budget or has a
     predicted cost, also plan (1) the same pair offload-only and recompute-only, and (2) the pair
-    PyTorch's recompute-only partitioner makes at that budget (``repartition(fraction)``, its
+    PyTorch's recompute-only partitioner makes at that budget (``repartition(fraction, known)``, its
     ``activation_memory_budget``: the budget's fraction of the peak it bounds, or a cap's of what the
-    graph leaves for its backward), held to the same bytes. Return the pair (not rewritten) and the
-    plan predicted fastest (simulator) among those that meet the budget without a predicted total
-    peak (the step's, over several runs) above the min-cut pair's unoffloaded one.
+    graph leaves for its backward; ``known``: a set of the cuts this plan asked for, where the
+    repartition may answer None for a cut in it and adds the cut it chose), held to the same bytes.
+    Return the pair (not rewritten) and the plan predicted fastest (simulator) among those that meet
+    the budget without a predicted total peak (the step's, over several runs) above the min-cut
+    pair's unoffloaded one.
 
     (1) guards the joint program's queue model, which is optimistic about copies under tight
     memory; it reuses the min-cut pair's analysis. (2) recomputes what our chains cannot: it may
@@ -282,7 +284,8 @@ def _pytorch_partition(planner: _Planner, repartition: Repartition, fraction: fl
     """The pair PyTorch's recompute-only partitioner makes at ``fraction``, planned held to ``held``'s bytes
     (None where its backward draws random numbers, see :func:`_draws_random_numbers`, or reads a graph input
     the step writes: it would read the new value, ``analysis.mutated_inputs_read``; None too where its cut or
-    its code is in ``seen``, a pair asked before at another fraction, which this adds them to)."""
+    its code is in ``seen``, a pair asked before at another fraction: the repartition adds the cut it chose, a
+    pair refused too, and this the code of a pair it plans)."""
     watch = planner.watch
     watch.restart()
     pair = repartition(fraction, seen.cuts)

@@ -182,3 +182,34 @@ def test_a_cut_already_known_is_not_extracted_again_and_a_new_one_is_pytorchs_pa
     for fraction, (first, again) in got.items():
         assert first == partition(fraction, pytorchs) and again is None
     assert got[1.0][0] != got[0.0][0] and unasked == got[0.0][0]
+
+
+def test_the_partitioners_repartition_serves_each_plan_its_cuts_anew(kept):
+    """The backend's repartition (``Partitioner``'s ``recompute_only``) serves every plan of a pair, and a region
+    that cannot keep to its cap is planned twice with it (``step_budget.plan_within_cap``): the cuts a plan asked
+    for are its own (``strategy._Seen``, one per plan), or the second plan would get no pair of PyTorch's. Two
+    plans with one repartition list the same candidates, PyTorch's pair among them."""
+    from fxoffload.backend.partition import Partitioner, module_copy
+    from fxoffload.passes import Budget, PlanOptions
+    from fxoffload.passes.strategy import PYTORCH_RECOMPUTE, plan_best_partition
+    from fxoffload.profiles import PROFILES
+
+    handed = {}
+
+    def on_pair(fw, bw, num_fwd_outputs, policies, repartition, plain_total):
+        handed.update(fw=fw, bw=bw, outputs=num_fwd_outputs, repartition=repartition)
+        return fw, bw
+
+    with torch._guards.tracing(kept.context):
+        Partitioner(on_pair)(module_copy(kept.module), kept.joint_inputs, **dict(kept.kwargs))
+        options = PlanOptions(min_bytes=0, budget=Budget(fraction=0.5), strategy="auto", on_infeasible="warn")
+        candidates = []
+        for _ in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BudgetInfeasibleWarning)
+                *_, result = plan_best_partition(handed["fw"], handed["bw"], handed["outputs"], handed["repartition"],
+                                                 options=options, horizon="auto", profile=PROFILES["h100-pcie5"],
+                                                 compare_all=True)
+            candidates.append([(c.key, c.label) for c in result.candidates])
+    assert PYTORCH_RECOMPUTE in {key for key, _ in candidates[0]}, candidates[0]
+    assert candidates[0] == candidates[1]

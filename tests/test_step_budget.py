@@ -534,7 +534,7 @@ def test_a_share_below_nothing_asks_pytorch_for_a_fraction_it_takes():
     fw, bw, outputs = partitioned_pair(three_tanh, *(torch.randn(256, 256, requires_grad=True) for _ in range(4)))
     asked = []
 
-    def repartition(fraction: float):
+    def repartition(fraction: float, known: set | None = None):
         asked.append(fraction)
         if not 0 <= fraction <= 1:  # as min_cut_rematerialization_partition's budget check does
             raise RuntimeError(f"The valid ranges for memory budget are 0 <= m <= 1. The provided value is {fraction}")
