@@ -402,7 +402,7 @@ def _met_over_total(tried: list[_Tried]) -> str:
     need, plain = _step_total(lowest.result.plan, True), _step_total(joint.result.plan, False)
     return (f" (a plan meets it, {_plain_label(lowest.label)}, but its step needs {need} B in all "
             f"({readable_bytes(need)}), above the {plain} B ({readable_bytes(plain)}) it needs without fxoffload: "
-            "not kept)")
+            "not kept, and the smallest achievable peak named is that of the plans that do not raise it)")
 
 
 def _missed(entry: _Tried) -> int:

@@ -277,7 +277,8 @@ def test_strategy_auto_never_keeps_a_plan_whose_step_peaks_above_plain_compiles(
         assert not refusals and plan.feasible and plan.activation_peak_after <= plan.budget_bytes, refusals
     else:
         told = ("but its step needs 13185024 B in all (12.6 MiB), above the 12136448 B (11.6 MiB) it needs without "
-                "fxoffload: not kept); planning for that smallest achievable peak instead")
+                "fxoffload: not kept, and the smallest achievable peak named is that of the plans that do not raise "
+                "it); planning for that smallest achievable peak instead")
         assert refusals and told in refusals[0], refusals
     assert plan.total_peak_after <= plan.total_peak_before, plan.partition
     assert peak.total_peak <= plain_peak.total_peak, (peak.total_peak, plain_peak.total_peak, plan.partition)
