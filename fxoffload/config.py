@@ -22,6 +22,7 @@ InnerCompiler = Literal["inductor", "eager"]
 INNER_COMPILERS: tuple[str, ...] = get_args(InnerCompiler)
 Select = Literal["predicted", "measured"]
 SELECTS: tuple[str, ...] = get_args(Select)
+SELECT_STEPS = 3  # select_steps' default
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)\s*$", re.IGNORECASE)
@@ -218,11 +219,14 @@ class OffloadConfig:
     good, and ``explain`` reports every candidate's figures. Under ``"measured"`` the alternatives are
     planned even when the first plan predicts no cost. Over several ranks (``check_ranks`` on) the
     ranks choose together: the candidate whose slowest rank's median is least, on every rank
-    (``fxoffload.backend.selection``). Needs ``strategy="auto"`` and a memory budget to have a
-    choice, and graphs without symbolic sizes (they are compiled again per candidate)."""
+    (``fxoffload.backend.selection``). Needs ``strategy="auto"`` and a ``memory_budget`` to have a
+    choice (refused without them: there would be one plan, and nothing to time), and graphs without
+    symbolic sizes (they are compiled again per candidate; one of symbolic sizes warns, and keeps the
+    fastest predicted)."""
 
-    select_steps: int = 3
-    """Timed steps per candidate under ``select="measured"``, after its warm-up step (the median counts)."""
+    select_steps: int = SELECT_STEPS
+    """Timed steps per candidate under ``select="measured"``, after its warm-up step (the median counts);
+    refused with ``select="predicted"``, which times nothing."""
 
     max_overhead: Any = None
     """Bound on the time a plan may add to each compiled graph (stalls on copies, recomputation), as a
@@ -272,6 +276,7 @@ class OffloadConfig:
         steps = self.select_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise OptionError("select_steps", f"got {steps!r}; accepted: an int >= 1 (timed steps per candidate)")
+        self._check_selection_has_a_choice()
         runs = self.runs_per_step
         if runs != "auto" and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
             raise OptionError("runs_per_step", f"got {runs!r}; accepted: 'auto', or an int >= 1 (the number of "
@@ -291,6 +296,22 @@ class OffloadConfig:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise OptionError("solver_node_limit", f"got {nodes!r}; accepted: an int >= 1 (branch-and-bound nodes)")
         resolve_profile(self.device_profile)
+
+    def _check_selection_has_a_choice(self) -> None:
+        """``select="measured"`` times strategy auto's plans under a memory budget: with another strategy, or
+        without that budget, there is one plan and nothing to time, and the option would be ignored unsaid."""
+        if self.select != "measured":
+            if self.select_steps != SELECT_STEPS:
+                raise OptionError("select_steps", f"select_steps={self.select_steps!r} with select={self.select!r}: "
+                                  "it counts measured selection's timed steps; accepted: select='measured' with it",
+                                  named=True)
+            return
+        if self.strategy != "auto" or self.memory_budget is None:
+            given = (f"strategy={self.strategy!r}" if self.strategy != "auto" else
+                     "no memory_budget" + (f" (device_budget={self.device_budget!r})" if self.device_budget else ""))
+            raise OptionError("select", f"select='measured' with {given}: it times strategy auto's plans that meet a "
+                              "memory budget, and here there is one plan; accepted: select='measured' with "
+                              "strategy='auto' and a memory_budget", named=True)
 
     @property
     def plan_options(self) -> PlanOptions:

@@ -60,7 +60,9 @@ a compiler that loses that alias could reuse the storage under them). Only a
 second trace of the rewritten graphs meets them there, and compiled autograd is
 the one that does (it re-traces each compiled backward into a graph of its own):
 their ``Functionalize`` kernel raises :data:`REFUSED_RETRACE`, which names the
-option to turn off, instead of PyTorch's generic alias-annotation error.
+option to turn off, instead of PyTorch's generic alias-annotation error. So do
+``prefetch`` and ``prefetch_ahead``'s: that trace runs on real tensors, and a
+prefetch met before the first wait would start a copy nothing ever waits for.
 """
 
 from typing import Sequence
@@ -164,5 +166,8 @@ def _refuse_functionalization(*args, **kwargs):
     raise RuntimeError(REFUSED_RETRACE)
 
 
-for _name in ("wait", "defer"):
+# Every op a backward calls, and not only those that return an alias: compiled autograd's trace runs on real
+# tensors, so a prefetch it reached first started a real copy that no wait would ever end (a transfer pending for
+# good, its device buffer held). Refused at the first, before any copy starts.
+for _name in ("prefetch", "prefetch_ahead", "wait", "defer"):
     LIB.impl(_name, _refuse_functionalization, "Functionalize")

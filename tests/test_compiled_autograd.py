@@ -46,6 +46,21 @@ def test_an_mlp_under_compiled_autograd_is_refused_with_the_option_to_turn_off(c
     assert "torch._dynamo.config.compiled_autograd" in str(error.value)
 
 
+def test_a_backward_refused_under_compiled_autograd_leaves_no_copy_pending():
+    """``_enable`` around ``backward()`` alone, the graphs compiled by Inductor: compiled autograd's trace runs
+    the compiled backward on real tensors, and its first prefetch started a real copy before the first wait
+    refused; that transfer stayed pending for good (its device buffer held on a GPU), through later steps."""
+    torch.manual_seed(0)
+    backend = fxoffload.offload_backend(strategy="offload", min_bytes=0, all_eligible=True)
+    model = torch.compile(MLP(), backend=backend)
+    x = torch.randn(64, 5, 8)
+    for refused in (False, True, False):  # a step, a refused backward, a step after it
+        with pytest.raises(Exception, match="re-traces") if refused else contextlib.nullcontext():
+            mlp_step(model, x, backward=(lambda: compiled_autograd("aot_eager")) if refused else contextlib.nullcontext)
+        assert fxoffload.runtime.pending_transfers() == 0
+    assert backend.records[0].plan.transfers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_a_transformers_llama_under_compiled_autograd_is_refused(compiler):

@@ -37,6 +37,13 @@ from fxoffload.config import OffloadConfig
         ({"select": "timed"}, "select: got 'timed'; accepted: 'predicted', 'measured'"),
         ({"select_steps": 0}, "select_steps: got 0; accepted: an int >= 1"),
         ({"select_steps": 2.5}, "select_steps: got 2.5; accepted: an int >= 1"),
+        # Measured selection without a choice (one plan, nothing to time) was silently ignored (a trial, 2026-12-07).
+        ({"select": "measured", "memory_budget": 0.5, "strategy": "offload"},
+         "select='measured' with strategy='offload': .*accepted: select='measured' with strategy='auto' and a "
+         "memory_budget"),
+        ({"select": "measured"}, "select='measured' with no memory_budget: "),
+        ({"select": "measured", "device_budget": "1GiB"}, r"with no memory_budget \(device_budget='1GiB'\)"),
+        ({"select_steps": 5}, "select_steps=5 with select='predicted': .*accepted: select='measured' with it"),
     ],
 )
 def test_bad_options_name_the_option(options, message):

@@ -76,3 +76,16 @@ def test_reserved_bytes_count_against_the_budget_and_an_unreachable_one_says_by_
     with pytest.raises(Exception, match=r"device_budget: the smallest achievable device peak is \d+ B .*"
                                         r"graph inputs \d+ B \+ the step's tensors \d+ B.*\), \d+ B above the "):
         compiled_run(model, batch, device_budget=budget, reserved=reserved)
+
+
+def test_explains_options_line_names_the_device_budget():
+    """It read ``options: budget none`` under a device budget (a trial, 2026-12-07): as if nothing bounded the step."""
+    import fxoffload
+    from fxoffload.explain import format_bytes
+    from tests.conftest import MLP
+
+    backend = fxoffload.offload_backend(device_budget="1MiB", reserved="100KiB", inner="eager")
+    torch.compile(MLP(), backend=backend)(torch.randn(3, 5, 8)).backward()
+    options = next(line for line in fxoffload.explain(backend.records[0]).splitlines() if line.startswith("options:"))
+    left = format_bytes(2**20 - 100 * 2**10)
+    assert options.startswith(f"options: budget none on the activations; device_budget less reserved {left},"), options

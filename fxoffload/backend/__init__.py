@@ -558,6 +558,8 @@ class OffloadBackend:
         measured = self.config.select == "measured"
         if measured:
             _refuse_unchecked_ranks(self._rank_check)
+            if inputs.symbolic:
+                warn_from_user(UserWarning(MEASURED_SELECTION_SYMBOLIC))
         source = (_Replan.of(gm, example_inputs, inputs, patches)
                   if self.config.runs_per_step == "auto" or measured else None)
         replan = source if self.config.runs_per_step == "auto" else None
@@ -941,6 +943,12 @@ def _device_of(args: Sequence[Any]) -> torch.device | None:
 
 def _elapsed(mark: Mark) -> float:
     return fxoffload.runtime.elapsed_seconds(mark.device, mark.start, mark.end)
+
+
+MEASURED_SELECTION_SYMBOLIC = (
+    "fxoffload: select='measured' times nothing for a graph of symbolic sizes (dynamic shapes): its candidate "
+    "plans cannot be compiled again outside Dynamo (Dynamo would not check the guards they add), so it keeps the "
+    "fastest the cost model predicts, as select='predicted' does; compile with dynamic=False to time them")
 
 
 def _refuse_unchecked_ranks(check: RankCheck | None) -> None:
