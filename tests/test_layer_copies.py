@@ -189,7 +189,10 @@ def by_position(record) -> tuple:
     # the optimizer's state (of six layers, not four) reserved out of the device budget, beside --reserved (fit's
     # fxoffload rows print it: the four layers' unbudgeted trace refused it, a traceback, before 2026-12-06)
     ("--device-budget", "20MB", "--reserved", "2MB", "--optimizer", "adamw"),
-], ids=["budget", "checkpointed", "device-budget"])
+    # fit's checkpointing+offload row's command: the four layers' trace, planned with a budget, kept all_eligible,
+    # which a budget refuses (a traceback, found by a trial 2026-12-07)
+    ("--budget", "none", "--checkpointing", "full", "--all-eligible"),
+], ids=["budget", "checkpointed", "device-budget", "all-eligible"])
 def test_plan_s_report_from_copied_layers_is_the_report_of_every_layer_traced(tmp_path, setup):
     """``fxoffload plan`` traces four of the six layers and copies them: each plan is the plan of
     ``--trace-every-layer``, node for node by their places in the graph, and every figure of the report

@@ -391,8 +391,10 @@ def trace_copying_layers(source: Any, args: argparse.Namespace, seq: int, dtype:
     run = argparse.Namespace(**{**vars(args), "keep_joints": True, "joints_only": True})
     # The joint graph is kept before any plan: the trace plans nothing but where the step breaks into several
     # graphs (then traced whole below), so it plans without a budget, as fit's traces do.
-    # (reserved goes with the device budget: it counts against one, and is refused without)
-    unbudgeted = {**options, "memory_budget": 1.0, "device_budget": None, "reserved": 0, "max_overhead": None}
+    # (reserved goes with the device budget: it counts against one, and is refused without; all_eligible with
+    # any budget: fit's checkpointing+offload rows printed `--budget none --all-eligible`, which then raised)
+    unbudgeted = {**options, "memory_budget": 1.0, "device_budget": None, "reserved": 0, "max_overhead": None,
+                  "all_eligible": False}
     while True:
         traced = trace_step(source.with_layers(repeat.traced(source.layers)), run, seq, dtype, unbudgeted, progress)
         start = time.perf_counter()
