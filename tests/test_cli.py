@@ -178,7 +178,16 @@ def test_missing_config_file(capsys, tmp_path):
     ('{"model_type": "llama",', "is not valid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ('{"hidden_size": 64}', 'has no "model_type" field'),
-    ('{"model_type": "no-such-model"}', "model_type 'no-such-model' is not one transformers knows"),
+    ('{"model_type": "no-such-model"}', "model_type 'no-such-model' is not one transformers knows; accepted: a model"),
+    ('{"model_type": "lama"}', "model_type 'lama' is not one transformers knows; did you mean 'llama'"),
+    # Sizes transformers takes and no model has: a plan printed of "-2 layers", or a traceback in the trace
+    # (a trial, 2026-12-07).
+    ('{"model_type": "llama", "num_hidden_layers": -2}', "num_hidden_layers is -2; accepted: an int >= 1"),
+    ('{"model_type": "llama", "hidden_size": 0}', "hidden_size is 0; accepted: an int >= 1"),
+    ('{"model_type": "gpt2", "n_layer": 0}', "num_hidden_layers is 0; accepted: an int >= 1"),  # (an alias)
+    ('{"model_type": "llama", "vocab_size": 0}', "vocab_size is 0; accepted: an int >= 1"),
+    ('{"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 3}',
+     "num_key_value_heads is 3, which does not divide num_attention_heads 4"),
     ('{"model_type": "llama", "hidden_size": "wide"}',
      "config.json': transformers rejected the config: Validation error for field 'hidden_size'"),
     # Another head than fxoffload builds: planned as a causal LM before 2026-12-06, another model, silently.

@@ -64,8 +64,10 @@ def test_config_is_frozen_and_defaults_are_valid():
 def test_bad_option_by_name_reaches_the_user():
     model = torch.nn.Linear(4, 4)
     compiled = torch.compile(model, backend="fxoffload", options={"horizn": 2})
-    with pytest.raises(Exception, match="horizn"):
+    with pytest.raises(Exception, match="horizn") as raised:
         compiled(torch.randn(2, 4))
+    # As the README says: Dynamo's BackendCompilerFailed, whose inner_exception is the OptionError.
+    assert isinstance(getattr(raised.value, "inner_exception", None), fxoffload.OptionError)
 
 
 @pytest.mark.parametrize(

@@ -407,7 +407,12 @@ def _task_of(fields: dict, model_type: str, path: Path) -> str:
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        raise ModelError(f"config file {str(path)!r}: model_type {model_type!r} is not one transformers knows")
+        import difflib  # here: this error alone needs it
+
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
+        raise ModelError(f"config file {str(path)!r}: model_type {model_type!r} is not one transformers knows; "
+                         + (f"did you mean {', '.join(map(repr, close))}? " if close else "")
+                         + "accepted: a model type of transformers' CONFIG_MAPPING (its config.json's \"model_type\")")
     # By the model type's own default, not the file's field: BartForCausalLM saves is_encoder_decoder false,
     # and its num_hidden_layers is still the encoder's count.
     if fields.get("is_encoder_decoder") or _default_encoder_decoder(CONFIG_MAPPING[model_type]):
@@ -454,6 +459,7 @@ def _from_transformers_config(name: str, model_type: str, fields: dict, task: st
     # The Auto class picks the named head among a type's several (DeiT's), and iterates the list: never None.
     config.architectures = list(architectures or [])
     _check_one_stack(origin or name, model_type, config)
+    _check_sizes(origin or name, config)
     if layers is not None:
         if not 1 <= layers <= config.num_hidden_layers:
             raise ModelError(f"--layers: got {layers}; {name} has {config.num_hidden_layers} layers, accepted 1 to "
@@ -509,6 +515,21 @@ def _check_one_stack(origin: str, model_type: str, config: Any) -> None:
         raise ModelError(f"{origin}: model_type {model_type!r} has no num_hidden_layers (not one stack of layers: "
                          "a composite config, such as CLIP's text and vision configs, or a convolutional network's "
                          "stages); accepted: one stack of layers (give the sub-model's own config, or a --model file)")
+
+
+def _check_sizes(origin: str, config: Any) -> None:
+    """Refuse a size field below 1 (transformers takes ``num_hidden_layers: -2`` and ``hidden_size: 0``, and a
+    plan of them was printed as if of a model; ``vocab_size: 0`` failed in the trace with a traceback), and KV
+    heads that do not divide the heads (SDPA's failure, deep in the trace). Read on the config, whose attribute
+    names stand for their aliases (GPT-2's ``n_layer``)."""
+    for size in (*SIZE_FIELDS, "num_key_value_heads"):
+        value = getattr(config, size, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ModelError(f"{origin}: {size} is {value}; accepted: an int >= 1")
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ModelError(f"{origin}: num_key_value_heads is {kv}, which does not divide num_attention_heads {heads} "
+                         "(each KV head serves a group of heads); accepted: a divisor of num_attention_heads")
 
 
 def _task_mappings() -> dict[str, dict[str, str]]:
