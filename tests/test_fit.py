@@ -474,6 +474,9 @@ def test_a_host_budget_too_small_for_the_copies_limits_the_offloading_rows(tmp_p
     (["--reserved", "30MB"], "--reserved: reserved='30MB' leaves nothing of device_budget"),
     (["--host-budget", "lots"], "--host-budget: got 'lots'"),
     (["--seq", "64", "--granularity", "300"], "--granularity: got 300, above --max-batch 256"),
+    # a bound of the other search, ignored before 2026-12-07 (a trial)
+    (["--max-batch", "4"], "--max-batch: got 4 without --seq; it bounds the batch search"),
+    (["--seq", "64", "--max-seq", "512"], "--max-seq: got 512 with --seq 64, which searches the largest batch"),
     (["--batch", "0"], "--batch: got 0; accepted: an integer >= 1"),
     (["--jobs", "0"], "--jobs: got 0; accepted: an integer >= 1"),
     (["--profile", "h100-pcie5,b300"], "--profile: unknown profile 'b300'; known: a100-pcie4"),

@@ -115,7 +115,7 @@ def add_fit_parser(commands: Any) -> None:
                      help="the search's grid: 256 tokens (default), or 1 for a batch search with --seq")
     fit.add_argument("--max-seq", type=int,
                      help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
-    fit.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+    fit.add_argument("--max-batch", type=int,
                      help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
     fit.add_argument("--jobs", type=int,
                      help="processes that search the checkpointing modes side by side (default: one per mode, at "
@@ -294,11 +294,18 @@ def _grid(args: argparse.Namespace, source: Any) -> Grid:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: got {value}; accepted: an integer >= 1")
+    # Each bound belongs to one search: the other's was ignored, unsaid (a trial, 2026-12-07).
+    if args.seq is None and args.max_batch is not None:
+        raise UsageError(f"--max-batch: got {args.max_batch} without --seq; it bounds the batch search at a sequence "
+                         "length; accepted: with --seq (without it, fit searches the longest sequence: --max-seq)")
+    if args.seq is not None and args.max_seq is not None:
+        raise UsageError(f"--max-seq: got {args.max_seq} with --seq {args.seq}, which searches the largest batch at "
+                         "that length; accepted: without --seq (with it: --max-batch)")
     if args.seq is not None:
-        step = args.granularity or 1
-        if step > args.max_batch:
-            raise UsageError(f"--granularity: got {step}, above --max-batch {args.max_batch}; accepted: at most it")
-        return Grid(True, step, step, args.max_batch)
+        step, most = args.granularity or 1, args.max_batch or DEFAULT_MAX_BATCH
+        if step > most:
+            raise UsageError(f"--granularity: got {step}, above --max-batch {most}; accepted: at most it")
+        return Grid(True, step, step, most)
     positions = source.positions
     most = args.max_seq or positions or DEFAULT_MAX_SEQ
     if positions is not None and most > positions:
