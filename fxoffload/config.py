@@ -226,7 +226,7 @@ class OffloadConfig:
 
     select_steps: int = SELECT_STEPS
     """Timed steps per candidate under ``select="measured"``, after its warm-up step (the median counts);
-    refused with ``select="predicted"``, which times nothing."""
+    a value other than this default is refused with ``select="predicted"``, which times nothing."""
 
     max_overhead: Any = None
     """Bound on the time a plan may add to each compiled graph (stalls on copies, recomputation), as a

@@ -23,7 +23,8 @@ def _budget_words(plan: Any) -> str:
     """A graph's budget, bytes and as given; one below nothing (a region's share of a step whose earlier regions
     hold more than the step's budget) said so, not as negative bytes."""
     if plan.budget_bytes is None and plan.device_bytes is not None:  # (the device peak's line below says more)
-        return f"none on the activations; device_budget less reserved {format_bytes(plan.device_bytes)}"
+        return (f"none on the activations; device cap {format_bytes(plan.device_bytes)} (device_budget less reserved"
+                " and what earlier regions take)")
     if plan.budget_bytes is None:
         return "none"
     if plan.budget_bytes < 0:

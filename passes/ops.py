@@ -156,8 +156,9 @@ for _op in FXOFFLOAD_OPS:
 REFUSED_RETRACE = (
     "fxoffload: compiled autograd (torch._dynamo.compiled_autograd) re-traces the backward graphs fxoffload "
     "compiled, and fxoffload's copies cannot be re-traced: a wait returns the tensor it waited for (an alias), "
-    "which compiled autograd's functionalization cannot keep. Turn compiled autograd off for steps compiled "
-    "with fxoffload: leave torch._dynamo.config.compiled_autograd False and do not wrap backward() in "
+    "which compiled autograd's functionalization cannot keep, and a prefetch would start a real copy. Turn "
+    "compiled autograd off for steps compiled with fxoffload: leave torch._dynamo.config.compiled_autograd False "
+    "and do not wrap backward() in "
     "torch._dynamo.compiled_autograd._enable(...)"
 )
 
@@ -166,8 +167,8 @@ def _refuse_functionalization(*args, **kwargs):
     raise RuntimeError(REFUSED_RETRACE)
 
 
-# Every op a backward calls, and not only those that return an alias: compiled autograd's trace runs on real
-# tensors, so a prefetch it reached first started a real copy that no wait would ever end (a transfer pending for
-# good, its device buffer held). Refused at the first, before any copy starts.
+# The prefetches too, not only the ops that return an alias: compiled autograd's trace runs on real tensors, so a
+# prefetch it reached before the first wait started a real copy that no wait would ever end (a transfer pending
+# for good, its device buffer held). Refused there, before that copy starts.
 for _name in ("prefetch", "prefetch_ahead", "wait", "defer"):
     LIB.impl(_name, _refuse_functionalization, "Functionalize")

@@ -9,6 +9,7 @@ fxoffload's backward hook trips compiled autograd's pre-hook reordering when an 
 unused, as transformers' KV cache does (``use_cache=True``, its default)."""
 
 import contextlib
+import re
 from typing import Callable
 
 import pytest
@@ -46,6 +47,7 @@ def test_an_mlp_under_compiled_autograd_is_refused_with_the_option_to_turn_off(c
     assert "torch._dynamo.config.compiled_autograd" in str(error.value)
 
 
+@pytest.mark.slow  # (4 s on torch 2.13, 21 s on 2.11)
 def test_a_backward_refused_under_compiled_autograd_leaves_no_copy_pending():
     """``_enable`` around ``backward()`` alone, the graphs compiled by Inductor: compiled autograd's trace runs
     the compiled backward on real tensors, and its first prefetch started a real copy before the first wait
@@ -55,7 +57,7 @@ def test_a_backward_refused_under_compiled_autograd_leaves_no_copy_pending():
     model = torch.compile(MLP(), backend=backend)
     x = torch.randn(64, 5, 8)
     for refused in (False, True, False):  # a step, a refused backward, a step after it
-        with pytest.raises(Exception, match="re-traces") if refused else contextlib.nullcontext():
+        with pytest.raises(Exception, match=re.escape(REFUSED_RETRACE)) if refused else contextlib.nullcontext():
             mlp_step(model, x, backward=(lambda: compiled_autograd("aot_eager")) if refused else contextlib.nullcontext)
         assert fxoffload.runtime.pending_transfers() == 0
     assert backend.records[0].plan.transfers

@@ -4,7 +4,9 @@ checked against measured memory on GPT-2, Llama and ViT built from configs (inne
 import pytest
 import torch
 
-from tests.conftest import MODELS, CausalLMLoss, assert_same_step, loss_and_grads, measured_run
+import fxoffload
+from fxoffload.explain import format_bytes
+from tests.conftest import MLP, MODELS, CausalLMLoss, assert_same_step, loss_and_grads, measured_run
 
 
 class ImageLoss(torch.nn.Module):
@@ -80,12 +82,9 @@ def test_reserved_bytes_count_against_the_budget_and_an_unreachable_one_says_by_
 
 def test_explains_options_line_names_the_device_budget():
     """It read ``options: budget none`` under a device budget (a trial, 2026-12-07): as if nothing bounded the step."""
-    import fxoffload
-    from fxoffload.explain import format_bytes
-    from tests.conftest import MLP
-
     backend = fxoffload.offload_backend(device_budget="1MiB", reserved="100KiB", inner="eager")
     torch.compile(MLP(), backend=backend)(torch.randn(3, 5, 8)).backward()
     options = next(line for line in fxoffload.explain(backend.records[0]).splitlines() if line.startswith("options:"))
     left = format_bytes(2**20 - 100 * 2**10)
-    assert options.startswith(f"options: budget none on the activations; device_budget less reserved {left},"), options
+    assert options.startswith(f"options: budget none on the activations; device cap {left} (device_budget less "
+                              "reserved"), options
