@@ -582,3 +582,19 @@ def test_a_config_files_attention_implementation_is_kept(tmp_path):
     with pytest.warns(UserWarning, match="names attn_implementation='flash_attention_2': planned with 'sdpa' instead"):
         source = from_config_file(tmp_path)
     assert source.build(1, 16, torch.float32)[0].model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "--preset", "gpt2-xl", "--budgt", "0.5"],
+     "fxoffload plan: error: unrecognized arguments: --budgt 0.5; --budgt: did you mean --budget"),
+    (["fit", "--preset", "gpt2-xl", "--device-memory", "80GB", "--max-bach=4"],
+     "fxoffload fit: error: unrecognized arguments: --max-bach=4; --max-bach=4: did you mean --max-batch"),
+    (["plan", "--preset", "gpt2-xl", "stray"], "fxoffload plan: error: unrecognized arguments: stray (fxoffload plan"),
+])
+def test_a_misspelt_flag_is_named_in_its_commands_usage_with_the_flags_near_it(capsys, argv, words):
+    """The top level's usage (``fxoffload {plan,fit,check}``) answered before, with no flag to try (a trial,
+    2026-12-07)."""
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    error = capsys.readouterr().err
+    assert raised.value.code == 2 and f"usage: fxoffload {argv[0]}" in error and words in error, error

@@ -19,6 +19,7 @@ impossible budget), with the reason on stderr.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -109,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     try:
         if args.command == "fit":
             status = run_fit(args, program=argv is None)  # argv None: the command line's own process
@@ -123,6 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return _reader_gone()
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit with status 2 naming the arguments ``command`` does not take, in its own usage (the top level's
+    said only ``fxoffload {plan,fit,check}``, a trial found), with the flags close to a misspelt one."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [f for action in sub._actions for f in action.option_strings if f.startswith("--")]
+    hints = []
+    for argument in unknown:
+        near = difflib.get_close_matches(argument.split("=")[0], flags, n=2) if argument.startswith("--") else []
+        if near:
+            hints.append(f"{argument}: did you mean {' or '.join(near)}?")
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {h}" for h in hints)
+              + f" (fxoffload {command} --help lists its flags)")
 
 
 def _reader_gone() -> int:
