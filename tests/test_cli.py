@@ -590,6 +590,8 @@ def test_a_config_files_attention_implementation_is_kept(tmp_path):
     (["fit", "--preset", "gpt2-xl", "--device-memory", "80GB", "--max-bach=4"],
      "fxoffload fit: error: unrecognized arguments: --max-bach=4; --max-bach=4: did you mean --max-batch"),
     (["plan", "--preset", "gpt2-xl", "stray"], "fxoffload plan: error: unrecognized arguments: stray (fxoffload plan"),
+    (["fit", "--preset", "gpt2-xl", "--device-memory", "80GB", "--seq", "512:1024"],
+     "argument --seq: got '512:1024'; accepted: one integer length (a range LO:HI is plan's"),
 ])
 def test_a_misspelt_flag_is_named_in_its_commands_usage_with_the_flags_near_it(capsys, argv, words):
     """The top level's usage (``fxoffload {plan,fit,check}``) answered before, with no flag to try (a trial,

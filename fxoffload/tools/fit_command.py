@@ -105,8 +105,8 @@ def add_fit_parser(commands: Any) -> None:
     add_device(fit, several_profiles="each fitted from the same traces (a trace does not depend on the profile), "
                                       "one report each")
     add_batch(fit)
-    fit.add_argument("--seq", type=int, help="a sequence length: search the largest batch at it instead (not a "
-                                              "range, as in plan)")
+    fit.add_argument("--seq", type=_one_length, help="a sequence length: search the largest batch at it instead "
+                                                      "(not a range, as in plan)")
     add_shape(fit)
     fit.add_argument("--per-layer", action="store_true",
                      help="each layer compiled on its own (one graph serving every layer, as FSDP2 and torchtitan "
@@ -121,6 +121,16 @@ def add_fit_parser(commands: Any) -> None:
                      help="processes that search the checkpointing modes side by side (default: one per mode, at "
                           "most one per CPU; 1: one after the other, in this process)")
     add_output(fit, plot="fxoffload-fit.png")
+
+
+def _one_length(text: str) -> int:
+    """``--seq``'s value: one length (plan's ``LO:HI`` range is refused by name, not as "invalid int value")."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}; accepted: one integer length (a range LO:HI is plan's: fit searches the longest sequence "
+            "without --seq, the largest batch at one length with it)") from None
 
 
 def run_fit(args: argparse.Namespace, *, program: bool = False) -> int:
