@@ -114,7 +114,8 @@ def add_fit_parser(commands: Any) -> None:
     fit.add_argument("--granularity", type=int,
                      help="the search's grid: 256 tokens (default), or 1 for a batch search with --seq")
     fit.add_argument("--max-seq", type=int,
-                     help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ})")
+                     help=f"the longest sequence tried (default: the model's positions, else {DEFAULT_MAX_SEQ}; "
+                          "not with --seq)")
     fit.add_argument("--max-batch", type=int,
                      help=f"the largest batch tried with --seq (default {DEFAULT_MAX_BATCH})")
     fit.add_argument("--jobs", type=int,
@@ -310,7 +311,7 @@ def _grid(args: argparse.Namespace, source: Any) -> Grid:
                          "length; accepted: with --seq (without it, fit searches the longest sequence: --max-seq)")
     if args.seq is not None and args.max_seq is not None:
         raise UsageError(f"--max-seq: got {args.max_seq} with --seq {args.seq}, which searches the largest batch at "
-                         "that length; accepted: without --seq (with it: --max-batch)")
+                         "that size; accepted: without --seq (with it: --max-batch)")
     if args.seq is not None:
         step, most = args.granularity or 1, args.max_batch or DEFAULT_MAX_BATCH
         if step > most:

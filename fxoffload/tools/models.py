@@ -218,7 +218,7 @@ def _warn_defaulted_sizes(origin: str, model_type: str, fields: dict) -> None:
     for key in defaulted:
         close = difflib.get_close_matches(key, unread, n=1, cutoff=0.8) or (
             difflib.get_close_matches(aliases[key], unread, n=1, cutoff=0.8) if key in aliases else [])
-        words.append(f"{key}={getattr(built, key)}" + (f" (the file's {close[0]!r} is not a field of "
+        words.append(f"{key}={_one_value(built, key)}" + (f" (the file's {close[0]!r} is not a field of "
                                                           f"{type(default).__name__}: misspelt?)" if close else ""))
     warn_from_user(UserWarning(f"{origin} leaves {', '.join(defaulted)} out: {type(default).__name__}'s defaults are "
                                f"planned ({', '.join(words)})"))
@@ -523,13 +523,24 @@ def _check_sizes(origin: str, config: Any) -> None:
     heads that do not divide the heads (SDPA's failure, deep in the trace). Read on the config, whose attribute
     names stand for their aliases (GPT-2's ``n_layer``)."""
     for size in (*SIZE_FIELDS, "num_key_value_heads"):
-        value = getattr(config, size, None)
+        value = _one_value(config, size)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ModelError(f"{origin}: {size} is {value}; accepted: an int >= 1")
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+            alias = (getattr(config, "attribute_map", None) or {}).get(size)  # the standard name -> the class's
+            named = f"{size} (or {alias!r})" if alias else size
+            raise ModelError(f"{origin}: {named} is {value}; accepted: an int >= 1")
+    heads, kv = _one_value(config, "num_attention_heads"), _one_value(config, "num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         raise ModelError(f"{origin}: num_key_value_heads is {kv}, which does not divide num_attention_heads {heads} "
                          "(each KV head serves a group of heads); accepted: a divisor of num_attention_heads")
+
+
+def _one_value(config: Any, field: str) -> Any:
+    """``config``'s ``field``, or None where it has no one value: transformers' configs of layers unlike
+    (``dots3_note_text``) raise ``AmbiguousGlobalPerLayerAttributeError``, a RuntimeError, for a per-layer one."""
+    try:
+        return getattr(config, field, None)
+    except Exception:  # noqa: BLE001 (whatever a config raises for a field it holds per layer)
+        return None
 
 
 def _task_mappings() -> dict[str, dict[str, str]]:
