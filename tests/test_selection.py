@@ -20,7 +20,7 @@ import fxoffload
 from fxoffload import runtime
 from fxoffload.passes import plan_digest
 from fxoffload.backend.selection import Mark, RegionSelection, fastest, slowest_medians
-from tests.conftest import MLP, assert_same_step, cuda_engine_on_cpu, lm_step, tiny_llama
+from tests.conftest import MLP, assert_same_step, cuda_engine_on_cpu, lm_step, loss_and_grads, tiny_llama
 
 
 # --------------------------------------------------------------------------- the core, on plain numbers
@@ -141,13 +141,6 @@ def test_over_the_fake_cuda_the_events_time_the_copies_compute_waits_for():
     assert slowest.median > 0.05  # at least one copy's charge: the events saw the waits
 
 
-def _mlp_step(model: torch.nn.Module, x: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(x)
-    loss.backward()
-    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
-
-
 def test_without_a_choice_nothing_is_timed_or_compiled_again():
     # Changed 2026-12-07: this ran strategy offload, which a trial found silently ignored select="measured";
     # the config now refuses it (``test_config``). A graph of symbolic sizes is the choice the config cannot see.
@@ -159,7 +152,7 @@ def test_without_a_choice_nothing_is_timed_or_compiled_again():
     with pytest.warns(UserWarning, match="select='measured' times nothing for a graph of symbolic sizes"):
         for rows in range(64, 69):  # five steps: timed, the second candidate would be compiled by the fourth
             x = torch.randn(rows, 5, 8)
-            assert_same_step(_mlp_step(eager, x), _mlp_step(compiled, x))
+            assert_same_step(loss_and_grads(eager, x), loss_and_grads(compiled, x))
     assert len(backend.records[0].candidates) >= 2  # a choice there was
     assert len(backend.records) == 1 and backend.records[0].selection is None
 
