@@ -216,6 +216,52 @@ def test_malformed_config_file(capsys, tmp_path, text, message):
     assert message in run_error(capsys, "--config", str(path))
 
 
+# A config transformers accepts and whose own modeling code fails: DeepSeek-V3's head_dim at odds with its
+# qk_rope_head_dim fails in its rotary embedding (a trial, 2026-12-07: a page of traceback, and 34 lines of
+# PyTorch's log of the fake op's failure before it).
+DEEPSEEK_V3_AT_ODDS = {
+    "model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "intermediate_size": 64, "moe_intermediate_size": 32, "vocab_size": 64,
+    "n_routed_experts": 2, "num_experts_per_tok": 1, "first_k_dense_replace": 1, "q_lora_rank": 16,
+    "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 12,
+}
+
+
+FAKE_OP_FAILED = "failed while attempting to run meta"
+
+
+def test_a_config_whose_model_code_fails_gets_one_line_naming_where(capsys, caplog, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3_AT_ODDS))
+    err = run_error(capsys, "--config", str(tmp_path), "--seq", "16")
+    assert FAKE_OP_FAILED not in caplog.text  # nor PyTorch's log of it (34 lines on the terminal)
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"fxoffload plan: error: config file '{tmp_path / 'config.json'}': transformers' own model "
+                          "code fails on it (modeling_deepseek_v3.py:"), err
+    assert ", in apply_rotary_pos_emb_interleave): RuntimeError: Attempting to broadcast" in err
+    assert err.rstrip().endswith("(--traceback shows where)")
+
+
+def test_with_traceback_a_config_whose_model_code_fails_raises_its_error(caplog, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3_AT_ODDS))
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="Attempting to broadcast"):
+        main(["plan", "--config", str(tmp_path), "--seq", "16", "--no-plot", "--quiet", "--traceback"])
+    assert FAKE_OP_FAILED in caplog.text  # PyTorch's own log of the fake op's failure, kept
+
+
+def test_a_failure_of_the_backend_under_a_config_is_not_blamed_on_the_model(monkeypatch, tmp_path):
+    # The compile of the step's graph fails in fxoffload (planted): its error propagates whole, never one line
+    # that names transformers' code, though the step traced is transformers' model.
+    import fxoffload.backend
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted failure in the planner")
+
+    monkeypatch.setattr(fxoffload.backend.OffloadBackend, "_compile", planted)
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="planted failure in the planner"):
+        main(["plan", "--config", str(tmp_path), "--seq", "16", "--no-plot", "--quiet"])
+
+
 def test_impossible_budget(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     # Offloading only: under "auto", PyTorch's recompute-only partition reaches 1 KiB on this model.

@@ -17,6 +17,8 @@ import contextlib
 import dataclasses
 import sys
 import time
+import traceback as tracebacks
+from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -140,7 +142,8 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
 
     torch._dynamo.reset()
     seconds = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), checkpointed_side_effects_allowed():
+    with FakeTensorMode(allow_non_fake_inputs=True), checkpointed_side_effects_allowed(), \
+            fake_kernel_failures_unlogged(getattr(args, "traceback", False)):
         progress(f"building {source.name} with fake tensors (batch {args.batch}, size {seq}, {dtype})")
         start = time.perf_counter()
         step, inputs, kwargs = source.build(args.batch, seq, dtype)
@@ -439,6 +442,23 @@ _GRAPH_LOGGERS = (("torch._functorch._aot_autograd.graph_compile", "_log_joint_g
 
 
 @contextlib.contextmanager
+def fake_kernel_failures_unlogged(traceback: bool) -> Iterator[None]:
+    """Within (unless ``traceback``): PyTorch logs no failure of an op on fake tensors. It logged each with
+    its traceback (34 lines for one shape mismatch in a config's model code) before the error that carries it
+    reached the one line we print of it; ``--traceback`` shows both."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    if not traceback:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
 def unlogged_graphs() -> Iterator[None]:
     """Within: AOTAutograd prints no graph as text (it does so as ``enable_log=False`` has it: the
     strings are None). A traced step is only planned and read, never logged nor cached: on an 8B step
@@ -528,7 +548,8 @@ def reserve_optimizer_state(options: dict, optimizer: dict) -> dict:
 
 def _usage_error(error: Exception, source: Any, traceback: bool, optimizer: dict | None = None) -> Exception:
     """What to raise for an error while tracing and planning: a one-line UsageError for an impossible
-    budget, a bad model, or any failure of a model file's own code (unless --traceback); else ``error``."""
+    budget, a bad model, or any failure of a model file's own code or of transformers' model code (unless
+    --traceback); else ``error``."""
 
     cause = _cause(error, (BudgetInfeasibleError, ModelError))
     if isinstance(cause, BudgetInfeasibleError):
@@ -538,7 +559,36 @@ def _usage_error(error: Exception, source: Any, traceback: bool, optimizer: dict
     if source.user_code and not traceback:
         return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: "
                           f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
+    frame = None if traceback else transformers_frame(error)
+    if frame is not None:
+        return UsageError(f"{source.origin or source.name}: transformers' own model code fails on it "
+                          f"({Path(frame.filename).name}:{frame.lineno}, in {frame.name}): "
+                          f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
     return error
+
+
+def transformers_frame(error: BaseException) -> tracebacks.FrameSummary | None:
+    """The frame of transformers' model code where ``error`` arose while a step was traced (a config whose
+    fields its modeling code does not support: DeepSeek-V3's ``head_dim`` at odds with ``qk_rope_head_dim``
+    failed in its rotary embedding with a page of traceback), else None. The frame is the last one of the
+    model's code that Dynamo traced (its ``real_stack``), or of the innermost error's traceback, outside torch;
+    a failure of a compile (ours, or the inner compiler's) is never the model's."""
+    chain = list(_chain(error))
+    if any(isinstance(e, torch._dynamo.exc.BackendCompilerFailed) for e in chain):
+        return None
+    stack = next((e.real_stack for e in chain if getattr(e, "real_stack", None)), None)
+    if stack is None:
+        stack = tracebacks.extract_tb(chain[-1].__traceback__)
+    outside_torch = [f for f in stack if not _under(f.filename, torch)]
+    if not outside_torch:
+        return None
+    import transformers  # here: only a step that failed asks
+
+    return outside_torch[-1] if _under(outside_torch[-1].filename, transformers) else None
+
+
+def _under(filename: str, package: Any) -> bool:
+    return Path(filename).resolve().is_relative_to(Path(package.__file__).resolve().parent)
 
 
 
