@@ -7,6 +7,7 @@ would be invisible to it). Predictions come from the plan's memory model.
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,36 @@ def test_infeasible_budget_errors_with_the_smallest_peak():
     backend = fxoffload.offload_backend(inner="eager", min_bytes=0, memory_budget=1000, strategy="offload")
     with pytest.raises(Exception, match=r"smallest achievable activation peak is \d+ B .* above the budget of 1000 B"):
         loss_step(torch.compile(model, backend=backend), ids)
+
+
+def readme_snippet(after: str) -> str:
+    """The README's first Python block after the line ``after``."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return text.split(after, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("runs_per_step, wrapped", [(1, True), ("auto", False)])
+def test_a_budget_error_reaches_the_caller_as_the_readme_says(runs_per_step, wrapped, capsys):
+    """Raised while Dynamo compiles (the first plan), a budget error is Dynamo's BackendCompilerFailed with ours
+    its inner exception; raised at the re-plan after the first step (outside a compile), it is ours. The
+    README's snippet catches it either way (the guide said ``except fxoffload.BudgetInfeasibleError``, which
+    caught only the second, a trial found)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()) for _ in range(6)])
+    batch = torch.randn(512, 256)
+    backend = fxoffload.offload_backend(memory_budget=0.1, strategy="offload", runs_per_step=runs_per_step,
+                                        inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    if not wrapped:  # the first step runs, planned provisionally at the smallest peak
+        compiled(batch).sum().backward()
+    with pytest.raises(Exception) as info:
+        compiled(batch).sum().backward()
+    assert isinstance(info.value, torch._dynamo.exc.BackendCompilerFailed) == wrapped, type(info.value)
+    snippet = readme_snippet("To catch one either way:")
+    exec(snippet, {"fxoffload": fxoffload, "compiled": compiled, "batch": batch})
+    cause = info.value.inner_exception if wrapped else info.value
+    assert isinstance(cause, fxoffload.BudgetInfeasibleError)
+    assert capsys.readouterr().out.strip() == f"{cause.smallest} {cause.budget} {cause.advice}"
 
 
 class ReturnsWhatItSaves(torch.nn.Module):
