@@ -568,27 +568,44 @@ def _usage_error(error: Exception, source: Any, traceback: bool, optimizer: dict
 
 
 def transformers_frame(error: BaseException) -> tracebacks.FrameSummary | None:
-    """The frame of transformers' model code where ``error`` arose while a step was traced (a config whose
+    """The frame of transformers' model code where ``error`` arose while Dynamo traced a step (a config whose
     fields its modeling code does not support: DeepSeek-V3's ``head_dim`` at odds with ``qk_rope_head_dim``
-    failed in its rotary embedding with a page of traceback), else None. The frame is the last one of the
-    model's code that Dynamo traced (its ``real_stack``), or of the innermost error's traceback, outside torch;
-    a failure of a compile (ours, or the inner compiler's) is never the model's."""
+    failed in its rotary embedding with a page of traceback), else None. Only an error of the model's own making
+    is the model's: one Dynamo met in the code it traced (its ``real_stack``, whose last frame outside torch is
+    transformers'), raised by transformers itself or by one of PyTorch's op checks (``_SHAPE_CHECKS``: a shape
+    that does not broadcast, a dtype that does not match). A failure of a compile (ours, the inner compiler's),
+    of Dynamo itself, of an op without a fake kernel, of a size read from data, or of a compiled graph at run
+    time is never the model's: it propagates whole."""
     chain = list(_chain(error))
-    if any(isinstance(e, torch._dynamo.exc.BackendCompilerFailed) for e in chain):
+    if any(isinstance(e, (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.InternalTorchDynamoError,
+                          NotImplementedError)) for e in chain):
         return None
     stack = next((e.real_stack for e in chain if getattr(e, "real_stack", None)), None)
-    if stack is None:
-        stack = tracebacks.extract_tb(chain[-1].__traceback__)
-    outside_torch = [f for f in stack if not _under(f.filename, torch)]
-    if not outside_torch:
+    raised = tracebacks.extract_tb(chain[-1].__traceback__)
+    if not stack or not raised:
         return None
     import transformers  # here: only a step that failed asks
 
-    return outside_torch[-1] if _under(outside_torch[-1].filename, transformers) else None
+    if not (_under(raised[-1].filename, transformers) or _in_shape_check(raised[-1].filename)):
+        return None
+    outside_torch = [f for f in stack if not _under(f.filename, torch)]
+    if not outside_torch or not _under(outside_torch[-1].filename, transformers):
+        return None
+    return outside_torch[-1]
 
 
-def _under(filename: str, package: Any) -> bool:
-    return Path(filename).resolve().is_relative_to(Path(package.__file__).resolve().parent)
+# Where PyTorch checks an op's arguments (relative to torch's folder): an error raised there is the caller's.
+_SHAPE_CHECKS = ("_refs", "_prims_common", "_meta_registrations.py", "_decomp", "__init__.py")
+
+
+def _in_shape_check(filename: str) -> bool:
+    return any(_under(filename, torch, part) for part in _SHAPE_CHECKS)
+
+
+def _under(filename: str, package: Any, part: str = "") -> bool:
+    """Whether ``filename`` is in ``package``'s folder (or its ``part`` there: a folder or a file)."""
+    folder = Path(package.__file__).resolve().parent
+    return Path(filename).resolve().is_relative_to(folder / part if part else folder)
 
 
 
