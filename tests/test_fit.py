@@ -632,7 +632,7 @@ TINY_VIT = {"model_type": "vit", "architectures": ["ViTForImageClassification"],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("searched", ["length", "batch", "image batch"])
+@pytest.mark.parametrize("searched", ["length", "length per layer", "batch", "image batch"])
 def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_trace_at_that_size_gets(
         tmp_path, searched):
     """fit traces each checkpointing mode of a model it builds once, with the size searched symbolic (the
@@ -640,7 +640,9 @@ def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_tra
     each setup's plan there has the peaks, the step time and the decisions (by action; node names differ:
     the symbolic graph reads its sizes) of the plan a trace at that size gets. Planting a plan at the
     trace's largest size, or sizes priced as kernels (``sym_size`` reading its tensor), fails it; so does
-    a batch search whose symbolic trace marks the length (before 2026-12-06 it traced every batch)."""
+    a batch search whose symbolic trace marks the length (before 2026-12-06 it traced every batch). With
+    ``--per-layer`` the layer graph's inputs come from the step's eager code: each layer marks its own
+    (``tracing.compile_layer``; before 2026-12-07 fit traced every length there, a trace each)."""
     import argparse
     import collections
     import json
@@ -654,13 +656,16 @@ def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_tra
     from fxoffload.tools.models import from_config_file
     from fxoffload.tools.tracing import Progress, plan_again, trace_step
 
-    image = searched == "image batch"
-    (tmp_path / "config.json").write_text(json.dumps(TINY_VIT if image else TINY_LLAMA))
+    image, per_layer = searched == "image batch", searched == "length per layer"
+    # per layer: a hidden size equal to the first length tried, as llama-3-8b's 4096 (each layer marks its inputs'
+    # dimensions of the traced length dynamic: the trace failed on the hidden size, and fit traced every length)
+    config = TINY_VIT if image else {**TINY_LLAMA, "hidden_size": 96} if per_layer else TINY_LLAMA
+    (tmp_path / "config.json").write_text(json.dumps(config))
     source = from_config_file(tmp_path)
     args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
-                              traceback=True, per_layer=False)
+                              traceback=True, per_layer=per_layer)
     common = _common_options(args)
-    by_batch = searched != "length"
+    by_batch = searched in ("batch", "image batch")
     grid = Grid(True, 1, 4, 16) if by_batch else Grid(False, GRID, 96, 1024)
     sizes = [(3, 32 if image else 64), (11, 32 if image else 64)] if by_batch else [(1, 48), (1, 400)]
     traces = _Traces(args, source, torch.float32, common, grid)
@@ -675,8 +680,8 @@ def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_tra
     modes = ("none",) if by_batch else ("none", "full")  # the batch's symbol read as the length's is
     for checkpointing in modes:
         for batch, seq in sizes:
-            run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=False, optimizer="none",
-                                     traceback=True, keep_joints=True)
+            run = argparse.Namespace(batch=batch, checkpointing=checkpointing, per_layer=per_layer,
+                                     optimizer="none", traceback=True, keep_joints=True)
             own = trace_step(source, run, seq, torch.float32, {**common, "memory_budget": 1.0}, Progress(True))
             for setup in (s for s in SETUPS if s.checkpointing == checkpointing):
                 for budget in ((1, 6_000_000) if setup.device_budget else (None,)):

@@ -460,7 +460,12 @@ class _Traces:
 
     def _trace_symbolic(self, checkpointing: str, fixed: int) -> _Symbolic | None:
         lower, upper = self._range
-        batch, seq = self._joined(fixed, self._example)
+        example = self._example
+        if self._args.per_layer and not self._by_batch and example < upper:
+            # Odd: a length no other dimension of a layer's inputs has (tracing.compile_layer marks theirs by
+            # size; llama-3-8b's hidden size is the 4096 tokens fit tries first, and that trace failed).
+            example += 1 - example % 2
+        batch, seq = self._joined(fixed, example)
         try:
             traced = (self._trace_copying_layers(checkpointing, batch, seq)
                       or self._trace(checkpointing, batch, seq, symbolic=True))

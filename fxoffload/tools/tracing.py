@@ -172,7 +172,7 @@ def trace_step(source: Any, args: argparse.Namespace, seq: int, dtype: torch.dty
             if blocks:
                 progress(f"compiling each of {len(blocks)} {type(blocks[0]).__name__} layers on its own")
                 for block in blocks:
-                    block.compile(backend=backend)
+                    compile_layer(block, backend, symbolic, seq)
                 # The rest of the step runs eagerly, on fake tensors: as on real ones, without the full
                 # attention mask transformers builds where it cannot read the position ids.
                 with unpacked_sequences(source), unlogged_graphs():
@@ -632,6 +632,30 @@ def _check_compiled(backend: Any, blocks: list, source: Any) -> None:
     if not backend.records:
         raise UsageError(f"{source.name}: nothing to plan: the step compiled no graph that needs a backward")
 
+
+
+def compile_layer(block: torch.nn.Module, backend: Any, size: SizeRange | None, traced: int) -> None:
+    """Compile ``block`` on its own (``Module.compile``). With ``size`` a range of lengths, each call first marks
+    dynamic, bounded to the range, every dimension past the batch of its tensor arguments that has the traced
+    length ``traced``: the layer's inputs are made by the step's eager code (the embedding, the rotary
+    embedding), which the mark on the token ids never reaches (``fit --per-layer`` traced every length, each
+    a trace, since it compiled layers apart). A dimension of that size by chance is marked too: the graph
+    then has more than one symbol, or Dynamo specializes it and the trace fails, and fit traces each length
+    instead, as it did."""
+    block.compile(backend=backend)
+    if size is None or size.dim != 1:
+        return
+    compiled = block._compiled_call_impl  # what Module.compile made: torch.compile of the block's _call_impl
+
+    def marked_then_compiled(*args: Any, **kwargs: Any) -> Any:
+        for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor):
+                for dim in range(1, value.dim()):
+                    if value.shape[dim] == traced:
+                        torch._dynamo.mark_dynamic(value, dim, min=size.lower, max=size.upper)
+        return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = marked_then_compiled
 
 
 def _mark_sizes(inputs: tuple, kwargs: dict, size: SizeRange) -> None:
