@@ -43,7 +43,7 @@ test: $(STAMP)
 	.venv-torch-2.11.0/bin/python -m pip install -q $$(python3 .ci/requirements.py test)
 	touch $@
 
-COMPAT_TESTS := -m "not slow or compat" -p no:cacheprovider
+COMPAT_TESTS := -m "not slow or compat" -p no:cacheprovider --durations=15
 
 # The two releases are independent: `make -j2 -O test-compat` (as .ci/run does) runs them side by side.
 test-compat: test-torch-2.11.0 test-torch-2.14.1

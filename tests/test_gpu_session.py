@@ -34,7 +34,10 @@ def dry_run(tmp_path_factory) -> tuple[dict, str, str]:
     return json.loads((out / "gpu_session.json").read_text()), (out / "gpu_session.md").read_text(), run.stdout
 
 
-@pytest.mark.compat
+# slow: the first GPU hour's script, not among the next lease's steps (benchmarks/lease.py runs frontier.py, which
+# imports its step and timing helpers); its dry run stays in the full suite, and the lease's own dry run
+# (tests/test_lease.py) is the one each release rehearses (2026-12-07).
+@pytest.mark.slow
 def test_the_dry_run_takes_every_measurement_it_would_take_on_a_gpu(dry_run):
     session, markdown, stdout = dry_run
     assert session["dry_run"] and not session["profile"]["measured"]
@@ -56,6 +59,7 @@ def test_the_dry_run_takes_every_measurement_it_would_take_on_a_gpu(dry_run):
     assert not session["skipped"]
 
 
+@pytest.mark.slow  # its dry run's fixture (above)
 def test_a_dry_run_is_never_written_to_the_results(dry_run, tmp_path):
     path = tmp_path / "dry.json"
     path.write_text(json.dumps(dry_run[0]))
