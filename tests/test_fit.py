@@ -700,6 +700,50 @@ def test_every_setup_planned_at_a_size_on_the_symbolic_trace_gets_the_plan_a_tra
     assert len(compared) >= 4 * len(modes)  # the setups and sizes plan differently: the comparison sees many plans
 
 
+TINY_MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+                "intermediate_size": 512, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+@pytest.mark.slow
+def test_a_layer_that_routes_by_tensor_values_is_planned_at_each_length_as_its_own_trace(tmp_path):
+    """Mixtral's experts count their tokens (histc): with the length symbolic its graph kept a view that a trace
+    at one length elides, and its device peak was planned below that trace's (a review, 2026-12-07).
+    ``fit --per-layer`` traces such a layer at each length, and says so. (The whole step is still traced
+    symbolic: the guide's Limits.)"""
+    import argparse
+    import json
+
+    import torch
+
+    from fxoffload.passes import simulate
+    from fxoffload.tools.fit import SETUPS, Grid
+    from fxoffload.tools.fit_command import _common_options, _Traces
+    from fxoffload.tools.models import from_config_file
+    from fxoffload.tools.tracing import Progress, plan_again, trace_step
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MIXTRAL))
+    source = from_config_file(tmp_path)
+    args = argparse.Namespace(profile="h100-pcie5", min_bytes="0", host_budget="none", optimizer="none",
+                              traceback=True, per_layer=True)
+    common = _common_options(args)
+    said: list[str] = []
+    traces = _Traces(args, source, torch.bfloat16, common, Grid(False, GRID, 1024, 1024), said.append)
+    run = argparse.Namespace(batch=1, checkpointing="none", per_layer=True, optimizer="none", traceback=True,
+                             keep_joints=True)
+    own = trace_step(source, run, 448, torch.bfloat16, {**common, "memory_budget": 1.0}, Progress(True))
+    options = {**common, **next(s for s in SETUPS if s.checkpointing == "none").options}
+
+    def figures(record):
+        plan = record.plan
+        return (plan.device_peak_after, plan.step_peak_after, plan.total_peak_after, plan.held_after,
+                simulate(record).step_time)
+
+    with traces.at("none", 1, 448) as traced:
+        assert figures(plan_again(traced, options)[0]) == figures(plan_again(own, options)[0])
+    assert any("counts tensor values (aten.histc" in s and "tracing each length instead" in s for s in said), said
+
+
 class _BranchesOnLength(__import__("torch").nn.Module):
     """A step whose ops depend on the length (a branch, on a bound or on divisibility by 32): one symbolic
     trace cannot serve every length."""

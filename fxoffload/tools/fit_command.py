@@ -461,10 +461,10 @@ class _Traces:
     def _trace_symbolic(self, checkpointing: str, fixed: int) -> _Symbolic | None:
         lower, upper = self._range
         example = self._example
-        if self._args.per_layer and not self._by_batch and example < upper:
+        if self._args.per_layer and not self._by_batch and example % 2 == 0:
             # Odd: a length no other dimension of a layer's inputs has (tracing.compile_layer marks theirs by
             # size; llama-3-8b's hidden size is the 4096 tokens fit tries first, and that trace failed).
-            example += 1 - example % 2
+            example += 1 if example < upper else -1 if example > lower else 0
         batch, seq = self._joined(fixed, example)
         try:
             traced = (self._trace_copying_layers(checkpointing, batch, seq)
@@ -477,6 +477,12 @@ class _Traces:
         if len(symbols) != 1:
             self._progress(f"tracing with the {self._what} symbolic (checkpointing {checkpointing}) gave "
                            f"{len(traced.joints)} graph(s) and {len(symbols)} symbolic size(s), not one each: "
+                           f"tracing each {self._what} instead")
+            return None
+        routing = _value_routed(traced.joints[0]) if self._args.per_layer else ""
+        if routing:
+            self._progress(f"the step traced with the {self._what} symbolic counts tensor values ({routing}: an "
+                           f"MoE's routing), where the graph and its plans differ from a trace at each {self._what}: "
                            f"tracing each {self._what} instead")
             return None
         (symbol,) = symbols
@@ -577,6 +583,22 @@ def _paused_then_frozen() -> Iterator[None]:
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+# Ops that count or select tensor values (an MoE's routing: transformers' experts count their tokens with histc).
+# Where a step has them its symbolic trace was not the graph a trace at each length gives: Mixtral's kept a view a
+# fixed length elides (its planned device peak at 448 tokens 0.9 MB, 3.5%, below its own trace's; a review,
+# 2026-12-07), and Qwen3-MoE's step time differed in the fifth digit. Under --per-layer such a layer graph is
+# traced at each length, as before 2026-12-07. The whole step is not (it would trace every layer at every length:
+# minutes for a full-size MoE): its rows may differ from their plan commands (the guide's Limits).
+VALUE_ROUTED = ("aten.histc", "aten.bincount", "aten.nonzero", "aten.unique", "aten.masked_select")
+
+
+def _value_routed(joint: Any) -> str:
+    """The ops of ``VALUE_ROUTED`` in ``joint``'s graph, named, or ''."""
+    found = sorted({str(n.target).rsplit(".", 1)[0] for n in joint.module.graph.nodes
+                    if n.op == "call_function" and str(n.target).startswith(VALUE_ROUTED)})
+    return ", ".join(found)
 
 
 def _input_symbols(joint: Any) -> set:
