@@ -32,5 +32,6 @@ class MutatedInputError(RuntimeError):
     """PyTorch's partition of a graph saves an input for the backward that the forward then writes in
     place (``h = sin(x) * w; x.mul_(2)``: it saves ``x`` and recomputes ``sin(x)``), so the backward
     would read the new value. Plain ``torch.compile`` does the same: autograd's "modified by an inplace
-    operation" under ``aot_eager``, gradients silently wrong under Inductor. Raised when the graph is
+    operation" or gradients silently wrong, by backend and step (``aot_eager`` and Inductor give wrong gradients
+    for that fragment, ``aot_eager_decomp_partition`` the error). Raised when the graph is
     compiled, naming the inputs (by position and shape)."""

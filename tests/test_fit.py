@@ -710,7 +710,7 @@ def test_a_layer_that_routes_by_tensor_values_is_planned_at_each_length_as_its_o
     """Mixtral's experts count their tokens (histc): with the length symbolic its graph kept a view that a trace
     at one length elides, and its device peak was planned below that trace's (a review, 2026-12-07).
     ``fit --per-layer`` traces such a layer at each length, and says so. (The whole step is still traced
-    symbolic: the guide's Limits.)"""
+    symbolic: the guide's "Will it fit".)"""
     import argparse
     import json
 

@@ -111,7 +111,7 @@ def _refuse_written_inputs_read(bw: fx.GraphModule) -> None:
         raise MutatedInputError(
             f"fxoffload: PyTorch's partition saves for the backward a graph input the forward then writes in place "
             f"({inputs}): the backward would read the new value (plain torch.compile does the same: autograd's "
-            f"'modified by an inplace operation', or under Inductor wrong gradients). Write a copy instead "
+            f"'modified by an inplace operation' or silently wrong gradients, by backend). Write a copy instead "
             f"(x = x.clone() before x.mul_(...)), or write the input outside the compiled function.")
 
 

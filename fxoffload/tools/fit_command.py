@@ -587,10 +587,10 @@ def _paused_then_frozen() -> Iterator[None]:
 
 # Ops that count or select tensor values (an MoE's routing: transformers' experts count their tokens with histc).
 # Where a step has them its symbolic trace was not the graph a trace at each length gives: Mixtral's kept a view a
-# fixed length elides (its planned device peak at 448 tokens 0.9 MB, 3.5%, below its own trace's; a review,
+# fixed length elides (its planned device peak at 448 tokens 0.9 MB, 3.4%, below its own trace's; a review,
 # 2026-12-07), and Qwen3-MoE's step time differed in the fifth digit. Under --per-layer such a layer graph is
 # traced at each length, as before 2026-12-07. The whole step is not (it would trace every layer at every length:
-# minutes for a full-size MoE): its rows may differ from their plan commands (the guide's Limits).
+# minutes for a full-size MoE): its rows may differ from their plan commands (the guide's "Will it fit").
 VALUE_ROUTED = ("aten.histc", "aten.bincount", "aten.nonzero", "aten.unique", "aten.masked_select")
 
 
