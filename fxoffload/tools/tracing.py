@@ -556,14 +556,15 @@ def _usage_error(error: Exception, source: Any, traceback: bool, optimizer: dict
         return impossible_budget(cause, optimizer)
     if isinstance(cause, ModelError):
         return UsageError(str(cause))
-    if source.user_code and not traceback:
-        return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: "
-                          f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
-    frame = None if traceback else transformers_frame(error)
+    if traceback:
+        return error
+    innermost = f"{one_line(list(_chain(error))[-1])} (--traceback shows where)"
+    if source.user_code:
+        return UsageError(f"{source.origin}: tracing the training step (dynamo, AOTAutograd) failed: {innermost}")
+    frame = transformers_frame(error)
     if frame is not None:
         return UsageError(f"{source.origin or source.name}: transformers' own model code fails on it "
-                          f"({Path(frame.filename).name}:{frame.lineno}, in {frame.name}): "
-                          f"{one_line(list(_chain(error))[-1])} (--traceback shows where)")
+                          f"({Path(frame.filename).name}:{frame.lineno}, in {frame.name}): {innermost}")
     return error
 
 
